@@ -1,0 +1,165 @@
+"""``vckpt``: inspect, verify and recover verified checkpoints from a shell.
+
+Exit codes (also in README and docs/CLI.md):
+    0  success
+    1  a check failed (verification found problems, a checkpoint is not restorable)
+    2  usage or input error (bad URL, missing run or step, malformed manifest, bad option)
+    3  the store could not be reached or written
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from verified_ckpt import (
+    CheckpointManager,
+    CheckpointNotRestorable,
+    CorruptCheckpoint,
+    ManifestError,
+    Status,
+    StorageError,
+    VerifiedCkptError,
+)
+
+from .output import Output, human_size, status_text
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_STORAGE = 0, 1, 2, 3
+
+
+def exit_code_for(err: BaseException) -> int:
+    if isinstance(err, ManifestError):
+        return EXIT_USAGE
+    if isinstance(err, (CorruptCheckpoint, CheckpointNotRestorable)):
+        return EXIT_CHECK_FAILED
+    if isinstance(err, StorageError):
+        return EXIT_STORAGE
+    return EXIT_USAGE
+
+
+def parse_storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; dotted keys nest (``client_kwargs.region_name=x``); values parse as JSON when they can."""
+    opts: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--storage-option")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = opts
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise click.BadParameter(f"{key!r} conflicts with an earlier option", param_hint="--storage-option")
+        node[leaf] = value
+    return opts
+
+
+def run_command(fn: Callable[..., int | None]) -> Callable[..., None]:
+    """Shared options and error handling: a library error becomes one line on stderr and an exit code."""
+
+    @click.argument("run")
+    @click.option("--storage-option", "-o", "storage_options", multiple=True, metavar="KEY=VALUE",
+                  help="fsspec storage option (repeatable); AWS_* environment variables also apply.")
+    @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+    @functools.wraps(fn)
+    def wrapper(run: str, storage_options: tuple[str, ...], as_json: bool, **kwargs: Any) -> None:
+        out = Output(as_json)
+        try:
+            mgr = CheckpointManager(run, storage_options=parse_storage_options(storage_options))
+            code = fn(mgr, out, **kwargs) or EXIT_OK
+        except VerifiedCkptError as e:
+            out.err.print(f"[red]error:[/] {e}", markup=True, highlight=False)
+            code = exit_code_for(e)
+        sys.exit(code)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="verified-ckpt")
+def main() -> None:
+    """Inspect, verify and recover verified checkpoints. RUN is any fsspec URL."""
+
+
+@main.command("list")
+@click.option("--restorable", is_flag=True, help="Only checkpoints that may be restored.")
+@run_command
+def list_cmd(mgr: CheckpointManager, out: Output, restorable: bool) -> int:
+    """List committed checkpoints, oldest first."""
+    infos = mgr.list()
+    if not infos and not mgr.exists():
+        mgr.get(0)  # raises RunNotFound with the standard message
+    if restorable:
+        infos = [i for i in infos if i.status is Status.RESTORABLE]
+    rows = [i.to_dict() for i in infos]
+
+    def human(console: Any) -> None:
+        if not rows:
+            console.print("no checkpoints" + (" are restorable" if restorable else ""))
+            return
+        console.print(out.table(f"checkpoints in {mgr.url}", ["step", "id", "status", "size", "created_at", "why"],
+                                [[r["step"], r["id"], r["status"], human_size(r["size_bytes"]), r["created_at"],
+                                  r["reasons"][0] if r["reasons"] and r["status"] != "restorable" else ""] for r in rows]))
+
+    out.emit(rows, human)
+    return EXIT_OK
+
+
+@main.command("show")
+@click.argument("step")
+@run_command
+def show_cmd(mgr: CheckpointManager, out: Output, step: str) -> int:
+    """Show a checkpoint's manifest and derived status. STEP is a step number or a checkpoint id."""
+    info = mgr.get(int(step) if step.isdigit() else step)
+    if info.manifest is None:
+        raise ManifestError(info.reasons[0])
+    m = json.loads(info.manifest.to_json())
+    data = {"manifest": m, "status": info.status.value, "reasons": info.reasons}
+
+    def human(console: Any) -> None:
+        console.print(f"[bold]{info.id}[/]  step {info.step}  status {status_text(info.status.value)}")
+        for r in info.reasons:
+            console.print(f"  reason: {r}")
+        console.print(f"  run {m['run_id']}  created {m['created_at']}  size {human_size(info.size_bytes)}")
+        console.print(f"  state fingerprint {m['state_fingerprint']}  world size {m['topology'].get('world_size')}")
+        console.print(f"  evidence: {json.dumps(m['evidence'], sort_keys=True) if m['evidence'] else 'none'}")
+        console.print(out.table(None, ["shard", "size", "blake3", "tensors"],
+                                [[s["path"], human_size(s["size"]), s["digest"][:16] + "…", len(s["tensors"])] for s in m["shards"]]))
+
+    out.emit(data, human)
+    return EXIT_OK
+
+
+@main.command("verify")
+@click.option("--step", type=int, default=None, help="Only this step (default: every checkpoint).")
+@run_command
+def verify_cmd(mgr: CheckpointManager, out: Output, step: int | None) -> int:
+    """Re-read checkpoints, recompute digests and fingerprints, and record the result."""
+    with out.progress(mgr.total_bytes(step), "verifying") as advance:
+        results = mgr.verify(step, progress=advance)
+    rows = [r.to_dict() for r in results]
+
+    def human(console: Any) -> None:
+        for r in rows:
+            mark = "[green]ok[/]" if r["ok"] else "[bold red]FAILED[/]"
+            console.print(f"{mark}  step {r['step']}  {r['id']}")
+            for p in r["problems"]:
+                console.print(f"      {p}")
+        bad = sum(not r["ok"] for r in rows)
+        console.print(f"{len(rows)} checked, {bad} failed")
+
+    out.emit(rows, human)
+    return EXIT_CHECK_FAILED if any(not r["ok"] for r in rows) else EXIT_OK
+
+
+if __name__ == "__main__":
+    main()

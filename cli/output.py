@@ -1,0 +1,79 @@
+"""One output helper for every command.
+
+Human mode prints rich tables on stdout; ``--json`` prints exactly one JSON
+document on stdout and nothing else. Logs, progress and errors go to stderr,
+so ``vckpt ... --json | jq`` always works.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from verified_ckpt import Status
+
+STATUS_STYLE = {
+    Status.RESTORABLE.value: "green",
+    Status.UNVERIFIED.value: "yellow",
+    Status.SUSPECT.value: "magenta",
+    Status.CORRUPT.value: "bold red",
+}
+
+
+class Output:
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.out = Console(highlight=False, soft_wrap=True)
+        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def emit(self, data: Any, human: Callable[[Console], None]) -> None:
+        """Print ``data`` as JSON in ``--json`` mode, else call ``human`` with the stdout console."""
+        if self.as_json:
+            sys.stdout.write(json.dumps(data, sort_keys=True) + "\n")
+            sys.stdout.flush()
+        else:
+            human(self.out)
+
+    def table(self, title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+        t = Table(title=title, show_lines=False, header_style="bold")
+        for c in columns:
+            t.add_column(c, overflow="fold")
+        for r in rows:
+            t.add_row(*[status_text(v) if c == "status" else str(v) for c, v in zip(columns, r)])
+        return t
+
+    def log(self, message: str) -> None:
+        self.err.print(message)
+
+    @contextmanager
+    def progress(self, total: int, label: str) -> Iterator[Callable[[int], None]]:
+        """A byte progress bar on a terminal's stderr; a no-op elsewhere."""
+        if not self.err.is_terminal or total <= 0:
+            yield lambda n: None
+            return
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                       TimeRemainingColumn(), console=self.err, transient=True)
+        with bar:
+            task = bar.add_task(label, total=total)
+            yield lambda n: bar.advance(task, n)
+
+
+def status_text(value: Any) -> str:
+    style = STATUS_STYLE.get(str(value))
+    return f"[{style}]{value}[/]" if style else str(value)
+
+
+def human_size(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{n} B"

@@ -1,0 +1,54 @@
+"""Small builders shared by tests: a deterministic model, optimizer and scheduler after a few steps."""
+
+from __future__ import annotations
+
+import torch
+
+from verified_ckpt import RNGState
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding and output projection tied, like real language models."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.mid = torch.nn.Linear(dim, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.out = torch.nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.emb.weight
+        self.register_buffer("counter", torch.zeros(3, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(torch.relu(self.mid(self.emb(x)))))
+
+
+def trained_state(seed: int = 0, steps: int = 3) -> dict:
+    torch.manual_seed(seed)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(steps):
+        x = torch.randint(0, 32, (4, 5))
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 32), x.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        model.counter += 1
+    return {"model": model, "optim": opt, "sched": sched, "rng": RNGState(), "data": {"position": 1234, "epoch": 2}}
+
+
+def fresh_state(seed: int = 99) -> dict:
+    torch.manual_seed(seed)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return {"model": model, "optim": opt, "sched": sched, "rng": RNGState(), "data": None}
+
+
+def flip_byte(fs, path: str, offset: int) -> None:
+    """Flip every bit of one byte of a stored object, going through fsspec directly (not the code under test)."""
+    data = bytearray(fs.cat_file(path))
+    data[offset] ^= 0xFF
+    fs.pipe_file(path, bytes(data))

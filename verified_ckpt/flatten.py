@@ -1,0 +1,146 @@
+"""Split a training state into named tensors and a JSON skeleton, and back.
+
+The state is a mapping of names to objects with ``state_dict()`` /
+``load_state_dict()`` (modules, optimizers, schedulers: the same Stateful
+convention as ``torch.distributed.checkpoint``), tensors, or plain nested
+data. Tensors go to safetensors shards; everything else goes to JSON, so
+nothing on the load path ever unpickles.
+
+JSON cannot express tuples, non-string keys or non-finite floats, all of
+which appear in real optimizer and RNG states, so those get small tagged
+objects. Tensors that alias the same memory (tied embeddings) are stored once
+and referenced by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .errors import InvalidState
+
+_TENSOR, _TUPLE, _DICT, _FLOAT = "__tensor__", "__tuple__", "__dict__", "__float__"
+
+
+def _escape(segment: str) -> str:
+    # JSON-pointer escaping keeps names unique even when keys contain "/".
+    return segment.replace("~", "~0").replace("/", "~1")
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+@dataclasses.dataclass
+class Flat:
+    """A flattened state: unique tensors by name, and the JSON skeleton."""
+
+    tensors: dict[str, torch.Tensor]
+    skeleton: dict[str, Any]
+
+    def skeleton_json(self) -> bytes:
+        return canonical_json(self.skeleton)
+
+
+def canonical_json(obj: Any) -> bytes:
+    """One byte string per value: sorted keys, no spaces, no NaN literals."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _alias_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def flatten(state: Mapping[str, Any]) -> Flat:
+    """Flatten ``state`` without copying tensor data.
+
+    Raises:
+        InvalidState: a value has a type that can be neither a tensor nor JSON.
+    """
+    if not isinstance(state, Mapping):
+        raise InvalidState(f"state must be a mapping of names to objects, got {type(state).__name__}")
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+
+    def enc(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided:
+                raise InvalidState(f"{path}: sparse tensors are not supported; call .to_dense() in state_dict()")
+            key = _alias_key(value)
+            if key in seen:
+                return {_TENSOR: seen[key]}
+            seen[key] = path
+            tensors[path] = value.detach()
+            return {_TENSOR: path}
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {_FLOAT: repr(value)}
+        if isinstance(value, (tuple, torch.Size)):
+            return {_TUPLE: [enc(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [enc(v, f"{path}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, Mapping):
+            plain = all(isinstance(k, str) and not k.startswith("__") for k in value)
+            if plain:
+                return {k: enc(v, f"{path}/{_escape(k)}") for k, v in value.items()}
+            return {_DICT: [[enc(k, f"{path}/<key>"), enc(v, f"{path}/{_escape(str(k))}")] for k, v in value.items()]}
+        raise InvalidState(
+            f"{path}: cannot store a value of type {type(value).__name__}; only tensors and "
+            "JSON-like data (dict, list, tuple, str, int, float, bool, None) are stored - convert it in state_dict()"
+        )
+
+    skeleton: dict[str, Any] = {}
+    for top, obj in state.items():
+        if not isinstance(top, str) or not top or "/" in top:
+            raise InvalidState(f"state keys must be non-empty strings without '/', got {top!r}")
+        if is_stateful(obj) and not isinstance(obj, torch.Tensor):
+            skeleton[top] = {"stateful": True, "value": enc(obj.state_dict(), top)}
+        else:
+            skeleton[top] = {"stateful": False, "value": enc(obj, top)}
+    return Flat(tensors, skeleton)
+
+
+def unflatten(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuild one skeleton value, taking tensors from ``tensors`` by name."""
+    if isinstance(value, list):
+        return [unflatten(v, tensors) for v in value]
+    if isinstance(value, dict):
+        if len(value) == 1:
+            (tag, inner), = value.items()
+            if tag == _TENSOR:
+                return tensors[inner]
+            if tag == _TUPLE:
+                return tuple(unflatten(v, tensors) for v in inner)
+            if tag == _DICT:
+                return {unflatten(k, tensors): unflatten(v, tensors) for k, v in inner}
+            if tag == _FLOAT:
+                return float(inner)
+        return {k: unflatten(v, tensors) for k, v in value.items()}
+    return value
+
+
+def tensor_refs(value: Any) -> set[str]:
+    """Every tensor name a skeleton value refers to."""
+    out: set[str] = set()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            if len(v) == 1 and _TENSOR in v:
+                out.add(v[_TENSOR])
+            else:
+                for x in v.values():
+                    walk(x)
+
+    walk(value)
+    return out

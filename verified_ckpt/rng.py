@@ -1,0 +1,46 @@
+"""A Stateful wrapper for every random number generator a training loop uses.
+
+Put ``"rng": RNGState()`` in the state you save, and restore brings back the
+torch CPU and CUDA generators, Python's ``random`` and NumPy's global
+generator, so a resumed run draws the same numbers as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class RNGState:
+    """Captures and restores torch (CPU, CUDA), Python and NumPy global RNG state."""
+
+    def state_dict(self) -> dict[str, Any]:
+        np_state = np.random.get_state()
+        out: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": {
+                "kind": np_state[0],
+                "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                "pos": int(np_state[2]),
+                "has_gauss": int(np_state[3]),
+                "cached_gaussian": float(np_state[4]),
+            },
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda"] = torch.cuda.get_rng_state_all()
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        torch.set_rng_state(sd["torch"].to(torch.uint8))
+        version, internal, gauss = sd["python"]
+        random.setstate((version, tuple(internal), gauss))
+        n = sd["numpy"]
+        np.random.set_state(
+            (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+        )
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.to(torch.uint8) for s in sd["cuda"]])

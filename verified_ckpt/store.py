@@ -1,0 +1,181 @@
+"""The only seam to fsspec: where a run's objects live and how they are written.
+
+Layout of a run at any fsspec URL::
+
+    <run>/run.json                                  run id, written once
+    <run>/checkpoints/<checkpoint-id>/<shard>.safetensors
+    <run>/checkpoints/<checkpoint-id>/manifest.json  written last: the commit
+    <run>/records/<kind>/<time>-<uuid>.json          append-only facts learnt later
+
+Object stores have no atomic rename, so nothing here renames: shards are
+written in place and the manifest, one small object written after them, is
+the commit marker. A folder without a manifest does not exist for anyone.
+Paths stay ``str`` because a run URL may be remote and ``Path`` would mangle it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+import fsspec
+
+from .errors import CheckpointNotFound, InvalidRunURL, StorageError
+from .manifest import SEGMENT
+
+MANIFEST = "manifest.json"
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
+
+
+def _plain(name: str, what: str) -> str:
+    if not isinstance(name, str) or not SEGMENT.match(name) or name in (".", ".."):
+        raise StorageError(f"{what} {name!r} is not a plain name; refusing to build a path from it")
+    return name
+
+
+class RunStore:
+    """A run's objects on one fsspec filesystem.
+
+    Args:
+        url: any fsspec URL: a local path, ``file://``, ``memory://``, ``s3://bucket/prefix``.
+        storage_options: passed to the fsspec filesystem (credentials, endpoint, ...).
+
+    Raises:
+        InvalidRunURL: the scheme is unknown or the options are rejected.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        if not isinstance(url, str) or not url.strip():
+            raise InvalidRunURL("the run URL is empty; pass a local path, file://, memory:// or s3:// URL")
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except (ValueError, ImportError, TypeError) as e:
+            scheme = url.split("://", 1)[0] if "://" in url else url
+            raise InvalidRunURL(
+                f"cannot open run URL {url!r} (scheme {scheme!r}): {str(e).splitlines()[0][:200]}; "
+                "use a local path, file://, memory:// or s3://bucket/prefix"
+            ) from None
+        self.url = url
+        self.root = root.rstrip("/") or root
+
+    # -- paths -----------------------------------------------------------
+    def _join(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def checkpoint_dir(self, cid: str) -> str:
+        return self._join("checkpoints", _plain(cid, "checkpoint id"))
+
+    def _shard_path(self, cid: str, name: str) -> str:
+        return f"{self.checkpoint_dir(cid)}/{_plain(name, 'shard path')}"
+
+    @contextlib.contextmanager
+    def _io(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except FileNotFoundError:
+            raise
+        except (OSError, RuntimeError) as e:
+            raise StorageError(f"{what} at {self.url!r} failed: {e}; check the store is reachable and writable") from e
+
+    # -- run -------------------------------------------------------------
+    def exists(self) -> bool:
+        with self._io("checking the run"):
+            return any(self.fs.exists(self._join(p)) for p in ("run.json", "checkpoints", "records"))
+
+    def run_meta(self) -> dict[str, Any] | None:
+        try:
+            with self._io("reading run.json"):
+                return json.loads(self.fs.cat_file(self._join("run.json")))
+        except FileNotFoundError:
+            return None
+        except json.JSONDecodeError:
+            return None
+
+    def write_run_meta(self, meta: dict[str, Any]) -> None:
+        with self._io("writing run.json"):
+            self.fs.makedirs(self.root, exist_ok=True)
+            self.fs.pipe_file(self._join("run.json"), json.dumps(meta, sort_keys=True).encode())
+
+    # -- checkpoints -----------------------------------------------------
+    def committed_ids(self) -> list[str]:
+        """Ids of checkpoint folders that hold a manifest (any order)."""
+        with self._io("listing checkpoints"):
+            try:
+                found = self.fs.glob(self._join("checkpoints", "*", MANIFEST))
+            except FileNotFoundError:
+                return []
+        out = []
+        for p in found:
+            cid = p.rstrip("/").split("/")[-2]
+            if SEGMENT.match(cid):
+                out.append(cid)
+        return out
+
+    def read_manifest(self, cid: str) -> bytes:
+        path = f"{self.checkpoint_dir(cid)}/{MANIFEST}"
+        try:
+            with self._io(f"reading manifest of {cid}"):
+                return self.fs.cat_file(path)
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"checkpoint {cid!r} has no manifest at {self.url!r}; run `vckpt list` to see what exists") from None
+
+    def commit_manifest(self, cid: str, data: bytes) -> None:
+        """Write the manifest: the commit point. Refuses to replace one (manifests are immutable)."""
+        path = f"{self.checkpoint_dir(cid)}/{MANIFEST}"
+        with self._io(f"committing manifest of {cid}"):
+            if self.fs.exists(path):
+                raise StorageError(f"checkpoint {cid!r} already has a manifest; manifests are immutable")
+            self.fs.pipe_file(path, data)
+
+    @contextlib.contextmanager
+    def open_shard_for_write(self, cid: str, name: str) -> Iterator[BinaryIO]:
+        path = self._shard_path(cid, name)
+        with self._io(f"writing shard {name} of {cid}"):
+            self.fs.makedirs(self.checkpoint_dir(cid), exist_ok=True)
+            with self.fs.open(path, "wb") as f:
+                yield f
+
+    @contextlib.contextmanager
+    def open_shard(self, cid: str, name: str) -> Iterator[tuple[BinaryIO, int]]:
+        """Open a shard for reading; yields (file, actual size)."""
+        path = self._shard_path(cid, name)
+        with self._io(f"reading shard {name} of {cid}"):
+            size = self.fs.size(path)
+            with self.fs.open(path, "rb") as f:
+                yield f, int(size)
+
+    def delete_checkpoint(self, cid: str) -> None:
+        """Uncommit first (manifest), then remove shards: a crash in between leaves only orphans."""
+        d = self.checkpoint_dir(cid)
+        with self._io(f"deleting {cid}"):
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(f"{d}/{MANIFEST}")
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(d, recursive=True)
+
+    # -- records ---------------------------------------------------------
+    def append_record(self, kind: str, record: dict[str, Any]) -> str:
+        """Store one immutable record; its name is unique, so nothing is ever overwritten."""
+        name = f"{utc_now().replace(':', '').replace('+', 'Z')}-{uuid.uuid4().hex[:12]}.json"
+        path = self._join("records", _plain(kind, "record kind"), name)
+        with self._io(f"writing a {kind} record"):
+            self.fs.makedirs(self._join("records", kind), exist_ok=True)
+            self.fs.pipe_file(path, json.dumps(record, sort_keys=True).encode())
+        return name
+
+    def records(self, kind: str) -> list[tuple[str, bytes]]:
+        """All records of ``kind`` as (name, raw bytes), oldest first."""
+        d = self._join("records", _plain(kind, "record kind"))
+        with self._io(f"reading {kind} records"):
+            try:
+                paths = sorted(p for p in self.fs.ls(d, detail=False) if p.endswith(".json"))
+            except FileNotFoundError:
+                return []
+            return [(p.rsplit("/", 1)[-1], self.fs.cat_file(p)) for p in paths]

@@ -91,8 +91,8 @@ def main() -> None:
 
 
 @main.command("list")
-@click.option("--restorable", is_flag=True, help="Only checkpoints that may be restored.")
 @run_command
+@click.option("--restorable", is_flag=True, help="Only checkpoints that may be restored.")
 def list_cmd(mgr: CheckpointManager, out: Output, restorable: bool) -> int:
     """List committed checkpoints, oldest first."""
     infos = mgr.list()
@@ -106,17 +106,20 @@ def list_cmd(mgr: CheckpointManager, out: Output, restorable: bool) -> int:
         if not rows:
             console.print("no checkpoints" + (" are restorable" if restorable else ""))
             return
-        console.print(out.table(f"checkpoints in {mgr.url}", ["step", "id", "status", "size", "created_at", "why"],
-                                [[r["step"], r["id"], r["status"], human_size(r["size_bytes"]), r["created_at"],
-                                  r["reasons"][0] if r["reasons"] and r["status"] != "restorable" else ""] for r in rows]))
+        console.print(out.table(f"checkpoints in {mgr.url}", ["step", "status", "size", "created_at", "id"],
+                                [[r["step"], r["status"], human_size(r["size_bytes"]), r["created_at"][:19], r["id"]]
+                                 for r in rows]))
+        for r in rows:
+            if r["status"] != "restorable" and r["reasons"]:
+                console.print(f"  {r['id']}: {r['reasons'][-1]}")
 
     out.emit(rows, human)
     return EXIT_OK
 
 
 @main.command("show")
-@click.argument("step")
 @run_command
+@click.argument("step")
 def show_cmd(mgr: CheckpointManager, out: Output, step: str) -> int:
     """Show a checkpoint's manifest and derived status. STEP is a step number or a checkpoint id."""
     info = mgr.get(int(step) if step.isdigit() else step)
@@ -140,8 +143,8 @@ def show_cmd(mgr: CheckpointManager, out: Output, step: str) -> int:
 
 
 @main.command("verify")
-@click.option("--step", type=int, default=None, help="Only this step (default: every checkpoint).")
 @run_command
+@click.option("--step", type=int, default=None, help="Only this step (default: every checkpoint).")
 def verify_cmd(mgr: CheckpointManager, out: Output, step: int | None) -> int:
     """Re-read checkpoints, recompute digests and fingerprints, and record the result."""
     with out.progress(mgr.total_bytes(step), "verifying") as advance:

@@ -466,14 +466,20 @@ class CheckpointManager:
         return sum(i.size_bytes for i in self.list() if step is None or i.step == step)
 
 
-def _own(value: Any) -> Any:
-    """Give plain restored data its own tensor memory, detached from the read buffer."""
+def _own(value: Any, memo: dict[int, Any] | None = None) -> Any:
+    """Give restored data its own tensor memory, detached from the read buffer.
+
+    Tensors that were one tensor when saved (aliases) stay one tensor.
+    """
+    memo = {} if memo is None else memo
     if isinstance(value, torch.Tensor):
-        return value.clone()
+        if id(value) not in memo:
+            memo[id(value)] = value.clone()
+        return memo[id(value)]
     if isinstance(value, list):
-        return [_own(v) for v in value]
+        return [_own(v, memo) for v in value]
     if isinstance(value, tuple):
-        return tuple(_own(v) for v in value)
+        return tuple(_own(v, memo) for v in value)
     if isinstance(value, dict):
-        return {k: _own(v) for k, v in value.items()}
+        return {k: _own(v, memo) for k, v in value.items()}
     return value

@@ -132,6 +132,7 @@ class RunStore:
         with self._io(f"committing manifest of {cid}"):
             if self.fs.exists(path):
                 raise StorageError(f"checkpoint {cid!r} already has a manifest; manifests are immutable")
+            self.fs.makedirs(self.checkpoint_dir(cid), exist_ok=True)
             self.fs.pipe_file(path, data)
 
     @contextlib.contextmanager

@@ -107,7 +107,7 @@ def list_cmd(mgr: CheckpointManager, out: Output, restorable: bool) -> int:
             console.print("no checkpoints" + (" are restorable" if restorable else ""))
             return
         console.print(out.table(f"checkpoints in {mgr.url}", ["step", "status", "size", "created_at", "id"],
-                                [[r["step"], r["status"], human_size(r["size_bytes"]), r["created_at"][:19], r["id"]]
+                                [[r["step"], r["status"], human_size(r["size_bytes"]), r["created_at"][:19].replace("T", " "), r["id"]]
                                  for r in rows]))
         for r in rows:
             if r["status"] != "restorable" and r["reasons"]:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
@@ -31,6 +32,8 @@ class Output:
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
         self.out = Console(highlight=False, soft_wrap=True)
+        if not self.out.is_terminal:
+            self.out.width = max(self.out.width, 120)  # piped output: no terminal to fit, keep rows whole
         self.err = Console(stderr=True, highlight=False, soft_wrap=True)
 
     def emit(self, data: Any, human: Callable[[Console], None]) -> None:
@@ -42,9 +45,12 @@ class Output:
             human(self.out)
 
     def table(self, title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
-        t = Table(title=title, show_lines=False, header_style="bold")
-        for c in columns:
-            t.add_column(c, overflow="fold")
+        t = Table(title=title, box=box.SIMPLE_HEAD, header_style="bold", title_justify="left")
+        for i, c in enumerate(columns):
+            # Ids are what users copy into the next command: never shorten them.
+            t.add_column(c, no_wrap=c in ("id", "status", "step", "size"), overflow="fold",
+                         min_width=max((len(str(r[i])) for r in rows), default=0) if c == "id" else None)
+
         for r in rows:
             t.add_row(*[status_text(v) if c == "status" else str(v) for c, v in zip(columns, r)])
         return t

@@ -41,7 +41,7 @@ from .manifest import (
     TensorEntry,
     VerificationResult,
 )
-from .shards import parse_header, read_into, supported, tensors_from_buffer, write_shard
+from .shards import parse_header, supported, tensors_from_buffer, write_shard
 from .store import RunStore, utc_now
 
 UNGUARDED = "saved without an SDCGuard: no cross-replica consensus or audit evidence"
@@ -300,7 +300,7 @@ class CheckpointManager:
         return self.get(step)
 
     def _refusal(self, info: CheckpointInfo, allow_unverified: bool, nothing_restorable: bool = False) -> str:
-        why = info.reasons[0] if info.reasons else "no reason recorded"
+        why = info.reasons[-1] if info.reasons else "no reason recorded"
         head = "no checkpoint is restorable; the newest, " if nothing_restorable else ""
         if info.status is Status.UNVERIFIED and not allow_unverified:
             nxt = "pass allow_unverified=True (CLI: --allow-unverified) to accept it"
@@ -344,7 +344,7 @@ class CheckpointManager:
                 with torch.no_grad():
                     target.copy_(value)
             else:
-                state[key] = _own(value)
+                state[key] = _load_into(target, value, {})
 
     def _check_after(self, state: Mapping[str, Any], m: Manifest) -> None:
         after = flatten(state).tensors
@@ -369,17 +369,17 @@ class CheckpointManager:
         def one(s: ShardEntry) -> tuple[dict[str, torch.Tensor], list[Problem]]:
             where = f"{m.checkpoint_id}/{s.path}"
             try:
-                with self._store.open_shard(m.checkpoint_id, s.path) as (f, actual):
-                    if actual != s.size:
-                        return {}, [Problem("size", f"{where} is {actual} bytes, the manifest says {s.size}")]
-                    hasher = blake3.blake3()
+                actual = self._store.shard_size(m.checkpoint_id, s.path)
+                if actual != s.size:
+                    return {}, [Problem("size", f"{where} is {actual} bytes, the manifest says {s.size}")]
+                hasher = blake3.blake3()
 
-                    def on_chunk(chunk: memoryview) -> None:
-                        hasher.update(chunk)
-                        if progress:
-                            progress(len(chunk))
+                def on_chunk(chunk: memoryview) -> None:
+                    hasher.update(chunk)
+                    if progress:
+                        progress(len(chunk))
 
-                    buf = read_into(f, s.size, on_chunk)
+                buf = self._store.read_shard(m.checkpoint_id, s.path, s.size, on_chunk)
             except FileNotFoundError:
                 return {}, [Problem("missing", f"{where} does not exist")]
             except (CorruptCheckpoint, StorageError) as e:
@@ -464,6 +464,27 @@ class CheckpointManager:
     def total_bytes(self, step: int | None = None) -> int:
         """Bytes a :meth:`verify` with the same ``step`` would read (for progress bars)."""
         return sum(i.size_bytes for i in self.list() if step is None or i.step == step)
+
+
+def _load_into(target: Any, value: Any, memo: dict[int, Any]) -> Any:
+    """Copy restored tensors into the caller's existing tensors where they fit; own copies elsewhere."""
+    if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
+        if target.shape == value.shape and target.dtype == value.dtype and id(value) not in memo:
+            with torch.no_grad():
+                target.copy_(value)
+            memo[id(value)] = target
+            return target
+        return _own(value, memo)
+    if isinstance(target, dict) and isinstance(value, dict):
+        for k in [k for k in target if k not in value]:
+            del target[k]
+        for k, v in value.items():
+            target[k] = _load_into(target.get(k), v, memo)
+        return target
+    if isinstance(target, list) and isinstance(value, list) and len(target) == len(value):
+        target[:] = [_load_into(t, v, memo) for t, v in zip(target, value)]
+        return target
+    return _own(value, memo)
 
 
 def _own(value: Any, memo: dict[int, Any] | None = None) -> Any:

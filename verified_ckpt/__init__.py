@@ -9,14 +9,17 @@ from .errors import (
     CorruptCheckpoint,
     InvalidRunURL,
     InvalidState,
+    GuardUsageError,
     ManifestError,
     RunNotFound,
+    SilentCorruptionDetected,
     StorageError,
     VerifiedCkptError,
 )
 from .fingerprint import Fingerprint, state_fingerprint, tensor_fingerprint
+from .guard import GuardConfig, SDCGuard
 from .manager import CheckpointManager
-from .manifest import CheckpointInfo, Manifest, Status, VerificationResult
+from .manifest import CheckpointInfo, Incident, Manifest, Status, VerificationResult
 from .rng import RNGState
 
 __all__ = [
@@ -26,12 +29,17 @@ __all__ = [
     "CheckpointNotRestorable",
     "CorruptCheckpoint",
     "Fingerprint",
+    "GuardConfig",
+    "GuardUsageError",
+    "Incident",
     "InvalidRunURL",
     "InvalidState",
     "Manifest",
     "ManifestError",
     "RNGState",
     "RunNotFound",
+    "SDCGuard",
+    "SilentCorruptionDetected",
     "Status",
     "StorageError",
     "VerificationResult",

@@ -6,6 +6,8 @@ milliseconds and the process-group and storage code only calls it.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -76,3 +78,118 @@ def to_delete(infos: Sequence[CheckpointInfo], keep_last: int, protect: Iterable
     cutoff = restorable[-keep_last]
     keep = set(protect)
     return [info.id for info in infos[:cutoff] if info.id not in keep]
+
+
+# ---------------------------------------------------------------- guard decisions
+
+
+def vote(values: Sequence[Any]) -> tuple[bool, Any, list[int]]:
+    """Majority vote over one value per rank.
+
+    Returns:
+        (unanimous, majority value or None, suspect ranks). Suspects are named
+        only under a strict majority (more than half) with at least 3 voters;
+        otherwise a disagreement names nobody.
+    """
+    counts = Counter(values)
+    if len(counts) <= 1:
+        return True, values[0] if values else None, []
+    value, n = counts.most_common(1)[0]
+    if len(values) >= 3 and n * 2 > len(values):
+        return False, value, [r for r, v in enumerate(values) if v != value]
+    return False, None, []
+
+
+def checksum_suspects(local: Sequence[Sequence[float]], averaged: Sequence[Sequence[float]], bound: Sequence[float]) -> list[int]:
+    """Ranks whose all-reduced bucket does not project to the mean of the local projections.
+
+    Projections are linear, so ``P(mean_i g_i) = mean_i P(g_i)`` up to rounding;
+    ``bound`` (one per lane) is derived from the data by the caller.
+    """
+    w = len(local)
+    expected = [sum(local[r][k] for r in range(w)) / w for k in range(len(bound))]
+    bad = []
+    for r in range(w):
+        for k, b in enumerate(bound):
+            d = averaged[r][k] - expected[k]
+            if not math.isfinite(d) or abs(d) > b:
+                bad.append(r)
+                break
+    return bad
+
+
+def outliers(norms: Sequence[float], factor: float) -> list[int]:
+    """Ranks whose local gradient norm is ``factor`` times above or below the median of the others.
+
+    Needs at least 3 ranks: with two, neither can be called the odd one out.
+    """
+    if len(norms) < 3:
+        return []
+    out = []
+    for r, n in enumerate(norms):
+        others = sorted(x for i, x in enumerate(norms) if i != r)
+        mid = len(others) // 2
+        med = others[mid] if len(others) % 2 else (others[mid - 1] + others[mid]) / 2
+        if med > 0 and (n > factor * med or n * factor < med):
+            out.append(r)
+    return out
+
+
+def audit_verdict(owner: Any, auditor: Any, tiebreaker: Any | None) -> tuple[str, list[str]]:
+    """Who is wrong when an owner's record and an auditor's recomputation disagree.
+
+    Returns:
+        (verdict, roles): ``("agree", [])``; ``("owner", ["owner"])`` when the
+        tiebreaker sides with the auditor; ``("auditor", ["auditor"])`` when it
+        sides with the owner; ``("undetermined", [...])`` with no tiebreaker or
+        three different answers.
+    """
+    if owner == auditor:
+        return "agree", []
+    if tiebreaker is None:
+        return "undetermined", []
+    if tiebreaker == auditor:
+        return "owner", ["owner"]
+    if tiebreaker == owner:
+        return "auditor", ["auditor"]
+    return "undetermined", ["owner", "auditor"]
+
+
+def nodes_from(group_ranks: Sequence[int | None], hosts: Sequence[str]) -> list[int]:
+    """Node id per rank: the launcher's node rank where every rank has one, else hostnames in order of appearance."""
+    if all(g is not None for g in group_ranks):
+        return [int(g) for g in group_ranks]  # type: ignore[arg-type]
+    order: dict[str, int] = {}
+    return [order.setdefault(h, len(order)) for h in hosts]
+
+
+def audit_targets(node_of: Sequence[int]) -> list[int | None]:
+    """For each auditor rank, the rank whose microbatch it recomputes.
+
+    A rank on the next node (cyclically), at the same local position, so a
+    fault confined to one node is always judged by another node; on one
+    node, the next rank. ``None`` when there is nobody else.
+    """
+    w = len(node_of)
+    if w < 2:
+        return [None] * w
+    nodes = sorted(set(node_of))
+    if len(nodes) < 2:
+        return [(r + 1) % w for r in range(w)]
+    members = {n: [r for r in range(w) if node_of[r] == n] for n in nodes}
+    out: list[int | None] = []
+    for r in range(w):
+        n = node_of[r]
+        nxt = members[nodes[(nodes.index(n) + 1) % len(nodes)]]
+        out.append(nxt[members[n].index(r) % len(nxt)])
+    return out
+
+
+def tiebreaker(owner: int, auditor: int, node_of: Sequence[int]) -> int | None:
+    """A third rank to recompute a disputed microbatch, preferably on a node of neither party."""
+    w = len(node_of)
+    others = [(owner + i) % w for i in range(1, w) if (owner + i) % w not in (owner, auditor)]
+    if not others:
+        return None
+    far = [r for r in others if node_of[r] not in (node_of[owner], node_of[auditor])]
+    return (far or others)[0]

@@ -42,3 +42,25 @@ class InvalidState(VerifiedCkptError, TypeError):
 
 class StorageError(VerifiedCkptError, OSError):
     """The store could not be read or written."""
+
+
+class SilentCorruptionDetected(VerifiedCkptError, RuntimeError):
+    """A check in the training loop failed: some replica computed or holds a wrong value.
+
+    Attributes:
+        incident: the :class:`~verified_ckpt.Incident` (kind, steps, suspect ranks and hosts).
+    """
+
+    def __init__(self, incident: object) -> None:
+        self.incident = incident
+        super().__init__(incident.summary())  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        # kind, detected_step, first_suspect_step, ranks, hosts, exclude_hosts, detail
+        if name == "incident":
+            raise AttributeError(name)
+        return getattr(self.incident, name)
+
+
+class GuardUsageError(VerifiedCkptError, RuntimeError):
+    """The guard was driven in an order it cannot check (for example step() without backward())."""

@@ -195,3 +195,37 @@ class VerificationResult:
             "kind": "verification", "checkpoint_id": self.id, "step": self.step, "ok": self.ok,
             "problems": [dataclasses.asdict(p) for p in self.problems], "at": self.verified_at,
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class Incident:
+    """A failed check: what failed, when, and which replicas are suspect.
+
+    ``first_suspect_step`` is the step after the last step at which that
+    check passed: state from that step on may carry the fault.
+    """
+
+    kind: str  # nonfinite_local | nonfinite_averaged | checksum | audit | consensus | manual
+    detected_step: int
+    first_suspect_step: int
+    ranks: list[int]
+    hosts: list[dict[str, Any]]  # {"rank", "host", "device"} for each suspect rank
+    detail: str
+    id: str = ""
+    reason: str = ""
+    to_step: int | None = None
+
+    @property
+    def exclude_hosts(self) -> list[str]:
+        """Hosts a scheduler should keep this job off."""
+        return sorted({h["host"] for h in self.hosts})
+
+    def summary(self) -> str:
+        who = ", ".join(f"rank {h['rank']} on {h['host']} ({h['device']})" for h in self.hosts) or "no replica could be named"
+        return (f"{self.kind} check failed at step {self.detected_step}: {self.detail}; suspect: {who}; "
+                f"state from step {self.first_suspect_step} on may be corrupt - roll back to an earlier checkpoint")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["exclude_hosts"] = self.exclude_hosts
+        return d

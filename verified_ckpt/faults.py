@@ -1,0 +1,135 @@
+"""Fault injection: parse ``SITE:RANK:STEP[:MODE]`` specs and corrupt tensors on cue.
+
+Sites (where a faulty GPU's wrong number enters):
+    grad       one rank's local gradient bucket, before the all-reduce
+    allreduce  one rank's averaged result, after the all-reduce
+    weights    one rank's first parameter, after the optimizer update
+    compute    one rank's forward output (also during audit recomputation on that rank)
+
+Steps: ``S`` fires during the first execution of step S only (a transient
+fault: a step replayed after a rollback runs clean); ``S-`` every step from S
+on; ``S-E`` every step from S to E inclusive (persistent faults).
+
+Modes: ``nan`` and ``inf`` set one element; ``bitflip=B`` flips bit B of one
+element's bit pattern; ``scale=F`` multiplies the whole tensor by F. "One
+element" is element 0 of the target, so injections are reproducible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+SITES = ("grad", "allreduce", "weights", "compute")
+
+_SPEC = re.compile(r"^(?P<site>[a-z]+):(?P<rank>\d+):(?P<start>\d+)(?P<dash>-(?P<end>\d+)?)?(?::(?P<mode>.+))?$")
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    site: str
+    rank: int
+    start: int
+    end: int | None  # None: open-ended (``S-``)
+    once: bool  # ``S``: fires during the first execution of step S only
+    mode: str  # nan | inf | bitflip | scale
+    arg: float = 0.0
+
+    @property
+    def spec(self) -> str:
+        steps = str(self.start) if self.once else f"{self.start}-{'' if self.end is None else self.end}"
+        mode = self.mode if self.mode in ("nan", "inf") else f"{self.mode}={self.arg:g}"
+        return f"{self.site}:{self.rank}:{steps}:{mode}"
+
+    def covers(self, step: int) -> bool:
+        if self.once:
+            return step == self.start
+        return step >= self.start and (self.end is None or step <= self.end)
+
+    def apply(self, t: torch.Tensor) -> None:
+        """Corrupt ``t`` in place."""
+        with torch.no_grad():
+            flat = t.view(-1)
+            if flat.numel() == 0:
+                return
+            if self.mode == "nan":
+                flat[0] = float("nan")
+            elif self.mode == "inf":
+                flat[0] = float("inf")
+            elif self.mode == "scale":
+                t.mul_(self.arg)
+            elif self.mode == "bitflip":
+                bits = flat[:1].view(_INT_VIEW[t.element_size()])
+                bit = int(self.arg)
+                if bit == 8 * t.element_size() - 1:  # the sign bit: xor with the minimum value
+                    bits ^= torch.iinfo(bits.dtype).min if bits.dtype != torch.uint8 else 0x80
+                else:
+                    bits ^= 1 << bit
+
+
+def parse(spec: str) -> Fault:
+    """Parse one ``SITE:RANK:STEP[:MODE]`` spec (MODE defaults to ``nan``).
+
+    Raises:
+        ValueError: with the offending part named.
+    """
+    m = _SPEC.match(spec.strip())
+    if not m:
+        raise ValueError(f"fault spec {spec!r} is not SITE:RANK:STEP[:MODE], e.g. grad:1:40:bitflip=30")
+    site = m["site"]
+    if site not in SITES:
+        raise ValueError(f"fault spec {spec!r}: unknown site {site!r}; use one of {', '.join(SITES)}")
+    start = int(m["start"])
+    end = int(m["end"]) if m["end"] else None
+    if end is not None and end < start:
+        raise ValueError(f"fault spec {spec!r}: step range ends before it starts")
+    mode_text = m["mode"] or "nan"
+    arg = 0.0
+    if mode_text in ("nan", "inf"):
+        mode = mode_text
+    else:
+        mode, sep, value = mode_text.partition("=")
+        if mode not in ("scale", "bitflip") or not sep:
+            raise ValueError(f"fault spec {spec!r}: mode must be nan, inf, scale=F or bitflip=B")
+        try:
+            arg = float(value) if mode == "scale" else int(value)
+        except ValueError:
+            raise ValueError(f"fault spec {spec!r}: {mode} needs a number, got {value!r}") from None
+        if mode == "bitflip" and not 0 <= arg < 64:
+            raise ValueError(f"fault spec {spec!r}: bit must be in 0..63")
+    return Fault(site, int(m["rank"]), start, end, once=m["dash"] is None, mode=mode, arg=arg)
+
+
+class FaultPlan:
+    """The faults of one process; asks "does anything fire here, now?"."""
+
+    def __init__(self, specs: tuple[str, ...] | list[str] = ()) -> None:
+        self.faults = [parse(s) for s in specs]
+        self._spent: set[int] = set()  # indices of once-faults whose step has run
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def firing(self, site: str, rank: int, step: int | None) -> list[Fault]:
+        if step is None:
+            return []
+        return [f for i, f in enumerate(self.faults)
+                if f.site == site and f.rank == rank and f.covers(step) and i not in self._spent]
+
+    def apply(self, site: str, rank: int, step: int | None, t: torch.Tensor) -> bool:
+        fired = self.firing(site, rank, step)
+        for f in fired:
+            f.apply(t)
+        return bool(fired)
+
+    def step_done(self, step: int) -> None:
+        """A step finished (or was abandoned): its once-faults never fire again."""
+        for i, f in enumerate(self.faults):
+            if f.once and f.start == step:
+                self._spent.add(i)
+
+    def has_site(self, site: str) -> bool:
+        return any(f.site == site for f in self.faults)

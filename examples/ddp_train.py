@@ -48,6 +48,14 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def bf16_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The same loss under bf16 autocast; audits recompute it the same way."""
+    x, y = batch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    return torch.nn.functional.mse_loss(out.float(), y)
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Deterministic DDP training guarded by SDCGuard.")
     ap.add_argument("--world-size", type=int, default=3, help="gloo processes to spawn (ignored under torchrun)")
@@ -56,6 +64,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--audit-every", type=int, default=25, help="0 disables scheduled audits")
     ap.add_argument("--accum", type=int, default=1, help="microbatches per step (no_sync for all but the last)")
     ap.add_argument("--clip", type=float, default=0.0, help="gradient clipping norm (0: off)")
+    ap.add_argument("--autocast", action="store_true", help="bf16 autocast in the forward pass")
     ap.add_argument("--inject", action="append", default=[], metavar="SITE:RANK:STEP[:MODE]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", choices=["exact", "tolerance"], default="exact")
@@ -72,7 +81,8 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.7)
     cfg = GuardConfig(consensus_every=args.consensus_every, audit_every=args.audit_every or None,
                       mode=args.mode, faults=tuple(args.inject))
-    guard = None if args.no_guard else SDCGuard(model, opt, loss_fn, cfg)
+    fn = bf16_loss_fn if args.autocast else loss_fn
+    guard = None if args.no_guard else SDCGuard(model, opt, fn, cfg)
     incidents: list[dict[str, Any]] = []
     step = 0
     for step in range(1, args.steps + 1):
@@ -81,7 +91,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
                 for m in range(args.accum):
                     ctx = model.no_sync() if m < args.accum - 1 else _null()
                     with ctx:
-                        loss_fn(model, make_batch(args.seed, step, rank, m)).backward()
+                        fn(model, make_batch(args.seed, step, rank, m)).backward()
             else:
                 for m in range(args.accum):
                     guard.backward(make_batch(args.seed, step, rank, m), step=step, sync=m == args.accum - 1)
@@ -166,13 +176,17 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ["RANK"]) == 0:
             code = report(result, args.json)
         return code
+    return report(run_spawned(args), args.json)
+
+
+def run_spawned(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``args.world_size`` gloo ranks on this machine and return rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         args.result_file = os.path.join(tmp, "result.json")
         init = f"file://{os.path.join(tmp, 'store')}"
         mp.spawn(_spawned, args=(args.world_size, init, args), nprocs=args.world_size, join=True)
         with open(args.result_file) as f:
-            result = json.load(f)
-    return report(result, args.json)
+            return json.load(f)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,117 @@
+"""Guard overhead on 3 gloo ranks: step time with per-step checks on and off, and the
+amortised cost of one consensus and one audit.
+
+    .venv/bin/python tools/bench/bench_guard.py --world-size 3 --steps 40
+
+All variants run in the same spawned job, one after another on the same model
+and data, so the ratios are measured side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from verified_ckpt import GuardConfig, SDCGuard
+
+
+def build(width: int, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 8))
+
+
+def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, 8, generator=g)) for _ in range(4)]
+    variants = {
+        "plain DDP": None,
+        "per-step checks": GuardConfig(consensus_every=10**9, audit_every=None),
+        "consensus every step": GuardConfig(consensus_every=1, audit_every=None),
+        "audit every step": GuardConfig(consensus_every=10**9, audit_every=1),
+    }
+    times: dict[str, list[float]] = {}
+    for rep in range(args.repeats):
+        for name, cfg in variants.items():
+            model = DDP(build(args.width, args.depth))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            guard = SDCGuard(model, opt, loss_fn, cfg) if cfg else None
+            for step in range(1, args.steps + 1):
+                if step == args.warmup + 1:
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                b = batches[step % 4]
+                if guard is None:
+                    loss_fn(model, b).backward()
+                    opt.step()
+                else:
+                    guard.backward(b, step=step)
+                    guard.step()
+                opt.zero_grad(set_to_none=True)
+            dist.barrier()
+            times.setdefault(name, []).append((time.perf_counter() - t0) / (args.steps - args.warmup))
+    if rank == 0:
+        params = sum(p.numel() for p in build(args.width, args.depth).parameters())
+        with open(out, "w") as f:
+            json.dump({"params": params, "step_s": {k: statistics.median(v) for k, v in times.items()}}, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=int, default=3)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", dest="json_out", default=None)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.spawn(worker, args=(args.world_size, f"file://{tmp}/store", args, out), nprocs=args.world_size)
+        with open(out) as f:
+            res = json.load(f)
+    s = res["step_s"]
+    base, checks = s["plain DDP"], s["per-step checks"]
+    ratios = {
+        "per-step checks overhead": checks / base - 1,
+        "one consensus, in steps": (s["consensus every step"] - checks) / base,
+        "one audit, in steps": (s["audit every step"] - checks) / base,
+    }
+    print(f"{args.world_size} gloo ranks, MLP {args.depth}x{args.width} ({res['params'] / 1e6:.1f} M params), "
+          f"batch {args.batch}, median of {args.repeats} x {args.steps - args.warmup} steps")
+    for k, v in s.items():
+        print(f"  {k:<22} {v * 1000:8.1f} ms/step")
+    print("  per-step checks overhead      {:6.1%}   (target <= 5%)".format(ratios["per-step checks overhead"]))
+    print("  one consensus costs           {:6.2f} steps".format(ratios["one consensus, in steps"]))
+    print("  one audit costs               {:6.2f} steps".format(ratios["one audit, in steps"]))
+    for every in (10, 100):
+        print(f"  amortised at every {every:<3}: consensus {ratios['one consensus, in steps'] / every:6.2%}, "
+              f"audit {ratios['one audit, in steps'] / every:6.2%} of step time")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"step_s": s, "ratios": ratios, "params": res["params"]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

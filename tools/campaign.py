@@ -1,0 +1,98 @@
+"""Fault-injection campaign: N random injections into the example DDP job, and a detection table.
+
+    .venv/bin/python tools/campaign.py --runs 40 --world-size 3 --steps 30 --seed 1
+
+Each run injects one fault (site, rank, step, mode drawn at random) and trains
+until the step limit or the first incident. A run counts as
+  detected     an incident names the injected rank at or after the injected step,
+  misnamed     an incident at or after the injected step names other ranks or none,
+  missed       no incident,
+  false alarm  an incident before the injected step (or any incident in a clean run).
+`docs/FAULTS.md` explains each class of miss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+import ddp_train  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+MODES = ["nan", "inf", "scale=0.5", "scale=1.001", "scale=10", "bitflip=low", "bitflip=high"]
+
+
+def draw(rng: random.Random, world: int, steps: int) -> tuple[str, str]:
+    site = rng.choice(["grad", "allreduce", "weights", "compute"])
+    mode = rng.choice(MODES)
+    if mode == "bitflip=low":
+        mode = f"bitflip={rng.randint(0, 11)}"
+    elif mode == "bitflip=high":
+        mode = f"bitflip={rng.randint(23, 30)}"
+    step = rng.randint(2, steps - 3)
+    steps_part = f"{step}-" if site == "compute" else str(step)
+    cls = f"{site}:{mode.split('=')[0] if mode.startswith('bitflip') else mode}"
+    if mode.startswith("bitflip"):
+        cls += "-low" if int(mode.split("=")[1]) < 12 else "-high"
+    return f"{site}:{rng.randrange(world)}:{steps_part}:{mode}", cls
+
+
+def judge(spec: str, result: dict) -> str:
+    rank, step = int(spec.split(":")[1]), int(spec.split(":")[2].rstrip("-"))
+    if not result["incidents"]:
+        return "missed"
+    inc = result["incidents"][0]
+    if inc["detected_step"] < step:
+        return "false alarm"
+    return "detected" if rank in inc["ranks"] else "misnamed"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=40)
+    ap.add_argument("--clean-runs", type=int, default=3)
+    ap.add_argument("--world-size", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--audit-every", type=int, default=5)
+    ap.add_argument("--consensus-every", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", dest="json_out", default=None, help="write every run's outcome to this file")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    table: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    runs = []
+    plan = [draw(rng, args.world_size, args.steps) for _ in range(args.runs)] + [(None, "clean")] * args.clean_runs
+    for i, (spec, cls) in enumerate(plan):
+        a = ddp_train.parse(["--world-size", str(args.world_size), "--steps", str(args.steps),
+                             "--audit-every", str(args.audit_every), "--consensus-every", str(args.consensus_every)]
+                            + (["--inject", spec] if spec else []))
+        result = ddp_train.run_spawned(a)
+        outcome = judge(spec, result) if spec else ("false alarm" if result["incidents"] else "clean")
+        table[cls][outcome] += 1
+        inc = result["incidents"][0] if result["incidents"] else None
+        runs.append({"spec": spec, "class": cls, "outcome": outcome, "incident": inc})
+        print(f"[{i + 1}/{len(plan)}] {spec or 'clean run'}: {outcome}"
+              + (f" ({inc['kind']} at step {inc['detected_step']}, ranks {inc['ranks']})" if inc else ""), flush=True)
+    t = Table(title=f"campaign: {args.runs} injections + {args.clean_runs} clean runs, "
+                    f"world {args.world_size}, audit every {args.audit_every}, consensus every {args.consensus_every}")
+    cols = ["detected", "misnamed", "missed", "false alarm", "clean"]
+    t.add_column("class")
+    for c in cols:
+        t.add_column(c, justify="right")
+    for cls in sorted(table):
+        t.add_row(cls, *[str(table[cls].get(c, 0)) for c in cols])
+    Console().print(t)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

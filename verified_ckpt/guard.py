@@ -101,7 +101,7 @@ class GuardConfig:
 class _Bucket:
     index: int
     sumsq: torch.Tensor  # float64 scalar
-    l1: torch.Tensor  # float64 scalar
+    numel: int
     proj: torch.Tensor  # float64[k], local bucket
     lanes: torch.Tensor  # int64[2], exact fingerprint of the local bucket
     avg_proj: torch.Tensor | None = None  # float64[k], all-reduced bucket
@@ -183,7 +183,7 @@ class SDCGuard:
         # Magnitudes in [1, 2] with random signs: no weight is near zero, so any
         # single wrong element moves every projection, and max|r| <= 2 keeps the bound tight.
         signs = torch.randint(0, 2, (_LANES, k), generator=g) * 2 - 1
-        self._proj = ((torch.rand(_LANES, k, generator=g) + 1) * signs).to(self.device)
+        self._proj64 = ((torch.rand(_LANES, k, generator=g) + 1) * signs).to(torch.float64).to(self.device)
         self._proj_max = 2.0
         self.checks: dict[str, CheckCounts] = {}
         self.incidents: list[Incident] = []
@@ -290,23 +290,31 @@ class SDCGuard:
         return None
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
+        """Seeded random projections of ``x``: 1024 contiguous block sums, then one small matvec.
+
+        Linear in ``x``, so P(mean of buckets) = mean of P(buckets) up to
+        rounding; every weight is nonzero, so any single wrong element moves
+        every lane. One memory pass (contiguous row sums run at ~bandwidth)
+        whatever the number of lanes.
+        """
         x = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        p = self._proj.to(x.dtype)
-        rows = x.numel() // _LANES
-        out = torch.zeros(p.shape[1], dtype=torch.float64, device=x.device)
-        if rows:
-            out += (x[: rows * _LANES].view(rows, _LANES) @ p).sum(0, dtype=torch.float64)
-        rem = x.numel() - rows * _LANES
+        per_block = x.numel() // _LANES
+        out = torch.zeros(self._proj64.shape[1], dtype=torch.float64, device=x.device)
+        if per_block:
+            out += x[: per_block * _LANES].view(_LANES, per_block).sum(1).to(torch.float64) @ self._proj64
+        rem = x.numel() - per_block * _LANES
         if rem:
-            out += (x[rows * _LANES:] @ p[:rem]).to(torch.float64)
+            out += x[per_block * _LANES:].to(torch.float64) @ self._proj64[:rem]
         return out
 
     def _local_stats(self, index: int, buf: torch.Tensor) -> _Bucket:
+        # Three passes over the local bucket: squared norm (outlier trigger and
+        # checksum bound), projection (checksum; NaN/Inf shows up here), exact lanes (audit).
         x = buf if buf.dtype in (torch.float32, torch.float64) else buf.float()
         return _Bucket(
             index=index,
             sumsq=torch.dot(x, x).to(torch.float64),
-            l1=torch.linalg.vector_norm(x, 1).to(torch.float64),
+            numel=buf.numel(),
             proj=self._project(x),
             lanes=tensor_lanes(buf),
         )
@@ -387,19 +395,20 @@ class SDCGuard:
         bs = sorted(self._buckets, key=lambda b: b.index)
         dev = bs[0].sumsq.device
         sumsq = torch.stack([b.sumsq for b in bs]).sum()
-        l1 = torch.stack([b.l1 for b in bs]).sum()
+        numel = sum(b.numel for b in bs)
         proj = torch.stack([b.proj for b in bs]).sum(0)
         avg = torch.stack([b.avg_proj for b in bs]).sum(0)  # type: ignore[misc]
         w = torch.tensor([2 * b.index + 1 for b in bs], dtype=torch.int64, device=dev)
         lanes = (torch.stack([b.lanes for b in bs]) * w[:, None]).sum(0)
         loss = torch.stack(self._losses).sum().to(dev)
-        floats = torch.cat([sumsq.view(1), l1.view(1), loss.view(1), proj, avg])
+        floats = torch.cat([sumsq.view(1), torch.full((1,), float(numel), dtype=torch.float64, device=dev),
+                            loss.view(1), proj, avg])
         packed = torch.cat([floats.view(torch.int64), lanes]).to(self._comm_device())
         rows = torch.stack(self._all_gather(packed)).cpu()  # the step's one device-to-host copy
         out = []
         for row in rows:
             f = row[: 3 + 2 * k].view(torch.float64).tolist()
-            out.append({"sumsq": f[0], "l1": f[1], "loss": f[2], "proj": f[3 : 3 + k], "avg_proj": f[3 + k :],
+            out.append({"sumsq": f[0], "numel": f[1], "loss": f[2], "proj": f[3 : 3 + k], "avg_proj": f[3 + k :],
                         "lanes": tuple(row[3 + 2 * k :].tolist())})
         return out
 
@@ -427,9 +436,10 @@ class SDCGuard:
         raise SilentCorruptionDetected(inc)
 
     def _check_nonfinite(self, s: int, gathered: list[dict[str, Any]]) -> None:
-        # The L1 norm is NaN/Inf exactly when an element is (short of a sum
-        # beyond 3e38); the squared norm would also overflow on huge finite values.
-        bad_local = [r for r, x in enumerate(gathered) if not math.isfinite(x["l1"])]
+        # A projection with nonzero weights is NaN/Inf exactly when an element
+        # is (short of sums beyond 3e38); the squared norm would also overflow
+        # on huge finite values, which belong to the audit.
+        bad_local = [r for r, x in enumerate(gathered) if not all(math.isfinite(v) for v in x["proj"])]
         if bad_local:
             self._fail("nonfinite_local", s, bad_local, "NaN/Inf in local gradients before the all-reduce")
         self._passed("nonfinite_local", s)
@@ -443,14 +453,17 @@ class SDCGuard:
     def checksum_bound(self, gathered: list[dict[str, Any]]) -> float:
         """Rounding bound of the all-reduce checksum, derived from the data.
 
-        Each averaged element is off by at most ~(log2 W + 2) * eps32 times the
-        mean of the local magnitudes; a projection with weights <= max|r| is
-        off by that times the mean L1 norm. ``checksum_slack`` covers the
-        fp32 accumulation of the projections themselves.
+        Each averaged element is off by at most ~(W + 2) * eps32 times the mean
+        of the local magnitudes, and the projections' own fp32 column sums add
+        ~log2(n / 1024) * eps32; with weights <= max|r| the projection is off by
+        that times the mean L1 norm, which Cauchy-Schwarz bounds by
+        sqrt(n) * ||g||_2 (so the bound never under-estimates, at the price of
+        being loose for sparse gradients). ``checksum_slack`` is a safety factor.
         """
-        mean_l1 = sum(x["l1"] for x in gathered) / len(gathered)
-        gamma = (math.log2(max(self.world, 1)) + 2) * _EPS32
-        return self.cfg.checksum_slack * gamma * self._proj_max * mean_l1 + 1e-30
+        n = max(x["numel"] for x in gathered)
+        mean_l2 = sum(math.sqrt(max(x["sumsq"], 0.0)) for x in gathered) / len(gathered)
+        gamma = (self.world + 2 + math.log2(max(n / _LANES, 2.0))) * _EPS32
+        return self.cfg.checksum_slack * gamma * self._proj_max * math.sqrt(n) * mean_l2 + 1e-30
 
     def _check_checksum(self, s: int, gathered: list[dict[str, Any]]) -> None:
         if self.world < 2:
@@ -496,7 +509,7 @@ class SDCGuard:
         tol = self.cfg.rtol
         if not math.isclose(a["loss"], b["loss"], rel_tol=tol, abs_tol=1e-12):
             return False
-        scale = max(b.get("l1", 0.0), max((abs(v) for v in b["proj"]), default=0.0), 1e-30)
+        scale = max(math.sqrt(max(b.get("sumsq", 0.0), 0.0)), max((abs(v) for v in b["proj"]), default=0.0), 1e-30)
         return all(abs(x - y) <= tol * scale for x, y in zip(a["proj"], b["proj"]))
 
     def _recompute_round(self, jobs: dict[int, int], batches: list[list[Any]]) -> dict[int, dict[str, Any]]:

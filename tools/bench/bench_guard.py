@@ -3,8 +3,8 @@ amortised cost of one consensus and one audit.
 
     .venv/bin/python tools/bench/bench_guard.py --world-size 3 --steps 40
 
-All variants run in the same spawned job, one after another on the same model
-and data, so the ratios are measured side by side.
+All variants run in the same spawned job with their own model copies, their
+steps interleaved one by one, so the ratios are measured side by side.
 """
 
 from __future__ import annotations
@@ -48,30 +48,34 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         "consensus every step": GuardConfig(consensus_every=1, audit_every=None),
         "audit every step": GuardConfig(consensus_every=10**9, audit_every=1),
     }
-    times: dict[str, list[float]] = {}
-    for rep in range(args.repeats):
-        for name, cfg in variants.items():
-            model = DDP(build(args.width, args.depth))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            guard = SDCGuard(model, opt, loss_fn, cfg) if cfg else None
-            for step in range(1, args.steps + 1):
-                if step == args.warmup + 1:
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                b = batches[step % 4]
-                if guard is None:
-                    loss_fn(model, b).backward()
-                    opt.step()
-                else:
-                    guard.backward(b, step=step)
-                    guard.step()
-                opt.zero_grad(set_to_none=True)
+    # Every variant gets its own model; steps are interleaved (one step of each
+    # variant in turn, each started behind a barrier) so drift and scheduler
+    # noise on an oversubscribed box hit all variants alike.
+    runs = {}
+    for name, cfg in variants.items():
+        model = DDP(build(args.width, args.depth))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        runs[name] = (model, opt, SDCGuard(model, opt, loss_fn, cfg) if cfg else None)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for step in range(1, args.steps + 1):
+        b = batches[step % 4]
+        for name, (model, opt, guard) in runs.items():
             dist.barrier()
-            times.setdefault(name, []).append((time.perf_counter() - t0) / (args.steps - args.warmup))
+            t0 = time.perf_counter()
+            if guard is None:
+                loss_fn(model, b).backward()
+                opt.step()
+            else:
+                guard.backward(b, step=step)
+                guard.step()
+            opt.zero_grad(set_to_none=True)
+            dist.barrier()
+            if step > args.warmup:
+                times[name].append(time.perf_counter() - t0)
     if rank == 0:
         params = sum(p.numel() for p in build(args.width, args.depth).parameters())
         with open(out, "w") as f:
-            json.dump({"params": params, "step_s": {k: statistics.median(v) for k, v in times.items()}}, f)
+            json.dump({"params": params, "step_s": {k: statistics.mean(v) for k, v in times.items()}}, f)
     dist.destroy_process_group()
 
 
@@ -83,7 +87,6 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,7 +102,7 @@ def main() -> None:
         "one audit, in steps": (s["audit every step"] - checks) / base,
     }
     print(f"{args.world_size} gloo ranks, MLP {args.depth}x{args.width} ({res['params'] / 1e6:.1f} M params), "
-          f"batch {args.batch}, median of {args.repeats} x {args.steps - args.warmup} steps")
+          f"batch {args.batch}, mean of {args.steps - args.warmup} interleaved steps")
     for k, v in s.items():
         print(f"  {k:<22} {v * 1000:8.1f} ms/step")
     print("  per-step checks overhead      {:6.1%}   (target <= 5%)".format(ratios["per-step checks overhead"]))

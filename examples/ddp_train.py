@@ -12,6 +12,7 @@ With --json the last stdout line is one JSON object:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -137,14 +138,18 @@ class _null:
 
 
 def _spawned(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
+    faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         result = train(rank, world, args)
         if rank == 0 and args.result_file:
             with open(args.result_file, "w") as f:
                 json.dump(result, f)
+        dist.barrier()  # no rank tears its process group down while another still talks to it
     finally:
         dist.destroy_process_group()
+    if args.result_file:
+        open(f"{args.result_file}.done{rank}", "w").close()
 
 
 def report(result: dict[str, Any], as_json: bool) -> int:
@@ -184,7 +189,16 @@ def run_spawned(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         args.result_file = os.path.join(tmp, "result.json")
         init = f"file://{os.path.join(tmp, 'store')}"
-        mp.spawn(_spawned, args=(args.world_size, init, args), nprocs=args.world_size, join=True)
+        try:
+            mp.spawn(_spawned, args=(args.world_size, init, args), nprocs=args.world_size, join=True)
+        except mp.ProcessExitedException as e:
+            # Rarely (about 1 run in 40 here) a gloo rank aborts with "terminate called
+            # without an active exception" *after* it finished and tore down its group.
+            # Every rank leaves a marker once its work is done: with all markers present
+            # the results are complete, and we say what happened instead of hiding it.
+            if not all(os.path.exists(f"{args.result_file}.done{r}") for r in range(args.world_size)):
+                raise
+            print(f"warning: {e} after every rank had finished; results are complete", file=sys.stderr)
         with open(args.result_file) as f:
             return json.load(f)
 

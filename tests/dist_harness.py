@@ -25,6 +25,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, init: str, out: str, a
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         payload = {"ok": True, "result": fn(rank, world, *args)}
+        dist.barrier()  # no rank tears its process group down while another still talks to it
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         payload = {"ok": False, "traceback": traceback.format_exc()}
     finally:

@@ -73,7 +73,13 @@ def main() -> None:
         a = ddp_train.parse(["--world-size", str(args.world_size), "--steps", str(args.steps),
                              "--audit-every", str(args.audit_every), "--consensus-every", str(args.consensus_every)]
                             + (["--inject", spec] if spec else []))
-        result = ddp_train.run_spawned(a)
+        try:
+            result = ddp_train.run_spawned(a)
+        except Exception as e:  # noqa: BLE001 - a crashed run is a finding, not the end of the campaign
+            table[cls]["crashed"] += 1
+            runs.append({"spec": spec, "class": cls, "outcome": "crashed", "error": str(e)[-300:]})
+            print(f"[{i + 1}/{len(plan)}] {spec or 'clean run'}: CRASHED {str(e).strip().splitlines()[-1][:200]}", flush=True)
+            continue
         outcome = judge(spec, result) if spec else ("false alarm" if result["incidents"] else "clean")
         table[cls][outcome] += 1
         inc = result["incidents"][0] if result["incidents"] else None
@@ -82,13 +88,13 @@ def main() -> None:
               + (f" ({inc['kind']} at step {inc['detected_step']}, ranks {inc['ranks']})" if inc else ""), flush=True)
     t = Table(title=f"campaign: {args.runs} injections + {args.clean_runs} clean runs, "
                     f"world {args.world_size}, audit every {args.audit_every}, consensus every {args.consensus_every}")
-    cols = ["detected", "misnamed", "missed", "false alarm", "clean"]
+    cols = ["detected", "misnamed", "missed", "false alarm", "clean", "crashed"]
     t.add_column("class")
     for c in cols:
         t.add_column(c, justify="right")
     for cls in sorted(table):
         t.add_row(cls, *[str(table[cls].get(c, 0)) for c in cols])
-    Console().print(t)
+    Console(width=160).print(t)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f, indent=1)

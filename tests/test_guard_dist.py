@@ -104,8 +104,9 @@ def test_weights_bitflip_is_always_caught_by_the_consensus_before_a_save():
     assert (got["kind"], got["ranks"], got["detected"], got["first_suspect"]) == ("consensus", [1], 4, 1)
 
 
-def test_persistent_compute_fault_is_caught_by_the_audit():
-    cfg = {"audit_every": 5, "consensus_every": 5, "faults": ("compute:1:3-:scale=1.001",)}
+@pytest.mark.parametrize("mode", ["exact", "tolerance"])
+def test_persistent_compute_fault_is_caught_by_the_audit(mode):
+    cfg = {"audit_every": 5, "consensus_every": 5, "mode": mode, "faults": ("compute:1:3-:scale=1.001",)}
     got = one(run_ranks(guarded, 3, cfg, 12))
     assert (got["kind"], got["ranks"], got["detected"]) == ("audit", [1], 5)
 

@@ -164,5 +164,93 @@ def verify_cmd(mgr: CheckpointManager, out: Output, step: int | None) -> int:
     return EXIT_CHECK_FAILED if any(not r["ok"] for r in rows) else EXIT_OK
 
 
+@main.command("flag")
+@run_command
+@click.option("--from-step", type=int, required=True, help="First suspect step.")
+@click.option("--to-step", type=int, default=None, help="Last suspect step (default: open-ended).")
+@click.option("--rank", "ranks", type=int, multiple=True, help="Suspect rank (repeatable).")
+@click.option("--reason", required=True, help="Why these steps are flagged.")
+def flag_cmd(mgr: CheckpointManager, out: Output, from_step: int, to_step: int | None, ranks: tuple[int, ...],
+             reason: str) -> int:
+    """Flag an incident by hand: checkpoints in the interval become suspect."""
+    rec = mgr.flag(from_step, to_step=to_step, ranks=ranks, reason=reason)
+    flagged = [i for i in mgr.list() if i.status is Status.SUSPECT and any(rec["id"] in r for r in i.reasons)]
+
+    def human(console: Any) -> None:
+        span = f"{from_step}..{to_step}" if to_step is not None else f"{from_step}.."
+        console.print(f"flagged steps {span} as incident {rec['id']}; {len(flagged)} checkpoint(s) now suspect")
+
+    out.emit({**_incident_row(rec), "suspect_checkpoints": [i.id for i in flagged]}, human)
+    return EXIT_OK
+
+
+def _incident_row(rec: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rec.get("id"), "kind": rec.get("kind"), "ranks": rec.get("ranks", []),
+            "hosts": sorted({h.get("host") for h in rec.get("hosts", []) if isinstance(h, dict) and h.get("host")}),
+            "first_suspect_step": rec.get("first_suspect_step"), "to_step": rec.get("to_step"),
+            "detected_step": rec.get("detected_step"), "reason": rec.get("reason") or rec.get("detail", ""),
+            "at": rec.get("at")}
+
+
+@main.command("incidents")
+@run_command
+def incidents_cmd(mgr: CheckpointManager, out: Output) -> int:
+    """List incidents and the hosts to exclude from scheduling."""
+    if not mgr.exists():
+        mgr.get(0)  # raises RunNotFound
+    rows = [_incident_row(r) for r in mgr.incidents()]
+
+    def human(console: Any) -> None:
+        if not rows:
+            console.print("no incidents")
+            return
+        console.print(out.table(f"incidents in {mgr.url}", ["id", "kind", "detected", "suspect from", "ranks", "hosts", "reason"],
+                                [[r["id"], r["kind"], r["detected_step"], r["first_suspect_step"],
+                                  ",".join(map(str, r["ranks"])) or "-", ",".join(r["hosts"]) or "-", r["reason"]] for r in rows]))
+        hosts = sorted({h for r in rows for h in r["hosts"]})
+        console.print("exclude from scheduling: " + (" ".join(hosts) if hosts else "no host could be named"))
+
+    out.emit(rows, human)
+    return EXIT_OK
+
+
+@main.command("rollback")
+@run_command
+@click.option("--dry-run", is_flag=True, help="Only choose; record nothing.")
+def rollback_cmd(mgr: CheckpointManager, out: Output, dry_run: bool) -> int:
+    """Choose the newest restorable checkpoint before every flagged interval and record the rollback."""
+    try:
+        target, skipped = mgr.record_rollback(dry_run=dry_run)
+    except CheckpointNotRestorable as e:
+        out.emit({"id": None, "step": None, "error": str(e)}, lambda c: None)
+        raise
+    data = {"id": target.id, "step": target.step, "recorded": not dry_run,
+            "skipped": [{"id": cid, "step": st, "why": why} for cid, st, why in skipped]}
+
+    def human(console: Any) -> None:
+        console.print(f"roll back to [bold]{target.id}[/] (step {target.step})"
+                      + ("" if dry_run else "; rollback recorded, checkpoints saved from now on form a new lineage"))
+        for cid, st, why in skipped:
+            console.print(f"  skipped {cid} (step {st}): {why}")
+        console.print(f"resume with restore() / --resume, or export with `vckpt restore {mgr.url} --step {target.step} --to DIR`")
+
+    out.emit(data, human)
+    return EXIT_OK
+
+
+@main.command("restore")
+@run_command
+@click.option("--step", type=int, default=None, help="Step to export (default: the rollback target).")
+@click.option("--to", "dest", required=True, type=click.Path(file_okay=False), help="Local folder to write to.")
+@click.option("--allow-unverified", is_flag=True, help="Also accept an unverified checkpoint (never suspect or corrupt).")
+def restore_cmd(mgr: CheckpointManager, out: Output, step: int | None, dest: str, allow_unverified: bool) -> int:
+    """Export a verified checkpoint (safetensors shards + manifest) to a local folder."""
+    with out.progress(mgr.total_bytes(step) if step is not None else 0, "exporting"):
+        info = mgr.export(dest, step=step, allow_unverified=allow_unverified)
+    data = {"id": info.id, "step": info.step, "status": info.status.value, "to": dest}
+    out.emit(data, lambda c: c.print(f"exported {info.id} (step {info.step}, {info.status.value}) to {dest}"))
+    return EXIT_OK
+
+
 if __name__ == "__main__":
     main()

@@ -3,10 +3,15 @@
     python examples/ddp_train.py --world-size 3 --steps 100 --inject grad:1:40:scale=10 --json
     torchrun --nproc-per-node 3 examples/ddp_train.py --steps 100 --json
 
-Exit codes: 0 clean run; 4 training stopped on a silent-corruption incident
-(the JSON line is still printed, with the hosts to exclude); 2 bad arguments.
-With --json the last stdout line is one JSON object:
-{"final_step", "fingerprint", "incidents": [{"kind", "ranks", "hosts", "first_suspect_step", "detected_step"}]}.
+    python examples/ddp_train.py --run /tmp/run --save-every 10 --audit-every 5 \
+        --inject grad:1:23:scale=10 --on-incident rollback --json
+
+Exit codes: 0 training reached --steps (incidents answered by an in-process
+rollback are still listed in the JSON); 4 training stopped on a
+silent-corruption incident (the JSON line is still printed, with the hosts to
+exclude); 2 bad arguments. With --json the last stdout line is one JSON object:
+{"final_step", "completed", "fingerprint", "incidents": [{"kind", "ranks", "hosts",
+"first_suspect_step", "detected_step"}], "rollbacks": [{"from_step", "to_step"}]}.
 """
 
 from __future__ import annotations
@@ -24,7 +29,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected, state_fingerprint
+from verified_ckpt import (
+    CheckpointManager,
+    CheckpointNotRestorable,
+    GuardConfig,
+    RNGState,
+    SDCGuard,
+    SilentCorruptionDetected,
+    state_fingerprint,
+)
 
 EXIT_OK, EXIT_USAGE, EXIT_INCIDENT = 0, 2, 4
 IN, HIDDEN, OUT, BATCH = 16, 64, 4, 32
@@ -70,9 +83,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", choices=["exact", "tolerance"], default="exact")
     ap.add_argument("--no-guard", action="store_true", help="plain DDP, for overhead comparisons")
+    ap.add_argument("--run", default=None, help="checkpoint run URL (local folder, s3://...); enables saves")
+    ap.add_argument("--save-every", type=int, default=0, help="save a verified checkpoint every K steps")
+    ap.add_argument("--resume", action="store_true", help="continue from the rollback target of --run")
+    ap.add_argument("--on-incident", choices=["stop", "rollback"], default="stop",
+                    help="stop (exit 4) or roll back in-process to the rollback target and continue")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+def _incident(e: SilentCorruptionDetected) -> dict[str, Any]:
+    inc = e.incident
+    return {"kind": inc.kind, "ranks": inc.ranks, "hosts": inc.exclude_hosts, "first_suspect_step": inc.first_suspect_step,
+            "detected_step": inc.detected_step, "detail": inc.detail}
 
 
 def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -84,9 +108,14 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
                       mode=args.mode, faults=tuple(args.inject))
     fn = bf16_loss_fn if args.autocast else loss_fn
     guard = None if args.no_guard else SDCGuard(model, opt, fn, cfg)
+    mgr = CheckpointManager(args.run, guard=guard) if args.run and guard else None
+    state = {"model": model.module, "optim": opt, "sched": sched, "rng": RNGState(), "progress": {"step": 0}}
     incidents: list[dict[str, Any]] = []
-    step = 0
-    for step in range(1, args.steps + 1):
+    rollbacks: list[dict[str, int]] = []
+    step = 1
+    if args.resume and mgr is not None:
+        step = mgr.rollback(state).step + 1
+    while step <= args.steps:
         try:
             if guard is None:
                 for m in range(args.accum):
@@ -104,28 +133,37 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
                 guard.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+            state["progress"]["step"] = step
+            if mgr is not None and args.save_every and step % args.save_every == 0:
+                mgr.save(step, state)
+            step += 1
         except SilentCorruptionDetected as e:
-            inc = e.incident
-            incidents.append({"kind": inc.kind, "ranks": inc.ranks, "hosts": inc.exclude_hosts,
-                              "first_suspect_step": inc.first_suspect_step, "detected_step": inc.detected_step,
-                              "detail": inc.detail})
-            step -= 1
+            incidents.append(_incident(e))
+            if args.on_incident == "rollback" and mgr is not None:
+                try:
+                    info = mgr.rollback(state)
+                except CheckpointNotRestorable:
+                    break
+                rollbacks.append({"from_step": step, "to_step": info.step})
+                step = info.step + 1
+                continue
             break
-    if guard is not None and not incidents:
+    completed = step > args.steps
+    if guard is not None and completed:
         try:  # the final state is checked like a save would check it
-            guard.consensus(step)
+            guard.consensus(args.steps)
         except SilentCorruptionDetected as e:
-            inc = e.incident
-            incidents.append({"kind": inc.kind, "ranks": inc.ranks, "hosts": inc.exclude_hosts,
-                              "first_suspect_step": inc.first_suspect_step, "detected_step": inc.detected_step,
-                              "detail": inc.detail})
+            incidents.append(_incident(e))
+            completed = False
     return {
-        "final_step": step,
+        "final_step": step - 1,
+        "completed": completed,
         "fingerprint": str(state_fingerprint({"model": model.module})),
         "incidents": incidents,
+        "rollbacks": rollbacks,
         "audit_pairs": {str(a): t for a, t in enumerate(guard.targets)} if guard else {},
         "nodes": guard.node_of if guard else [],
-        "checks": {k: {"passed": c.passed, "failed": c.failed, "last_pass": c.last_pass} for k, c in guard.checks.items()} if guard else {},
+        "checks": guard.counters() if guard else {},
     }
 
 
@@ -157,11 +195,13 @@ def report(result: dict[str, Any], as_json: bool) -> int:
         print(json.dumps(result, sort_keys=True))
     else:
         print(f"trained to step {result['final_step']}; weights fingerprint {result['fingerprint']}")
+        for rb in result.get("rollbacks", []):
+            print(f"rolled back at step {rb['from_step']} to the checkpoint of step {rb['to_step']}")
         for inc in result["incidents"]:
             print(f"INCIDENT {inc['kind']} at step {inc['detected_step']}: suspect ranks {inc['ranks']} "
                   f"(exclude hosts: {', '.join(inc['hosts']) or 'none named'}); "
                   f"suspect from step {inc['first_suspect_step']}")
-    return EXIT_INCIDENT if result["incidents"] else EXIT_OK
+    return EXIT_OK if result["completed"] else EXIT_INCIDENT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             result = train(dist.get_rank(), dist.get_world_size(), args)
         finally:
             dist.destroy_process_group()
-        code = EXIT_INCIDENT if result["incidents"] else EXIT_OK
+        code = EXIT_OK if result["completed"] else EXIT_INCIDENT
         if int(os.environ["RANK"]) == 0:
             code = report(result, args.json)
         return code

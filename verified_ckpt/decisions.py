@@ -193,3 +193,68 @@ def tiebreaker(owner: int, auditor: int, node_of: Sequence[int]) -> int | None:
         return None
     far = [r for r in others if node_of[r] not in (node_of[owner], node_of[auditor])]
     return (far or others)[0]
+
+
+# ------------------------------------------------------- saves, incidents, rollback
+def save_status(
+    world: int, failed_since_previous: dict[str, int], audits_enabled: bool, audits_since_restorable: int
+) -> tuple[Status, list[str]]:
+    """The status a guarded save commits with (the consensus already agreed, or the save raised).
+
+    Args:
+        world: replicas that took part in the consensus.
+        failed_since_previous: failures per check kind since the previous checkpoint.
+        audits_enabled: whether recompute audits are scheduled.
+        audits_since_restorable: audits passed since the previous restorable checkpoint.
+    """
+    failed = {k: n for k, n in failed_since_previous.items() if n}
+    if failed:
+        return Status.SUSPECT, ["checks failed since the previous checkpoint: "
+                                + ", ".join(f"{k} x{n}" for k, n in sorted(failed.items()))]
+    if world < 2:
+        return Status.UNVERIFIED, ["a single replica: no cross-replica consensus or audit is possible"]
+    if audits_enabled and audits_since_restorable < 1:
+        return Status.UNVERIFIED, ["no recompute audit has passed since the previous restorable checkpoint"]
+    return Status.RESTORABLE, []
+
+
+def answered_at(incident: dict[str, Any], rollbacks: Sequence[dict[str, Any]]) -> str | None:
+    """When the first rollback after ``incident`` happened (ISO time), or None while unanswered."""
+    times = sorted(r["at"] for r in rollbacks if r.get("at", "") > incident.get("at", ""))
+    return times[0] if times else None
+
+
+def incident_reasons(step: int, created_at: str, incidents: Sequence[dict[str, Any]],
+                     rollbacks: Sequence[dict[str, Any]]) -> list[str]:
+    """Why a checkpoint is suspect: its step lies in a flagged interval and it was written
+    before the rollback that answered that incident (later checkpoints are a new lineage)."""
+    out = []
+    for inc in incidents:
+        lo, hi = inc["first_suspect_step"], inc.get("to_step")
+        if step < lo or (hi is not None and step > hi):
+            continue
+        answered = answered_at(inc, rollbacks)
+        if answered is not None and created_at > answered:
+            continue
+        span = f"{lo}..{hi}" if hi is not None else f"{lo}.."
+        out.append(f"step {step} lies in flagged interval {span} of incident {inc.get('id', '?')} "
+                   f"({inc.get('kind')}: {inc.get('reason') or inc.get('detail', '')})".rstrip())
+    return out
+
+
+def rollback_target(infos: Sequence[CheckpointInfo]) -> tuple[CheckpointInfo | None, list[tuple[str, int, str]]]:
+    """The newest restorable checkpoint, and why each newer one was skipped.
+
+    Statuses already carry the flagged intervals (``incident_reasons``), so the
+    newest restorable checkpoint predates every interval on the current lineage.
+
+    Returns:
+        (target or None, [(id, step, why skipped)] newest first).
+    """
+    skipped = []
+    for info in reversed(infos):
+        if info.status is Status.RESTORABLE:
+            return info, skipped
+        why = info.reasons[-1] if info.reasons else info.status.value
+        skipped.append((info.id, info.step, f"{info.status.value}: {why}"))
+    return None, skipped

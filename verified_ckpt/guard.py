@@ -65,6 +65,11 @@ class GuardConfig:
         checksum_slack: safety factor on the rounding bound of the checksum.
         outlier_factor: a rank whose gradient norm is this many times above or below
             the median of the others is audited at once.
+        fixed_order_reduce: average gradients by all-gather and a sum in rank order instead of
+            the backend's all-reduce, so the result does not depend on DDP's bucket layout (which
+            DDP rebuilds after the first iteration: a process resumed from a checkpoint would
+            otherwise reduce its first step in a different floating-point order than the run it
+            continues). ``None``: on in exact mode with 3 or more ranks (with 2, a + b = b + a).
         seed: seed of the checksum projections (identical on every rank).
         faults: fault-injection specs ``SITE:RANK:STEP[:MODE]`` (testing only).
     """
@@ -76,6 +81,7 @@ class GuardConfig:
     checksum_lanes: int = 2
     checksum_slack: float = 16.0
     outlier_factor: float = 4.0
+    fixed_order_reduce: bool | None = None
     seed: int = 0
     faults: tuple[str, ...] = ()
 
@@ -187,6 +193,9 @@ class SDCGuard:
         self._proj_max = 2.0
         self.checks: dict[str, CheckCounts] = {}
         self.incidents: list[Incident] = []
+        self._listeners: list[Callable[[Incident], None]] = []
+        fixed = self.cfg.fixed_order_reduce
+        self.fixed_order = (self.cfg.mode == "exact" and self.world >= 3) if fixed is None else bool(fixed)
         self._audit_requested = False
         self._step: int | None = None
         self._start: int | None = None
@@ -235,6 +244,21 @@ class SDCGuard:
         out = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(out, t.contiguous(), group=self.pg)
         return out
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's byte string, on every rank (two all-gathers; no pickle)."""
+        if self.world == 1 or not self.distributed:
+            return [data]
+        dev = self._comm_device()
+        sizes = [int(t.item()) for t in self._all_gather(torch.tensor([len(data)], dtype=torch.int64, device=dev))]
+        buf = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+        if data:
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(self._all_gather(buf), sizes)]
+
+    def barrier(self) -> None:
+        if self.distributed and self.world > 1:
+            dist.barrier(group=self.pg)
 
     def host_of(self, rank: int) -> dict[str, Any]:
         t = self.topology[rank]
@@ -326,11 +350,23 @@ class SDCGuard:
         if index == 0:
             self.faults.apply("grad", self.rank, self._step, buf)
         stats = self._local_stats(index, buf)
-        buf.div_(self.world)
-        fut = dist.all_reduce(buf, group=self.pg, async_op=True).get_future()
+        if self.fixed_order:
+            parts = [torch.empty_like(buf) for _ in range(self.world)]
+            fut = dist.all_gather(parts, buf, group=self.pg, async_op=True).get_future()
+        else:
+            buf.div_(self.world)
+            fut = dist.all_reduce(buf, group=self.pg, async_op=True).get_future()
 
         def averaged(f: torch.futures.Future) -> torch.Tensor:
-            out = f.value()[0]
+            if self.fixed_order:
+                # Element-wise sum in rank order: independent of bucket boundaries.
+                out = buf
+                out.copy_(parts[0])
+                for p in parts[1:]:
+                    out.add_(p)
+                out.div_(self.world)
+            else:
+                out = f.value()[0]
             if index == 0:
                 self.faults.apply("allreduce", self.rank, self._step, out)
             stats.avg_proj = self._project(out)
@@ -433,7 +469,21 @@ class SDCGuard:
             ranks=sorted(ranks), hosts=[self.host_of(r) for r in sorted(ranks)], detail=detail,
         )
         self.incidents.append(inc)
+        for listener in self._listeners:
+            listener(inc)
         raise SilentCorruptionDetected(inc)
+
+    def add_incident_listener(self, fn: Callable[[Incident], None]) -> None:
+        """Call ``fn(incident)`` on every rank whenever a check fails (before raising)."""
+        self._listeners.append(fn)
+
+    def counters(self) -> dict[str, dict[str, Any]]:
+        """A snapshot of every check's pass/fail counts and last passing step."""
+        return {k: {"passed": c.passed, "failed": c.failed, "last_pass": c.last_pass} for k, c in self.checks.items()}
+
+    @property
+    def audits_enabled(self) -> bool:
+        return self.cfg.audit_every is not None and self.world >= 2
 
     def _check_nonfinite(self, s: int, gathered: list[dict[str, Any]]) -> None:
         # A projection with nonzero weights is NaN/Inf exactly when an element

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
+import os
 import socket
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import blake3
@@ -30,10 +32,12 @@ from .errors import (
     StorageError,
     VerifiedCkptError,
 )
-from .fingerprint import combine, dtype_name, lanes_of
+from .fingerprint import Fingerprint, combine, dtype_name, lanes_of
+from .guard import SDCGuard
 from .flatten import flatten, is_stateful, tensor_refs, unflatten
 from .manifest import (
     CheckpointInfo,
+    Incident,
     Manifest,
     Problem,
     ShardEntry,
@@ -75,6 +79,10 @@ class CheckpointManager:
         keep_last: keep the N newest restorable checkpoints (and anything newer); ``None`` keeps all.
         shard_bytes: target size of one shard file.
         io_workers: shards written or read at the same time.
+        guard: the job's :class:`SDCGuard`. Then every rank calls :meth:`save`; the
+            consensus runs first, each rank writes about 1/W of the shards, rank 0
+            commits the manifest with the verification evidence, and guard
+            incidents are recorded under the run.
 
     Raises:
         InvalidRunURL: the URL cannot be opened.
@@ -88,6 +96,7 @@ class CheckpointManager:
         keep_last: int | None = None,
         shard_bytes: int = 256 << 20,
         io_workers: int = 4,
+        guard: SDCGuard | None = None,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
@@ -100,6 +109,13 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.shard_bytes = shard_bytes
         self.io_workers = io_workers
+        self.guard = guard
+        self.rank = guard.rank if guard is not None else 0
+        self.world = guard.world if guard is not None else 1
+        self.resumed_from: str | None = None
+        if guard is not None:
+            guard.add_incident_listener(self._record_incident)
+            self._reset_evidence()
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any]) -> CheckpointInfo:
@@ -123,14 +139,70 @@ class CheckpointManager:
         for name, t in flat.tensors.items():
             if not supported(t.dtype):
                 raise InvalidState(f"{name}: dtype {t.dtype} cannot be stored in safetensors; convert it in state_dict()")
-        run_id = self._run_id()
+        if self.guard is not None:
+            return self._save_guarded(step, flat)
         cid = _checkpoint_id(step)
-        manifest = self._write(run_id, cid, step, flat, status=Status.UNVERIFIED, reasons=[UNGUARDED], evidence={})
+        plan = self._plan_shards(flat.tensors)
+        entries, fps = self._write_shards(cid, plan, range(len(plan)))
+        manifest = self._manifest(self._run_id(), cid, step, flat, entries, fps, Status.UNVERIFIED, [UNGUARDED], {},
+                                  {"world_size": 1, "ranks": [{"rank": 0, "host": socket.gethostname(),
+                                                               "device": _device_name(flat.tensors)}]})
         self._store.commit_manifest(cid, manifest.to_json())
-        info = self._info(manifest, [])
         if self.keep_last is not None:
             self._apply_retention()
-        return info
+        return self._info(manifest, [])
+
+    def _reset_evidence(self) -> None:
+        assert self.guard is not None
+        self._baseline = self.guard.counters()
+        self._audits_at_restorable = self._baseline.get("audit", {}).get("passed", 0)
+
+    def _save_guarded(self, step: int, flat: Any) -> CheckpointInfo:
+        """Consensus, then a parallel write (rank r writes shards r, r+W, ...), then rank 0 commits."""
+        g = self.guard
+        assert g is not None
+        fingerprints = g.consensus(step)  # raises on disagreement: nothing is written
+        now = g.counters()
+
+        def delta(kind: str, field: str) -> int:
+            return now.get(kind, {}).get(field, 0) - self._baseline.get(kind, {}).get(field, 0)
+
+        audits = now.get("audit", {}).get("passed", 0) - self._audits_at_restorable
+        status, reasons = decisions.save_status(
+            g.world, {k: delta(k, "failed") for k in now}, g.audits_enabled, audits)
+        evidence = {
+            "consensus": {"step": step, "unanimous": bool(fingerprints), "replicas": len(fingerprints),
+                          "fingerprints": {str(r): fp for r, fp in enumerate(fingerprints)}},
+            "checks_since_previous": {k: {"passed": delta(k, "passed"), "failed": delta(k, "failed"),
+                                          "last_pass": now[k]["last_pass"]} for k in sorted(now)},
+            "audits_enabled": g.audits_enabled,
+            "audits_since_restorable": audits,
+        }
+        topology = {"world_size": g.world, "ranks": [g.host_of(r) for r in range(g.world)]}
+        cid = g.gather_bytes(_checkpoint_id(step).encode() if self.rank == 0 else b"")[0].decode()
+        plan = self._plan_shards(flat.tensors)
+        entries, fps = self._write_shards(cid, plan, range(self.rank, len(plan), self.world))
+        mine = json.dumps({"shards": [dataclasses.asdict(e) for e in entries],
+                           "fps": {n: str(fp) for n, fp in fps.items()}}).encode()
+        reports = [json.loads(b) for b in g.gather_bytes(mine)]
+        manifest_bytes = b""
+        if self.rank == 0:
+            all_entries = sorted((ShardEntry(**e) for r in reports for e in r["shards"]), key=lambda e: e.path)
+            all_fps = {n: Fingerprint.from_hex(fp) for r in reports for n, fp in r["fps"].items()}
+            manifest = self._manifest(self._run_id(), cid, step, flat, all_entries, all_fps, status, reasons,
+                                      evidence, topology)
+            manifest_bytes = manifest.to_json()
+            self._store.commit_manifest(cid, manifest_bytes)
+        # Every rank returns only after the commit, with the same manifest in hand.
+        manifest_bytes = g.gather_bytes(manifest_bytes)[0]
+        manifest = Manifest.from_json(manifest_bytes, where=cid)
+        self._baseline = now
+        if status is Status.RESTORABLE:
+            self._audits_at_restorable = now.get("audit", {}).get("passed", 0)
+        if self.rank == 0 and self.keep_last is not None:
+            self._apply_retention()
+        g.barrier()
+        return self._info(manifest, [])
 
     def _run_id(self) -> str:
         meta = self._store.run_meta()
@@ -152,12 +224,12 @@ class CheckpointManager:
             filled += n
         return shards
 
-    def _write(
-        self, run_id: str, cid: str, step: int, flat: Any, *, status: Status, reasons: list[str], evidence: dict
-    ) -> Manifest:
-        names = list(flat.tensors)
-        fps = dict(zip(names, lanes_of([flat.tensors[n] for n in names])))
-        plan = self._plan_shards(flat.tensors)
+    def _write_shards(
+        self, cid: str, plan: list[dict[str, torch.Tensor]], indices: Any
+    ) -> tuple[list[ShardEntry], dict[str, Fingerprint]]:
+        indices = list(indices)
+        names = [n for i in indices for n in plan[i]]
+        fps = dict(zip(names, lanes_of([plan[i][n] for i in indices for n in plan[i]])))
 
         def one(i: int) -> ShardEntry:
             path = f"shard-{i:05d}.safetensors"
@@ -166,19 +238,22 @@ class CheckpointManager:
             return ShardEntry(path, size, digest, sorted(plan[i]))
 
         with concurrent.futures.ThreadPoolExecutor(self.io_workers, thread_name_prefix="vckpt-io") as pool:
-            shard_entries = list(pool.map(one, range(len(plan))))
+            return list(pool.map(one, indices)), fps
+
+    def _manifest(
+        self, run_id: str, cid: str, step: int, flat: Any, shard_entries: list[ShardEntry],
+        fps: dict[str, Fingerprint], status: Status, reasons: list[str], evidence: dict, topology: dict,
+    ) -> Manifest:
         tensors = {}
         for s in shard_entries:
             for n in s.tensors:
                 t = flat.tensors[n]
                 tensors[n] = TensorEntry(dtype_name(t.dtype), list(t.shape), s.path, str(fps[n]))
         state_fp = combine([(n, e.dtype, e.shape, fps[n]) for n, e in tensors.items()], flat.skeleton_json())
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        topology = {"world_size": world, "ranks": [{"rank": 0, "host": socket.gethostname(), "device": _device_name(flat.tensors)}]}
         return Manifest(
             run_id=run_id, checkpoint_id=cid, step=step, created_at=utc_now(), topology=topology,
             shards=shard_entries, tensors=tensors, state_fingerprint=str(state_fp), state=flat.skeleton,
-            evidence=evidence, status=status, reasons=reasons,
+            evidence=evidence, status=status, reasons=reasons, resumed_from=self.resumed_from,
         )
 
     def _apply_retention(self) -> None:
@@ -197,10 +272,9 @@ class CheckpointManager:
         """Every committed checkpoint, oldest first, with its derived status."""
         ids = self._store.committed_ids()
         verifications: dict[str, list[dict]] = {}
-        for _, raw in self._store.records("verification"):
-            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-                rec = json.loads(raw)
-                verifications.setdefault(str(rec.get("checkpoint_id")), []).append(rec)
+        for rec in self._records("verification"):
+            verifications.setdefault(str(rec.get("checkpoint_id")), []).append(rec)
+        incidents, rollbacks = self.incidents(), self._records("rollback")
 
         def load(cid: str) -> CheckpointInfo:
             try:
@@ -210,14 +284,121 @@ class CheckpointManager:
             if m.checkpoint_id != cid:
                 return CheckpointInfo(cid, m.step, Status.CORRUPT, m.created_at, m.size_bytes,
                                       [f"manifest names checkpoint {m.checkpoint_id!r} but lives in folder {cid!r}"], m)
-            return self._info(m, verifications.get(cid, []))
+            return self._info(m, verifications.get(cid, []), incidents, rollbacks)
 
         with concurrent.futures.ThreadPoolExecutor(self.io_workers) as pool:
             infos = list(pool.map(load, ids))
         return sorted(infos, key=lambda i: (i.created_at, i.step, i.id))
 
-    def _info(self, m: Manifest, verifications: list[dict]) -> CheckpointInfo:
+    def _records(self, kind: str) -> list[dict[str, Any]]:
+        out = []
+        for _, raw in self._store.records(kind):
+            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
+                rec = json.loads(raw)
+                if isinstance(rec, dict):
+                    out.append(rec)
+        return out
+
+    # ------------------------------------------------------------- incidents
+    def incidents(self) -> list[dict[str, Any]]:
+        """Every incident recorded under the run (by the guard or by hand), oldest first."""
+        out = []
+        for rec in self._records("incident"):
+            if isinstance(rec.get("first_suspect_step"), int) and isinstance(rec.get("id"), str):
+                out.append(rec)
+        return sorted(out, key=lambda r: r.get("at", ""))
+
+    def _record_incident(self, inc: Incident) -> None:
+        if self.rank != 0:
+            return
+        rec = {**inc.to_dict(), "id": uuid.uuid4().hex[:12], "at": utc_now(), "source": "guard"}
+        with contextlib.suppress(StorageError):  # the exception the guard raises next matters more
+            self._store.append_record("incident", rec)
+
+    def flag(self, from_step: int, *, to_step: int | None = None, ranks: Sequence[int] = (), reason: str) -> dict[str, Any]:
+        """Record an incident by hand: checkpoints in [from_step, to_step] become suspect.
+
+        Raises:
+            InvalidState: the interval or ranks are malformed.
+        """
+        if not isinstance(from_step, int) or from_step < 0:
+            raise InvalidState(f"--from-step must be an int >= 0, got {from_step!r}")
+        if to_step is not None and to_step < from_step:
+            raise InvalidState(f"--to-step {to_step} is before --from-step {from_step}; give an interval in order")
+        if not reason or not reason.strip():
+            raise InvalidState("a reason is required: say why these steps are flagged (--reason TEXT)")
+        self._require_run()
+        infos = self.list()
+        topo = next((i.manifest.topology for i in reversed(infos) if i.manifest), {"ranks": []})
+        by_rank = {r.get("rank"): r for r in topo.get("ranks", []) if isinstance(r, dict)}
+        hosts = [by_rank.get(r, {"rank": r, "host": "unknown", "device": "unknown"}) for r in ranks]
+        rec = {"id": uuid.uuid4().hex[:12], "kind": "manual", "source": "manual", "at": utc_now(),
+               "first_suspect_step": from_step, "to_step": to_step, "detected_step": from_step,
+               "ranks": sorted(ranks), "hosts": hosts, "detail": reason.strip(), "reason": reason.strip()}
+        self._store.append_record("incident", rec)
+        return rec
+
+    def rollback_target(self) -> tuple[CheckpointInfo | None, list[tuple[str, int, str]]]:
+        """The newest restorable checkpoint predating every flagged interval on the current lineage,
+        and why each newer checkpoint was skipped (newest first)."""
+        return decisions.rollback_target(self.list())
+
+    def record_rollback(self, *, dry_run: bool = False) -> tuple[CheckpointInfo, list[tuple[str, int, str]]]:
+        """Choose the rollback target and record the rollback, answering every open incident.
+
+        Checkpoints saved after this record form a new lineage. ``vckpt rollback``
+        calls this; a training job then resumes with :meth:`rollback` or :meth:`restore`.
+
+        Returns:
+            (target, skipped newer checkpoints with reasons).
+
+        Raises:
+            CheckpointNotRestorable: nothing is restorable.
+        """
+        target, skipped = self.rollback_target()
+        if target is None:
+            self._require_run()
+            why = "; ".join(f"{cid} (step {st}) {w}" for cid, st, w in skipped[:3]) or "the run has no checkpoint"
+            raise CheckpointNotRestorable(f"no restorable checkpoint to roll back to in {self.url}: {why}")
+        if not dry_run:
+            rollbacks = self._records("rollback")
+            open_ids = [i["id"] for i in self.incidents() if decisions.answered_at(i, rollbacks) is None]
+            if open_ids:
+                self._store.append_record("rollback", {"at": utc_now(), "to_checkpoint_id": target.id,
+                                                       "to_step": target.step, "answers": open_ids})
+        return target, skipped
+
+    def rollback(self, state: Mapping[str, Any]) -> CheckpointInfo:
+        """Roll back: restore the rollback target into ``state`` and start a new lineage.
+
+        Call it on every rank of a guarded job (rank 0 chooses, everyone
+        restores the same checkpoint). Incidents not yet answered are answered
+        by a rollback record; checkpoints saved afterwards are valid even at
+        step numbers already used, while the abandoned ones stay suspect.
+
+        Raises:
+            CheckpointNotRestorable: nothing is restorable.
+        """
+        chosen = ""
+        if self.rank == 0:
+            with contextlib.suppress(VerifiedCkptError):  # re-raised below on every rank alike
+                chosen = self.record_rollback()[0].id
+        if self.guard is not None:
+            chosen = self.guard.gather_bytes(chosen.encode() if self.rank == 0 else b"")[0].decode()
+        if not chosen:
+            self.record_rollback(dry_run=True)  # raises the explanation on every rank
+        info = self.restore(state, checkpoint_id=chosen)
+        if self.guard is not None:
+            self.guard.barrier()
+        return info
+
+    def _info(self, m: Manifest, verifications: list[dict], incidents: Sequence[dict] = (),
+              rollbacks: Sequence[dict] = ()) -> CheckpointInfo:
+        """Derived status: the manifest's, worsened by verification records and flagged intervals."""
         status, reasons = decisions.derive_status(m.status, m.reasons, verifications)
+        flagged = decisions.incident_reasons(m.step, m.created_at, incidents, rollbacks)
+        if flagged:
+            status, reasons = decisions.worst(status, Status.SUSPECT), reasons + flagged
         return CheckpointInfo(m.checkpoint_id, m.step, status, m.created_at, m.size_bytes, reasons, m)
 
     def get(self, ref: int | str) -> CheckpointInfo:
@@ -245,7 +426,10 @@ class CheckpointManager:
             raise RunNotFound(f"no run at {self.url}: nothing is stored there; check the URL or save a checkpoint first")
 
     # --------------------------------------------------------------- restore
-    def restore(self, state: Mapping[str, Any], *, step: int | None = None, allow_unverified: bool = False) -> CheckpointInfo:
+    def restore(
+        self, state: Mapping[str, Any], *, step: int | None = None, checkpoint_id: str | None = None,
+        allow_unverified: bool = False,
+    ) -> CheckpointInfo:
         """Load a verified checkpoint into ``state`` in place.
 
         Every shard digest and tensor fingerprint is checked before anything
@@ -255,7 +439,9 @@ class CheckpointManager:
             state: the same kind of mapping given to :meth:`save`; stateful
                 objects get ``load_state_dict``, tensors are copied into, plain
                 values are replaced in the mapping.
-            step: which step; ``None`` means the newest restorable checkpoint.
+            step: which step; ``None`` means the rollback target (the newest restorable
+                checkpoint, which predates every flagged interval on the current lineage).
+            checkpoint_id: a checkpoint by id instead of by step.
             allow_unverified: also accept an ``unverified`` checkpoint (never a
                 ``suspect`` or ``corrupt`` one).
 
@@ -269,7 +455,7 @@ class CheckpointManager:
             InvalidState: ``state`` does not fit the checkpoint.
         """
         allowed = {Status.RESTORABLE} | ({Status.UNVERIFIED} if allow_unverified else set())
-        info = self._select(step, allowed)
+        info = self.get(checkpoint_id) if checkpoint_id is not None else self._select(step, allowed)
         if info.status not in allowed:
             raise CheckpointNotRestorable(self._refusal(info, allow_unverified))
         m = info.manifest
@@ -284,6 +470,9 @@ class CheckpointManager:
             )
         self._apply(state, m, loaded)
         self._check_after(state, m)
+        self.resumed_from = m.checkpoint_id
+        if self.guard is not None:
+            self._reset_evidence()
         return info
 
     def _select(self, step: int | None, allowed: set[Status]) -> CheckpointInfo:
@@ -360,6 +549,7 @@ class CheckpointManager:
     def _read_checked(
         self, m: Manifest, *, names: set[str] | None, scan_nonfinite: bool, fail_fast: bool,
         progress: Callable[[int], None] | None = None,
+        on_verified: Callable[[ShardEntry, torch.Tensor], None] | None = None,
     ) -> tuple[dict[str, torch.Tensor], list[Problem]]:
         """Read shards, checking size, digest, header and fingerprints; return tensors and problems."""
         shards = [s for s in m.shards if names is None or names & set(s.tensors)]
@@ -410,6 +600,8 @@ class CheckpointManager:
                 if floats:
                     ok = torch.stack([torch.isfinite(tensors[n]).all() for n in floats]).tolist()
                     probs += [Problem("nonfinite", f"{where}: {n} holds NaN or Inf") for n, good in zip(floats, ok) if not good]
+            if on_verified is not None and not probs:
+                on_verified(s, buf)
             return tensors, probs
 
         loaded: dict[str, torch.Tensor] = {}
@@ -424,6 +616,44 @@ class CheckpointManager:
                         other.cancel()
                     break
         return loaded, problems
+
+    def export(self, dest: str, *, step: int | None = None, allow_unverified: bool = False) -> CheckpointInfo:
+        """Copy a verified checkpoint (safetensors shards and manifest) into the local folder ``dest``.
+
+        The same refusals as :meth:`restore`; every shard is verified before
+        it is written, and the manifest is written last.
+
+        Raises:
+            InvalidState: ``dest`` exists and is not an empty folder.
+        """
+        allowed = {Status.RESTORABLE} | ({Status.UNVERIFIED} if allow_unverified else set())
+        info = self._select(step, allowed)
+        if info.status not in allowed:
+            raise CheckpointNotRestorable(self._refusal(info, allow_unverified))
+        m = info.manifest
+        assert m is not None
+        if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
+            raise InvalidState(f"{dest} exists and is not an empty folder; choose a new folder for --to")
+        os.makedirs(dest, exist_ok=True)
+
+        written: list[str] = []
+
+        def write(entry: ShardEntry, buf: torch.Tensor) -> None:
+            path = os.path.join(dest, entry.path)
+            written.append(path)
+            with open(path, "wb") as f:
+                f.write(memoryview(buf.numpy()))
+
+        _, problems = self._read_checked(m, names=None, scan_nonfinite=False, fail_fast=True, on_verified=write)
+        if problems:
+            for path in written:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+            raise CorruptCheckpoint(f"checkpoint {m.checkpoint_id} failed its {problems[0].kind} check: "
+                                    f"{problems[0].detail}; nothing usable was exported - pick another step")
+        with open(os.path.join(dest, "manifest.json"), "wb") as f:
+            f.write(m.to_json())
+        return info
 
     # ---------------------------------------------------------------- verify
     def verify(self, step: int | None = None, *, progress: Callable[[int], None] | None = None) -> list[VerificationResult]:

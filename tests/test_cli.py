@@ -110,3 +110,49 @@ def test_malformed_manifest_via_real_binary_has_no_traceback(run):
 def test_storage_options_parse_nested_and_typed_values():
     opts = parse_storage_options(("anon=true", "client_kwargs.region_name=us-east-1", "endpoint_url=http://127.0.0.1:1"))
     assert opts == {"anon": True, "client_kwargs": {"region_name": "us-east-1"}, "endpoint_url": "http://127.0.0.1:1"}
+
+
+# ------------------------------------------------------ flag, incidents, rollback, restore
+def test_flag_incidents_rollback_and_export(run, tmp_path):
+    # Two unverified checkpoints (no guard): nothing restorable, rollback exits 1 with a reason.
+    r = invoke("rollback", run, "--json")
+    assert r.exit_code == 1 and json.loads(r.stdout)["id"] is None
+    assert "no restorable checkpoint" in r.stderr
+    r = invoke("flag", run, "--from-step", "2", "--rank", "1", "--reason", "ECC errors on host", "--json")
+    assert r.exit_code == 0, r.output
+    flagged = json.loads(r.stdout)
+    assert flagged["first_suspect_step"] == 2 and flagged["ranks"] == [1] and len(flagged["suspect_checkpoints"]) == 1
+    rows = json.loads(invoke("incidents", run, "--json").stdout)
+    assert [(x["kind"], x["first_suspect_step"], x["reason"]) for x in rows] == [("manual", 2, "ECC errors on host")]
+    assert {"id", "kind", "ranks", "hosts", "first_suspect_step", "detected_step", "reason"} <= set(rows[0])
+    human = invoke("incidents", run)
+    assert "exclude from scheduling" in human.stdout
+    statuses = [x["status"] for x in json.loads(invoke("list", run, "--json").stdout)]
+    assert statuses == ["unverified", "suspect"]
+    # restore --to refuses unverified without the flag, never exports suspect
+    dest = tmp_path / "export"
+    r = invoke("restore", run, "--step", "1", "--to", str(dest))
+    assert r.exit_code == 1 and "allow-unverified" in r.stderr
+    r = invoke("restore", run, "--step", "2", "--to", str(dest), "--allow-unverified")
+    assert r.exit_code == 1 and "suspect" in r.stderr and not dest.exists()
+    r = invoke("restore", run, "--step", "1", "--to", str(dest), "--allow-unverified", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["step"] == 1
+    files = sorted(os.listdir(dest))
+    assert files == ["manifest.json", "shard-00000.safetensors"]
+    import safetensors.torch
+
+    assert torch.equal(safetensors.torch.load_file(str(dest / files[1]))["w"], torch.ones(8))
+    r = invoke("restore", run, "--step", "1", "--to", str(dest), "--allow-unverified")
+    assert r.exit_code == 2 and "not an empty folder" in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["flag", "{run}", "--from-step", "5", "--to-step", "2", "--reason", "x"], "before --from-step"),
+    (["flag", "{run}", "--from-step", "5", "--reason", "  "], "reason is required"),
+    (["flag", "{run}", "--reason", "x"], "--from-step"),
+    (["incidents", "{missing}"], "no run at"),
+])
+def test_flag_and_incident_input_errors(run, tmp_path, args, needle):
+    r = invoke(*[a.format(run=run, missing=str(tmp_path / "nope")) for a in args])
+    assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output

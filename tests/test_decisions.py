@@ -1,9 +1,19 @@
 """Pure decision logic: status derivation, selection, retention."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from verified_ckpt import Status
-from verified_ckpt.decisions import derive_status, newest, to_delete
+from verified_ckpt.decisions import (
+    answered_at,
+    derive_status,
+    incident_reasons,
+    newest,
+    rollback_target,
+    save_status,
+    to_delete,
+)
 from verified_ckpt.manifest import CheckpointInfo
 
 R, U, S, C = Status.RESTORABLE, Status.UNVERIFIED, Status.SUSPECT, Status.CORRUPT
@@ -54,3 +64,64 @@ def test_retention_never_deletes_protected_ids():
 def test_retention_rejects_nonsense():
     with pytest.raises(ValueError, match="keep_last must be >= 1, got 0"):
         to_delete(infos(R), 0)
+
+
+# ------------------------------------------------------------ saves, incidents, rollback
+
+
+def test_save_status_rules():
+    assert save_status(3, {}, True, 1) == (R, [])
+    assert save_status(3, {"audit": 0}, False, 0) == (R, [])
+    assert save_status(3, {}, True, 0)[0] is U
+    assert save_status(1, {}, False, 0)[0] is U
+    status, why = save_status(3, {"checksum": 1}, True, 5)
+    assert status is S and "checksum x1" in why[0]
+
+
+def test_incidents_flag_until_the_rollback_that_answers_them():
+    inc = {"id": "i1", "kind": "audit", "first_suspect_step": 21, "to_step": None, "at": "t050", "detail": "x"}
+    assert incident_reasons(20, "t040", [inc], []) == []
+    assert incident_reasons(21, "t040", [inc], [])  # written before the incident: suspect
+    assert incident_reasons(30, "t060", [inc], [])  # after the incident, no rollback yet: same lineage
+    rb = [{"at": "t070"}]
+    assert answered_at(inc, rb) == "t070"
+    assert incident_reasons(30, "t060", [inc], rb)  # abandoned stretch stays suspect
+    assert incident_reasons(30, "t080", [inc], rb) == []  # new lineage, reused step number
+    bounded = {**inc, "to_step": 25}
+    assert incident_reasons(26, "t040", [bounded], []) == []
+    assert answered_at(inc, [{"at": "t010"}]) is None  # a rollback before the incident answers nothing
+
+
+def test_rollback_target_skips_newer_and_explains():
+    xs = infos(R, R, S, C, U)
+    target, skipped = rollback_target(xs)
+    assert target.id == "c1"
+    assert [s[0] for s in skipped] == ["c4", "c3", "c2"]
+    assert rollback_target(infos(S, U))[0] is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.lists(st.integers(0, 100), min_size=1, max_size=12),
+    verified=st.lists(st.booleans(), min_size=12, max_size=12),
+    first=st.integers(0, 100),
+    span=st.one_of(st.none(), st.integers(0, 50)),
+    rolled=st.booleans(),
+)
+def test_rollback_never_selects_a_checkpoint_inside_an_unanswered_interval(steps, verified, first, span, rolled):
+    """Property: for checkpoints written before the answering rollback, the target is outside every interval."""
+    inc = {"id": "i", "kind": "manual", "first_suspect_step": first,
+           "to_step": None if span is None else first + span, "at": "t500"}
+    rollbacks = [{"at": "t600"}] if rolled else []
+    xs = []
+    for i, step in enumerate(steps):
+        created = f"t{100 + i:03d}"  # all written before the incident and the rollback
+        status = R if verified[i] else U
+        why = incident_reasons(step, created, [inc], rollbacks)
+        if why:
+            status = S
+        xs.append(CheckpointInfo(f"c{i}", step, status, created, 1, why))
+    target, _ = rollback_target(xs)
+    if target is not None:
+        hi = inc["to_step"]
+        assert not (target.step >= first and (hi is None or target.step <= hi))

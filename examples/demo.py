@@ -1,13 +1,14 @@
-"""The `make demo` story on the embedded default store (a local directory).
+"""`make demo`: a silent fault in a 3-rank DDP job, caught, rolled back, and recovered bit for bit.
 
-1. Train a small model, saving a checkpoint every few steps with CheckpointManager.
-2. `vckpt list` and `vckpt verify` the run from a shell.
-3. Flip one byte of the newest shard on disk: `vckpt verify` catches it and marks it corrupt.
-4. Restore the newest checkpoint that is still intact and show that training
-   resumed from it matches an uninterrupted run bit for bit.
+1. A clean run: 3 gloo ranks, 40 steps, a verified checkpoint every 10 steps.
+2. The same job with a transient fault: rank 1's gradients are scaled by 10 at step 23.
+   The guard catches it before the update (an outlier triggers a recompute audit, a third
+   rank breaks the tie), names rank 1 and its host, rolls back in-process to the newest
+   restorable checkpoint, and replays the steps (the fault does not recur).
+3. A summary: the incident, the suspect rank and host, the rollback target, `vckpt` views,
+   and the final weights fingerprint beside the clean run's: they are equal.
 
-Without an SDCGuard (single process) saves are `unverified`, so the restore
-passes allow_unverified=True; the DDP demo makes them `restorable`.
+The store is a local directory (the embedded default); set VCKPT_DEMO_DIR to keep it.
 """
 
 from __future__ import annotations
@@ -18,82 +19,56 @@ import subprocess
 import sys
 import tempfile
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from verified_ckpt import CheckpointManager, CheckpointNotRestorable, RNGState, state_fingerprint
+import ddp_train  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RUN = os.environ.get("VCKPT_DEMO_RUN") or os.path.join(tempfile.gettempdir(), "vckpt-demo-run")
-
-
-def build(seed: int = 0) -> dict:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=40)
-    return {"model": model, "optim": opt, "sched": sched, "rng": RNGState(), "data": {"step": 0}}
+FAULT = "grad:1:23:scale=10"
 
 
-def train_step(s: dict) -> float:
-    x = torch.randn(32, 16)
-    y = x[:, :4].sum(dim=1, keepdim=True).repeat(1, 4)
-    loss = torch.nn.functional.mse_loss(s["model"](x), y)
-    loss.backward()
-    s["optim"].step()
-    s["optim"].zero_grad()
-    s["sched"].step()
-    s["data"]["step"] += 1
-    return loss.item()
-
-
-def vckpt(*args: str) -> int:
+def vckpt(*args: str) -> None:
     exe = os.path.join(os.path.dirname(sys.executable), "vckpt")
     print(f"\n$ vckpt {' '.join(args)}", flush=True)
-    return subprocess.run([exe, *args]).returncode
+    subprocess.run([exe, *args], check=False)
 
 
-def main() -> None:
-    shutil.rmtree(RUN, ignore_errors=True)
-    mgr = CheckpointManager(RUN)
-    state = build()
-    for step in range(1, 31):
-        loss = train_step(state)
-        if step % 10 == 0:
-            info = mgr.save(step, state)
-            print(f"step {step:3d}  loss {loss:.4f}  saved {info.id} ({info.status})")
-    reference = build()
-    for _ in range(40):
-        train_step(reference)
-    vckpt("list", RUN)
-    vckpt("verify", RUN)
+def job(run: str, *extra: str) -> dict:
+    args = ddp_train.parse(["--world-size", "3", "--steps", "40", "--save-every", "10", "--audit-every", "5",
+                            "--consensus-every", "5", "--run", run, *extra])
+    return ddp_train.run_spawned(args)
 
-    newest = mgr.list()[-1]
-    shard = os.path.join(RUN, "checkpoints", newest.id, newest.manifest.shards[0].path)
-    with open(shard, "r+b") as f:
-        f.seek(os.path.getsize(shard) - 5)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x04]))
-    print(f"\nflipped one bit in {shard}")
-    code = vckpt("verify", RUN, "--step", str(newest.step))
-    print(f"(exit code {code}: a check failed)")
-    try:
-        mgr.restore(build(1), step=newest.step, allow_unverified=True)
-    except CheckpointNotRestorable as e:
-        print(f"\nrestore of step {newest.step} refused: {e}")
 
-    resumed = build(seed=123)
-    info = mgr.restore(resumed, allow_unverified=True)
-    print(f"\nrestored {info.id} (step {info.step}); continuing to step 40")
-    while resumed["data"]["step"] < 40:
-        train_step(resumed)
-    a = state_fingerprint({"model": resumed["model"], "optim": resumed["optim"]})
-    b = state_fingerprint({"model": reference["model"], "optim": reference["optim"]})
-    print(f"final fingerprint, resumed run:        {a}")
-    print(f"final fingerprint, uninterrupted run:  {b}")
-    print("bitwise identical" if a == b else "MISMATCH")
-    sys.exit(0 if a == b else 1)
+def main() -> int:
+    base = os.environ.get("VCKPT_DEMO_DIR") or tempfile.mkdtemp(prefix="vckpt-demo-")
+    clean_run, faulty_run = os.path.join(base, "clean"), os.path.join(base, "faulty")
+    for d in (clean_run, faulty_run):
+        shutil.rmtree(d, ignore_errors=True)
+
+    print("1. clean run: 3 gloo ranks, 40 steps, verified checkpoint every 10 steps", flush=True)
+    clean = job(clean_run)
+    print(f"   done at step {clean['final_step']}, weights fingerprint {clean['fingerprint']}")
+
+    print(f"\n2. same job with a transient fault injected ({FAULT}), --on-incident rollback", flush=True)
+    faulty = job(faulty_run, "--inject", FAULT, "--on-incident", "rollback")
+    for inc in faulty["incidents"]:
+        print(f"   INCIDENT {inc['kind']} at step {inc['detected_step']}: suspect rank(s) {inc['ranks']} "
+              f"on host(s) {', '.join(inc['hosts']) or '?'}; state suspect from step {inc['first_suspect_step']}")
+        print(f"     {inc['detail']}")
+    for rb in faulty["rollbacks"]:
+        print(f"   ROLLBACK at step {rb['from_step']} to the checkpoint of step {rb['to_step']}, then replayed")
+
+    vckpt("incidents", faulty_run)
+    vckpt("list", faulty_run)
+    vckpt("verify", faulty_run)
+
+    same = faulty["fingerprint"] == clean["fingerprint"]
+    print("\n3. final weights fingerprint")
+    print(f"   clean run:                       {clean['fingerprint']}")
+    print(f"   faulty run after rollback:       {faulty['fingerprint']}")
+    print("   bitwise identical: the fault left no trace" if same else "   MISMATCH")
+    print(f"\n(run folders under {base})")
+    return 0 if same and faulty["incidents"] and faulty["rollbacks"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

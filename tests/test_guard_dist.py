@@ -186,3 +186,9 @@ def test_torchrun_two_nodes_on_one_machine_audit_across_nodes():
     # torchrun itself exits 1 when a worker fails; its failure report carries the worker's code.
     assert procs[0].returncode != 0
     assert re.search(rf"exitcode\s*:\s*{ddp_train.EXIT_INCIDENT}\b", outs[0][1]), outs[0][1][-3000:]
+
+
+def test_fixed_order_reduce_still_catches_an_allreduce_fault():
+    cfg = {"audit_every": 5, "consensus_every": 5, "fixed_order_reduce": True, "faults": ("allreduce:1:7:bitflip=27",)}
+    got = one(run_ranks(guarded, 3, cfg, 12))
+    assert (got["kind"], got["ranks"], got["detected"]) == ("checksum", [1], 7)

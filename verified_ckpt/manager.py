@@ -473,6 +473,7 @@ class CheckpointManager:
         self.resumed_from = m.checkpoint_id
         if self.guard is not None:
             self._reset_evidence()
+            self.guard.prepare_resume()
         return info
 
     def _select(self, step: int | None, allowed: set[Status]) -> CheckpointInfo:

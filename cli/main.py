@@ -252,5 +252,18 @@ def restore_cmd(mgr: CheckpointManager, out: Output, step: int | None, dest: str
     return EXIT_OK
 
 
+@main.command("gc")
+@run_command
+@click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+@click.option("--grace", type=float, default=3600.0, show_default=True, help="Only objects older than this many seconds.")
+def gc_cmd(mgr: CheckpointManager, out: Output, dry_run: bool, grace: float) -> int:
+    """Remove orphaned shards and temporary objects (never anything a manifest references)."""
+    removed = mgr.gc(grace_s=grace, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    out.emit({"removed": removed, "dry_run": dry_run},
+             lambda c: c.print(f"{verb} {len(removed)} object(s)" + "".join(f"\n  {p}" for p in removed)))
+    return EXIT_OK
+
+
 if __name__ == "__main__":
     main()

@@ -317,3 +317,22 @@ def test_shard_with_wrong_size_is_caught(local_url):
     os.remove(shard)
     [r] = mgr.verify()
     assert r.problems[0].kind == "missing"
+
+
+def test_gc_removes_only_old_orphans_never_referenced_files(url):
+    mgr = CheckpointManager(url)
+    info = mgr.save(1, {"w": torch.ones(3)})
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.pipe_file(f"{root}/checkpoints/step-0000000002-deadbeef/shard-00000.safetensors", b"half a save")
+    fs.pipe_file(f"{root}/checkpoints/{info.id}/rank-00001.json", b"{}")
+    before = snapshot(url)
+    assert mgr.gc(grace_s=3600) == []  # too young: a save may still be running
+    assert sorted(mgr.gc(grace_s=0, dry_run=True)) == [f"{info.id}/rank-00001.json",
+                                                        "step-0000000002-deadbeef/shard-00000.safetensors"]
+    assert snapshot(url) == before
+    assert len(mgr.gc(grace_s=0)) == 2
+    left = {p.split("/checkpoints/", 1)[1] for p in snapshot(url) if "/checkpoints/" in p}
+    assert left == {f"{info.id}/manifest.json", f"{info.id}/{info.manifest.shards[0].path}"}
+    into = {"w": torch.zeros(3)}
+    mgr.restore(into, allow_unverified=True)
+    assert torch.equal(into["w"], torch.ones(3))

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -655,6 +656,37 @@ class CheckpointManager:
         with open(os.path.join(dest, "manifest.json"), "wb") as f:
             f.write(m.to_json())
         return info
+
+    def gc(self, *, grace_s: float = 3600.0, dry_run: bool = False) -> list[str]:
+        """Remove orphans older than ``grace_s``: folders without a manifest (saves that never
+        committed) and files a manifest does not reference. Never touches anything a manifest
+        references, nor folders whose manifest is unreadable (evidence). Returns ``cid/file`` paths.
+        """
+        if grace_s < 0:
+            raise InvalidState(f"--grace must be >= 0 seconds, got {grace_s}")
+        self._require_run()
+        now = time.time()
+        removed = []
+        for cid, files in sorted(self._store.checkpoint_files().items()):
+            names = {n for n, _ in files}
+            if "manifest.json" in names:
+                try:
+                    m = Manifest.from_json(self._store.read_manifest(cid), where=cid)
+                except ManifestError:
+                    continue
+                keep = {s.path for s in m.shards} | {"manifest.json"}
+            else:
+                keep = set()
+            doomed = [n for n, mtime in files if n not in keep and mtime is not None and now - mtime >= grace_s]
+            removed += [f"{cid}/{n}" for n in doomed]
+            if dry_run:
+                continue
+            if not keep and len(doomed) == len(files):
+                self._store.delete_checkpoint(cid)  # a save that never committed: the whole folder
+            else:
+                for n in doomed:
+                    self._store.delete_file(cid, n)
+        return removed
 
     # ---------------------------------------------------------------- verify
     def verify(self, step: int | None = None, *, progress: Callable[[int], None] | None = None) -> list[VerificationResult]:

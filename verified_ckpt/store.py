@@ -45,6 +45,20 @@ def _plain(name: str, what: str) -> str:
     return name
 
 
+def _modified(info: dict[str, Any]) -> float | None:
+    """An object's modification time in epoch seconds, whatever the backend calls it."""
+    for key in ("mtime", "LastModified", "last_modified", "created"):
+        v = info.get(key)
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, datetime.datetime):
+            return v.timestamp()
+        if isinstance(v, str):
+            with contextlib.suppress(ValueError):
+                return datetime.datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
+    return None
+
+
 class RunStore:
     """A run's objects on one fsspec filesystem.
 
@@ -181,6 +195,27 @@ class RunStore:
                 self.fs.rm_file(f"{d}/{MANIFEST}")
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(d, recursive=True)
+
+    def checkpoint_files(self) -> dict[str, list[tuple[str, float | None]]]:
+        """Every object under ``checkpoints/``, by checkpoint folder: (file name, modified time or None)."""
+        base = self._join("checkpoints")
+        with self._io("listing checkpoint objects"):
+            try:
+                found = self.fs.find(base, detail=True)
+            except FileNotFoundError:
+                return {}
+        out: dict[str, list[tuple[str, float | None]]] = {}
+        for path, info in found.items():
+            rel = path.rstrip("/")[len(base.rstrip("/")) + 1 :] if path.startswith(base) else path.split("/checkpoints/", 1)[-1]
+            parts = rel.split("/")
+            if len(parts) != 2 or info.get("type") == "directory":
+                continue
+            out.setdefault(parts[0], []).append((parts[1], _modified(info)))
+        return out
+
+    def delete_file(self, cid: str, name: str) -> None:
+        with self._io(f"deleting {cid}/{name}"), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._shard_path(cid, name))
 
     # -- records ---------------------------------------------------------
     def append_record(self, kind: str, record: dict[str, Any]) -> str:

@@ -323,6 +323,7 @@ def test_gc_removes_only_old_orphans_never_referenced_files(url):
     mgr = CheckpointManager(url)
     info = mgr.save(1, {"w": torch.ones(3)})
     fs, root = fsspec.core.url_to_fs(url)
+    fs.makedirs(f"{root}/checkpoints/step-0000000002-deadbeef", exist_ok=True)
     fs.pipe_file(f"{root}/checkpoints/step-0000000002-deadbeef/shard-00000.safetensors", b"half a save")
     fs.pipe_file(f"{root}/checkpoints/{info.id}/rank-00001.json", b"{}")
     before = snapshot(url)

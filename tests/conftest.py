@@ -23,3 +23,31 @@ def memory_url():
 @pytest.fixture
 def local_url(tmp_path):
     return os.fspath(tmp_path / "run")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One real S3 server (SeaweedFS ``weed mini``) on free loopback ports for the whole session."""
+    import seaweed
+
+    handle = seaweed.start(tmp_path_factory.mktemp("seaweed"))
+    yield handle
+    seaweed.stop(handle)
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh bucket per test; s3fs instance caches cleared so no test sees another's listings."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem(**s3_server.storage_options())
+    bucket = f"t-{uuid.uuid4().hex[:16]}"
+    fs.mkdir(bucket)
+    yield bucket
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem(**s3_server.storage_options())
+    try:
+        fs.rm(bucket, recursive=True)
+    except FileNotFoundError:
+        pass

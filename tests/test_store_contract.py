@@ -21,3 +21,15 @@ class TestFileURLStore(StoreContract):
     @pytest.fixture
     def url(self, tmp_path):
         return f"file://{tmp_path}/run"
+
+
+class TestS3Store(StoreContract):
+    """The same contract against a real S3 server (SeaweedFS on loopback) through s3fs."""
+
+    @pytest.fixture(autouse=True)
+    def _options(self, s3_server):
+        self.storage_options = s3_server.storage_options()
+
+    @pytest.fixture
+    def url(self, s3_bucket):
+        return f"s3://{s3_bucket}/run"

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import CheckpointNotFound, InvalidRunURL, StorageError
+from .errors import CheckpointNotFound, InvalidRunURL, StorageError, VerifiedCkptError
 from .manifest import SEGMENT
 from .shards import CHUNK, read_into
 
@@ -95,13 +95,42 @@ class RunStore:
         return f"{self.checkpoint_dir(cid)}/{_plain(name, 'shard path')}"
 
     @contextlib.contextmanager
-    def _io(self, what: str) -> Iterator[None]:
+    def _io(self, what: str, writing: bool = False) -> Iterator[None]:
+        """Turn backend errors into one-line StorageErrors that name the fix.
+
+        The backend's own text is kept only where it cannot carry credentials
+        (an access-denied message may quote the key id).
+        """
         try:
             yield
-        except FileNotFoundError:
+        except FileNotFoundError as e:
+            if not writing:
+                raise
+            raise StorageError(f"{what} at {self.url!r} failed: {self._container()} does not exist; "
+                               "create it (or fix the URL) and retry") from e
+        except PermissionError as e:
+            raise StorageError(f"{what} at {self.url!r} was denied: check the credentials "
+                               "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or -o key=... -o secret=...) and their "
+                               f"permissions on {self._container()}") from e
+        except VerifiedCkptError:
             raise
-        except (OSError, RuntimeError) as e:
-            raise StorageError(f"{what} at {self.url!r} failed: {e}; check the store is reachable and writable") from e
+        except Exception as e:  # noqa: BLE001 - botocore/aiohttp errors are not OSErrors; all mean "storage failed"
+            raise StorageError(f"{what} at {self.url!r} failed ({type(e).__name__}: {str(e)[:200]}); "
+                               "check that the store is reachable, then retry") from e
+
+    def _mkdir(self, path: str, exist_ok: bool = True) -> None:
+        # Only a local disk needs parent folders. On object stores "directories"
+        # are key prefixes, and s3fs's makedirs would create a missing *bucket*,
+        # hiding a wrong URL behind a silently created bucket.
+        if isinstance(self.fs, LocalFileSystem):
+            self.fs.makedirs(path, exist_ok=exist_ok)
+
+    def _container(self) -> str:
+        """The bucket (object stores) or root folder a run lives in, for error messages."""
+        proto = self.fs.protocol[0] if isinstance(self.fs.protocol, (tuple, list)) else self.fs.protocol
+        if proto in ("s3", "s3a", "gs", "gcs", "az", "abfs"):
+            return f"bucket {self.root.split('/', 1)[0]!r}"
+        return f"folder {self.root!r}"
 
     # -- run -------------------------------------------------------------
     def exists(self) -> bool:
@@ -118,8 +147,8 @@ class RunStore:
             return None
 
     def write_run_meta(self, meta: dict[str, Any]) -> None:
-        with self._io("writing run.json"):
-            self.fs.makedirs(self.root, exist_ok=True)
+        with self._io("writing run.json", writing=True):
+            self._mkdir(self.root, exist_ok=True)
             self.fs.pipe_file(self._join("run.json"), json.dumps(meta, sort_keys=True).encode())
 
     # -- checkpoints -----------------------------------------------------
@@ -148,17 +177,17 @@ class RunStore:
     def commit_manifest(self, cid: str, data: bytes) -> None:
         """Write the manifest: the commit point. Refuses to replace one (manifests are immutable)."""
         path = f"{self.checkpoint_dir(cid)}/{MANIFEST}"
-        with self._io(f"committing manifest of {cid}"):
+        with self._io(f"committing manifest of {cid}", writing=True):
             if self.fs.exists(path):
                 raise StorageError(f"checkpoint {cid!r} already has a manifest; manifests are immutable")
-            self.fs.makedirs(self.checkpoint_dir(cid), exist_ok=True)
+            self._mkdir(self.checkpoint_dir(cid), exist_ok=True)
             self.fs.pipe_file(path, data)
 
     @contextlib.contextmanager
     def open_shard_for_write(self, cid: str, name: str) -> Iterator[BinaryIO]:
         path = self._shard_path(cid, name)
-        with self._io(f"writing shard {name} of {cid}"):
-            self.fs.makedirs(self.checkpoint_dir(cid), exist_ok=True)
+        with self._io(f"writing shard {name} of {cid}", writing=True):
+            self._mkdir(self.checkpoint_dir(cid), exist_ok=True)
             with self.fs.open(path, "wb") as f:
                 yield f
 
@@ -222,8 +251,8 @@ class RunStore:
         """Store one immutable record; its name is unique, so nothing is ever overwritten."""
         name = f"{utc_now().replace(':', '').replace('+', 'Z')}-{uuid.uuid4().hex[:12]}.json"
         path = self._join("records", _plain(kind, "record kind"), name)
-        with self._io(f"writing a {kind} record"):
-            self.fs.makedirs(self._join("records", kind), exist_ok=True)
+        with self._io(f"writing a {kind} record", writing=True):
+            self._mkdir(self._join("records", kind), exist_ok=True)
             self.fs.pipe_file(path, json.dumps(record, sort_keys=True).encode())
         return name
 

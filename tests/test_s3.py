@@ -1,0 +1,138 @@
+"""The manager and the CLI on a real S3 server (SeaweedFS on loopback), including failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import s3fs
+import torch
+
+import seaweed
+from helpers import flip_byte, fresh_state, trained_state
+from verified_ckpt import CheckpointManager, CorruptCheckpoint, StorageError, state_fingerprint
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def s3(s3_server, s3_bucket):
+    return f"s3://{s3_bucket}/runs/exp", s3_server.storage_options()
+
+
+def test_round_trip_on_s3_is_bitwise_and_verifies(s3):
+    url, opts = s3
+    saved = trained_state(seed=3)
+    mgr = CheckpointManager(url, storage_options=opts, shard_bytes=4096)
+    info = mgr.save(3, saved)
+    assert len(info.manifest.shards) > 1
+    target = fresh_state()
+    mgr.restore(target, allow_unverified=True)
+    assert state_fingerprint({"m": target["model"], "o": target["optim"]}) == state_fingerprint(
+        {"m": saved["model"], "o": saved["optim"]})
+    assert [r.ok for r in mgr.verify()] == [True]
+
+
+def test_flipped_byte_on_s3_is_caught(s3):
+    url, opts = s3
+    mgr = CheckpointManager(url, storage_options=opts)
+    info = mgr.save(1, {"w": torch.arange(1000.0)})
+    fs = s3fs.S3FileSystem(**opts)
+    shard = f"{url.removeprefix('s3://')}/checkpoints/{info.id}/{info.manifest.shards[0].path}"
+    flip_byte(fs, shard, fs.size(shard) - 7)
+    with pytest.raises(CorruptCheckpoint, match="digest"):
+        mgr.restore({"w": torch.zeros(1000)}, allow_unverified=True)
+    [r] = mgr.verify()
+    assert r.problems[0].kind == "digest"
+
+
+def test_cli_on_s3_with_options_and_with_aws_environment(s3, s3_server):
+    url, opts = s3
+    CheckpointManager(url, storage_options=opts).save(7, {"w": torch.ones(4)})
+    vckpt = os.path.join(os.path.dirname(sys.executable), "vckpt")
+    by_option = subprocess.run(
+        [vckpt, "list", url, "--json", "-o", f"key={opts['key']}", "-o", f"secret={opts['secret']}",
+         "-o", f"client_kwargs.endpoint_url={s3_server.endpoint_url}"],
+        capture_output=True, text=True, timeout=60, env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")})
+    assert by_option.returncode == 0, by_option.stderr
+    assert [r["step"] for r in json.loads(by_option.stdout)] == [7]
+    by_env = subprocess.run([vckpt, "verify", url, "--json"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, **s3_server.env})
+    assert by_env.returncode == 0, by_env.stderr
+    assert json.loads(by_env.stdout)[0]["ok"] is True
+    assert opts["secret"] not in by_option.stdout + by_option.stderr + by_env.stdout + by_env.stderr
+
+
+def test_credentials_never_reach_manifests_or_records(s3):
+    url, opts = s3
+    mgr = CheckpointManager(url, storage_options=opts)
+    mgr.save(1, {"w": torch.ones(2)})
+    mgr.verify()
+    fs = s3fs.S3FileSystem(**opts)
+    for path in fs.find(url.removeprefix("s3://")):
+        data = fs.cat_file(path)
+        assert opts["secret"].encode() not in data and opts["key"].encode() not in data, path
+
+
+@pytest.fixture(scope="module")
+def private_server(tmp_path_factory):
+    """A server of this module's own, which may be stopped, and which does not create buckets on write."""
+    handle = seaweed.start(tmp_path_factory.mktemp("private"), extra=("-s3.autoCreateBucket=false",))
+    yield handle
+    seaweed.stop(handle)
+
+
+def test_permanent_errors_name_the_bucket_and_the_fix(private_server):
+    opts = private_server.storage_options()
+    s3fs.S3FileSystem.clear_instance_cache()
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket-vckpt' does not exist; create it") as e:
+        CheckpointManager("s3://no-such-bucket-vckpt/run", storage_options=opts).save(1, {"w": torch.ones(1)})
+    assert "\n" not in str(e.value)
+    bad = {**opts, "secret": "wrong-secret"}
+    s3fs.S3FileSystem.clear_instance_cache()
+    with pytest.raises(StorageError, match="denied: check the credentials") as e:
+        CheckpointManager("s3://any-bucket-vckpt/run", storage_options=bad).save(1, {"w": torch.ones(1)})
+    assert "wrong-secret" not in str(e.value)
+
+
+def test_server_stopped_mid_upload_leaves_nothing_committed(tmp_path):
+    """A private server is stopped between two shard uploads of a save, then started again on the same data."""
+    handle = seaweed.start(tmp_path)
+    opts = {**handle.storage_options(),
+            "config_kwargs": {"retries": {"max_attempts": 2}, "connect_timeout": 1, "read_timeout": 2}}
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem(**handle.storage_options()).mkdir("crash")
+    url = "s3://crash/run"
+    mgr = CheckpointManager(url, storage_options=opts, shard_bytes=1 << 20, io_workers=1)
+    first = mgr.save(1, {"w": torch.ones(1 << 18)})
+    from verified_ckpt import store as store_mod
+
+    real = store_mod.RunStore.open_shard_for_write
+    calls = {"n": 0}
+
+    def stop_after_first_shard(self, cid, name):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            seaweed.stop(handle)
+        return real(self, cid, name)
+
+    store_mod.RunStore.open_shard_for_write = stop_after_first_shard
+    try:
+        with pytest.raises(StorageError, match="reachable"):
+            mgr.save(2, {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(4)})
+    finally:
+        store_mod.RunStore.open_shard_for_write = real
+        seaweed.stop(handle)
+    again = seaweed.restart(handle)
+    try:
+        s3fs.S3FileSystem.clear_instance_cache()
+        mgr2 = CheckpointManager(url, storage_options=again.storage_options())
+        assert [i.id for i in mgr2.list()] == [first.id]  # the interrupted save was never committed
+        into = {"w": torch.zeros(1 << 18)}
+        mgr2.restore(into, allow_unverified=True)
+        assert torch.equal(into["w"], torch.ones(1 << 18))
+    finally:
+        seaweed.stop(again)

@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import random
 import os
 import sys
 import tempfile
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -86,6 +88,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--run", default=None, help="checkpoint run URL (local folder, s3://...); enables saves")
     ap.add_argument("--save-every", type=int, default=0, help="save a verified checkpoint every K steps")
     ap.add_argument("--resume", action="store_true", help="continue from the rollback target of --run")
+    ap.add_argument("--async-save", action="store_true", help="non-blocking saves (upload in the background)")
     ap.add_argument("--on-incident", choices=["stop", "rollback"], default="stop",
                     help="stop (exit 4) or roll back in-process to the rollback target and continue")
     ap.add_argument("--json", action="store_true")
@@ -101,6 +104,8 @@ def _incident(e: SilentCorruptionDetected) -> dict[str, Any]:
 
 def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
+    random.seed(args.seed * 1_000 + rank)  # every generator the saved RNGState covers is seeded
+    np.random.seed(args.seed * 1_000 + rank)
     model = DDP(build_model(args.seed))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.7)
@@ -135,7 +140,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             sched.step()
             state["progress"]["step"] = step
             if mgr is not None and args.save_every and step % args.save_every == 0:
-                mgr.save(step, state)
+                mgr.save(step, state, blocking=not args.async_save)
             step += 1
         except SilentCorruptionDetected as e:
             incidents.append(_incident(e))
@@ -148,6 +153,8 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
                 step = info.step + 1
                 continue
             break
+    if mgr is not None:
+        mgr.wait()  # a pending background save must commit (or fail loudly) before we report
     completed = step > args.steps
     if guard is not None and completed:
         try:  # the final state is checked like a save would check it

@@ -119,3 +119,15 @@ def test_keep_last_never_deletes_the_rollback_target(tmp_path):
     infos = mgr.list()
     assert [i.step for i in infos] == [10, 20, 30]  # the only restorable one (10) is the target: kept
     assert mgr.rollback_target()[0].step == 10
+
+
+def test_async_saves_commit_the_same_verified_checkpoints(tmp_path):
+    sync = run_ranks(run_example, 3, {**COMMON, "steps": 20, "run": str(tmp_path / "sync")})[0]
+    run = str(tmp_path / "async")
+    asyn = run_ranks(run_example, 3, {**COMMON, "steps": 20, "run": run, "async_save": True})[0]
+    assert asyn["fingerprint"] == sync["fingerprint"]
+    a, b = CheckpointManager(run).list(), CheckpointManager(str(tmp_path / "sync")).list()
+    assert [(i.step, i.status) for i in a] == [(10, Status.RESTORABLE), (20, Status.RESTORABLE)]
+    assert [i.manifest.state_fingerprint for i in a] == [i.manifest.state_fingerprint for i in b]
+    assert not any(n.startswith("rank-") for c in os.listdir(os.path.join(run, "checkpoints"))
+                   for n in os.listdir(os.path.join(run, "checkpoints", c)))

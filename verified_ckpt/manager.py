@@ -35,7 +35,7 @@ from .errors import (
 )
 from .fingerprint import Fingerprint, combine, dtype_name, lanes_of
 from .guard import SDCGuard
-from .flatten import flatten, is_stateful, tensor_refs, unflatten
+from .flatten import Flat, flatten, is_stateful, tensor_refs, unflatten
 from .manifest import (
     CheckpointInfo,
     Incident,
@@ -71,6 +71,19 @@ def _device_name(tensors: Mapping[str, torch.Tensor]) -> str:
     return "cpu"
 
 
+@dataclasses.dataclass
+class _SaveJob:
+    """What the synchronous part of a save decided, handed to the (maybe background) writer."""
+
+    cid: str
+    step: int
+    flat: Flat
+    status: Status
+    reasons: list[str]
+    evidence: dict[str, Any]
+    topology: dict[str, Any]
+
+
 class CheckpointManager:
     """Verified checkpoints of one training run at any fsspec URL.
 
@@ -98,6 +111,7 @@ class CheckpointManager:
         shard_bytes: int = 256 << 20,
         io_workers: int = 4,
         guard: SDCGuard | None = None,
+        report_timeout_s: float = 600.0,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
@@ -111,6 +125,8 @@ class CheckpointManager:
         self.shard_bytes = shard_bytes
         self.io_workers = io_workers
         self.guard = guard
+        self.report_timeout_s = report_timeout_s
+        self._pending: concurrent.futures.Future[CheckpointInfo] | None = None
         self.rank = guard.rank if guard is not None else 0
         self.world = guard.world if guard is not None else 1
         self.resumed_from: str | None = None
@@ -119,49 +135,61 @@ class CheckpointManager:
             self._reset_evidence()
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state: Mapping[str, Any]) -> CheckpointInfo:
+    def save(
+        self, step: int, state: Mapping[str, Any], *, blocking: bool = True
+    ) -> CheckpointInfo | concurrent.futures.Future[CheckpointInfo]:
         """Save ``state`` at ``step`` and commit it with a manifest written last.
+
+        With a guard, call it on every rank: the consensus runs first, each
+        rank writes about 1/W of the shards, and rank 0 commits.
 
         Args:
             step: the training step (int >= 0).
             state: names to modules, optimizers, schedulers, tensors or plain data.
+            blocking: ``False`` returns as soon as the state is copied to host
+                memory; digests, uploads and the manifest complete on a background
+                thread. At most one save is pending: the next save (or :meth:`wait`)
+                waits for it and raises its failure. A failed save never commits.
 
         Returns:
-            The committed :class:`CheckpointInfo`. Without verification
-            evidence its status is ``unverified``.
+            The committed :class:`CheckpointInfo` (status ``unverified`` without
+            verification evidence), or, with ``blocking=False``, a future of it.
 
         Raises:
             InvalidState: the state holds something that cannot be stored.
             StorageError: the store could not be written; nothing is committed.
+            SilentCorruptionDetected: the replicas disagree; nothing is written.
         """
+        self.wait()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidState(f"step must be an int >= 0, got {step!r}")
         flat = flatten(state)
         for name, t in flat.tensors.items():
             if not supported(t.dtype):
                 raise InvalidState(f"{name}: dtype {t.dtype} cannot be stored in safetensors; convert it in state_dict()")
-        if self.guard is not None:
-            return self._save_guarded(step, flat)
-        cid = _checkpoint_id(step)
-        plan = self._plan_shards(flat.tensors)
-        entries, fps = self._write_shards(cid, plan, range(len(plan)))
-        manifest = self._manifest(self._run_id(), cid, step, flat, entries, fps, Status.UNVERIFIED, [UNGUARDED], {},
-                                  {"world_size": 1, "ranks": [{"rank": 0, "host": socket.gethostname(),
-                                                               "device": _device_name(flat.tensors)}]})
-        self._store.commit_manifest(cid, manifest.to_json())
-        if self.keep_last is not None:
-            self._apply_retention()
-        return self._info(manifest, [])
+        job = self._prepare(step, flat)
+        if blocking:
+            return self._finish(job, collective=True)
+        # Training goes on mutating the live tensors: the background thread
+        # works from host copies taken now (the only blocking cost).
+        job.flat = Flat({n: t.detach().to("cpu", copy=True) for n, t in flat.tensors.items()}, flat.skeleton)
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vckpt-async-save")
+        self._pending = pool.submit(self._finish, job, collective=False)
+        pool.shutdown(wait=False)
+        return self._pending
 
-    def _reset_evidence(self) -> None:
-        assert self.guard is not None
-        self._baseline = self.guard.counters()
-        self._audits_at_restorable = self._baseline.get("audit", {}).get("passed", 0)
+    def wait(self) -> CheckpointInfo | None:
+        """Wait for a pending non-blocking save; return its info or raise its failure."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
 
-    def _save_guarded(self, step: int, flat: Any) -> CheckpointInfo:
-        """Consensus, then a parallel write (rank r writes shards r, r+W, ...), then rank 0 commits."""
+    def _prepare(self, step: int, flat: Flat) -> _SaveJob:
+        """The synchronous part of a save: consensus, status and evidence, and one id for every rank."""
         g = self.guard
-        assert g is not None
+        if g is None:
+            topology = {"world_size": 1, "ranks": [{"rank": 0, "host": socket.gethostname(),
+                                                    "device": _device_name(flat.tensors)}]}
+            return _SaveJob(_checkpoint_id(step), step, flat, Status.UNVERIFIED, [UNGUARDED], {}, topology)
         fingerprints = g.consensus(step)  # raises on disagreement: nothing is written
         now = g.counters()
 
@@ -169,8 +197,7 @@ class CheckpointManager:
             return now.get(kind, {}).get(field, 0) - self._baseline.get(kind, {}).get(field, 0)
 
         audits = now.get("audit", {}).get("passed", 0) - self._audits_at_restorable
-        status, reasons = decisions.save_status(
-            g.world, {k: delta(k, "failed") for k in now}, g.audits_enabled, audits)
+        status, reasons = decisions.save_status(g.world, {k: delta(k, "failed") for k in now}, g.audits_enabled, audits)
         evidence = {
             "consensus": {"step": step, "unanimous": bool(fingerprints), "replicas": len(fingerprints),
                           "fingerprints": {str(r): fp for r, fp in enumerate(fingerprints)}},
@@ -181,29 +208,81 @@ class CheckpointManager:
         }
         topology = {"world_size": g.world, "ranks": [g.host_of(r) for r in range(g.world)]}
         cid = g.gather_bytes(_checkpoint_id(step).encode() if self.rank == 0 else b"")[0].decode()
-        plan = self._plan_shards(flat.tensors)
-        entries, fps = self._write_shards(cid, plan, range(self.rank, len(plan), self.world))
-        mine = json.dumps({"shards": [dataclasses.asdict(e) for e in entries],
-                           "fps": {n: str(fp) for n, fp in fps.items()}}).encode()
-        reports = [json.loads(b) for b in g.gather_bytes(mine)]
+        self._baseline = now
+        if status is Status.RESTORABLE:
+            self._audits_at_restorable = now.get("audit", {}).get("passed", 0)
+        return _SaveJob(cid, step, flat, status, reasons, evidence, topology)
+
+    def _finish(self, job: _SaveJob, *, collective: bool) -> CheckpointInfo:
+        """Write this rank's shards and commit. Collectives only when ``collective`` (the caller's thread)."""
+        plan = self._plan_shards(job.flat.tensors)
+        try:
+            entries, fps = self._write_shards(job.cid, plan, range(self.rank, len(plan), self.world))
+        except BaseException as e:
+            if self.guard is not None and not collective:
+                with contextlib.suppress(Exception):  # tell rank 0 not to wait for us
+                    self._store.write_aside(job.cid, f"rank-{self.rank:05d}.error", str(e).encode())
+            raise
+        mine = {"shards": [dataclasses.asdict(e) for e in entries], "fps": {n: str(fp) for n, fp in fps.items()}}
+        if self.guard is None:
+            reports = [mine]
+        elif collective:
+            reports = [json.loads(b) for b in self.guard.gather_bytes(json.dumps(mine).encode())]
+        else:
+            self._store.write_aside(job.cid, f"rank-{self.rank:05d}.json", json.dumps(mine).encode())
+            reports = self._collect_reports(job.cid) if self.rank == 0 else []
         manifest_bytes = b""
         if self.rank == 0:
             all_entries = sorted((ShardEntry(**e) for r in reports for e in r["shards"]), key=lambda e: e.path)
             all_fps = {n: Fingerprint.from_hex(fp) for r in reports for n, fp in r["fps"].items()}
-            manifest = self._manifest(self._run_id(), cid, step, flat, all_entries, all_fps, status, reasons,
-                                      evidence, topology)
+            manifest = self._manifest(self._run_id(), job.cid, job.step, job.flat, all_entries, all_fps, job.status,
+                                      job.reasons, job.evidence, job.topology)
             manifest_bytes = manifest.to_json()
-            self._store.commit_manifest(cid, manifest_bytes)
-        # Every rank returns only after the commit, with the same manifest in hand.
-        manifest_bytes = g.gather_bytes(manifest_bytes)[0]
-        manifest = Manifest.from_json(manifest_bytes, where=cid)
-        self._baseline = now
-        if status is Status.RESTORABLE:
-            self._audits_at_restorable = now.get("audit", {}).get("passed", 0)
-        if self.rank == 0 and self.keep_last is not None:
-            self._apply_retention()
-        g.barrier()
-        return self._info(manifest, [])
+            self._store.commit_manifest(job.cid, manifest_bytes)
+            if self.guard is not None and not collective:
+                for r in range(self.world):
+                    with contextlib.suppress(Exception):
+                        self._store.delete_file(job.cid, f"rank-{r:05d}.json")
+            if self.keep_last is not None:
+                self._apply_retention()
+        if self.guard is not None and collective:
+            # Every rank returns only after the commit, with the same manifest in hand.
+            manifest_bytes = self.guard.gather_bytes(manifest_bytes)[0]
+            self.guard.barrier()
+        elif self.rank != 0:
+            manifest_bytes = self._await(lambda: self._store.read_optional(job.cid, "manifest.json"), job.cid, "manifest")
+        return self._info(Manifest.from_json(manifest_bytes, where=job.cid), [])
+
+    def _collect_reports(self, cid: str) -> list[dict[str, Any]]:
+        reports = []
+        for r in range(self.world):
+            def look(r: int = r) -> bytes | None:
+                err = self._store.read_optional(cid, f"rank-{r:05d}.error")
+                if err is not None:
+                    raise StorageError(f"rank {r} failed to write its shards of {cid}: "
+                                       f"{err.decode(errors='replace')[:300]}; the checkpoint is not committed")
+                return self._store.read_optional(cid, f"rank-{r:05d}.json")
+
+            reports.append(json.loads(self._await(look, cid, f"rank {r}'s shard report")))
+        return reports
+
+    def _await(self, probe: Callable[[], bytes | None], cid: str, what: str) -> bytes:
+        deadline = time.monotonic() + self.report_timeout_s
+        delay = 0.02
+        while True:
+            got = probe()
+            if got is not None:
+                return got
+            if time.monotonic() > deadline:
+                raise StorageError(f"{what} for {cid} did not appear within {self.report_timeout_s:.0f}s; "
+                                   "the checkpoint is not committed - check the other ranks' logs")
+            time.sleep(delay)  # polling the store: no collective may run off the training thread
+            delay = min(delay * 2, 0.5)
+
+    def _reset_evidence(self) -> None:
+        assert self.guard is not None
+        self._baseline = self.guard.counters()
+        self._audits_at_restorable = self._baseline.get("audit", {}).get("passed", 0)
 
     def _run_id(self) -> str:
         meta = self._store.run_meta()

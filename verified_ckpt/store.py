@@ -242,6 +242,21 @@ class RunStore:
             out.setdefault(parts[0], []).append((parts[1], _modified(info)))
         return out
 
+    def write_aside(self, cid: str, name: str, data: bytes) -> None:
+        """A small object beside the shards (a rank's report of an async save); never referenced by a manifest."""
+        with self._io(f"writing {name} of {cid}", writing=True):
+            self._mkdir(self.checkpoint_dir(cid), exist_ok=True)
+            self.fs.pipe_file(self._shard_path(cid, name), data)
+
+    def read_optional(self, cid: str, name: str) -> bytes | None:
+        """The object's bytes, or None while it does not exist."""
+        path = self._shard_path(cid, name)
+        with self._io(f"reading {name} of {cid}"):
+            try:
+                return self.fs.cat_file(path)
+            except FileNotFoundError:
+                return None
+
     def delete_file(self, cid: str, name: str) -> None:
         with self._io(f"deleting {cid}/{name}"), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._shard_path(cid, name))

@@ -8,7 +8,8 @@
 3. A summary: the incident, the suspect rank and host, the rollback target, `vckpt` views,
    and the final weights fingerprint beside the clean run's: they are equal.
 
-The store is a local directory (the embedded default); set VCKPT_DEMO_DIR to keep it.
+The store is a local directory (the embedded default); set VCKPT_DEMO_DIR to keep it, or
+VCKPT_DEMO_URL to any fsspec URL (`make demo-s3` points it at a SeaweedFS S3 server).
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ def job(run: str, *extra: str) -> dict:
 
 
 def main() -> int:
-    base = os.environ.get("VCKPT_DEMO_DIR") or tempfile.mkdtemp(prefix="vckpt-demo-")
-    clean_run, faulty_run = os.path.join(base, "clean"), os.path.join(base, "faulty")
-    for d in (clean_run, faulty_run):
-        shutil.rmtree(d, ignore_errors=True)
+    base = os.environ.get("VCKPT_DEMO_URL") or os.environ.get("VCKPT_DEMO_DIR") or tempfile.mkdtemp(prefix="vckpt-demo-")
+    clean_run, faulty_run = f"{base.rstrip('/')}/clean", f"{base.rstrip('/')}/faulty"
+    if "://" not in base:
+        for d in (clean_run, faulty_run):
+            shutil.rmtree(d, ignore_errors=True)
 
     print("1. clean run: 3 gloo ranks, 40 steps, verified checkpoint every 10 steps", flush=True)
     clean = job(clean_run)

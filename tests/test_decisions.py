@@ -125,3 +125,11 @@ def test_rollback_never_selects_a_checkpoint_inside_an_unanswered_interval(steps
     if target is not None:
         hi = inc["to_step"]
         assert not (target.step >= first and (hi is None or target.step <= hi))
+
+
+def test_node_local_store_warning_only_for_multi_host_jobs():
+    from verified_ckpt.decisions import node_local_warning
+
+    assert node_local_warning(True, ["a", "a"]) is None
+    assert node_local_warning(False, ["a", "b"]) is None
+    assert "2 hosts" in node_local_warning(True, ["a", "b", "a"])

@@ -258,3 +258,12 @@ def rollback_target(infos: Sequence[CheckpointInfo]) -> tuple[CheckpointInfo | N
         why = info.reasons[-1] if info.reasons else info.status.value
         skipped.append((info.id, info.step, f"{info.status.value}: {why}"))
     return None, skipped
+
+
+def node_local_warning(store_is_local_disk: bool, hosts: Sequence[str]) -> str | None:
+    """The warning for a multi-host job that keeps its checkpoints on one node's disk, or None."""
+    distinct = sorted(set(hosts))
+    if not store_is_local_disk or len(distinct) < 2:
+        return None
+    return (f"this job spans {len(distinct)} hosts but its checkpoints go to a node-local folder: they die with "
+            "that node (a replaced node's disks are wiped) - use shared or object storage such as s3://")

@@ -16,6 +16,7 @@ import os
 import socket
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -108,8 +109,8 @@ class CheckpointManager:
         *,
         storage_options: dict[str, Any] | None = None,
         keep_last: int | None = None,
-        shard_bytes: int = 256 << 20,
-        io_workers: int = 4,
+        shard_bytes: int = 64 << 20,
+        io_workers: int = 8,
         guard: SDCGuard | None = None,
         report_timeout_s: float = 600.0,
     ) -> None:
@@ -133,6 +134,9 @@ class CheckpointManager:
         if guard is not None:
             guard.add_incident_listener(self._record_incident)
             self._reset_evidence()
+            warning = decisions.node_local_warning(self._store.is_local_disk, [t["host"] for t in guard.topology])
+            if warning and self.rank == 0:
+                warnings.warn(warning, stacklevel=2)
 
     # ------------------------------------------------------------------ save
     def save(

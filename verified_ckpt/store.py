@@ -33,6 +33,7 @@ from .manifest import SEGMENT
 from .shards import CHUNK, read_into
 
 MANIFEST = "manifest.json"
+UPLOAD_PART_BYTES = 16 << 20
 
 
 def utc_now() -> str:
@@ -118,6 +119,10 @@ class RunStore:
             raise StorageError(f"{what} at {self.url!r} failed ({type(e).__name__}: {str(e)[:200]}); "
                                "check that the store is reachable, then retry") from e
 
+    @property
+    def is_local_disk(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
     def _mkdir(self, path: str, exist_ok: bool = True) -> None:
         # Only a local disk needs parent folders. On object stores "directories"
         # are key prefixes, and s3fs's makedirs would create a missing *bucket*,
@@ -188,7 +193,10 @@ class RunStore:
         path = self._shard_path(cid, name)
         with self._io(f"writing shard {name} of {cid}", writing=True):
             self._mkdir(self.checkpoint_dir(cid), exist_ok=True)
-            with self.fs.open(path, "wb") as f:
+            # Object stores: a multipart part goes up whenever this much is buffered,
+            # so uploads stream while the writer is still producing bytes.
+            kwargs = {} if isinstance(self.fs, LocalFileSystem) else {"block_size": UPLOAD_PART_BYTES}
+            with self.fs.open(path, "wb", **kwargs) as f:
                 yield f
 
     def shard_size(self, cid: str, name: str) -> int:

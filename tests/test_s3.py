@@ -136,3 +136,31 @@ def test_server_stopped_mid_upload_leaves_nothing_committed(tmp_path):
         assert torch.equal(into["w"], torch.ones(1 << 18))
     finally:
         seaweed.stop(again)
+
+
+def test_transient_5xx_errors_are_retried_and_the_save_commits(s3_server, s3_bucket):
+    from flaky_proxy import FlakyProxy
+
+    port = int(s3_server.endpoint_url.rsplit(":", 1)[1])
+    puts = []
+
+    def every_other_put(method: str, path: str, n: int) -> bool:
+        # Every second PUT (shards, run.json, manifest) is answered 503 SlowDown the first time.
+        if method != "PUT":
+            return False
+        puts.append(path)
+        return len(puts) % 2 == 0
+
+    with FlakyProxy(port, every_other_put) as proxy:
+        opts = s3_server.storage_options()
+        opts["client_kwargs"] = {**opts["client_kwargs"], "endpoint_url": f"http://127.0.0.1:{proxy.port}"}
+        s3fs.S3FileSystem.clear_instance_cache()
+        url = f"s3://{s3_bucket}/flaky"
+        mgr = CheckpointManager(url, storage_options=opts, shard_bytes=1 << 20)
+        state = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(4)}
+        info = mgr.save(1, state)
+        assert proxy.injected >= 3
+    s3fs.S3FileSystem.clear_instance_cache()
+    direct = CheckpointManager(url, storage_options=s3_server.storage_options())
+    assert [i.id for i in direct.list()] == [info.id]
+    assert [r.ok for r in direct.verify()] == [True]

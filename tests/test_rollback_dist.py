@@ -131,3 +131,46 @@ def test_async_saves_commit_the_same_verified_checkpoints(tmp_path):
     assert [i.manifest.state_fingerprint for i in a] == [i.manifest.state_fingerprint for i in b]
     assert not any(n.startswith("rank-") for c in os.listdir(os.path.join(run, "checkpoints"))
                    for n in os.listdir(os.path.join(run, "checkpoints", c)))
+
+
+def kill_rank_1_mid_save(rank: int, world: int, run: str, blocking: bool) -> dict:
+    import signal
+
+    from verified_ckpt import StorageError
+    from verified_ckpt import manager as manager_mod
+
+    model = DDP(ddp_train.build_model(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig(audit_every=1, consensus_every=1000))
+    mgr = CheckpointManager(run, guard=guard, shard_bytes=4096, report_timeout_s=10)
+    state = {"model": model.module, "optim": opt}
+    for step in (1, 2):
+        guard.backward(ddp_train.make_batch(0, step, rank), step=step)
+        guard.step()
+        opt.zero_grad()
+        if step == 2 and rank == 1:
+            real = manager_mod.write_shard
+
+            def die_mid_write(f, items, metadata=None):
+                f.write(b"partial")
+                os.kill(os.getpid(), signal.SIGKILL)
+                return real(f, items, metadata)
+
+            manager_mod.write_shard = die_mid_write
+        try:
+            out = mgr.save(step, state, blocking=blocking)
+            if not blocking:
+                mgr.wait()
+        except (StorageError, RuntimeError) as e:  # a dead peer: gloo errors, or rank 0 times out waiting
+            return {"failed_at": step, "error": type(e).__name__}
+    return {"failed_at": None, "id": out.id if blocking else None}
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["sync", "async"])
+def test_sigkill_of_a_non_zero_rank_mid_save_commits_nothing(tmp_path, blocking):
+    run = str(tmp_path / "run")
+    got = run_ranks(kill_rank_1_mid_save, 3, run, blocking, killed=frozenset({1}), timeout=120)
+    assert got[1] is None and got[0]["failed_at"] == 2
+    infos = CheckpointManager(run).list()
+    assert [(i.step, i.status) for i in infos] == [(1, Status.RESTORABLE)]
+    assert CheckpointManager(run).rollback_target()[0].step == 1

@@ -215,27 +215,32 @@ def _start_once(root: Path, timeout: float, extra: tuple = ()) -> SeaweedHandle:
                                 "AWS_ACCESS_KEY_ID": ACCESS_KEY,
                                 "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
                                 "AWS_DEFAULT_REGION": REGION})
+    return _wait_ready(handle, t0, timeout)
+
+
+def _wait_ready(handle: SeaweedHandle, t0: float, timeout: float) -> SeaweedHandle:
+    """Poll until S3 round-trips work; a port race or an early exit raises at once."""
     deadline = t0 + timeout
     err = None
     while True:
-        rc = proc.poll()
+        rc = handle.proc.poll()
         if rc is not None:
-            out = log_path.read_text(errors="replace")[-4000:]
+            out = handle.log_path.read_text(errors="replace")[-4000:]
             # weed checks its ports itself and exits 1 at once if one is taken
             # ("Port allocation failed: port N for S3 ... is not available")
             if "Port allocation failed" in out or "already in use" in out:
                 raise _PortRace(out)
             raise RuntimeError(f"weed mini exited with {rc}:\n{out}")
         try:
-            if _http_up(url):
-                _probe(url)
+            if _http_up(handle.endpoint_url):
+                _probe(handle.endpoint_url)
                 handle.startup_s = time.monotonic() - t0
                 return handle
         except Exception as e:  # not ready yet
             err = e
         if time.monotonic() > deadline:
             stop(handle)
-            out = log_path.read_text(errors="replace")[-4000:]
+            out = handle.log_path.read_text(errors="replace")[-4000:]
             raise TimeoutError(f"weed mini not ready after {timeout}s "
                                f"(last error: {err!r}):\n{out}")
         time.sleep(0.1)
@@ -276,18 +281,4 @@ def restart(handle: SeaweedHandle, timeout: float = 30.0) -> SeaweedHandle:
                                 preexec_fn=_pdeathsig())
     again = SeaweedHandle(handle.endpoint_url, handle.access_key, handle.secret_key, handle.region, proc,
                           handle.ports, handle.data_dir, handle.log_path, handle.cmd, 0.0, env=handle.env)
-    deadline = t0 + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"weed mini exited with {proc.returncode} on restart")
-        try:
-            if _http_up(again.endpoint_url):
-                _probe(again.endpoint_url)
-                again.startup_s = time.monotonic() - t0
-                return again
-        except Exception:  # noqa: BLE001 - not ready yet
-            pass
-        if time.monotonic() > deadline:
-            stop(again)
-            raise TimeoutError(f"weed mini not ready {timeout}s after restart")
-        time.sleep(0.1)
+    return _wait_ready(again, t0, timeout)

@@ -97,9 +97,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _incident(e: SilentCorruptionDetected) -> dict[str, Any]:
-    inc = e.incident
-    return {"kind": inc.kind, "ranks": inc.ranks, "hosts": inc.exclude_hosts, "first_suspect_step": inc.first_suspect_step,
-            "detected_step": inc.detected_step, "detail": inc.detail}
+    d = e.incident.to_dict()
+    return {"kind": d["kind"], "ranks": d["ranks"], "hosts": d["exclude_hosts"], "first_suspect_step": d["first_suspect_step"],
+            "detected_step": d["detected_step"], "detail": d["detail"]}
 
 
 def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -61,7 +61,6 @@ def main() -> None:
         fig["fingerprint_s"] = timeit(lambda: tensor_fingerprint(big), args.repeats)
         view = memoryview(big.numpy()).cast("B")
         fig["sha256_s"] = timeit(lambda: hashlib.sha256(view).digest(), max(1, args.repeats - 2))
-        del view
 
         # -- save: torch.save vs verified save, alternating so both see the same page-cache state
         pt = os.path.join(scratch, "state.pt")

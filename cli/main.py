@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+from rich.markup import escape
 
 from verified_ckpt import (
     CheckpointManager,
@@ -77,7 +78,8 @@ def run_command(fn: Callable[..., int | None]) -> Callable[..., None]:
             mgr = CheckpointManager(run, storage_options=parse_storage_options(storage_options))
             code = fn(mgr, out, **kwargs) or EXIT_OK
         except VerifiedCkptError as e:
-            out.err.print(f"[red]error:[/] {e}", markup=True, highlight=False)
+            # Messages quote lists and paths such as "[0, 1]": escape them so rich shows them verbatim.
+            out.err.print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
             code = exit_code_for(e)
         sys.exit(code)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import tempfile
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -27,13 +28,15 @@ import fsspec
 import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
-from .errors import CheckpointNotFound, InvalidRunURL, StorageError, VerifiedCkptError
+from .errors import CheckpointNotFound, CorruptCheckpoint, InvalidRunURL, StorageError, VerifiedCkptError
 from .manifest import SEGMENT
 from .shards import CHUNK, read_into
 
 MANIFEST = "manifest.json"
 UPLOAD_PART_BYTES = 16 << 20
+STREAM_BYTES = 8 << 20  # one ranged read of a remote shard on restore
 
 
 def utc_now() -> str:
@@ -210,7 +213,8 @@ class RunStore:
         the page cache is the buffer, so the only copy made is the one into
         the caller's objects. Callers never hand out views of the mapping,
         and re-check fingerprints after copying, so a file changed under the
-        mapping cannot slip through. Other stores stream into a private buffer.
+        mapping cannot slip through. Remote shards are staged the same way
+        (``_read_staged``); ``memory://`` is read into a private buffer.
         """
         path = self._shard_path(cid, name)
         with self._io(f"reading shard {name} of {cid}"):
@@ -221,8 +225,38 @@ class RunStore:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)  # read-only array: we only ever read it
                     return torch.from_numpy(arr)
+            if not isinstance(self.fs, MemoryFileSystem) and size > 0:
+                return self._read_staged(path, size, on_chunk)
             with self.fs.open(path, "rb") as f:
                 return read_into(f, size, on_chunk)
+
+    def _read_staged(self, path: str, size: int, on_chunk: Callable[[memoryview], None]) -> torch.Tensor:
+        """Stream a remote shard through one small buffer into an unlinked local file, then map it.
+
+        The verified bytes then live in the page cache (reclaimable), not on
+        the heap: a restore holds about the state plus the chunks in flight,
+        not a second copy of the whole checkpoint. The file has no name, so
+        nothing is left behind whatever happens.
+        """
+        chunk = bytearray(STREAM_BYTES)
+        view = memoryview(chunk)
+        with tempfile.TemporaryFile(prefix="vckpt-restore-") as tmp, \
+                self.fs.open(path, "rb", block_size=STREAM_BYTES) as f:
+            got = 0
+            while got < size:
+                n = f.readinto(view[: min(STREAM_BYTES, size - got)])
+                if not n:
+                    raise CorruptCheckpoint(f"file ended after {got} of {size} bytes")
+                on_chunk(view[:n])
+                tmp.write(view[:n])
+                got += n
+            if f.read(1):
+                raise CorruptCheckpoint(f"file is longer than the {size} bytes recorded")
+            tmp.flush()
+            arr = np.memmap(tmp, dtype=np.uint8, mode="r", shape=(size,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only array: we only ever read it
+            return torch.from_numpy(arr)
 
     def delete_checkpoint(self, cid: str) -> None:
         """Uncommit first (manifest), then remove shards: a crash in between leaves only orphans."""

@@ -98,8 +98,8 @@ def main() -> None:
 def list_cmd(mgr: CheckpointManager, out: Output, restorable: bool) -> int:
     """List committed checkpoints, oldest first."""
     infos = mgr.list()
-    if not infos and not mgr.exists():
-        mgr.get(0)  # raises RunNotFound with the standard message
+    if not infos:
+        mgr.require_run()
     if restorable:
         infos = [i for i in infos if i.status is Status.RESTORABLE]
     rows = [i.to_dict() for i in infos]
@@ -198,8 +198,7 @@ def _incident_row(rec: dict[str, Any]) -> dict[str, Any]:
 @run_command
 def incidents_cmd(mgr: CheckpointManager, out: Output) -> int:
     """List incidents and the hosts to exclude from scheduling."""
-    if not mgr.exists():
-        mgr.get(0)  # raises RunNotFound
+    mgr.require_run()
     rows = [_incident_row(r) for r in mgr.incidents()]
 
     def human(console: Any) -> None:

@@ -411,7 +411,7 @@ class CheckpointManager:
             raise InvalidState(f"--to-step {to_step} is before --from-step {from_step}; give an interval in order")
         if not reason or not reason.strip():
             raise InvalidState("a reason is required: say why these steps are flagged (--reason TEXT)")
-        self._require_run()
+        self.require_run()
         infos = self.list()
         topo = next((i.manifest.topology for i in reversed(infos) if i.manifest), {"ranks": []})
         by_rank = {r.get("rank"): r for r in topo.get("ranks", []) if isinstance(r, dict)}
@@ -441,7 +441,7 @@ class CheckpointManager:
         """
         target, skipped = self.rollback_target()
         if target is None:
-            self._require_run()
+            self.require_run()
             why = "; ".join(f"{cid} (step {st}) {w}" for cid, st, w in skipped[:3]) or "the run has no checkpoint"
             raise CheckpointNotRestorable(f"no restorable checkpoint to roll back to in {self.url}: {why}")
         if not dry_run:
@@ -500,12 +500,13 @@ class CheckpointManager:
             found = decisions.newest(infos, set(Status), step=int(ref))
             if found:
                 return found
-        self._require_run()
+        self.require_run()
         have = sorted({i.step for i in infos})
         shown = ", ".join(map(str, have[-10:])) or "none"
         raise CheckpointNotFound(f"no checkpoint {ref!r} in {self.url}; steps present: {shown} (`vckpt list {self.url}`)")
 
-    def _require_run(self) -> None:
+    def require_run(self) -> None:
+        """Raise :class:`RunNotFound` unless something of a run is stored at the URL."""
         if not self._store.exists():
             raise RunNotFound(f"no run at {self.url}: nothing is stored there; check the URL or save a checkpoint first")
 
@@ -565,7 +566,7 @@ class CheckpointManager:
         if step is None:
             found = decisions.newest(infos, allowed)
             if found is None:
-                self._require_run()
+                self.require_run()
                 if not infos:
                     raise CheckpointNotFound(f"run {self.url} has no committed checkpoint; save one first")
                 newest = infos[-1]
@@ -747,7 +748,7 @@ class CheckpointManager:
         """
         if grace_s < 0:
             raise InvalidState(f"--grace must be >= 0 seconds, got {grace_s}")
-        self._require_run()
+        self.require_run()
         now = time.time()
         removed = []
         for cid, files in sorted(self._store.checkpoint_files().items()):
@@ -792,7 +793,7 @@ class CheckpointManager:
             if not infos:
                 self.get(step)  # raises a helpful CheckpointNotFound
         elif not infos:
-            self._require_run()
+            self.require_run()
         results = []
         for info in infos:
             if info.manifest is None:

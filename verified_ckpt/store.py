@@ -63,6 +63,13 @@ def _modified(info: dict[str, Any]) -> float | None:
     return None
 
 
+def _mapped(arr: np.memmap) -> torch.Tensor:
+    """A uint8 tensor over a read-only mapping (torch warns about read-only arrays; we only ever read it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
+
+
 class RunStore:
     """A run's objects on one fsspec filesystem.
 
@@ -222,9 +229,7 @@ class RunStore:
                 arr = np.memmap(self.fs._strip_protocol(path), dtype=np.uint8, mode="r", shape=(size,))
                 for start in range(0, size, CHUNK):
                     on_chunk(memoryview(arr[start : start + CHUNK]))
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)  # read-only array: we only ever read it
-                    return torch.from_numpy(arr)
+                return _mapped(arr)
             if not isinstance(self.fs, MemoryFileSystem) and size > 0:
                 return self._read_staged(path, size, on_chunk)
             with self.fs.open(path, "rb") as f:
@@ -254,9 +259,7 @@ class RunStore:
                 raise CorruptCheckpoint(f"file is longer than the {size} bytes recorded")
             tmp.flush()
             arr = np.memmap(tmp, dtype=np.uint8, mode="r", shape=(size,))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only array: we only ever read it
-            return torch.from_numpy(arr)
+        return _mapped(arr)
 
     def delete_checkpoint(self, cid: str) -> None:
         """Uncommit first (manifest), then remove shards: a crash in between leaves only orphans."""

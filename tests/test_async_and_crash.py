@@ -30,6 +30,23 @@ def test_async_save_snapshots_then_commits_in_the_background(local_url):
     assert mgr.wait() is None  # nothing pending
 
 
+def test_back_to_back_async_saves_each_keep_their_own_values(local_url):
+    """Host buffers are reused between non-blocking saves; no save may see a later save's values."""
+    mgr = CheckpointManager(local_url, shard_bytes=1 << 12)  # several shards per save
+    live = {"a": torch.arange(4096.0), "b": torch.arange(2048, dtype=torch.int64), "c": torch.ones(3, 5).t()}
+    expected = {}
+    for step in range(1, 5):
+        expected[step] = state_fingerprint(live)
+        mgr.save(step, live, blocking=False)  # waits for the previous one, then overwrites its buffers
+        for t in live.values():
+            t.mul_(3).add_(1)  # training mutates the live tensors at once
+    mgr.wait()
+    assert {i.step: i.manifest.state_fingerprint for i in mgr.list()} == {s: str(f) for s, f in expected.items()}
+    into = {"a": torch.zeros(4096), "b": torch.zeros(2048, dtype=torch.int64), "c": torch.zeros(5, 3)}
+    mgr.restore(into, step=2, allow_unverified=True)
+    assert torch.equal(into["a"], torch.arange(4096.0) * 3 + 1)
+
+
 def test_a_failed_background_save_surfaces_and_never_commits(local_url, monkeypatch):
     mgr = CheckpointManager(local_url)
     mgr.save(1, {"w": torch.ones(4)})

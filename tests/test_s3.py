@@ -113,11 +113,11 @@ def test_server_stopped_mid_upload_leaves_nothing_committed(tmp_path):
     real = store_mod.RunStore.open_shard_for_write
     calls = {"n": 0}
 
-    def stop_after_first_shard(self, cid, name):
+    def stop_after_first_shard(self, cid, name, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
             seaweed.stop(handle)
-        return real(self, cid, name)
+        return real(self, cid, name, **kw)
 
     store_mod.RunStore.open_shard_for_write = stop_after_first_shard
     try:
@@ -203,3 +203,12 @@ def test_restore_from_s3_holds_about_the_state_not_a_second_copy(s3, s3_server):
     assert proc.returncode == 0, proc.stderr[-2000:]
     growth_mib = int(proc.stdout.strip().splitlines()[-1])
     assert growth_mib < 96, f"restore grew anonymous memory by {growth_mib} MiB for a 192 MiB checkpoint"
+
+
+@pytest.mark.parametrize("size", [0, 1, 64 << 20, 78 << 30, 500 << 30])
+def test_multipart_parts_stay_within_s3_limits(size):
+    from verified_ckpt.store import MAX_PARTS, UPLOAD_PART_BYTES, part_bytes
+
+    part = part_bytes(size)
+    assert part >= UPLOAD_PART_BYTES >= 5 << 20  # S3's minimum part size (all but the last part)
+    assert -(-(size + (1 << 20)) // part) <= MAX_PARTS  # a shard plus a 1 MiB header fits in the part budget

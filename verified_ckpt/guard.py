@@ -44,6 +44,7 @@ from . import decisions
 from .errors import GuardUsageError, SilentCorruptionDetected
 from .faults import FaultPlan
 from .fingerprint import tensor_lanes
+from .history import NO_RANK, Event
 from .manifest import Incident
 
 _EPS32 = 2.0**-24
@@ -70,6 +71,9 @@ class GuardConfig:
             about W/2 times the all-reduce traffic; not needed for bitwise resume, which
             :meth:`SDCGuard.prepare_resume` handles with one warm-up iteration.
         seed: seed of the checksum projections (identical on every rank).
+        ledger_rank_rows: up to this world size the ledger gets one row per rank per step;
+            above it, one job-wide row per step (mean loss, largest local gradient norm)
+            plus rows for the ranks a failed check names, so the ledger grows with steps, not ranks.
         faults: fault-injection specs ``SITE:RANK:STEP[:MODE]`` (testing only).
     """
 
@@ -82,6 +86,7 @@ class GuardConfig:
     outlier_factor: float = 4.0
     fixed_order_reduce: bool = False
     seed: int = 0
+    ledger_rank_rows: int = 64
     faults: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -193,6 +198,7 @@ class SDCGuard:
         self.checks: dict[str, CheckCounts] = {}
         self.incidents: list[Incident] = []
         self._listeners: list[Callable[[Incident], None]] = []
+        self._event_listeners: list[Callable[[list[Event]], None]] = []
         self.fixed_order = bool(self.cfg.fixed_order_reduce)
         self._ran_backward = False
         self._warmup_pending = False
@@ -452,6 +458,7 @@ class SDCGuard:
             gathered = self._gather_step_stats()
             self._check_nonfinite(s, gathered)
             self._check_checksum(s, gathered)
+            self._emit(lambda: self._step_events(s, gathered, []))
             suspects = decisions.outliers([math.sqrt(max(x["sumsq"], 0.0)) for x in gathered], self.cfg.outlier_factor)
             scheduled = self.cfg.audit_every is not None and s % self.cfg.audit_every == 0
             if self.world >= 2 and (scheduled or suspects or self._audit_requested):
@@ -504,9 +511,12 @@ class SDCGuard:
             return c.last_pass
         return (self._start if self._start is not None else 0) - 1
 
-    def _fail(self, kind: str, step: int, ranks: list[int], detail: str, first_suspect: int | None = None) -> None:
+    def _fail(self, kind: str, step: int, ranks: list[int], detail: str, first_suspect: int | None = None,
+              events: Callable[[], list[Event]] | None = None) -> None:
         c = self.checks.setdefault(kind, CheckCounts())
         c.failed += 1
+        if events is not None:
+            self._emit(events)  # the failed check's own rows reach the ledger before the incident
         inc = Incident(
             kind=kind, detected_step=step,
             first_suspect_step=step if first_suspect is None else first_suspect,
@@ -520,6 +530,31 @@ class SDCGuard:
     def add_incident_listener(self, fn: Callable[[Incident], None]) -> None:
         """Call ``fn(incident)`` on every rank whenever a check fails (before raising)."""
         self._listeners.append(fn)
+
+    def add_event_listener(self, fn: Callable[[list[Event]], None]) -> None:
+        """Call ``fn(events)`` with the ledger rows of every check this rank runs."""
+        self._event_listeners.append(fn)
+
+    def _emit(self, build: Callable[[], list[Event]]) -> None:
+        if not self._event_listeners:
+            return  # ranks without a ledger build no rows
+        events = build()
+        for fn in self._event_listeners:
+            fn(events)
+
+    def _step_events(self, s: int, gathered: list[dict[str, Any]], failed: Sequence[int]) -> list[Event]:
+        bad = set(failed) if failed else set(range(self.world)) if failed is None else set()
+
+        def row(r: int) -> Event:
+            x = gathered[r]
+            return Event(s, "step", r, "fail" if r in bad else "pass", x["lanes"], x["loss"], math.sqrt(max(x["sumsq"], 0.0)))
+
+        if self.world <= self.cfg.ledger_rank_rows:
+            return [row(r) for r in range(self.world)]
+        norms = [math.sqrt(max(x["sumsq"], 0.0)) for x in gathered]
+        summary = Event(s, "step", NO_RANK, "fail" if bad else "pass", (0, 0),
+                        sum(x["loss"] for x in gathered) / self.world, max(norms))
+        return [summary] + [row(r) for r in sorted(bad)]
 
     def counters(self) -> dict[str, dict[str, Any]]:
         """A snapshot of every check's pass/fail counts and last passing step."""
@@ -535,13 +570,15 @@ class SDCGuard:
         # on huge finite values, which belong to the audit.
         bad_local = [r for r, x in enumerate(gathered) if not all(math.isfinite(v) for v in x["proj"])]
         if bad_local:
-            self._fail("nonfinite_local", s, bad_local, "NaN/Inf in local gradients before the all-reduce")
+            self._fail("nonfinite_local", s, bad_local, "NaN/Inf in local gradients before the all-reduce",
+                       events=lambda: self._step_events(s, gathered, bad_local))
         self._passed("nonfinite_local", s)
         bad_avg = [r for r, x in enumerate(gathered) if not all(math.isfinite(v) for v in x["avg_proj"])]
         if bad_avg:
             # Local gradients were finite, so the averaging itself produced the value.
-            self._fail("nonfinite_averaged", s, bad_avg if len(bad_avg) < self.world else [],
-                       "NaN/Inf in averaged gradients although every local gradient was finite")
+            named = bad_avg if len(bad_avg) < self.world else []
+            self._fail("nonfinite_averaged", s, named, "NaN/Inf in averaged gradients although every local gradient was finite",
+                       events=lambda: self._step_events(s, gathered, named or None))
         self._passed("nonfinite_averaged", s)
 
     def checksum_bound(self, gathered: list[dict[str, Any]]) -> float:
@@ -566,8 +603,9 @@ class SDCGuard:
         bad = decisions.checksum_suspects([x["proj"] for x in gathered], [x["avg_proj"] for x in gathered],
                                           [bound] * self.cfg.checksum_lanes)
         if bad:
-            self._fail("checksum", s, bad if len(bad) < self.world else [],
-                       f"all-reduced gradients do not match the local ones (bound {bound:.3g})")
+            named = bad if len(bad) < self.world else []
+            self._fail("checksum", s, named, f"all-reduced gradients do not match the local ones (bound {bound:.3g})",
+                       events=lambda: self._step_events(s, gathered, named or None))
         self._passed("checksum", s)
 
     # --------------------------------------------------------------- audit
@@ -633,7 +671,15 @@ class SDCGuard:
                     jobs[a] = t
         results = self._recompute_round(jobs, batches)
         disputes = [(a, t) for a, t in jobs.items() if not self._same(results[a], gathered[t])]
+
+        def audit_events(disputed: set[int]) -> list[Event]:
+            # One row per audited rank: the auditor's recomputed loss and gradient lanes.
+            # Who is to blame is the incident's business (tie-breaks can name the auditor).
+            return [Event(s, "audit", t, "fail" if t in disputed else "pass", results[a]["lanes"], results[a]["loss"])
+                    for a, t in sorted(jobs.items(), key=lambda j: j[1])]
+
         if not disputes:
+            self._emit(lambda: audit_events(set()))
             self._passed("audit", s)
             return
         suspects: set[int] = set()
@@ -651,7 +697,8 @@ class SDCGuard:
             suspects |= {named[r] for r in roles}
             details.append(f"rank {a} recomputed rank {t}'s microbatch and disagreed; "
                            + (f"rank {b} broke the tie: {verdict} is wrong" if b is not None else "no third rank to break the tie"))
-        self._fail("audit", s, sorted(suspects), "; ".join(details), first_suspect=self._last_pass("audit") + 1)
+        self._fail("audit", s, sorted(suspects), "; ".join(details), first_suspect=self._last_pass("audit") + 1,
+                   events=lambda: audit_events({t for _, t in disputes}))
 
     def _tolerance_verdict(self, owner: dict, auditor: dict, third: dict | None) -> tuple[str, list[str]]:
         if third is None:
@@ -690,9 +737,16 @@ class SDCGuard:
         rows = torch.stack(self._all_gather(mine)).cpu().tolist()
         fps = ["".join(f"{v & (2**64 - 1):016x}" for v in row) for row in rows]
         unanimous, _, suspects = decisions.vote(fps)
+
+        def consensus_events() -> list[Event]:
+            bad = set(suspects) if suspects or unanimous else set(range(self.world))
+            return [Event(step, "consensus", r, "fail" if r in bad else "pass", tuple(row)) for r, row in enumerate(rows)]
+
         if not unanimous:
             detail = "replica fingerprints disagree: " + ", ".join(f"rank {r} {fp[:12]}" for r, fp in enumerate(fps))
-            self._fail("consensus", step, suspects, detail, first_suspect=self._last_pass("consensus") + 1)
+            self._fail("consensus", step, suspects, detail, first_suspect=self._last_pass("consensus") + 1,
+                       events=consensus_events)
+        self._emit(consensus_events)
         self._passed("consensus", step)
         return fps
 

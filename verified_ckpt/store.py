@@ -27,6 +27,9 @@ from typing import Any, BinaryIO
 import fsspec
 import numpy as np
 import torch
+import zarr
+import zarr.abc.store
+import zarr.storage
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
@@ -35,8 +38,15 @@ from .manifest import SEGMENT
 from .shards import CHUNK, read_into
 
 MANIFEST = "manifest.json"
-UPLOAD_PART_BYTES = 16 << 20
+LEDGER = "ledger.zarr"
+UPLOAD_PART_BYTES = 8 << 20  # multipart part size; matches shards.WRITE_CHUNK
+MAX_PARTS = 10_000  # S3's limit on parts per multipart upload
 STREAM_BYTES = 8 << 20  # one ranged read of a remote shard on restore
+
+
+def part_bytes(size_hint: int) -> int:
+    """Multipart part size for a shard of about ``size_hint`` bytes (headroom for the header)."""
+    return max(UPLOAD_PART_BYTES, -(-size_hint // (MAX_PARTS - 100)))
 
 
 def utc_now() -> str:
@@ -129,6 +139,21 @@ class RunStore:
             raise StorageError(f"{what} at {self.url!r} failed ({type(e).__name__}: {str(e)[:200]}); "
                                "check that the store is reachable, then retry") from e
 
+    def guarded(self, what: str, writing: bool = False) -> contextlib.AbstractContextManager[None]:
+        """The same one-line error mapping for I/O done through another library (zarr)."""
+        return self._io(what, writing)
+
+    def ledger_store(self, read_only: bool) -> zarr.abc.store.Store:
+        """The zarr store of ``<run>/ledger.zarr``, on the run's own filesystem and credentials."""
+        path = self._join(LEDGER)
+        if isinstance(self.fs, LocalFileSystem):
+            return zarr.storage.LocalStore(path, read_only=read_only)
+        return zarr.storage.FsspecStore.from_mapper(self.fs.get_mapper(path), read_only=read_only)
+
+    def has_ledger(self) -> bool:
+        with self._io("looking for the ledger"):
+            return bool(self.fs.exists(self._join(LEDGER, "zarr.json")))
+
     @property
     def is_local_disk(self) -> bool:
         return isinstance(self.fs, LocalFileSystem)
@@ -199,13 +224,15 @@ class RunStore:
             self.fs.pipe_file(path, data)
 
     @contextlib.contextmanager
-    def open_shard_for_write(self, cid: str, name: str) -> Iterator[BinaryIO]:
+    def open_shard_for_write(self, cid: str, name: str, size_hint: int = 0) -> Iterator[BinaryIO]:
+        """Open a shard for streaming writes; ``size_hint`` (expected bytes) sizes multipart parts."""
         path = self._shard_path(cid, name)
         with self._io(f"writing shard {name} of {cid}", writing=True):
             self._mkdir(self.checkpoint_dir(cid), exist_ok=True)
             # Object stores: a multipart part goes up whenever this much is buffered,
-            # so uploads stream while the writer is still producing bytes.
-            kwargs = {} if isinstance(self.fs, LocalFileSystem) else {"block_size": UPLOAD_PART_BYTES}
+            # so uploads stream while the writer is still producing bytes. Parts grow
+            # only for shards that would otherwise exceed S3's part-count limit.
+            kwargs = {} if isinstance(self.fs, LocalFileSystem) else {"block_size": part_bytes(size_hint)}
             with self.fs.open(path, "wb", **kwargs) as f:
                 yield f
 

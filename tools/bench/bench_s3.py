@@ -66,6 +66,7 @@ def main() -> None:
                 mgr.wait()
         finally:
             seaweed.stop(handle)
+    print("async blocking times:", " ".join(f"{t:.3f}" for t in async_block_t))
     boto, save, block = statistics.median(boto_t), statistics.median(save_t), statistics.median(async_block_t)
     mib = nbytes / (1 << 20)
     print(f"SeaweedFS on loopback, {mib:.0f} MiB state in 16 tensors, shards of {args.shard_mib} MiB, "

@@ -1,0 +1,176 @@
+"""A run's check history as events, and the pure summaries built from it.
+
+The guard emits an :class:`Event` for every check it runs; rank 0's
+checkpoint manager appends them to the ledger (``ledger.py``). Everything
+here is pure: columns in, summaries out, so ``vckpt ledger``, ``vckpt
+report`` and ``vckpt verify`` share one reading of the history and the
+tests can drive it without a store.
+
+Rows of one check are appended together, so a *check* is a maximal run of
+consecutive rows with the same (step, kind): a step repeated after a
+rollback is a new check, not a merge with the old one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+# Codes are positions in these lists; the ledger stores both lists in its attributes.
+KINDS = ["step", "audit", "consensus", "save", "incident", "restore"]
+VERDICTS = ["pass", "fail", "none"]
+NO_RANK = -1  # a job-wide row (a save, a restore, or a per-step summary of a large job)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One row of the ledger.
+
+    ``lanes`` are exact fingerprint lanes: the rank's local gradients for
+    ``step``, the recomputed gradients for ``audit`` (``rank`` = the audited
+    rank), the replica's weights and optimizer state for ``consensus``.
+    ``loss`` and ``grad_norm`` are NaN where they do not apply.
+    """
+
+    step: int
+    kind: str
+    rank: int
+    verdict: str
+    lanes: tuple[int, int] = (0, 0)
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    time: float = dataclasses.field(default_factory=time.time)
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """The ledger as numpy columns of equal length (what ``Ledger.read`` returns)."""
+
+    step: np.ndarray  # int64
+    kind: np.ndarray  # uint8, index into KINDS
+    rank: np.ndarray  # int32
+    verdict: np.ndarray  # uint8, index into VERDICTS
+    lanes: np.ndarray  # uint64 (n, 2)
+    loss: np.ndarray  # float64
+    grad_norm: np.ndarray  # float64
+    time: np.ndarray  # float64, seconds since the epoch
+
+    def __len__(self) -> int:
+        return int(self.step.shape[0])
+
+    @staticmethod
+    def of(events: Sequence[Event]) -> Columns:
+        return Columns(
+            step=np.array([e.step for e in events], dtype=np.int64),
+            kind=np.array([KINDS.index(e.kind) for e in events], dtype=np.uint8),
+            rank=np.array([e.rank for e in events], dtype=np.int32),
+            verdict=np.array([VERDICTS.index(e.verdict) for e in events], dtype=np.uint8),
+            lanes=np.array([[v & (2**64 - 1) for v in e.lanes] for e in events], dtype=np.uint64).reshape(-1, 2),
+            loss=np.array([e.loss for e in events], dtype=np.float64),
+            grad_norm=np.array([e.grad_norm for e in events], dtype=np.float64),
+            time=np.array([e.time for e in events], dtype=np.float64),
+        )
+
+
+def lanes_hex(lanes: Sequence[int]) -> str:
+    """The 32-hex-digit spelling the guard and manifests use for two lanes."""
+    return "".join(f"{int(v) & (2**64 - 1):016x}" for v in lanes)
+
+
+def checks(cols: Columns) -> list[dict[str, Any]]:
+    """Group rows into checks: consecutive rows with the same (step, kind), in ledger order."""
+    n = len(cols)
+    if n == 0:
+        return []
+    key_change = np.ones(n, dtype=bool)
+    key_change[1:] = (cols.step[1:] != cols.step[:-1]) | (cols.kind[1:] != cols.kind[:-1])
+    starts = np.flatnonzero(key_change).tolist() + [n]
+    out = []
+    fail = VERDICTS.index("fail")
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        verdicts = cols.verdict[lo:hi]
+        out.append({
+            "step": int(cols.step[lo]), "kind": KINDS[int(cols.kind[lo])], "rows": (lo, hi),
+            "failed": bool((verdicts == fail).any()),
+            "ranks": cols.rank[lo:hi].tolist(),
+            "failed_ranks": sorted({int(r) for r, v in zip(cols.rank[lo:hi], verdicts) if v == fail and r != NO_RANK}),
+        })
+    return out
+
+
+def summarize(cols: Columns) -> dict[str, Any]:
+    """What ``vckpt ledger`` reports: counts per kind, the last unanimous consensus,
+    the divergence points (every failed check), and the audits."""
+    groups = checks(cols)
+    counts: dict[str, dict[str, int]] = {}
+    for g in groups:
+        c = counts.setdefault(g["kind"], {"checks": 0, "failed": 0})
+        c["checks"] += 1
+        c["failed"] += int(g["failed"])
+    unanimous = [g["step"] for g in groups if g["kind"] == "consensus" and not g["failed"]]
+    return {
+        "rows": len(cols),
+        "steps": [int(cols.step.min()), int(cols.step.max())] if len(cols) else None,
+        "counts": counts,
+        "last_unanimous_consensus": unanimous[-1] if unanimous else None,
+        "divergence": [{"step": g["step"], "kind": g["kind"], "ranks": g["failed_ranks"]}
+                       for g in groups if g["failed"] and g["kind"] != "incident"],
+        "audits": [{"step": g["step"], "audited_ranks": sorted(set(g["ranks"])), "failed": g["failed"],
+                    "disputed_ranks": g["failed_ranks"]} for g in groups if g["kind"] == "audit"],
+    }
+
+
+def consensus_claim_problems(evidence: dict[str, Any], cols: Columns | None) -> list[str]:
+    """Why the ledger does not back a manifest's consensus claim (empty when it does).
+
+    A manifest that records a unanimous consensus at step s must find, in the
+    ledger, a consensus check at step s in which every claimed rank passed
+    with exactly the claimed fingerprint. Manifests without a claim need nothing.
+    """
+    claim = (evidence or {}).get("consensus") or {}
+    if not claim.get("unanimous"):
+        return []
+    step, fps = claim.get("step"), claim.get("fingerprints") or {}
+    if cols is None:
+        return [f"the manifest claims a unanimous consensus at step {step}, but the run has no ledger"]
+    passed = VERDICTS.index("pass")
+    for g in checks(cols):
+        if g["kind"] != "consensus" or g["step"] != step or g["failed"]:
+            continue
+        lo, hi = g["rows"]
+        seen = {int(cols.rank[i]): lanes_hex(cols.lanes[i].tolist()) for i in range(lo, hi)
+                if cols.verdict[i] == passed}
+        if all(seen.get(int(r)) == fp for r, fp in fps.items()):
+            return []
+    return [f"the manifest claims a unanimous consensus at step {step} over {len(fps)} replicas, "
+            "but the ledger records no such consensus"]
+
+
+def step_series(cols: Columns) -> dict[str, list[Any]]:
+    """Per step: the mean loss of its latest check, and whether every check of it ever agreed.
+
+    A step replayed after a rollback keeps its red mark: the report must still
+    show when the replicas stopped agreeing.
+    """
+    loss: dict[int, float | None] = {}
+    agree: dict[int, bool] = {}
+    for g in checks(cols):
+        if g["kind"] != "step":
+            continue
+        lo, hi = g["rows"]
+        vals = cols.loss[lo:hi]
+        vals = vals[np.isfinite(vals)]
+        loss[g["step"]] = float(vals.mean()) if vals.size else None
+        agree[g["step"]] = agree.get(g["step"], True) and not g["failed"]
+    steps = sorted(agree)
+    return {"step": steps, "loss": [loss[s] for s in steps], "agree": [agree[s] for s in steps]}
+
+
+def consensus_votes(cols: Columns) -> list[dict[str, Any]]:
+    return [{"step": g["step"], "unanimous": not g["failed"], "suspects": g["failed_ranks"]}
+            for g in checks(cols) if g["kind"] == "consensus"]

@@ -1,0 +1,93 @@
+"""The audit ledger: every check event of a run, as zarr v3 arrays at ``<run>/ledger.zarr``.
+
+Rank 0 buffers events in memory and appends them in one batch per flush
+(the manager flushes at every save, every incident and every restore), so a
+crash loses at most the events since the last flush. Readers need nothing
+from this package: ``zarr.open_group(...)`` and the layout in
+``docs/LEDGER.md`` are enough.
+
+A flush appends to every array and only then advances the group attribute
+``rows``; a crash in between leaves arrays longer than ``rows``. Readers
+ignore rows past ``rows`` and the next writer truncates them, so an
+interrupted flush is invisible rather than half-visible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import zarr
+
+from .errors import CorruptCheckpoint
+from .history import KINDS, VERDICTS, Columns, Event
+from .store import RunStore
+
+CHUNK_ROWS = 16384
+MAX_BUFFERED = 65536  # flush early beyond this many rows, bounding rank 0's memory
+SCHEMA = 1
+_FIELDS = [f.name for f in dataclasses.fields(Columns)]
+
+
+class Ledger:
+    """Rank 0's appender of ``<run>/ledger.zarr``."""
+
+    def __init__(self, store: RunStore) -> None:
+        self._store = store
+        self._buffer: list[Event] = []
+        self._lock = threading.Lock()  # events arrive on the training thread; flushes may come from a save
+
+    def append(self, events: Sequence[Event]) -> None:
+        with self._lock:
+            self._buffer.extend(events)
+            full = len(self._buffer) >= MAX_BUFFERED
+        if full:
+            self.flush()
+
+    @property
+    def pending(self) -> int:
+        return len(self._buffer)
+
+    def flush(self) -> None:
+        """Write the buffered events; on failure they stay buffered for the next flush."""
+        with self._lock:
+            if not self._buffer:
+                return
+            cols = Columns.of(self._buffer)
+            with self._store.guarded("writing the ledger", writing=True):
+                group = zarr.open_group(store=self._store.ledger_store(read_only=False), mode="a", zarr_format=3)
+                if "rows" not in group.attrs:
+                    _create(group)
+                rows = int(group.attrs["rows"])
+                for name in _FIELDS:
+                    arr = group[name]
+                    if arr.shape[0] != rows:  # an interrupted flush: drop its rows
+                        arr.resize((rows, *arr.shape[1:]))
+                    arr.append(getattr(cols, name))
+                group.attrs["rows"] = rows + len(cols)
+            self._buffer.clear()
+
+
+def _create(group: zarr.Group) -> None:
+    for name in _FIELDS:
+        sample = getattr(Columns.of([]), name)
+        shape = (0, 2) if name == "lanes" else (0,)
+        chunks = (CHUNK_ROWS, 2) if name == "lanes" else (CHUNK_ROWS,)
+        group.create_array(name, shape=shape, chunks=chunks, dtype=sample.dtype, fill_value=0)
+    group.attrs.update({"schema": SCHEMA, "kinds": KINDS, "verdicts": VERDICTS, "rows": 0,
+                        "doc": "verified-ckpt audit ledger; layout in docs/LEDGER.md"})
+
+
+def read_ledger(store: RunStore) -> Columns | None:
+    """The run's ledger as columns, or None if the run has none."""
+    if not store.has_ledger():
+        return None
+    with store.guarded("reading the ledger"):
+        group = zarr.open_group(store=store.ledger_store(read_only=True), mode="r", zarr_format=3)
+        if group.attrs.get("schema") != SCHEMA or group.attrs.get("kinds") != KINDS:
+            raise CorruptCheckpoint(f"the ledger of {store.url!r} has an unknown layout (schema "
+                                    f"{group.attrs.get('schema')!r}); read it with the verified-ckpt version that wrote it")
+        n = min([int(group.attrs["rows"])] + [group[name].shape[0] for name in _FIELDS])
+        return Columns(**{name: np.asarray(group[name][:n]) for name in _FIELDS})

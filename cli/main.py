@@ -22,11 +22,16 @@ from verified_ckpt import (
     CheckpointManager,
     CheckpointNotRestorable,
     CorruptCheckpoint,
+    InvalidState,
+    LedgerNotFound,
     ManifestError,
     Status,
     StorageError,
     VerifiedCkptError,
 )
+
+from verified_ckpt import history
+from verified_ckpt.report import render_html
 
 from .output import Output, human_size, status_text
 
@@ -146,11 +151,15 @@ def show_cmd(mgr: CheckpointManager, out: Output, step: str) -> int:
 
 @main.command("verify")
 @run_command
-@click.option("--step", type=int, default=None, help="Only this step (default: every checkpoint).")
-def verify_cmd(mgr: CheckpointManager, out: Output, step: int | None) -> int:
-    """Re-read checkpoints, recompute digests and fingerprints, and record the result."""
+@click.option("--step", type=int, default=None, help="Only this step.")
+@click.option("--all", "every", is_flag=True, help="Every checkpoint (the default without --step).")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Checkpoints verified at once.")
+def verify_cmd(mgr: CheckpointManager, out: Output, step: int | None, every: bool, jobs: int) -> int:
+    """Re-read checkpoints, recompute digests and fingerprints, cross-check the ledger, and record the result."""
+    if every and step is not None:
+        raise click.UsageError("give --step N or --all, not both")
     with out.progress(mgr.total_bytes(step), "verifying") as advance:
-        results = mgr.verify(step, progress=advance)
+        results = mgr.verify(step, jobs=jobs, progress=advance)
     rows = [r.to_dict() for r in results]
 
     def human(console: Any) -> None:
@@ -158,12 +167,65 @@ def verify_cmd(mgr: CheckpointManager, out: Output, step: int | None) -> int:
             mark = "[green]ok[/]" if r["ok"] else "[bold red]FAILED[/]"
             console.print(f"{mark}  step {r['step']}  {r['id']}")
             for p in r["problems"]:
-                console.print(f"      {p}")
+                console.print(f"      {escape(str(p))}")
         bad = sum(not r["ok"] for r in rows)
         console.print(f"{len(rows)} checked, {bad} failed")
 
     out.emit(rows, human)
     return EXIT_CHECK_FAILED if any(not r["ok"] for r in rows) else EXIT_OK
+
+
+@main.command("ledger")
+@run_command
+def ledger_cmd(mgr: CheckpointManager, out: Output) -> int:
+    """Summarise the run's check history: counts, last unanimous consensus, divergences, audits."""
+    mgr.require_run()
+    cols = mgr.ledger()
+    if cols is None:
+        raise LedgerNotFound(f"run {mgr.url} has no ledger: it was saved without an SDCGuard (the ledger records the guard's checks)")
+    summary = history.summarize(cols)
+
+    def human(console: Any) -> None:
+        span = summary["steps"]
+        console.print(f"{summary['rows']} events" + (f", steps {span[0]}..{span[1]}" if span else ""))
+        console.print(out.table("checks", ["kind", "checks", "failed"],
+                                [[k, c["checks"], c["failed"]] for k, c in summary["counts"].items()]))
+        last = summary["last_unanimous_consensus"]
+        console.print(f"last unanimous consensus: {'step ' + str(last) if last is not None else 'none'}")
+        if summary["divergence"]:
+            console.print(out.table("divergence points", ["step", "check", "ranks"],
+                                    [[d["step"], d["kind"], ",".join(map(str, d["ranks"])) or "unnamed"]
+                                     for d in summary["divergence"]]))
+        else:
+            console.print("no divergence recorded")
+        audits = summary["audits"]
+        shown = audits[-20:]
+        console.print(out.table(f"audits ({len(audits)}, last {len(shown)} shown)", ["step", "audited ranks", "result"],
+                                [[a["step"], ",".join(map(str, a["audited_ranks"])),
+                                  "disputed " + ",".join(map(str, a["disputed_ranks"])) if a["failed"] else "agreed"]
+                                 for a in shown]))
+
+    out.emit(summary, human)
+    return EXIT_OK
+
+
+@main.command("report")
+@run_command
+@click.option("--out", "dest", required=True, type=click.Path(dir_okay=False, writable=True), help="HTML file to write.")
+def report_cmd(mgr: CheckpointManager, out: Output, dest: str) -> int:
+    """Write a self-contained HTML picture of the run: timeline, checkpoints, incidents, rollback target."""
+    data = mgr.history_report()
+    page = render_html(data)
+    try:
+        with open(dest, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as e:
+        raise InvalidState(f"cannot write {dest!r}: {e.strerror}; choose a writable file path") from None
+    summary = {"out": dest, "checkpoints": len(data["checkpoints"]), "incidents": len(data["incidents"]),
+               "steps": len(data["steps"]["step"]), "rollback_target": data["rollback_target"]}
+    out.emit(summary, lambda c: c.print(f"wrote {dest}: {summary['steps']} steps, {summary['checkpoints']} checkpoints, "
+                                        f"{summary['incidents']} incidents"))
+    return EXIT_OK
 
 
 @main.command("flag")

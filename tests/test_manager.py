@@ -207,6 +207,17 @@ def test_verify_flags_nonfinite_values(local_url):
     assert mgr.list()[0].status is Status.SUSPECT
 
 
+def test_verify_does_not_flag_finite_values_whose_sum_overflows(local_url):
+    """The NaN/Inf scan's fast path is a sum; an overflowing sum must fall back to the exact check."""
+    mgr = CheckpointManager(local_url)
+    mgr.save(1, {"big": torch.full((10,), 3e38), "half": torch.full((100,), 60000.0, dtype=torch.float16),
+                 "inf_pair": torch.tensor([3e38, -3e38, 1.0])})
+    mgr.save(2, {"big": torch.full((10,), 3e38), "bad": torch.tensor([float("inf"), -float("inf")]).bfloat16()})
+    r1, r2 = mgr.verify()
+    assert r1.ok, r1.problems
+    assert not r2.ok and [p.kind for p in r2.problems] == ["nonfinite"] and "bad" in r2.problems[0].detail
+
+
 def test_unverified_is_refused_without_allow_unverified(url):
     mgr = CheckpointManager(url)
     mgr.save(1, {"w": torch.ones(3)})

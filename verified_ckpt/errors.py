@@ -20,6 +20,10 @@ class RunNotFound(VerifiedCkptError, FileNotFoundError):
     """No run exists at the URL."""
 
 
+class LedgerNotFound(VerifiedCkptError, FileNotFoundError):
+    """The run has no ledger (it was saved without an SDCGuard)."""
+
+
 class CheckpointNotFound(VerifiedCkptError, FileNotFoundError):
     """No committed checkpoint matches the request."""
 

@@ -152,7 +152,8 @@ def consensus_claim_problems(evidence: dict[str, Any], cols: Columns | None) -> 
 
 
 def step_series(cols: Columns) -> dict[str, list[Any]]:
-    """Per step: the mean loss of its latest check, and whether every check of it ever agreed.
+    """Per step: the mean loss of its latest per-step check, and whether every check
+    run at that step (per-step, audit, consensus) ever passed.
 
     A step replayed after a rollback keeps its red mark: the report must still
     show when the replicas stopped agreeing.
@@ -160,13 +161,15 @@ def step_series(cols: Columns) -> dict[str, list[Any]]:
     loss: dict[int, float | None] = {}
     agree: dict[int, bool] = {}
     for g in checks(cols):
-        if g["kind"] != "step":
+        if g["kind"] not in ("step", "audit", "consensus"):
             continue
-        lo, hi = g["rows"]
-        vals = cols.loss[lo:hi]
-        vals = vals[np.isfinite(vals)]
-        loss[g["step"]] = float(vals.mean()) if vals.size else None
         agree[g["step"]] = agree.get(g["step"], True) and not g["failed"]
+        if g["kind"] == "step":
+            lo, hi = g["rows"]
+            vals = cols.loss[lo:hi]
+            vals = vals[np.isfinite(vals)]
+            loss[g["step"]] = float(vals.mean()) if vals.size else None
+    agree = {st: ok for st, ok in agree.items() if st in loss}
     steps = sorted(agree)
     return {"step": steps, "loss": [loss[s] for s in steps], "agree": [agree[s] for s in steps]}
 
@@ -174,3 +177,41 @@ def step_series(cols: Columns) -> dict[str, list[Any]]:
 def consensus_votes(cols: Columns) -> list[dict[str, Any]]:
     return [{"step": g["step"], "unanimous": not g["failed"], "suspects": g["failed_ranks"]}
             for g in checks(cols) if g["kind"] == "consensus"]
+
+
+def redact_url(url: str) -> str:
+    """A run URL fit for a report: any ``user:password@`` part is dropped."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest.split("/", 1)[0]:
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: Sequence[dict[str, Any]],
+                incidents: Sequence[dict[str, Any]], answered: Sequence[bool],
+                target: dict[str, Any] | None) -> dict[str, Any]:
+    """The input of ``report.render_html``: the ledger's per-step series and votes, checkpoints
+    with their derived status, incidents' flagged intervals, and the rollback target."""
+    empty = Columns.of([])
+    cols = cols if cols is not None else empty
+    return {
+        "run": redact_url(run),
+        "generated_at": generated_at,
+        "steps": step_series(cols),
+        "consensus": consensus_votes(cols),
+        "checkpoints": [{"id": c["id"], "step": c["step"], "status": c["status"]} for c in checkpoints],
+        # An answered open-ended interval ends where it was detected: the rollback
+        # abandoned that stretch, and later steps belong to the new lineage.
+        "incidents": [{
+            "kind": str(i.get("kind", "")), "from_step": int(i["first_suspect_step"]),
+            "to_step": i.get("to_step") if i.get("to_step") is not None or not a else i.get("detected_step"),
+            "detected_step": int(i.get("detected_step", i["first_suspect_step"])),
+            "ranks": [int(r) for r in i.get("ranks", [])],
+            "hosts": sorted({str(h.get("host")) for h in i.get("hosts", []) if isinstance(h, dict) and h.get("host")}),
+            "detail": str(i.get("reason") or i.get("detail") or ""), "answered": bool(a),
+        } for i, a in zip(incidents, answered)],
+        "rollback_target": target,
+        # A rollback answers an incident for the checkpoints, not for the hardware.
+        "exclude_hosts": sorted({str(h.get("host")) for i in incidents
+                                 for h in i.get("hosts", []) if isinstance(h, dict) and h.get("host")}),
+    }

@@ -23,7 +23,7 @@ from typing import Any
 import blake3
 import torch
 
-from . import decisions
+from . import decisions, history
 from .errors import (
     CheckpointNotFound,
     CheckpointNotRestorable,
@@ -443,6 +443,18 @@ class CheckpointManager:
         """The run's ledger of check events as columns (``None`` if the run has none)."""
         return read_ledger(self._store)
 
+    def history_report(self) -> dict[str, Any]:
+        """Everything ``vckpt report`` draws, as plain data (see ``history.report_data``)."""
+        self.require_run()
+        infos, incidents, rollbacks = self.list(), self.incidents(), self._records("rollback")
+        target, _ = decisions.rollback_target(infos)
+        return history.report_data(
+            self.url, utc_now(), self.ledger(),
+            [{"id": i.id, "step": i.step, "status": i.status.value} for i in infos],
+            incidents, [decisions.answered_at(i, rollbacks) is not None for i in incidents],
+            {"id": target.id, "step": target.step} if target is not None else None,
+        )
+
     def flag(self, from_step: int, *, to_step: int | None = None, ranks: Sequence[int] = (), reason: str) -> dict[str, Any]:
         """Record an incident by hand: checkpoints in [from_step, to_step] become suspect.
 
@@ -680,7 +692,7 @@ class CheckpointManager:
     def _read_checked(
         self, m: Manifest, *, names: set[str] | None, scan_nonfinite: bool, fail_fast: bool,
         progress: Callable[[int], None] | None = None,
-        on_verified: Callable[[ShardEntry, torch.Tensor], None] | None = None,
+        on_verified: Callable[[ShardEntry, torch.Tensor], None] | None = None, keep: bool = True,
     ) -> tuple[dict[str, torch.Tensor], list[Problem]]:
         """Read shards, checking size, digest, header and fingerprints; return tensors and problems."""
         shards = [s for s in m.shards if names is None or names & set(s.tensors)]
@@ -729,11 +741,11 @@ class CheckpointManager:
             if scan_nonfinite:
                 floats = [n for n in order if tensors[n].is_floating_point() and tensors[n].numel()]
                 if floats:
-                    ok = torch.stack([torch.isfinite(tensors[n]).all() for n in floats]).tolist()
+                    ok = _finite_flags([tensors[n] for n in floats])
                     probs += [Problem("nonfinite", f"{where}: {n} holds NaN or Inf") for n, good in zip(floats, ok) if not good]
             if on_verified is not None and not probs:
                 on_verified(s, buf)
-            return tensors, probs
+            return (tensors if keep else {}), probs  # verify drops each shard once checked: bounded memory
 
         loaded: dict[str, torch.Tensor] = {}
         with concurrent.futures.ThreadPoolExecutor(self.io_workers, thread_name_prefix="vckpt-io") as pool:
@@ -818,20 +830,30 @@ class CheckpointManager:
         return removed
 
     # ---------------------------------------------------------------- verify
-    def verify(self, step: int | None = None, *, progress: Callable[[int], None] | None = None) -> list[VerificationResult]:
+    def verify(
+        self, step: int | None = None, *, jobs: int = 1, progress: Callable[[int], None] | None = None
+    ) -> list[VerificationResult]:
         """Re-read checkpoints offline and record the result (append-only).
 
         Re-reads every shard, recomputes digests and fingerprints, scans for
-        NaN/Inf and compares everything with the manifest. A mismatch makes
-        the checkpoint ``corrupt`` from then on.
+        NaN/Inf, compares everything with the manifest, and checks that the
+        ledger backs the manifest's consensus claim. A mismatch makes the
+        checkpoint ``corrupt`` from then on.
+
+        Memory stays bounded by ``jobs * io_workers`` shards in flight: each
+        shard is dropped once checked (local shards are mapped, remote ones
+        staged in unlinked temporary files).
 
         Args:
             step: verify only the checkpoints at this step; ``None`` verifies all.
-            progress: called with a byte count as data is read.
+            jobs: checkpoints verified at the same time.
+            progress: called with a byte count as data is read (from several threads).
 
         Returns:
             One :class:`VerificationResult` per checkpoint, oldest first.
         """
+        if not isinstance(jobs, int) or jobs < 1:
+            raise InvalidState(f"--jobs must be an int >= 1, got {jobs!r}")
         infos = self.list()
         if step is not None:
             infos = [i for i in infos if i.step == step]
@@ -839,23 +861,40 @@ class CheckpointManager:
                 self.get(step)  # raises a helpful CheckpointNotFound
         elif not infos:
             self.require_run()
-        results = []
-        for info in infos:
+        cols = self.ledger()
+
+        def one(info: CheckpointInfo) -> VerificationResult:
             if info.manifest is None:
                 problems = [Problem("manifest", info.reasons[0] if info.reasons else "manifest unreadable")]
             else:
                 try:
-                    _, problems = self._read_checked(info.manifest, names=None, scan_nonfinite=True, fail_fast=False, progress=progress)
+                    _, problems = self._read_checked(info.manifest, names=None, scan_nonfinite=True, fail_fast=False,
+                                                     progress=progress, keep=False)
                 except VerifiedCkptError as e:
                     problems = [Problem("read", str(e))]
+                problems += [Problem("ledger", p) for p in history.consensus_claim_problems(info.manifest.evidence, cols)]
             result = VerificationResult(info.id, info.step, not problems, problems, utc_now())
             self._store.append_record("verification", result.to_record())
-            results.append(result)
-        return results
+            return result
+
+        with concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="vckpt-verify") as pool:
+            return list(pool.map(one, infos))
 
     def total_bytes(self, step: int | None = None) -> int:
         """Bytes a :meth:`verify` with the same ``step`` would read (for progress bars)."""
         return sum(i.size_bytes for i in self.list() if step is None or i.step == step)
+
+
+def _finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each floating tensor holds only finite values, at about the speed of a sum.
+
+    Any NaN or Inf element makes the sum NaN or Inf, so a finite sum proves the
+    tensor finite; only a non-finite sum (a bad element, or finite values whose
+    sum overflowed) pays for the exact elementwise check. ``isfinite().all()``
+    on everything measured 30x slower than the sum on CPU. One host sync.
+    """
+    sums = torch.stack([t.sum().to(torch.float64) for t in tensors]).isfinite().tolist()
+    return [True if fine else bool(torch.isfinite(t).all()) for t, fine in zip(tensors, sums)]
 
 
 def _load_into(target: Any, value: Any, memo: dict[int, Any]) -> Any:

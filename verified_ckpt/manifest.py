@@ -170,7 +170,7 @@ class CheckpointInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    kind: str  # digest | size | header | fingerprint | missing | nonfinite | manifest
+    kind: str  # digest | size | header | fingerprint | missing | nonfinite | manifest | read | ledger
     detail: str
 
 

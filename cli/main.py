@@ -36,6 +36,13 @@ from verified_ckpt.report import render_html
 from .output import Output, human_size, status_text
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_STORAGE = 0, 1, 2, 3
+SIGNATURE_TEXT = {
+    "valid": "[green]valid[/] (HMAC-SHA256, key configured)",
+    "unsigned": "[yellow]unsigned[/] (no signing key configured; see docs/SECURITY.md)",
+    "unchecked": "[yellow]signed, not checked[/] (set VCKPT_SIGNING_KEY to check it)",
+    "missing": "[bold red]MISSING[/] (a key is configured but the manifest is unsigned)",
+    "invalid": "[bold red]INVALID[/] (edited after signing, or another key)",
+}
 
 
 def exit_code_for(err: BaseException) -> int:
@@ -133,12 +140,13 @@ def show_cmd(mgr: CheckpointManager, out: Output, step: str) -> int:
     if info.manifest is None:
         raise ManifestError(info.reasons[0])
     m = json.loads(info.manifest.to_json())
-    data = {"manifest": m, "status": info.status.value, "reasons": info.reasons}
+    data = {"manifest": m, "status": info.status.value, "reasons": info.reasons, "signature": info.signature}
 
     def human(console: Any) -> None:
         console.print(f"[bold]{info.id}[/]  step {info.step}  status {status_text(info.status.value)}")
+        console.print(f"  signature: {SIGNATURE_TEXT.get(info.signature, info.signature)}")
         for r in info.reasons:
-            console.print(f"  reason: {r}")
+            console.print(f"  reason: {escape(r)}")
         console.print(f"  run {m['run_id']}  created {m['created_at']}  size {human_size(info.size_bytes)}")
         console.print(f"  state fingerprint {m['state_fingerprint']}  world size {m['topology'].get('world_size')}")
         console.print(f"  evidence: {json.dumps(m['evidence'], sort_keys=True) if m['evidence'] else 'none'}")
@@ -253,7 +261,7 @@ def _incident_row(rec: dict[str, Any]) -> dict[str, Any]:
             "hosts": sorted({h.get("host") for h in rec.get("hosts", []) if isinstance(h, dict) and h.get("host")}),
             "first_suspect_step": rec.get("first_suspect_step"), "to_step": rec.get("to_step"),
             "detected_step": rec.get("detected_step"), "reason": rec.get("reason") or rec.get("detail", ""),
-            "at": rec.get("at")}
+            "at": rec.get("at"), "signature": rec.get("signature_state")}
 
 
 @main.command("incidents")
@@ -269,7 +277,12 @@ def incidents_cmd(mgr: CheckpointManager, out: Output) -> int:
             return
         console.print(out.table(f"incidents in {mgr.url}", ["id", "kind", "detected", "suspect from", "ranks", "hosts", "reason"],
                                 [[r["id"], r["kind"], r["detected_step"], r["first_suspect_step"],
-                                  ",".join(map(str, r["ranks"])) or "-", ",".join(r["hosts"]) or "-", r["reason"]] for r in rows]))
+                                  ",".join(map(str, r["ranks"])) or "-", ",".join(r["hosts"]) or "-",
+                                  r["reason"]] for r in rows]))
+        for r in rows:
+            if r["signature"] in ("missing", "invalid"):
+                console.print(f"[bold red]incident {escape(str(r['id']))}: signature {r['signature']}[/] - not trusted; "
+                              "its interval still counts, but it may have been edited (docs/SECURITY.md)")
         hosts = sorted({h for r in rows for h in r["hosts"]})
         console.print("exclude from scheduling: " + (" ".join(hosts) if hosts else "no host could be named"))
 

@@ -5,7 +5,8 @@
    The guard catches it before the update (an outlier triggers a recompute audit, a third
    rank breaks the tie), names rank 1 and its host, rolls back in-process to the newest
    restorable checkpoint, and replays the steps (the fault does not recur).
-3. A summary: the incident, the suspect rank and host, the rollback target, `vckpt` views,
+3. A summary: the incident, the suspect rank and host, the rollback target, `vckpt` views
+   (incidents, list, verify, the ledger's summary, and an HTML report of the run's history),
    and the final weights fingerprint beside the clean run's: they are equal.
 
 The store is a local directory (the embedded default); set VCKPT_DEMO_DIR to keep it, or
@@ -61,7 +62,10 @@ def main() -> int:
 
     vckpt("incidents", faulty_run)
     vckpt("list", faulty_run)
-    vckpt("verify", faulty_run)
+    vckpt("verify", faulty_run, "--all")
+    vckpt("ledger", faulty_run)
+    report = faulty_run.rstrip("/") + "-report.html" if "://" not in faulty_run else os.path.join(tempfile.gettempdir(), "vckpt-demo-report.html")
+    vckpt("report", faulty_run, "--out", report)
 
     same = faulty["fingerprint"] == clean["fingerprint"]
     print("\n3. final weights fingerprint")

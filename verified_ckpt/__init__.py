@@ -15,6 +15,7 @@ from .errors import (
     RunNotFound,
     SilentCorruptionDetected,
     StorageError,
+    UnsafePath,
     VerifiedCkptError,
 )
 from .fingerprint import Fingerprint, state_fingerprint, tensor_fingerprint
@@ -44,6 +45,7 @@ __all__ = [
     "SilentCorruptionDetected",
     "Status",
     "StorageError",
+    "UnsafePath",
     "VerificationResult",
     "VerifiedCkptError",
     "state_fingerprint",

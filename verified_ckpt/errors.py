@@ -40,6 +40,10 @@ class ManifestError(CorruptCheckpoint):
     """A manifest or record is malformed, truncated or unsafe."""
 
 
+class UnsafePath(CorruptCheckpoint):
+    """A stored path resolves outside the run (a symlink on a local disk); it is never followed."""
+
+
 class InvalidState(VerifiedCkptError, TypeError):
     """The state passed to save or restore cannot be stored or does not fit."""
 

@@ -36,7 +36,7 @@ from .errors import (
 )
 from .fingerprint import Fingerprint, combine, dtype_name, lanes_of
 from .guard import SDCGuard
-from .flatten import Flat, flatten, is_stateful, tensor_refs, unflatten
+from .flatten import Flat, canonical_json, flatten, is_stateful, skeleton_problem, tensor_refs, unflatten
 from .manifest import (
     CheckpointInfo,
     Incident,
@@ -49,7 +49,8 @@ from .manifest import (
 )
 from .history import NO_RANK, Columns, Event
 from .ledger import Ledger, read_ledger
-from .shards import parse_header, supported, tensors_from_buffer, write_shard
+from .signing import MIN_KEY_BYTES, Signature, Signer
+from .shards import MAX_NDIM, parse_header, supported, tensors_from_buffer, write_shard
 from .store import RunStore, utc_now
 
 UNGUARDED = "saved without an SDCGuard: no cross-replica consensus or audit evidence"
@@ -100,9 +101,12 @@ class CheckpointManager:
             consensus runs first, each rank writes about 1/W of the shards, rank 0
             commits the manifest with the verification evidence, and guard
             incidents are recorded under the run.
+        signing_key: HMAC key for manifests and records; ``None`` reads ``VCKPT_SIGNING_KEY``
+            or ``VCKPT_SIGNING_KEY_FILE`` (neither: records are written unsigned). See docs/SECURITY.md.
 
     Raises:
         InvalidRunURL: the URL cannot be opened.
+        InvalidState: the signing key is unreadable or too short.
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class CheckpointManager:
         io_workers: int = 8,
         guard: SDCGuard | None = None,
         report_timeout_s: float = 600.0,
+        signing_key: bytes | None = None,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
@@ -123,6 +128,9 @@ class CheckpointManager:
         if io_workers < 1:
             raise ValueError(f"io_workers must be >= 1, got {io_workers}")
         self._store = RunStore(url, storage_options)
+        self._signer = Signer.from_env() if signing_key is None else Signer(bytes(signing_key))
+        if self._signer.key is not None and len(self._signer.key) < MIN_KEY_BYTES:
+            raise InvalidState(f"signing_key is shorter than {MIN_KEY_BYTES} bytes; use a random key of 32 bytes or more")
         self.url = url
         self.keep_last = keep_last
         self.shard_bytes = shard_bytes
@@ -174,10 +182,19 @@ class CheckpointManager:
         self.wait()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidState(f"step must be an int >= 0, got {step!r}")
+        if step > MAX_STEP:
+            raise InvalidState(f"step must be <= {MAX_STEP}, got {step}")
         flat = flatten(state)
         for name, t in flat.tensors.items():
             if not supported(t.dtype):
                 raise InvalidState(f"{name}: dtype {t.dtype} cannot be stored in safetensors; convert it in state_dict()")
+            if t.dim() > MAX_NDIM:
+                raise InvalidState(f"{name}: {t.dim()} dimensions, more than the {MAX_NDIM} a checkpoint may hold")
+        # The reader refuses skeletons it could not trust (too deep, ...): refuse them here, before writing.
+        for key, entry in flat.skeleton.items():
+            problem = skeleton_problem(entry["value"])
+            if problem:
+                raise InvalidState(f"state[{key!r}] cannot be saved: {problem}; flatten it into fewer levels")
         job = self._prepare(step, flat)
         # Before any manifest can claim this save's consensus, the ledger holds it.
         self._log([Event(step, "save", NO_RANK, "pass" if job.status is Status.RESTORABLE else "none")])
@@ -270,7 +287,7 @@ class CheckpointManager:
             all_fps = {n: Fingerprint.from_hex(fp) for r in reports for n, fp in r["fps"].items()}
             manifest = self._manifest(self._run_id(), job.cid, job.step, job.flat, all_entries, all_fps, job.status,
                                       job.reasons, job.evidence, job.topology)
-            manifest_bytes = manifest.to_json()
+            manifest_bytes = canonical_json(self._signer.seal(json.loads(manifest.to_json())))
             self._store.commit_manifest(job.cid, manifest_bytes)
             if self.guard is not None and not collective:
                 for r in range(self.world):
@@ -284,7 +301,8 @@ class CheckpointManager:
             self.guard.barrier()
         elif self.rank != 0:
             manifest_bytes = self._await(lambda: self._store.read_optional(job.cid, "manifest.json"), job.cid, "manifest")
-        return self._info(Manifest.from_json(manifest_bytes, where=job.cid), [])
+        info = self._info(Manifest.from_json(manifest_bytes, where=job.cid), [])
+        return dataclasses.replace(info, signature=self._signer.check(json.loads(manifest_bytes)).value)
 
     def _collect_reports(self, cid: str) -> list[dict[str, Any]]:
         reports = []
@@ -387,37 +405,68 @@ class CheckpointManager:
         ids = self._store.committed_ids()
         verifications: dict[str, list[dict]] = {}
         for rec in self._records("verification"):
+            if not Signature(rec["signature_state"]).trusted:  # an unverifiable "ok" must not count as one
+                rec = {"checkpoint_id": rec.get("checkpoint_id"), "ok": False, "at": rec.get("at"), "problems": [
+                    {"kind": "signature", "detail": self._signer.why(Signature(rec["signature_state"]), "a verification record")}]}
             verifications.setdefault(str(rec.get("checkpoint_id")), []).append(rec)
-        incidents, rollbacks = self.incidents(), self._records("rollback")
+        incidents, rollbacks = self.incidents(), self._rollbacks()
 
         def load(cid: str) -> CheckpointInfo:
             try:
-                m = Manifest.from_json(self._store.read_manifest(cid), where=f"{cid}")
-            except ManifestError as e:
+                raw = self._store.read_manifest(cid)
+                m = Manifest.from_json(raw, where=f"{cid}")
+            except CorruptCheckpoint as e:  # malformed, oversized, or behind a symlink out of the run
                 return CheckpointInfo(cid, _step_from_id(cid), Status.CORRUPT, "", 0, [str(e)], None)
+            sig = self._signer.check(json.loads(raw))
+            if not sig.trusted:
+                return CheckpointInfo(cid, m.step, Status.CORRUPT, m.created_at, m.size_bytes,
+                                      [self._signer.why(sig, f"the manifest of {cid}")], m, sig.value)
             if m.checkpoint_id != cid:
                 return CheckpointInfo(cid, m.step, Status.CORRUPT, m.created_at, m.size_bytes,
-                                      [f"manifest names checkpoint {m.checkpoint_id!r} but lives in folder {cid!r}"], m)
-            return self._info(m, verifications.get(cid, []), incidents, rollbacks)
+                                      [f"manifest names checkpoint {m.checkpoint_id!r} but lives in folder {cid!r}"], m,
+                                      sig.value)
+            return dataclasses.replace(self._info(m, verifications.get(cid, []), incidents, rollbacks), signature=sig.value)
 
         with concurrent.futures.ThreadPoolExecutor(self.io_workers) as pool:
             infos = list(pool.map(load, ids))
         return sorted(infos, key=lambda i: (i.created_at, i.step, i.id))
 
     def _records(self, kind: str) -> list[dict[str, Any]]:
+        """Records of ``kind``, each with ``signature_state`` (a :class:`Signature` value) added."""
         out = []
         for _, raw in self._store.records(kind):
-            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
+            # ValueError: JSON errors, and integers too long to convert.
+            with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
                 rec = json.loads(raw)
                 if isinstance(rec, dict):
+                    rec["signature_state"] = self._signer.check(rec).value
                     out.append(rec)
         return out
+
+    def _rollbacks(self) -> list[dict[str, Any]]:
+        # A rollback record answers incidents and starts a lineage, which makes checkpoints
+        # trusted again: one that fails its signature check answers nothing.
+        return [r for r in self._records("rollback") if Signature(r["signature_state"]).trusted]
+
+    def _append(self, kind: str, record: dict[str, Any]) -> dict[str, Any]:
+        sealed = self._signer.seal(record)
+        self._store.append_record(kind, sealed)
+        return sealed
 
     # ------------------------------------------------------------- incidents
     def incidents(self) -> list[dict[str, Any]]:
         """Every incident recorded under the run (by the guard or by hand), oldest first."""
         out = []
         for rec in self._records("incident"):
+            if not Signature(rec["signature_state"]).trusted:
+                # Every field of an edited record may be the edit (a narrowed interval, a
+                # back-dated time that an old rollback would answer), so none is believed:
+                # it covers the whole run and no rollback answers it, until an operator
+                # removes it (and re-flags what is real).
+                rec = {**rec, "first_suspect_step": 0, "to_step": None, "at": UNANSWERABLE,
+                       "id": str(rec.get("id", "unknown")),
+                       "reason": self._signer.why(Signature(rec["signature_state"]), "this incident record")
+                       + "; until it is removed every checkpoint is suspect"}
             if isinstance(rec.get("first_suspect_step"), int) and isinstance(rec.get("id"), str):
                 out.append(rec)
         return sorted(out, key=lambda r: r.get("at", ""))
@@ -427,7 +476,7 @@ class CheckpointManager:
             return
         rec = {**inc.to_dict(), "id": uuid.uuid4().hex[:12], "at": utc_now(), "source": "guard"}
         with contextlib.suppress(StorageError):  # the exception the guard raises next matters more
-            self._store.append_record("incident", rec)
+            self._append("incident", rec)
         if self._ledger is not None:
             self._ledger.append([Event(inc.detected_step, "incident", r, "fail") for r in inc.ranks or [NO_RANK]])
             with contextlib.suppress(StorageError):
@@ -446,7 +495,7 @@ class CheckpointManager:
     def history_report(self) -> dict[str, Any]:
         """Everything ``vckpt report`` draws, as plain data (see ``history.report_data``)."""
         self.require_run()
-        infos, incidents, rollbacks = self.list(), self.incidents(), self._records("rollback")
+        infos, incidents, rollbacks = self.list(), self.incidents(), self._rollbacks()
         target, _ = decisions.rollback_target(infos)
         return history.report_data(
             self.url, utc_now(), self.ledger(),
@@ -475,8 +524,7 @@ class CheckpointManager:
         rec = {"id": uuid.uuid4().hex[:12], "kind": "manual", "source": "manual", "at": utc_now(),
                "first_suspect_step": from_step, "to_step": to_step, "detected_step": from_step,
                "ranks": sorted(ranks), "hosts": hosts, "detail": reason.strip(), "reason": reason.strip()}
-        self._store.append_record("incident", rec)
-        return rec
+        return self._append("incident", rec)
 
     def rollback_target(self) -> tuple[CheckpointInfo | None, list[tuple[str, int, str]]]:
         """The newest restorable checkpoint predating every flagged interval on the current lineage,
@@ -501,10 +549,10 @@ class CheckpointManager:
             why = "; ".join(f"{cid} (step {st}) {w}" for cid, st, w in skipped[:3]) or "the run has no checkpoint"
             raise CheckpointNotRestorable(f"no restorable checkpoint to roll back to in {self.url}: {why}")
         if not dry_run:
-            rollbacks = self._records("rollback")
+            rollbacks = self._rollbacks()
             open_ids = [i["id"] for i in self.incidents() if decisions.answered_at(i, rollbacks) is None]
             if open_ids:
-                self._store.append_record("rollback", {"at": utc_now(), "to_checkpoint_id": target.id,
+                self._append("rollback", {"at": utc_now(), "to_checkpoint_id": target.id,
                                                        "to_step": target.step, "answers": open_ids})
         return target, skipped
 
@@ -663,9 +711,10 @@ class CheckpointManager:
         return needed
 
     def _apply(self, state: Any, m: Manifest, loaded: dict[str, torch.Tensor]) -> None:
-        for key in list(state):
+        # Rebuild every entry before touching any: a failure leaves ``state`` as it was.
+        values = {key: unflatten(m.state[key]["value"], loaded) for key in list(state)}
+        for key, value in values.items():
             entry = m.state[key]
-            value = unflatten(entry["value"], loaded)
             target = state[key]
             if entry["stateful"] and is_stateful(target):
                 # Modules copy into their parameters; other Stateful objects
@@ -727,7 +776,10 @@ class CheckpointManager:
             if sorted(header.entries) != sorted(s.tensors):
                 probs.append(Problem("header", f"{where} holds tensors {sorted(header.entries)[:5]}..., the manifest lists others"))
                 return {}, probs
-            tensors = tensors_from_buffer(buf, header)
+            try:
+                tensors = tensors_from_buffer(buf, header)
+            except CorruptCheckpoint as e:
+                return {}, [Problem("header", str(e))]
             for n, t in tensors.items():
                 e = m.tensors.get(n)
                 if e is None or e.dtype != dtype_name(t.dtype) or e.shape != list(t.shape):
@@ -873,8 +925,10 @@ class CheckpointManager:
                 except VerifiedCkptError as e:
                     problems = [Problem("read", str(e))]
                 problems += [Problem("ledger", p) for p in history.consensus_claim_problems(info.manifest.evidence, cols)]
+                if not Signature(info.signature).trusted:
+                    problems.insert(0, Problem("signature", info.reasons[0]))
             result = VerificationResult(info.id, info.step, not problems, problems, utc_now())
-            self._store.append_record("verification", result.to_record())
+            self._append("verification", result.to_record())
             return result
 
         with concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="vckpt-verify") as pool:
@@ -883,6 +937,10 @@ class CheckpointManager:
     def total_bytes(self, step: int | None = None) -> int:
         """Bytes a :meth:`verify` with the same ``step`` would read (for progress bars)."""
         return sum(i.size_bytes for i in self.list() if step is None or i.step == step)
+
+
+UNANSWERABLE = "9999-12-31T23:59:59+00:00"  # later than any rollback record
+MAX_STEP = 2**63 - 1  # steps are int64 in the ledger
 
 
 def _finite_flags(tensors: list[torch.Tensor]) -> list[bool]:

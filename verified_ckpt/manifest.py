@@ -15,14 +15,27 @@ import re
 from typing import Any
 
 from .errors import ManifestError
-from .flatten import canonical_json
+from .fingerprint import dtype_name
+from .flatten import MAX_DEPTH as MAX_SKELETON_DEPTH
+from .flatten import canonical_json, short_repr, skeleton_problem
+from .shards import _DTYPES, MAX_NDIM, MAX_TENSORS, bounded_numel
 
 SCHEMA_VERSION = 1
 MAX_MANIFEST_BYTES = 256 << 20
 
 # Shard file names and checkpoint ids are single flat path segments: nothing
 # a manifest says can point outside its checkpoint folder.
-SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+# (\Z, not $: "$" would also accept a name followed by a newline.)
+SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
+# Deepest JSON nesting a manifest may have: a state skeleton plus the manifest's own levels.
+MAX_DEPTH = MAX_SKELETON_DEPTH + 4
+_MAX_BYTES = 1 << 62  # no size, and no tensor, is larger
+_MAX_STEP = (1 << 63) - 1  # steps go into int64 ledger columns
+_HEX32 = re.compile(r"[0-9a-f]{32}\Z")
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_RANK = re.compile(r"(0|[1-9][0-9]{0,8})\Z")
+# Manifests spell dtypes as torch does ("float32", "bfloat16"), not as safetensors headers do ("F32").
+_ITEMSIZE = {dtype_name(dt): dt.itemsize for dt in _DTYPES.values()}
 
 
 class Status(str, enum.Enum):
@@ -83,7 +96,15 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
-        """Parse and validate; every defect becomes one :class:`ManifestError` naming ``where``."""
+        """Parse and validate; every defect becomes one :class:`ManifestError` naming ``where``.
+
+        A manifest that parses is safe for the rest of the library to use as is:
+        every field has its type, every name is a plain path segment, shards and
+        tensors agree with each other, shapes fit their shards, the state skeleton
+        is one :func:`~verified_ckpt.flatten.unflatten` can rebuild, and nothing is
+        nested deeper than :data:`MAX_DEPTH`. Cheap: one pass over the parsed JSON.
+        Never raises anything but :class:`ManifestError`, whatever ``data`` holds.
+        """
 
         def bad(why: str) -> ManifestError:
             return ManifestError(
@@ -91,16 +112,23 @@ class Manifest:
                 "restore another checkpoint, or delete this one"
             )
 
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise bad(f"got {type(data).__name__}, not bytes")
         if len(data) > MAX_MANIFEST_BYTES:
             raise bad(f"{len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
         try:
-            d = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise bad(f"not valid JSON, truncated? {getattr(e, 'msg', e)}") from None
+            d = json.loads(str(data, "utf-8"), parse_constant=_no_constant)
+        except RecursionError:
+            raise bad(f"nested deeper than {MAX_DEPTH} levels") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers too long to convert, NaN
+            raise bad(f"not valid JSON, truncated? {short_repr(str(getattr(e, 'msg', e)))}") from None
+        why = _json_problem(d)
+        if why:
+            raise bad(why)
         if not isinstance(d, dict):
             raise bad("not a JSON object")
-        if d.get("schema_version") != SCHEMA_VERSION:
-            raise bad(f"schema_version {d.get('schema_version')!r}, this version reads {SCHEMA_VERSION}")
+        if type(d.get("schema_version")) is not int or d["schema_version"] != SCHEMA_VERSION:
+            raise bad(f"schema_version {short_repr(d.get('schema_version'))}, this version reads {SCHEMA_VERSION}")
         want = {
             "run_id": str, "checkpoint_id": str, "step": int, "created_at": str, "topology": dict,
             "shards": list, "tensors": dict, "state_fingerprint": str, "state": dict, "evidence": dict,
@@ -111,42 +139,157 @@ class Manifest:
                 raise bad(f"missing field {key!r}")
             if not isinstance(d[key], typ) or (typ is int and isinstance(d[key], bool)):
                 raise bad(f"field {key!r} must be {typ.__name__}")
+        if not 0 <= d["step"] <= _MAX_STEP:
+            raise bad(f"step {short_repr(d['step'])} is not between 0 and {_MAX_STEP}")
         if not SEGMENT.match(d["checkpoint_id"]):
-            raise bad(f"checkpoint_id {d['checkpoint_id']!r} is not a plain name")
+            raise bad(f"checkpoint_id {short_repr(d['checkpoint_id'])} is not a plain name")
+        if not _HEX32.match(d["state_fingerprint"]):
+            raise bad("state_fingerprint is not 32 lowercase hex digits")
         try:
             status = Status(d["status"])
         except ValueError:
-            raise bad(f"unknown status {d['status']!r}") from None
-        shards = []
+            raise bad(f"unknown status {short_repr(d['status'])}") from None
+        if not all(isinstance(r, str) for r in d["reasons"]):
+            raise bad("reasons must be strings")
+        resumed = d.get("resumed_from")
+        if resumed is not None and not isinstance(resumed, str):
+            raise bad("resumed_from must be a string or null")
+        why = _topology_problem(d["topology"]) or _evidence_problem(d["evidence"])
+        if why:
+            raise bad(why)
+
+        shards: list[ShardEntry] = []
+        by_path: dict[str, ShardEntry] = {}
         for s in d["shards"]:
             if not (isinstance(s, dict) and isinstance(s.get("path"), str) and type(s.get("size")) is int
                     and isinstance(s.get("digest"), str) and isinstance(s.get("tensors"), list)):
                 raise bad("a shard entry lacks path, size, digest or tensors")
-            if not SEGMENT.match(s["path"]) or s["path"] == "manifest.json":
-                raise bad(f"shard path {s['path']!r} is not a plain file name inside the checkpoint folder")
-            if s["size"] < 0 or not re.fullmatch(r"[0-9a-f]{64}", s["digest"]):
-                raise bad(f"shard {s['path']!r} has an invalid size or digest")
-            shards.append(ShardEntry(s["path"], s["size"], s["digest"], [str(t) for t in s["tensors"]]))
-        if len({s.path for s in shards}) != len(shards):
-            raise bad("two shards share a path")
-        tensors = {}
-        shard_paths = {s.path for s in shards}
+            path = s["path"]
+            if not SEGMENT.match(path) or path == "manifest.json":
+                raise bad(f"shard path {short_repr(path)} is not a plain file name inside the checkpoint folder")
+            if not 8 <= s["size"] <= _MAX_BYTES or not _HEX64.match(s["digest"]):
+                raise bad(f"shard {path!r} has an invalid size or digest")
+            names = s["tensors"]
+            if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+                raise bad(f"shard {path!r} must list distinct tensor names (strings)")
+            if path in by_path:
+                raise bad("two shards share a path")
+            by_path[path] = ShardEntry(path, s["size"], s["digest"], list(names))
+            shards.append(by_path[path])
+
+        if len(d["tensors"]) > MAX_TENSORS:
+            raise bad(f"{len(d['tensors'])} tensors, more than {MAX_TENSORS}")
+        tensors: dict[str, TensorEntry] = {}
+        held = {p: 0 for p in by_path}  # data bytes the manifest's shapes put in each shard
         for name, t in d["tensors"].items():
+            what = f"tensor {short_repr(name)}"
             if not (isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
                     and isinstance(t.get("shard"), str) and isinstance(t.get("fingerprint"), str)):
-                raise bad(f"tensor entry {name!r} lacks dtype, shape, shard or fingerprint")
-            if t["shard"] not in shard_paths:
-                raise bad(f"tensor {name!r} names unknown shard {t['shard']!r}")
-            tensors[name] = TensorEntry(t["dtype"], list(t["shape"]), t["shard"], t["fingerprint"])
-        resumed = d.get("resumed_from")
-        if resumed is not None and not isinstance(resumed, str):
-            raise bad("resumed_from must be a string or null")
+                raise bad(f"{what} lacks dtype, shape, shard or fingerprint")
+            if t["shard"] not in by_path:
+                raise bad(f"{what} names unknown shard {short_repr(t['shard'])}")
+            itemsize = _ITEMSIZE.get(t["dtype"])
+            if itemsize is None:
+                raise bad(f"{what} has unknown dtype {short_repr(t['dtype'])}")
+            shape = t["shape"]
+            if len(shape) > MAX_NDIM or not all(type(n) is int and n >= 0 for n in shape):
+                raise bad(f"{what} has an invalid shape {short_repr(shape)}")
+            numel = bounded_numel(shape, _MAX_BYTES)  # elements; the same bound as shards.parse_header
+            held[t["shard"]] += (numel or 0) * itemsize
+            if numel is None or held[t["shard"]] > by_path[t["shard"]].size - 8:
+                raise bad(f"{what} of shape {short_repr(shape)} does not fit in shard {t['shard']!r}")
+            if not _HEX32.match(t["fingerprint"]):
+                raise bad(f"{what} has a fingerprint that is not 32 lowercase hex digits")
+            tensors[name] = TensorEntry(t["dtype"], list(shape), t["shard"], t["fingerprint"])
+        # Every tensor is listed by the shard it names, and by no other (names are distinct per shard).
+        listed = 0
+        for s in shards:
+            for n in s.tensors:
+                if n not in tensors or tensors[n].shard != s.path:
+                    raise bad(f"shard {s.path!r} lists tensor {short_repr(n)}, which the manifest puts elsewhere")
+            listed += len(s.tensors)
+        if listed != len(tensors):
+            raise bad("a tensor is missing from its shard's list")
+
+        for key, entry in d["state"].items():
+            if not key or "/" in key:
+                raise bad(f"state key {short_repr(key)} is not a plain name")
+            if not (isinstance(entry, dict) and set(entry) == {"stateful", "value"}
+                    and isinstance(entry["stateful"], bool)):
+                raise bad(f"state entry {short_repr(key)} must have exactly stateful (bool) and value")
+            refs: set[str] = set()
+            why = skeleton_problem(entry["value"], refs)
+            if why:
+                raise bad(f"state entry {short_repr(key)}: {why}")
+            missing = sorted(n for n in refs if n not in tensors)
+            if missing:
+                raise bad(f"state entry {short_repr(key)} refers to tensor {short_repr(missing[0])}, which no shard holds")
+
         return cls(
             run_id=d["run_id"], checkpoint_id=d["checkpoint_id"], step=d["step"], created_at=d["created_at"],
             topology=d["topology"], shards=shards, tensors=tensors, state_fingerprint=d["state_fingerprint"],
-            state=d["state"], evidence=d["evidence"], status=status, reasons=[str(r) for r in d["reasons"]],
+            state=d["state"], evidence=d["evidence"], status=status, reasons=list(d["reasons"]),
             resumed_from=resumed,
         )
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_problem(doc: Any) -> str | None:
+    """Nesting deeper than MAX_DEPTH, or a string UTF-8 cannot encode (a lone surrogate from a
+    ``\\ud800`` escape): either would make later code fail far from here. One iterative pass."""
+    stack = [(doc, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return f"string {short_repr(v)} is not valid Unicode"
+        elif isinstance(v, (list, dict)):
+            if depth >= MAX_DEPTH:
+                return f"nested deeper than {MAX_DEPTH} levels"
+            if isinstance(v, dict):
+                stack.extend((k, depth) for k in v)
+                stack.extend((x, depth + 1) for x in v.values())
+            else:
+                stack.extend((x, depth + 1) for x in v)
+    return None
+
+
+def _topology_problem(topo: dict[str, Any]) -> str | None:
+    world = topo.get("world_size")
+    if world is not None and (type(world) is not int or world < 0):
+        return "topology world_size must be an int >= 0"
+    ranks = topo.get("ranks", [])
+    if not isinstance(ranks, list):
+        return "topology ranks must be a list"
+    for r in ranks:
+        if not (isinstance(r, dict) and type(r.get("rank")) is int
+                and all(isinstance(r.get(k, ""), str) for k in ("host", "device"))):
+            return "a topology rank must have an int rank and string host and device"
+    return None
+
+
+def _evidence_problem(evidence: dict[str, Any]) -> str | None:
+    claim = evidence.get("consensus")
+    if claim is None:
+        return None
+    if not isinstance(claim, dict):
+        return "evidence consensus must be an object"
+    if not isinstance(claim.get("unanimous", False), bool):
+        return "evidence consensus unanimous must be a bool"
+    for k in ("step", "replicas"):
+        if k in claim and (type(claim[k]) is not int or not 0 <= claim[k] <= _MAX_STEP):
+            return f"evidence consensus {k} must be an int >= 0"
+    fps = claim.get("fingerprints")
+    if fps is not None and not (isinstance(fps, dict) and all(
+            _RANK.match(r) and isinstance(fp, str) for r, fp in fps.items())):
+        return "evidence consensus fingerprints must map rank numbers to strings"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,11 +303,12 @@ class CheckpointInfo:
     size_bytes: int
     reasons: list[str]
     manifest: Manifest | None = dataclasses.field(default=None, repr=False, compare=False)
+    signature: str = "unsigned"  # signing.Signature value of the manifest
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "id": self.id, "step": self.step, "status": self.status.value, "created_at": self.created_at,
-            "size_bytes": self.size_bytes, "reasons": list(self.reasons),
+            "size_bytes": self.size_bytes, "reasons": list(self.reasons), "signature": self.signature,
         }
 
 

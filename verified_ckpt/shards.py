@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-import math
 import struct
 from collections.abc import Callable
 from typing import Any, BinaryIO
@@ -24,6 +23,7 @@ import blake3
 import torch
 
 from .errors import CorruptCheckpoint
+from .flatten import short_repr
 
 CHUNK = 64 << 20  # bytes per read/hash step: big enough to stream, small enough to overlap
 # Bytes per write/hash step. Small on purpose: an object store's multipart part
@@ -48,6 +48,9 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 
 MAX_HEADER_BYTES = 64 << 20
 MAX_TENSORS = 1_000_000
+MAX_NDIM = 1024  # dimensions per tensor (a sanity bound: real tensors have a handful)
+_MAX_ELEMENTS = 1 << 62  # elements per tensor: sizes and strides must fit int64
+_ITEMSIZE = {name: dt.itemsize for name, dt in _DTYPES.items()}
 
 
 def supported(dtype: torch.dtype) -> bool:
@@ -125,8 +128,33 @@ def write_shard(f: BinaryIO, items: dict[str, torch.Tensor], metadata: dict[str,
     return size, hasher.hexdigest()
 
 
+def bounded_numel(shape: list[int], limit: int | None = None) -> int | None:
+    """Elements of ``shape``, or ``None`` when the non-zero dimensions multiply past ``limit`` (2**62).
+
+    Stops as soon as the bound is passed, so a hostile shape of thousands of
+    huge dimensions costs microseconds, not big-integer arithmetic.
+    """
+    limit = _MAX_ELEMENTS if limit is None else limit
+    n, zero = 1, False
+    for d in shape:
+        if d == 0:
+            zero = True
+        else:
+            n *= d
+            if n > limit:
+                return None
+    return 0 if zero else n
+
+
 def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Header:
     """Validate and parse a safetensors header before anything is allocated from it.
+
+    Everything a header declares is checked against the real file before it is
+    used: the header length against :data:`MAX_HEADER_BYTES` and the file size
+    (before the header is decoded), the tensor count against
+    :data:`MAX_TENSORS`, every entry's byte range against its dtype and shape,
+    and the entries against the data section (contiguous, no holes, no
+    overlaps, ending exactly at the end of the file).
 
     Args:
         prefix: at least the first 8 bytes of the file (all of the header for a full parse).
@@ -135,11 +163,12 @@ def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Hea
 
     Raises:
         CorruptCheckpoint: the header is truncated, oversized, inconsistent with the file size, or malformed.
+            Never any other exception, whatever the bytes.
     """
     def bad(why: str) -> CorruptCheckpoint:
         return CorruptCheckpoint(f"{where}: invalid safetensors header ({why}); run `vckpt verify` and restore another checkpoint")
 
-    if total_size < 8 or len(prefix) < 8:
+    if not isinstance(total_size, int) or isinstance(total_size, bool) or total_size < 8 or len(prefix) < 8:
         raise bad("file shorter than 8 bytes")
     (n,) = struct.unpack("<Q", bytes(prefix[:8]))
     if n > MAX_HEADER_BYTES:
@@ -148,50 +177,99 @@ def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Hea
         raise bad(f"header claims {n} bytes but the file has {total_size}")
     if len(prefix) < 8 + n:
         raise bad("header truncated")
+    body = prefix[8 : 8 + n]
+    # Parsed JSON costs up to ~25x its size in memory for runs of tiny containers
+    # ({}, []); a real header has 3 per entry of 50 bytes or more. Counting them
+    # first (bytes.count runs at memory speed) caps a hostile header near 15x its size.
+    raw_bytes = bytes(body)
+    containers = raw_bytes.count(b"{") + raw_bytes.count(b"[")
+    if containers > n // 12 + 16:
+        raise bad(f"{containers} JSON objects and arrays in {n} bytes; a header holds 3 per entry")
     try:
-        raw = json.loads(bytes(prefix[8 : 8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"not JSON: {e.msg if hasattr(e, 'msg') else e}") from None
+        raw = json.loads(raw_bytes.decode("utf-8"), parse_constant=_no_constant)
+    except RecursionError:
+        raise bad("JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers too long to convert, NaN
+        raise bad(f"not JSON: {_one_line(e)}") from None
+    finally:
+        del raw_bytes
     if not isinstance(raw, dict):
         raise bad("not a JSON object")
-    meta = raw.pop("__metadata__", {}) or {}
+    meta = raw.pop("__metadata__", None)
+    if meta is None:
+        meta = {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise bad("__metadata__ must map strings to strings")
     if len(raw) > MAX_TENSORS:
         raise bad(f"{len(raw)} tensors, more than {MAX_TENSORS}")
     entries: dict[str, HeaderEntry] = {}
     for name, e in raw.items():
+        what = f"entry {short_repr(name)}"
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
-            raise bad(f"entry {name!r} must have exactly dtype, shape, data_offsets")
+            raise bad(f"{what} must have exactly dtype, shape, data_offsets")
         dtype = _DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
         if dtype is None:
-            raise bad(f"entry {name!r} has unknown dtype {e['dtype']!r}")
+            raise bad(f"{what} has unknown dtype {short_repr(e['dtype'])}")
         shape, offs = e["shape"], e["data_offsets"]
-        if not (isinstance(shape, list) and all(type(d) is int and 0 <= d < 2**62 for d in shape)):
-            raise bad(f"entry {name!r} has an invalid shape")
+        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
+            raise bad(f"{what} has an invalid shape {short_repr(shape)}")
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)):
-            raise bad(f"entry {name!r} has invalid data_offsets")
+            raise bad(f"{what} has invalid data_offsets {short_repr(offs)}")
         begin, end = offs
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if end - begin != math.prod(shape) * itemsize:
-            raise bad(f"entry {name!r}: {end - begin} bytes do not hold shape {shape} of {e['dtype']}")
+        numel = bounded_numel(shape)
+        if numel is None:
+            raise bad(f"{what} has shape {short_repr(shape)}, whose dimensions multiply past 2**62")
+        if end - begin != numel * _ITEMSIZE[e["dtype"]]:
+            raise bad(f"{what}: {end - begin} bytes do not hold shape {short_repr(shape)} of {e['dtype']}")
         entries[name] = HeaderEntry(dtype, tuple(shape), begin, end)
     pos = 0
     for name, e in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
         if e.begin != pos:
-            raise bad(f"entry {name!r} starts at {e.begin}, expected {pos} (holes or overlaps)")
+            raise bad(f"entry {short_repr(name)} starts at {e.begin}, expected {pos} (holes or overlaps)")
         pos = e.end
     if 8 + n + pos != total_size:
         raise bad(f"data section is {total_size - 8 - n} bytes but the entries cover {pos}")
     return Header(n, entries, meta)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _one_line(e: BaseException) -> str:
+    return short_repr(str(getattr(e, "msg", e)))[1:-1]
+
+
+def _remaining(f: BinaryIO) -> int | None:
+    """Bytes from ``f``'s position to its end, if it can tell without reading them; else ``None``."""
+    try:
+        if not f.seekable():
+            return None
+        here = f.tell()
+        end = f.seek(0, 2)
+        f.seek(here)
+    except (AttributeError, OSError, ValueError):
+        return None
+    return end - here if isinstance(end, int) and isinstance(here, int) else None
+
+
 def read_into(f: BinaryIO, size: int, on_chunk: Callable[[memoryview], None] | None = None) -> torch.Tensor:
     """Read exactly ``size`` bytes of ``f`` into a fresh uint8 tensor.
 
     ``on_chunk`` (for example a digest update) runs on a helper thread for
-    chunk k while chunk k+1 is being read.
+    chunk k while chunk k+1 is being read. A seekable ``f`` whose remaining
+    length differs from ``size`` is refused before anything is allocated.
+
+    Raises:
+        CorruptCheckpoint: ``f`` holds fewer or more than ``size`` bytes.
     """
+    if type(size) is not int or size < 0:
+        raise CorruptCheckpoint(f"recorded file size {short_repr(size)} is not a byte count")
+    actual = _remaining(f)
+    if actual is not None and actual < size:
+        raise CorruptCheckpoint(f"file ended after {actual} of {size} bytes")  # before allocating for it
+    if actual is not None and actual > size:
+        raise CorruptCheckpoint(f"file is longer than the {size} bytes recorded")
     buf = torch.empty(size, dtype=torch.uint8)
     mv = memoryview(buf.numpy()).cast("B")
     readinto = getattr(f, "readinto", None)
@@ -225,14 +303,30 @@ def read_into(f: BinaryIO, size: int, on_chunk: Callable[[memoryview], None] | N
 
 
 def tensors_from_buffer(buf: torch.Tensor, header: Header) -> dict[str, torch.Tensor]:
-    """Zero-copy tensor views into ``buf`` (a uint8 tensor holding the whole file)."""
+    """Zero-copy tensor views into ``buf`` (a uint8 tensor holding the whole file).
+
+    ``header`` comes from :func:`parse_header` for the same file. A tensor whose
+    offset is not a multiple of its element size (a file written by another
+    tool) is copied to aligned memory instead.
+
+    Raises:
+        CorruptCheckpoint: ``buf`` is not the file ``header`` describes.
+    """
+    end = max((e.end for e in header.entries.values()), default=0)
+    if not (buf.dtype == torch.uint8 and buf.dim() == 1 and buf.numel() == 8 + header.length + end):
+        raise CorruptCheckpoint(f"a shard buffer of {buf.numel()} bytes does not match its header, which needs "
+                                f"{8 + header.length + end}; run `vckpt verify` and restore another checkpoint")
     data = buf[8 + header.length :]
     out: dict[str, torch.Tensor] = {}
     for name, e in header.entries.items():
         raw = data[e.begin : e.end]
         try:
-            t = raw.view(e.dtype)
-        except RuntimeError:
-            t = raw.clone().view(e.dtype)  # misaligned in a file written by another tool
-        out[name] = t.reshape(e.shape)
+            try:
+                t = raw.view(e.dtype)
+            except RuntimeError:
+                t = raw.clone().view(e.dtype)  # misaligned in a file written by another tool
+            out[name] = t.reshape(e.shape)
+        except RuntimeError as err:
+            raise CorruptCheckpoint(f"tensor {short_repr(name)} cannot be read as {e.dtype} {list(e.shape)} "
+                                    f"({_one_line(err)}); run `vckpt verify` and restore another checkpoint") from None
     return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
 import tempfile
 import uuid
 import warnings
@@ -33,11 +34,20 @@ import zarr.storage
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from .errors import CheckpointNotFound, CorruptCheckpoint, InvalidRunURL, StorageError, VerifiedCkptError
-from .manifest import SEGMENT
+from .errors import (
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    InvalidRunURL,
+    ManifestError,
+    StorageError,
+    UnsafePath,
+    VerifiedCkptError,
+)
+from .manifest import MAX_MANIFEST_BYTES, SEGMENT
 from .shards import CHUNK, read_into
 
 MANIFEST = "manifest.json"
+MAX_RECORD_BYTES = 1 << 20
 LEDGER = "ledger.zarr"
 UPLOAD_PART_BYTES = 8 << 20  # multipart part size; matches shards.WRITE_CHUNK
 MAX_PARTS = 10_000  # S3's limit on parts per multipart upload
@@ -113,7 +123,23 @@ class RunStore:
         return self._join("checkpoints", _plain(cid, "checkpoint id"))
 
     def _shard_path(self, cid: str, name: str) -> str:
-        return f"{self.checkpoint_dir(cid)}/{_plain(name, 'shard path')}"
+        return self._confine(f"{self.checkpoint_dir(cid)}/{_plain(name, 'shard path')}")
+
+    def _confine(self, path: str) -> str:
+        """On a local disk, refuse a path that resolves through a symlink to outside the run.
+
+        Names are already single plain segments (no ``..``, no separators), so a
+        symlink is the only way out. Object stores have no symlinks. Checked before
+        every open; a link swapped in between check and open is outside the threat
+        model (docs/SECURITY.md: whoever can do that can also rewrite the files).
+        """
+        if not isinstance(self.fs, LocalFileSystem):
+            return path
+        real, root = os.path.realpath(path), os.path.realpath(self.root)
+        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+            raise UnsafePath(f"{path} resolves outside the run {self.url!r} (a symlink); it is never followed - "
+                             "replace the link with the real file, or restore another checkpoint")
+        return path
 
     @contextlib.contextmanager
     def _io(self, what: str, writing: bool = False) -> Iterator[None]:
@@ -147,6 +173,10 @@ class RunStore:
         """The zarr store of ``<run>/ledger.zarr``, on the run's own filesystem and credentials."""
         path = self._join(LEDGER)
         if isinstance(self.fs, LocalFileSystem):
+            self._confine(path)
+            for folder, dirs, files in os.walk(path):  # zarr would follow any link inside
+                for name in dirs + files:
+                    self._confine(os.path.join(folder, name))
             return zarr.storage.LocalStore(path, read_only=read_only)
         return zarr.storage.FsspecStore.from_mapper(self.fs.get_mapper(path), read_only=read_only)
 
@@ -207,9 +237,13 @@ class RunStore:
         return out
 
     def read_manifest(self, cid: str) -> bytes:
-        path = f"{self.checkpoint_dir(cid)}/{MANIFEST}"
+        path = self._confine(f"{self.checkpoint_dir(cid)}/{MANIFEST}")
         try:
             with self._io(f"reading manifest of {cid}"):
+                size = int(self.fs.size(path))
+                if size > MAX_MANIFEST_BYTES:  # refused before a byte of it is read
+                    raise ManifestError(f"manifest {cid} is {size} bytes, more than the {MAX_MANIFEST_BYTES} allowed; "
+                                        "it cannot be trusted - restore another checkpoint, or delete this one")
                 return self.fs.cat_file(path)
         except FileNotFoundError:
             raise CheckpointNotFound(f"checkpoint {cid!r} has no manifest at {self.url!r}; run `vckpt list` to see what exists") from None
@@ -290,7 +324,7 @@ class RunStore:
 
     def delete_checkpoint(self, cid: str) -> None:
         """Uncommit first (manifest), then remove shards: a crash in between leaves only orphans."""
-        d = self.checkpoint_dir(cid)
+        d = self._confine(self.checkpoint_dir(cid))
         with self._io(f"deleting {cid}"):
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(f"{d}/{MANIFEST}")
@@ -351,4 +385,11 @@ class RunStore:
                 paths = sorted(p for p in self.fs.ls(d, detail=False) if p.endswith(".json"))
             except FileNotFoundError:
                 return []
-            return [(p.rsplit("/", 1)[-1], self.fs.cat_file(p)) for p in paths]
+            out = []
+            for p in paths:
+                # A record is a few hundred bytes: an oversized one or one behind a symlink
+                # out of the run is not a record this library wrote, and is skipped unread.
+                with contextlib.suppress(UnsafePath, FileNotFoundError):
+                    if int(self.fs.size(self._confine(p))) <= MAX_RECORD_BYTES:
+                        out.append((p.rsplit("/", 1)[-1], self.fs.cat_file(p)))
+            return out

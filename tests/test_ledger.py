@@ -215,3 +215,31 @@ def test_verify_all_of_50_checkpoints_stays_in_bounded_memory(local_url):
     assert proc.returncode == 0, proc.stderr[-2000:]
     growth = int(proc.stdout.strip().splitlines()[-1])
     assert growth < 64, f"verify of 50 checkpoints (200 MiB) grew resident memory by {growth} MiB"
+
+
+@pytest.mark.parametrize("forge", ["rows", "dtype", "codes"])
+def test_a_crafted_ledger_is_refused_before_it_is_believed(local_url, forge):
+    import tracemalloc
+
+    from verified_ckpt import CorruptCheckpoint
+
+    ledger = Ledger(RunStore(local_url))
+    ledger.append(steps(0, 5))
+    ledger.flush()
+    g = zarr.open_group(os.path.join(local_url, "ledger.zarr"), mode="r+")
+    if forge == "rows":  # metadata claims 10^10 rows: zarr would hand out fill values for all of them
+        for name in ("step", "kind", "rank", "verdict", "lanes", "loss", "grad_norm", "time"):
+            g[name].resize((10**10, *g[name].shape[1:]))
+        g.attrs["rows"] = 10**10
+    elif forge == "dtype":
+        del g["loss"]
+        g.create_array("loss", shape=(10,), chunks=(16384,), dtype="float32")
+    else:
+        g["kind"][0] = 200
+    tracemalloc.start()
+    with pytest.raises(CorruptCheckpoint, match="ledger"):
+        read_ledger(RunStore(local_url))
+    assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    tracemalloc.stop()
+    r = invoke("ledger", local_url)
+    assert r.exit_code == 1 and "ledger" in r.output and "Traceback" not in r.output

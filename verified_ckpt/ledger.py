@@ -27,6 +27,7 @@ from .store import RunStore
 
 CHUNK_ROWS = 16384
 MAX_BUFFERED = 65536  # flush early beyond this many rows, bounding rank 0's memory
+MAX_ROWS = 1 << 24  # ~750 MB of columns when read whole: 100k steps x 64 ranks is 6.4M rows
 SCHEMA = 1
 _FIELDS = [f.name for f in dataclasses.fields(Columns)]
 
@@ -81,13 +82,38 @@ def _create(group: zarr.Group) -> None:
 
 
 def read_ledger(store: RunStore) -> Columns | None:
-    """The run's ledger as columns, or None if the run has none."""
+    """The run's ledger as columns, or None if the run has none.
+
+    Nothing a ledger declares is believed before it is checked against what is
+    stored: a crafted ``zarr.json`` claiming 10^12 rows would otherwise make
+    zarr allocate them as fill values.
+
+    Raises:
+        CorruptCheckpoint: the layout is not one this version writes, or the
+            declared rows are not backed by stored chunks.
+    """
     if not store.has_ledger():
         return None
+    where = f"the ledger of {store.url!r}"
     with store.guarded("reading the ledger"):
         group = zarr.open_group(store=store.ledger_store(read_only=True), mode="r", zarr_format=3)
-        if group.attrs.get("schema") != SCHEMA or group.attrs.get("kinds") != KINDS:
-            raise CorruptCheckpoint(f"the ledger of {store.url!r} has an unknown layout (schema "
-                                    f"{group.attrs.get('schema')!r}); read it with the verified-ckpt version that wrote it")
-        n = min([int(group.attrs["rows"])] + [group[name].shape[0] for name in _FIELDS])
-        return Columns(**{name: np.asarray(group[name][:n]) for name in _FIELDS})
+        rows = group.attrs.get("rows")
+        if group.attrs.get("schema") != SCHEMA or group.attrs.get("kinds") != KINDS or type(rows) is not int or rows < 0:
+            raise CorruptCheckpoint(f"{where} has an unknown layout (schema {group.attrs.get('schema')!r}); "
+                                    "read it with the verified-ckpt version that wrote it")
+        expected = Columns.of([])
+        for name in _FIELDS:
+            arr = group.get(name)
+            want = getattr(expected, name)
+            if (not isinstance(arr, zarr.Array) or arr.dtype != want.dtype or arr.ndim != want.ndim
+                    or arr.shape[1:] != want.shape[1:] or arr.chunks[0] != CHUNK_ROWS):
+                raise CorruptCheckpoint(f"{where}: array {name!r} is missing or not laid out as written; "
+                                        "the ledger cannot be trusted - move it aside to keep using the run")
+        n = min([rows] + [group[name].shape[0] for name in _FIELDS])
+        if n > MAX_ROWS or -(-n // CHUNK_ROWS) > store.ledger_chunks("step"):
+            raise CorruptCheckpoint(f"{where} declares {n} rows that its stored chunks do not hold (or more than "
+                                    f"{MAX_ROWS}); the ledger cannot be trusted - move it aside to keep using the run")
+        cols = Columns(**{name: np.asarray(group[name][:n]) for name in _FIELDS})
+    if n and (int(cols.kind.max()) >= len(KINDS) or int(cols.verdict.max()) >= len(VERDICTS)):
+        raise CorruptCheckpoint(f"{where} holds unknown kind or verdict codes; the ledger cannot be trusted")
+    return cols

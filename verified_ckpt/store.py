@@ -180,6 +180,14 @@ class RunStore:
             return zarr.storage.LocalStore(path, read_only=read_only)
         return zarr.storage.FsspecStore.from_mapper(self.fs.get_mapper(path), read_only=read_only)
 
+    def ledger_chunks(self, array: str) -> int:
+        """How many chunk objects of one ledger array are stored (zarr v3 keys ``<array>/c/...``)."""
+        with self._io("listing the ledger"):
+            try:
+                return len(self.fs.find(self._join(LEDGER, _plain(array, "ledger array"), "c")))
+            except FileNotFoundError:
+                return 0
+
     def has_ledger(self) -> bool:
         with self._io("looking for the ledger"):
             return bool(self.fs.exists(self._join(LEDGER, "zarr.json")))
@@ -205,7 +213,7 @@ class RunStore:
     # -- run -------------------------------------------------------------
     def exists(self) -> bool:
         with self._io("checking the run"):
-            return any(self.fs.exists(self._join(p)) for p in ("run.json", "checkpoints", "records"))
+            return any(self.fs.exists(self._join(p)) for p in ("run.json", "checkpoints", "records", LEDGER))
 
     def run_meta(self) -> dict[str, Any] | None:
         try:

@@ -312,20 +312,21 @@ class RunStore:
         not a second copy of the whole checkpoint. The file has no name, so
         nothing is left behind whatever happens.
         """
-        chunk = bytearray(STREAM_BYTES)
-        view = memoryview(chunk)
-        with tempfile.TemporaryFile(prefix="vckpt-restore-") as tmp, \
-                self.fs.open(path, "rb", block_size=STREAM_BYTES) as f:
+        # Ranged reads straight into the file: one buffer per read in flight. (A buffered
+        # fsspec file would add its own block cache and a copy out of it.)
+        actual = int(self.fs.size(path))
+        if actual != size:
+            raise CorruptCheckpoint(f"file is {actual} bytes, {size} were recorded")
+        with tempfile.TemporaryFile(prefix="vckpt-restore-") as tmp:
             got = 0
             while got < size:
-                n = f.readinto(view[: min(STREAM_BYTES, size - got)])
-                if not n:
+                data = self.fs.cat_file(path, start=got, end=min(got + STREAM_BYTES, size))
+                if not data:
                     raise CorruptCheckpoint(f"file ended after {got} of {size} bytes")
-                on_chunk(view[:n])
-                tmp.write(view[:n])
-                got += n
-            if f.read(1):
-                raise CorruptCheckpoint(f"file is longer than the {size} bytes recorded")
+                on_chunk(memoryview(data))
+                tmp.write(data)
+                got += len(data)
+                del data
             tmp.flush()
             arr = np.memmap(tmp, dtype=np.uint8, mode="r", shape=(size,))
         return _mapped(arr)

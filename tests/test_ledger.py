@@ -243,3 +243,38 @@ def test_a_crafted_ledger_is_refused_before_it_is_believed(local_url, forge):
     tracemalloc.stop()
     r = invoke("ledger", local_url)
     assert r.exit_code == 1 and "ledger" in r.output and "Traceback" not in r.output
+
+
+def test_choosing_a_rollback_and_reporting_read_each_manifest_once(guarded_run, tmp_path, monkeypatch):
+    """One view of the run per operation: on S3 every manifest read is a request."""
+    import shutil
+
+    from verified_ckpt import store as store_mod
+
+    copy = os.fspath(tmp_path / "copy")
+    shutil.copytree(guarded_run, copy)
+    mgr = CheckpointManager(copy)
+    ids = sorted(i.id for i in mgr.list())
+    mgr.flag(22, reason="bad node")  # an open incident, so the rollback is recorded
+    reads = []
+    real = store_mod.RunStore.read_manifest
+    monkeypatch.setattr(store_mod.RunStore, "read_manifest", lambda self, cid: reads.append(cid) or real(self, cid))
+    target, skipped = mgr.record_rollback()
+    assert target.step == 20 and [s for _, s, _ in skipped] == [30, 25]
+    assert sorted(reads) == ids
+    reads.clear()
+    mgr.history_report()
+    assert sorted(reads) == ids
+    # rollback() on rank 0 restores the target it chose, without listing the run again
+    import ddp_train
+
+    from verified_ckpt import RNGState
+
+    model = ddp_train.build_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.7)
+    state = {"model": model, "optim": opt, "sched": sched, "rng": RNGState(), "progress": {"step": 0}}
+    mgr.flag(21, reason="again")
+    reads.clear()
+    info = mgr.rollback(state)
+    assert info.step == 20 and state["progress"]["step"] == 20 and sorted(reads) == ids

@@ -348,3 +348,4 @@ def test_gc_removes_only_old_orphans_never_referenced_files(url):
     into = {"w": torch.zeros(3)}
     mgr.restore(into, allow_unverified=True)
     assert torch.equal(into["w"], torch.ones(3))
+

@@ -402,6 +402,11 @@ class CheckpointManager:
 
     def list(self) -> list[CheckpointInfo]:
         """Every committed checkpoint, oldest first, with its derived status."""
+        return self._view().infos
+
+    def _view(self) -> _RunView:
+        """One read of the run: checkpoints with derived status, incidents, trusted rollbacks.
+        Operations that need several of these take one view, so each manifest is read once."""
         ids = self._store.committed_ids()
         verifications: dict[str, list[dict]] = {}
         for rec in self._records("verification"):
@@ -429,7 +434,7 @@ class CheckpointManager:
 
         with concurrent.futures.ThreadPoolExecutor(self.io_workers) as pool:
             infos = list(pool.map(load, ids))
-        return sorted(infos, key=lambda i: (i.created_at, i.step, i.id))
+        return _RunView(sorted(infos, key=lambda i: (i.created_at, i.step, i.id)), incidents, rollbacks)
 
     def _records(self, kind: str) -> list[dict[str, Any]]:
         """Records of ``kind``, each with ``signature_state`` (a :class:`Signature` value) added."""
@@ -495,7 +500,8 @@ class CheckpointManager:
     def history_report(self) -> dict[str, Any]:
         """Everything ``vckpt report`` draws, as plain data (see ``history.report_data``)."""
         self.require_run()
-        infos, incidents, rollbacks = self.list(), self.incidents(), self._rollbacks()
+        view = self._view()
+        infos, incidents, rollbacks = view.infos, view.incidents, view.rollbacks
         target, _ = decisions.rollback_target(infos)
         return history.report_data(
             self.url, utc_now(), self.ledger(),
@@ -543,14 +549,14 @@ class CheckpointManager:
         Raises:
             CheckpointNotRestorable: nothing is restorable.
         """
-        target, skipped = self.rollback_target()
+        view = self._view()
+        target, skipped = decisions.rollback_target(view.infos)
         if target is None:
             self.require_run()
             why = "; ".join(f"{cid} (step {st}) {w}" for cid, st, w in skipped[:3]) or "the run has no checkpoint"
             raise CheckpointNotRestorable(f"no restorable checkpoint to roll back to in {self.url}: {why}")
         if not dry_run:
-            rollbacks = self._rollbacks()
-            open_ids = [i["id"] for i in self.incidents() if decisions.answered_at(i, rollbacks) is None]
+            open_ids = [i["id"] for i in view.incidents if decisions.answered_at(i, view.rollbacks) is None]
             if open_ids:
                 self._append("rollback", {"at": utc_now(), "to_checkpoint_id": target.id,
                                                        "to_step": target.step, "answers": open_ids})
@@ -567,15 +573,17 @@ class CheckpointManager:
         Raises:
             CheckpointNotRestorable: nothing is restorable.
         """
-        chosen = ""
+        chosen, target = "", None
         if self.rank == 0:
             with contextlib.suppress(VerifiedCkptError):  # re-raised below on every rank alike
-                chosen = self.record_rollback()[0].id
+                target = self.record_rollback()[0]
+                chosen = target.id
         if self.guard is not None:
             chosen = self.guard.gather_bytes(chosen.encode() if self.rank == 0 else b"")[0].decode()
         if not chosen:
             self.record_rollback(dry_run=True)  # raises the explanation on every rank
-        info = self.restore(state, checkpoint_id=chosen)
+        # Rank 0 already holds the target (a rollback record cannot change its status); the others look it up.
+        info = self._restore(state, target) if target is not None else self.restore(state, checkpoint_id=chosen)
         if self.guard is not None:
             self.guard.barrier()
         return info
@@ -647,6 +655,10 @@ class CheckpointManager:
         info = self.get(checkpoint_id) if checkpoint_id is not None else self._select(step, allowed)
         if info.status not in allowed:
             raise CheckpointNotRestorable(self._refusal(info, allow_unverified))
+        return self._restore(state, info)
+
+    def _restore(self, state: Mapping[str, Any], info: CheckpointInfo) -> CheckpointInfo:
+        """Restore a checkpoint whose status the caller has already checked."""
         m = info.manifest
         assert m is not None
         needed = self._check_fits(state, m)
@@ -937,6 +949,13 @@ class CheckpointManager:
     def total_bytes(self, step: int | None = None) -> int:
         """Bytes a :meth:`verify` with the same ``step`` would read (for progress bars)."""
         return sum(i.size_bytes for i in self.list() if step is None or i.step == step)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunView:
+    infos: list[CheckpointInfo]
+    incidents: list[dict[str, Any]]
+    rollbacks: list[dict[str, Any]]
 
 
 UNANSWERABLE = "9999-12-31T23:59:59+00:00"  # later than any rollback record

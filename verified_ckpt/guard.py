@@ -126,6 +126,14 @@ class CheckCounts:
     last_pass: int | None = None
 
 
+def describe_device(device: torch.device) -> str:
+    """How incidents and manifests name a device: index, model and UUID (what an operator pulls)."""
+    if device.type != "cuda":
+        return device.type
+    props = torch.cuda.get_device_properties(device)
+    return f"cuda:{device.index} {props.name} {getattr(props, 'uuid', '')}".strip()
+
+
 def _pack_host(text: str) -> torch.Tensor:
     raw = text.encode()[:_HOST_BYTES]
     return torch.tensor(list(raw) + [0] * (_HOST_BYTES - len(raw)), dtype=torch.uint8)
@@ -221,11 +229,7 @@ class SDCGuard:
     # ------------------------------------------------------------ topology
     def _exchange_topology(self) -> list[dict[str, Any]]:
         host = socket.gethostname()
-        if self.device.type == "cuda":
-            props = torch.cuda.get_device_properties(self.device)
-            device = f"cuda:{self.device.index} {props.name} {getattr(props, 'uuid', '')}".strip()
-        else:
-            device = "cpu"
+        device = describe_device(self.device)
         group_rank = os.environ.get("GROUP_RANK")
         mine = torch.cat([
             _pack_host(host), _pack_host(device),

@@ -35,7 +35,7 @@ from .errors import (
     VerifiedCkptError,
 )
 from .fingerprint import Fingerprint, combine, dtype_name, lanes_of
-from .guard import SDCGuard
+from .guard import SDCGuard, describe_device
 from .flatten import Flat, canonical_json, flatten, is_stateful, skeleton_problem, tensor_refs, unflatten
 from .manifest import (
     CheckpointInfo,
@@ -68,11 +68,7 @@ def _step_from_id(cid: str) -> int:
 
 
 def _device_name(tensors: Mapping[str, torch.Tensor]) -> str:
-    for t in tensors.values():
-        if t.device.type == "cuda":
-            props = torch.cuda.get_device_properties(t.device)
-            return f"{props.name} {getattr(props, 'uuid', '')}".strip()
-    return "cpu"
+    return describe_device(next((t.device for t in tensors.values() if t.device.type == "cuda"), torch.device("cpu")))
 
 
 @dataclasses.dataclass

@@ -139,7 +139,7 @@ def show_cmd(mgr: CheckpointManager, out: Output, step: str) -> int:
     info = mgr.get(int(step) if step.isdigit() else step)
     if info.manifest is None:
         raise ManifestError(info.reasons[0])
-    m = json.loads(info.manifest.to_json())
+    m = info.manifest.to_dict()
     data = {"manifest": m, "status": info.status.value, "reasons": info.reasons, "signature": info.signature}
 
     def human(console: Any) -> None:

@@ -9,6 +9,7 @@ from verified_ckpt.history import (
     Columns,
     Event,
     consensus_claim_problems,
+    passing_consensus,
     lanes_hex,
     redact_url,
     report_data,
@@ -58,7 +59,7 @@ def test_step_series_keeps_a_replayed_steps_red_mark_and_the_latest_loss():
 
 
 def test_consensus_claim_must_be_in_the_ledger():
-    cols = Columns.of(run_events())
+    cols = passing_consensus(Columns.of(run_events()))
     claim = {"consensus": {"step": 3, "unanimous": True, "fingerprints": {str(r): lanes_hex((7, 9)) for r in range(3)}}}
     assert consensus_claim_problems(claim, cols) == []
     forged = {"consensus": {**claim["consensus"], "fingerprints": {"0": lanes_hex((7, 10)), "1": lanes_hex((7, 9))}}}

@@ -184,34 +184,25 @@ def test_ledger_of_an_unguarded_run_is_a_one_line_error(local_url):
 
 
 VERIFY_CHILD = textwrap.dedent(r"""
-    import gc, sys, threading, time, torch
+    import gc, sys, torch
+    sys.path.insert(0, "tests")
+    from memprobe import peak_growth
     from verified_ckpt import CheckpointManager
     torch.set_num_threads(1)
-    def rss():
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
     mgr = CheckpointManager(sys.argv[1], shard_bytes=1 << 20, io_workers=2)
     for step in range(50):  # 50 checkpoints x 4 MiB in 1 MiB shards = 200 MiB
         mgr.save(step, {f"w{i}": torch.full((1 << 18,), float(step * 4 + i)) for i in range(4)})
     gc.collect()
-    base = rss(); peak = [base]; running = [True]
-    def sample():
-        while running[0]:
-            peak[0] = max(peak[0], rss())
-            time.sleep(0.002)
-    t = threading.Thread(target=sample); t.start()
-    results = mgr.verify(jobs=4)
-    running[0] = False; t.join()
+    results, growth = peak_growth(lambda: mgr.verify(jobs=4), "VmRSS")
     assert len(results) == 50 and all(r.ok for r in results), [r.problems for r in results if not r.ok][:2]
-    print((peak[0] - base) >> 20)
+    print(growth >> 20)
 """)
 
 
 def test_verify_all_of_50_checkpoints_stays_in_bounded_memory(local_url):
     """Resident memory (anonymous and mapped) grows by far less than the 200 MiB the run holds."""
-    proc = subprocess.run([sys.executable, "-c", VERIFY_CHILD, local_url], capture_output=True, text=True, timeout=110)
+    proc = subprocess.run([sys.executable, "-c", VERIFY_CHILD, local_url], capture_output=True, text=True, timeout=110,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-2000:]
     growth = int(proc.stdout.strip().splitlines()[-1])
     assert growth < 64, f"verify of 50 checkpoints (200 MiB) grew resident memory by {growth} MiB"

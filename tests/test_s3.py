@@ -167,14 +167,11 @@ def test_transient_5xx_errors_are_retried_and_the_save_commits(s3_server, s3_buc
 
 
 RSS_CHILD = r"""
-import gc, sys, threading, time, torch
+import gc, sys, torch
+sys.path.insert(0, "tests")
+from memprobe import peak_growth
 from verified_ckpt import CheckpointManager
 torch.set_num_threads(1)
-def anon():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
 url, mode = sys.argv[1], sys.argv[2]
 mgr = CheckpointManager(url, shard_bytes=16 << 20, io_workers=2)
 if mode == "save":
@@ -183,16 +180,9 @@ if mode == "save":
 into = {f"w{i}": torch.zeros(4 << 20) for i in range(12)}
 assert [i.step for i in mgr.list()] == [1]  # connects: the S3 client's setup is not the restore's memory
 gc.collect()
-base = anon(); peak = [base]; running = [True]
-def sample():
-    while running[0]:
-        peak[0] = max(peak[0], anon())
-        time.sleep(0.002)
-t = threading.Thread(target=sample); t.start()
-mgr.restore(into, allow_unverified=True)
-running[0] = False; t.join()
+_, growth = peak_growth(lambda: mgr.restore(into, allow_unverified=True), "RssAnon")
 assert all(float(into[f"w{i}"][123]) == float(i) for i in range(12))
-print((peak[0] - base) >> 20)
+print(growth >> 20)
 """
 
 
@@ -203,7 +193,8 @@ def test_restore_from_s3_holds_about_the_state_not_a_second_copy(s3, s3_server):
     # the allocator holding freed upload buffers, which shows up as growth that is not the restore's.
     for mode in ("save", "restore"):
         proc = subprocess.run([sys.executable, "-c", RSS_CHILD, url, mode], capture_output=True, text=True,
-                              timeout=120, env={**os.environ, **s3_server.env})
+                              timeout=120, env={**os.environ, **s3_server.env},
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         assert proc.returncode == 0, proc.stderr[-2000:]
     growth_mib = int(proc.stdout.strip().splitlines()[-1])
     assert growth_mib < 96, f"restore grew anonymous memory by {growth_mib} MiB for a 192 MiB checkpoint"

@@ -125,26 +125,35 @@ def summarize(cols: Columns) -> dict[str, Any]:
     }
 
 
-def consensus_claim_problems(evidence: dict[str, Any], cols: Columns | None) -> list[str]:
+def passing_consensus(cols: Columns) -> dict[int, list[dict[int, str]]]:
+    """Every consensus check in which all ranks passed, by step: each as {rank: fingerprint hex}.
+
+    Built once per verification run, so checking N manifests does not regroup the ledger N times.
+    """
+    out: dict[int, list[dict[int, str]]] = {}
+    for g in checks(cols):
+        if g["kind"] == "consensus" and not g["failed"]:
+            lo, hi = g["rows"]
+            out.setdefault(g["step"], []).append(
+                {int(cols.rank[i]): lanes_hex(cols.lanes[i].tolist()) for i in range(lo, hi)})
+    return out
+
+
+def consensus_claim_problems(evidence: dict[str, Any], consensus: dict[int, list[dict[int, str]]] | None) -> list[str]:
     """Why the ledger does not back a manifest's consensus claim (empty when it does).
 
     A manifest that records a unanimous consensus at step s must find, in the
-    ledger, a consensus check at step s in which every claimed rank passed
+    ledger (``consensus`` from :func:`passing_consensus`, ``None`` without a
+    ledger), a consensus check at step s in which every claimed rank passed
     with exactly the claimed fingerprint. Manifests without a claim need nothing.
     """
     claim = (evidence or {}).get("consensus") or {}
     if not claim.get("unanimous"):
         return []
     step, fps = claim.get("step"), claim.get("fingerprints") or {}
-    if cols is None:
+    if consensus is None:
         return [f"the manifest claims a unanimous consensus at step {step}, but the run has no ledger"]
-    passed = VERDICTS.index("pass")
-    for g in checks(cols):
-        if g["kind"] != "consensus" or g["step"] != step or g["failed"]:
-            continue
-        lo, hi = g["rows"]
-        seen = {int(cols.rank[i]): lanes_hex(cols.lanes[i].tolist()) for i in range(lo, hi)
-                if cols.verdict[i] == passed}
+    for seen in consensus.get(step, []):
         if all(seen.get(int(r)) == fp for r, fp in fps.items()):
             return []
     return [f"the manifest claims a unanimous consensus at step {step} over {len(fps)} replicas, "

@@ -283,7 +283,7 @@ class CheckpointManager:
             all_fps = {n: Fingerprint.from_hex(fp) for r in reports for n, fp in r["fps"].items()}
             manifest = self._manifest(self._run_id(), job.cid, job.step, job.flat, all_entries, all_fps, job.status,
                                       job.reasons, job.evidence, job.topology)
-            manifest_bytes = canonical_json(self._signer.seal(json.loads(manifest.to_json())))
+            manifest_bytes = canonical_json(self._signer.seal(manifest.to_dict()))
             self._store.commit_manifest(job.cid, manifest_bytes)
             if self.guard is not None and not collective:
                 for r in range(self.world):
@@ -297,8 +297,9 @@ class CheckpointManager:
             self.guard.barrier()
         elif self.rank != 0:
             manifest_bytes = self._await(lambda: self._store.read_optional(job.cid, "manifest.json"), job.cid, "manifest")
-        info = self._info(Manifest.from_json(manifest_bytes, where=job.cid), [])
-        return dataclasses.replace(info, signature=self._signer.check(json.loads(manifest_bytes)).value)
+        raw = Manifest.decode_json(manifest_bytes, job.cid)
+        info = self._info(Manifest.from_dict(raw, job.cid), [])
+        return dataclasses.replace(info, signature=self._signer.check(raw).value)
 
     def _collect_reports(self, cid: str) -> list[dict[str, Any]]:
         reports = []
@@ -414,11 +415,11 @@ class CheckpointManager:
 
         def load(cid: str) -> CheckpointInfo:
             try:
-                raw = self._store.read_manifest(cid)
-                m = Manifest.from_json(raw, where=f"{cid}")
+                raw = Manifest.decode_json(self._store.read_manifest(cid), cid)
+                m = Manifest.from_dict(raw, cid)
             except CorruptCheckpoint as e:  # malformed, oversized, or behind a symlink out of the run
                 return CheckpointInfo(cid, _step_from_id(cid), Status.CORRUPT, "", 0, [str(e)], None)
-            sig = self._signer.check(json.loads(raw))
+            sig = self._signer.check(raw)
             if not sig.trusted:
                 return CheckpointInfo(cid, m.step, Status.CORRUPT, m.created_at, m.size_bytes,
                                       [self._signer.why(sig, f"the manifest of {cid}")], m, sig.value)
@@ -922,6 +923,7 @@ class CheckpointManager:
         elif not infos:
             self.require_run()
         cols = self.ledger()
+        consensus = history.passing_consensus(cols) if cols is not None else None
 
         def one(info: CheckpointInfo) -> VerificationResult:
             if info.manifest is None:
@@ -932,7 +934,7 @@ class CheckpointManager:
                                                      progress=progress, keep=False)
                 except VerifiedCkptError as e:
                     problems = [Problem("read", str(e))]
-                problems += [Problem("ledger", p) for p in history.consensus_claim_problems(info.manifest.evidence, cols)]
+                problems += [Problem("ledger", p) for p in history.consensus_claim_problems(info.manifest.evidence, consensus)]
                 if not Signature(info.signature).trusted:
                     problems.insert(0, Problem("signature", info.reasons[0]))
             result = VerificationResult(info.id, info.step, not problems, problems, utc_now())

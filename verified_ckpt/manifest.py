@@ -89,28 +89,31 @@ class Manifest:
     def size_bytes(self) -> int:
         return sum(s.size for s in self.shards)
 
-    def to_json(self) -> bytes:
+    def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["status"] = self.status.value
-        return canonical_json(d)
+        return d
+
+    def to_json(self) -> bytes:
+        return canonical_json(self.to_dict())
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
-        """Parse and validate; every defect becomes one :class:`ManifestError` naming ``where``.
+        """:meth:`decode_json` then :meth:`from_dict`."""
+        return cls.from_dict(cls.decode_json(data, where), where)
 
-        A manifest that parses is safe for the rest of the library to use as is:
-        every field has its type, every name is a plain path segment, shards and
-        tensors agree with each other, shapes fit their shards, the state skeleton
-        is one :func:`~verified_ckpt.flatten.unflatten` can rebuild, and nothing is
-        nested deeper than :data:`MAX_DEPTH`. Cheap: one pass over the parsed JSON.
-        Never raises anything but :class:`ManifestError`, whatever ``data`` holds.
+    @staticmethod
+    def decode_json(data: bytes, where: str) -> dict[str, Any]:
+        """The manifest's JSON object, decoded within the size and nesting limits.
+
+        Callers that also need the raw object (to check its signature) decode
+        once and pass it to :meth:`from_dict`.
+
+        Raises:
+            ManifestError: not bytes, too large, not JSON, too deep, or not an object.
         """
-
         def bad(why: str) -> ManifestError:
-            return ManifestError(
-                f"manifest {where} is malformed ({why}); it cannot be trusted - "
-                "restore another checkpoint, or delete this one"
-            )
+            return _malformed(where, why)
 
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise bad(f"got {type(data).__name__}, not bytes")
@@ -127,6 +130,23 @@ class Manifest:
             raise bad(why)
         if not isinstance(d, dict):
             raise bad("not a JSON object")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str) -> Manifest:
+        """Validate a decoded manifest; every defect becomes one :class:`ManifestError` naming ``where``.
+
+        A manifest that parses is safe for the rest of the library to use as is:
+        every field has its type, every name is a plain path segment, shards and
+        tensors agree with each other, shapes fit their shards, the state skeleton
+        is one :func:`~verified_ckpt.flatten.unflatten` can rebuild, and nothing is
+        nested deeper than :data:`MAX_DEPTH`. Cheap: one pass over the parsed JSON.
+        Never raises anything but :class:`ManifestError`, whatever ``data`` holds.
+        """
+
+        def bad(why: str) -> ManifestError:
+            return _malformed(where, why)
+
         if type(d.get("schema_version")) is not int or d["schema_version"] != SCHEMA_VERSION:
             raise bad(f"schema_version {short_repr(d.get('schema_version'))}, this version reads {SCHEMA_VERSION}")
         want = {
@@ -231,6 +251,11 @@ class Manifest:
             state=d["state"], evidence=d["evidence"], status=status, reasons=list(d["reasons"]),
             resumed_from=resumed,
         )
+
+
+def _malformed(where: str, why: str) -> ManifestError:
+    return ManifestError(f"manifest {where} is malformed ({why}); it cannot be trusted - "
+                         "restore another checkpoint, or delete this one")
 
 
 def _no_constant(name: str) -> Any:

@@ -22,16 +22,14 @@ from verified_ckpt import (
     CheckpointManager,
     CheckpointNotRestorable,
     CorruptCheckpoint,
+    Incident,
     InvalidState,
-    LedgerNotFound,
     ManifestError,
     Status,
     StorageError,
     VerifiedCkptError,
+    render_html,
 )
-
-from verified_ckpt import history
-from verified_ckpt.report import render_html
 
 from .output import Output, human_size, status_text
 
@@ -187,11 +185,7 @@ def verify_cmd(mgr: CheckpointManager, out: Output, step: int | None, every: boo
 @run_command
 def ledger_cmd(mgr: CheckpointManager, out: Output) -> int:
     """Summarise the run's check history: counts, last unanimous consensus, divergences, audits."""
-    mgr.require_run()
-    cols = mgr.ledger()
-    if cols is None:
-        raise LedgerNotFound(f"run {mgr.url} has no ledger: it was saved without an SDCGuard (the ledger records the guard's checks)")
-    summary = history.summarize(cols)
+    summary = mgr.ledger_summary()
 
     def human(console: Any) -> None:
         span = summary["steps"]
@@ -245,23 +239,21 @@ def report_cmd(mgr: CheckpointManager, out: Output, dest: str) -> int:
 def flag_cmd(mgr: CheckpointManager, out: Output, from_step: int, to_step: int | None, ranks: tuple[int, ...],
              reason: str) -> int:
     """Flag an incident by hand: checkpoints in the interval become suspect."""
-    rec = mgr.flag(from_step, to_step=to_step, ranks=ranks, reason=reason)
-    flagged = [i for i in mgr.list() if i.status is Status.SUSPECT and any(rec["id"] in r for r in i.reasons)]
+    inc = mgr.flag(from_step, to_step=to_step, ranks=ranks, reason=reason)
+    flagged = mgr.view().flagged_by(inc)
 
     def human(console: Any) -> None:
         span = f"{from_step}..{to_step}" if to_step is not None else f"{from_step}.."
-        console.print(f"flagged steps {span} as incident {rec['id']}; {len(flagged)} checkpoint(s) now suspect")
+        console.print(f"flagged steps {span} as incident {inc.id}; {len(flagged)} checkpoint(s) now suspect")
 
-    out.emit({**_incident_row(rec), "suspect_checkpoints": [i.id for i in flagged]}, human)
+    out.emit({**_incident_row(inc), "suspect_checkpoints": [i.id for i in flagged]}, human)
     return EXIT_OK
 
 
-def _incident_row(rec: dict[str, Any]) -> dict[str, Any]:
-    return {"id": rec.get("id"), "kind": rec.get("kind"), "ranks": rec.get("ranks", []),
-            "hosts": sorted({h.get("host") for h in rec.get("hosts", []) if isinstance(h, dict) and h.get("host")}),
-            "first_suspect_step": rec.get("first_suspect_step"), "to_step": rec.get("to_step"),
-            "detected_step": rec.get("detected_step"), "reason": rec.get("reason") or rec.get("detail", ""),
-            "at": rec.get("at"), "signature": rec.get("signature_state")}
+def _incident_row(inc: Incident) -> dict[str, Any]:
+    return {"id": inc.id, "kind": inc.kind, "ranks": inc.ranks, "hosts": inc.exclude_hosts,
+            "first_suspect_step": inc.first_suspect_step, "to_step": inc.to_step, "detected_step": inc.detected_step,
+            "reason": inc.reason or inc.detail, "at": inc.at, "signature": inc.signature}
 
 
 @main.command("incidents")

@@ -170,7 +170,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         "rollbacks": rollbacks,
         "audit_pairs": {str(a): t for a, t in enumerate(guard.targets)} if guard else {},
         "nodes": guard.node_of if guard else [],
-        "checks": guard.counters() if guard else {},
+        "checks": {k: c.to_dict() for k, c in guard.counters().items()} if guard else {},
     }
 
 

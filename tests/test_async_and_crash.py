@@ -50,7 +50,7 @@ def test_back_to_back_async_saves_each_keep_their_own_values(local_url):
 def test_a_failed_background_save_surfaces_and_never_commits(local_url, monkeypatch):
     mgr = CheckpointManager(local_url)
     mgr.save(1, {"w": torch.ones(4)})
-    from verified_ckpt import manager as manager_mod
+    from verified_ckpt.checkpoint import saving as manager_mod
 
     def broken(f, items, metadata=None):
         raise OSError("disk full")
@@ -66,7 +66,8 @@ def test_a_failed_background_save_surfaces_and_never_commits(local_url, monkeypa
 
 CHILD = textwrap.dedent("""
     import os, signal, sys, torch
-    from verified_ckpt import CheckpointManager, manager, shards, store
+    from verified_ckpt import CheckpointManager, shards, store
+    from verified_ckpt.checkpoint import saving as manager
     point, url, blocking = sys.argv[1], sys.argv[2], sys.argv[3] == "sync"
     die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
     mgr = CheckpointManager(url, shard_bytes=1 << 16)
@@ -99,7 +100,7 @@ CHILD = textwrap.dedent("""
                 die()
         store.RunStore.commit_manifest = partial
     elif point == "after-snapshot":
-        manager.CheckpointManager._finish = lambda self, job, collective: die()
+        manager.Saver.finish = lambda self, job, **kw: die()
     out = mgr.save(2, state, blocking=blocking)
     if not blocking:
         mgr.wait()

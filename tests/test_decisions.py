@@ -11,12 +11,26 @@ from verified_ckpt.decisions import (
     incident_reasons,
     newest,
     rollback_target,
-    save_status,
     to_delete,
 )
+from verified_ckpt.evidence import save_status
 from verified_ckpt.manifest import CheckpointInfo
+from verified_ckpt.records import Incident, Problem, Rollback, VerificationResult
 
 R, U, S, C = Status.RESTORABLE, Status.UNVERIFIED, Status.SUSPECT, Status.CORRUPT
+
+
+def ver(ok, *problems, at="t"):
+    return VerificationResult("c", 1, ok, [Problem(k, d) for k, d in problems], at)
+
+
+def incident(first, to=None, at="t050"):
+    return Incident(kind="audit", first_suspect_step=first, to_step=to, at=at, id="i1", detected_step=first, ranks=[],
+                    hosts=[], detail="x")
+
+
+def rollback(at):
+    return Rollback(at=at, to_checkpoint_id="c0", to_step=0, answers=[])
 
 
 def infos(*statuses):
@@ -24,18 +38,18 @@ def infos(*statuses):
 
 
 def test_failed_verification_makes_corrupt_and_is_permanent():
-    recs = [{"ok": False, "problems": [{"kind": "digest", "detail": "x"}], "at": "t1"}, {"ok": True, "at": "t2"}]
+    recs = [ver(False, ("digest", "x"), at="t1"), ver(True, at="t2")]
     status, why = derive_status(R, [], recs)
     assert status is C and "digest: x" in why[0]
 
 
 def test_nonfinite_only_makes_suspect():
-    assert derive_status(R, [], [{"ok": False, "problems": [{"kind": "nonfinite", "detail": "w"}]}])[0] is S
+    assert derive_status(R, [], [ver(False, ("nonfinite", "w"))])[0] is S
 
 
 def test_status_never_improves():
-    assert derive_status(C, ["bad"], [{"ok": True}]) == (C, ["bad"])
-    assert derive_status(U, ["why"], [{"ok": True}])[0] is U
+    assert derive_status(C, ["bad"], [ver(True)]) == (C, ["bad"])
+    assert derive_status(U, ["why"], [ver(True)])[0] is U
 
 
 def test_newest_respects_status_and_step():
@@ -79,17 +93,17 @@ def test_save_status_rules():
 
 
 def test_incidents_flag_until_the_rollback_that_answers_them():
-    inc = {"id": "i1", "kind": "audit", "first_suspect_step": 21, "to_step": None, "at": "t050", "detail": "x"}
+    inc = incident(21)
     assert incident_reasons(20, "t040", [inc], []) == []
     assert incident_reasons(21, "t040", [inc], [])  # written before the incident: suspect
     assert incident_reasons(30, "t060", [inc], [])  # after the incident, no rollback yet: same lineage
-    rb = [{"at": "t070"}]
+    rb = [rollback("t070")]
     assert answered_at(inc, rb) == "t070"
     assert incident_reasons(30, "t060", [inc], rb)  # abandoned stretch stays suspect
     assert incident_reasons(30, "t080", [inc], rb) == []  # new lineage, reused step number
-    bounded = {**inc, "to_step": 25}
+    bounded = incident(21, to=25)
     assert incident_reasons(26, "t040", [bounded], []) == []
-    assert answered_at(inc, [{"at": "t010"}]) is None  # a rollback before the incident answers nothing
+    assert answered_at(inc, [rollback("t010")]) is None  # a rollback before the incident answers nothing
 
 
 def test_rollback_target_skips_newer_and_explains():
@@ -110,9 +124,8 @@ def test_rollback_target_skips_newer_and_explains():
 )
 def test_rollback_never_selects_a_checkpoint_inside_an_unanswered_interval(steps, verified, first, span, rolled):
     """Property: for checkpoints written before the answering rollback, the target is outside every interval."""
-    inc = {"id": "i", "kind": "manual", "first_suspect_step": first,
-           "to_step": None if span is None else first + span, "at": "t500"}
-    rollbacks = [{"at": "t600"}] if rolled else []
+    inc = incident(first, None if span is None else first + span, at="t500")
+    rollbacks = [rollback("t600")] if rolled else []
     xs = []
     for i, step in enumerate(steps):
         created = f"t{100 + i:03d}"  # all written before the incident and the rollback
@@ -123,7 +136,7 @@ def test_rollback_never_selects_a_checkpoint_inside_an_unanswered_interval(steps
         xs.append(CheckpointInfo(f"c{i}", step, status, created, 1, why))
     target, _ = rollback_target(xs)
     if target is not None:
-        hi = inc["to_step"]
+        hi = inc.to_step
         assert not (target.step >= first and (hi is None or target.step <= hi))
 
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verified_ckpt import Fingerprint, state_fingerprint, tensor_fingerprint
-from verified_ckpt.fingerprint import lanes_of
+from verified_ckpt.lanes import lanes_of
 
 M = 2**64
 

@@ -37,7 +37,8 @@ from verified_ckpt import (
     shards,
     state_fingerprint,
 )
-from verified_ckpt.flatten import tensor_refs, unflatten
+from verified_ckpt.flatten import unflatten
+from verified_ckpt.skeleton import tensor_refs
 from verified_ckpt.manifest import MAX_DEPTH, Manifest
 from verified_ckpt.shards import parse_header, read_into, tensors_from_buffer, write_shard
 
@@ -50,7 +51,7 @@ SLOW = settings(max_examples=25, deadline=None, derandomize=True, database=None,
 
 WHERE = "step-0000000001-fuzzfuzz"
 PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-ITEMSIZE = {str(dt).removeprefix("torch."): dt.itemsize for dt in shards._DTYPES.values()}
+ITEMSIZE = {str(dt).removeprefix("torch."): dt.itemsize for dt in shards.DTYPES.values()}
 
 # ----------------------------------------------------------------- material
 
@@ -339,7 +340,7 @@ def test_an_oversized_manifest_is_refused_before_parsing(monkeypatch, manifest_d
     raw = manifest_doc[0]
     monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", len(raw) - 1)
     called = []
-    monkeypatch.setattr(manifest_mod.json, "loads", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(json, "loads", lambda *a, **k: called.append(1))
     with pytest.raises(ManifestError, match=f"{len(raw)} bytes, more than {len(raw) - 1}"):
         Manifest.from_json(raw, WHERE)
     assert not called
@@ -396,7 +397,7 @@ def test_a_flipped_byte_anywhere(at, mask):
 SHAPES = st.lists(NASTY_INT | st.integers(0, 8) | st.booleans() | st.floats(allow_nan=False) | st.just([2]),
                   max_size=4) | JSON
 OFFSETS = st.lists(NASTY_INT | st.integers(0, len(DATA) + 8), max_size=3) | JSON
-DTYPES = st.sampled_from(sorted(shards._DTYPES) + ["float32", "F128", "", "f32"]) | JSON
+DTYPES = st.sampled_from(sorted(shards.DTYPES) + ["float32", "F128", "", "f32"]) | JSON
 
 
 @FAST
@@ -430,14 +431,14 @@ def test_a_wrong_header_length(length):
 
 
 @FAST
-@given(shape=st.lists(st.integers(0, 2**62), min_size=1, max_size=6), dtype=st.sampled_from(sorted(shards._DTYPES)),
+@given(shape=st.lists(st.integers(0, 2**62), min_size=1, max_size=6), dtype=st.sampled_from(sorted(shards.DTYPES)),
        begin=st.integers(0, 64), extra=st.integers(-3, 3))
 def test_declared_sizes_against_actual_bytes(shape, dtype, begin, extra):
     """A header is only believed where the real data section backs it."""
     numel = 1
     for d in shape:
         numel *= d
-    nbytes = numel * shards._DTYPES[dtype].itemsize
+    nbytes = numel * shards.DTYPES[dtype].itemsize
     data = bytes(min(max(nbytes + extra, 0), 4096))
     got = read_shard(_frame({"t": {"dtype": dtype, "shape": shape, "data_offsets": [begin, begin + nbytes]}}, data))
     if got is not None:

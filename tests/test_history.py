@@ -10,12 +10,13 @@ from verified_ckpt.history import (
     Event,
     consensus_claim_problems,
     passing_consensus,
-    lanes_hex,
     redact_url,
     report_data,
     step_series,
     summarize,
 )
+from verified_ckpt.fingerprint import lanes_hex
+from verified_ckpt.records import Host, Incident
 
 
 def run_events(world: int = 3) -> list[Event]:
@@ -77,10 +78,10 @@ def test_lanes_hex_matches_the_guards_spelling_for_negative_int64():
 
 def test_report_data_closes_answered_intervals_and_lists_hosts():
     incidents = [
-        {"kind": "audit", "first_suspect_step": 21, "to_step": None, "detected_step": 23, "ranks": [1],
-         "hosts": [{"rank": 1, "host": "gpu-7", "device": "x"}], "detail": "d"},
-        {"kind": "manual", "first_suspect_step": 30, "to_step": None, "detected_step": 30, "ranks": [],
-         "hosts": [], "reason": "bad <loss>"},
+        Incident(kind="audit", first_suspect_step=21, to_step=None, detected_step=23, ranks=[1],
+                 hosts=[Host(1, "gpu-7", "x")], detail="d"),
+        Incident(kind="manual", first_suspect_step=30, to_step=None, detected_step=30, ranks=[],
+                 hosts=[], detail="", reason="bad <loss>"),
     ]
     data = report_data("s3://u:secret@bucket/run", "t", Columns.of(run_events()),
                        [{"id": "a", "step": 3, "status": "restorable"}], incidents, [True, False], {"id": "a", "step": 3})

@@ -92,7 +92,7 @@ def test_a_save_whose_consensus_disagrees_is_never_restorable(tmp_path):
     mgr = CheckpointManager(run)
     assert [(i.step, i.status) for i in mgr.list()] == [(4, Status.RESTORABLE)]
     [inc] = mgr.incidents()
-    assert (inc["kind"], inc["ranks"], inc["first_suspect_step"]) == ("consensus", [2], 5)
+    assert (inc.kind, inc.ranks, inc.first_suspect_step) == ("consensus", [2], 5)
     assert not any(name.startswith("step-0000000008") and os.path.exists(os.path.join(run, "checkpoints", name, "manifest.json"))
                    for name in os.listdir(os.path.join(run, "checkpoints")))
 
@@ -137,7 +137,7 @@ def kill_rank_1_mid_save(rank: int, world: int, run: str, blocking: bool) -> dic
     import signal
 
     from verified_ckpt import StorageError
-    from verified_ckpt import manager as manager_mod
+    from verified_ckpt.checkpoint import saving as manager_mod
 
     model = DDP(ddp_train.build_model(0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

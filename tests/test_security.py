@@ -139,7 +139,7 @@ def test_edited_incident_and_verification_records_are_detected(local_url, keyed)
     r = invoke("incidents", local_url, "--json")
     assert r.exit_code == 0
     [row] = json.loads(r.stdout)
-    assert row["id"] == rec["id"] and row["signature"] == "invalid"
+    assert row["id"] == rec.id and row["signature"] == "invalid"
     assert "not trusted" in invoke("incidents", local_url).output
     assert mgr.list()[0].status is Status.SUSPECT  # an untrusted incident still marks (its edited) interval
 
@@ -357,7 +357,7 @@ def test_no_pickle_is_loaded_by_restore_verify_or_the_cli(local_url, no_key):
 
 
 def test_a_save_the_reader_would_refuse_is_refused_before_anything_is_written(local_url, no_key):
-    from verified_ckpt.shards import MAX_NDIM
+    from verified_ckpt.tensorspec import MAX_NDIM
 
     deep: dict = {"leaf": 1}
     for _ in range(150):

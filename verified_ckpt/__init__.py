@@ -1,46 +1,73 @@
 """verified-ckpt: checkpoints that large PyTorch training runs can trust.
 
 The whole public API is re-exported here; every other module is internal.
+Names are resolved on first use (PEP 562), so a tool that only lists or
+inspects runs (the ``vckpt`` CLI) never pays for importing torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointNotFound,
     CheckpointNotRestorable,
     CorruptCheckpoint,
+    GuardUsageError,
     InvalidRunURL,
     InvalidState,
-    GuardUsageError,
-    ManifestError,
     LedgerNotFound,
+    ManifestError,
     RunNotFound,
     SilentCorruptionDetected,
     StorageError,
     UnsafePath,
     VerifiedCkptError,
 )
-from .fingerprint import Fingerprint, state_fingerprint, tensor_fingerprint
-from .guard import GuardConfig, SDCGuard
-from .manager import CheckpointManager
-from .manifest import CheckpointInfo, Incident, Manifest, Status, VerificationResult
-from .rng import RNGState
+
+if TYPE_CHECKING:
+    from .checkpoint import CheckpointManager, RunView
+    from .comm import Communicator
+    from .fingerprint import Fingerprint
+    from .guard import GuardConfig, SDCGuard
+    from .lanes import state_fingerprint, tensor_fingerprint
+    from .manifest import CheckpointInfo, Manifest
+    from .records import Host, Incident, Problem, Rollback, VerificationResult
+    from .report import render_html
+    from .rng import RNGState
+    from .status import Status
+
+_LAZY = {
+    "CheckpointManager": "checkpoint", "RunView": "checkpoint", "Communicator": "comm", "Fingerprint": "fingerprint",
+    "GuardConfig": "guard", "SDCGuard": "guard", "state_fingerprint": "lanes", "tensor_fingerprint": "lanes",
+    "CheckpointInfo": "manifest", "Manifest": "manifest", "Host": "records", "Incident": "records",
+    "Problem": "records", "Rollback": "records", "VerificationResult": "records", "render_html": "report",
+    "RNGState": "rng", "Status": "status",
+}
 
 __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFound",
     "CheckpointNotRestorable",
+    "Communicator",
     "CorruptCheckpoint",
     "Fingerprint",
     "GuardConfig",
     "GuardUsageError",
+    "Host",
     "Incident",
     "InvalidRunURL",
     "InvalidState",
+    "LedgerNotFound",
     "Manifest",
     "ManifestError",
+    "Problem",
     "RNGState",
-    "LedgerNotFound",
+    "Rollback",
     "RunNotFound",
+    "RunView",
     "SDCGuard",
     "SilentCorruptionDetected",
     "Status",
@@ -48,7 +75,21 @@ __all__ = [
     "UnsafePath",
     "VerificationResult",
     "VerifiedCkptError",
+    "render_html",
     "state_fingerprint",
     "tensor_fingerprint",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'verified_ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -9,9 +9,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .manifest import CheckpointInfo, Status
+from .records import Incident, Rollback, VerificationResult
+from .status import Status
+
+if TYPE_CHECKING:
+    from .manifest import CheckpointInfo
 
 # Higher is worse; a derived status never improves on what the manifest said.
 _SEVERITY = {Status.RESTORABLE: 0, Status.UNVERIFIED: 1, Status.SUSPECT: 2, Status.CORRUPT: 3}
@@ -25,27 +29,27 @@ def worst(a: Status, b: Status) -> Status:
 
 
 def derive_status(
-    committed: Status, reasons: Sequence[str], verifications: Iterable[dict[str, Any]]
+    committed: Status, reasons: Sequence[str], verifications: Iterable[VerificationResult]
 ) -> tuple[Status, list[str]]:
     """The status a user sees: the manifest's status, worsened by later verification records.
 
     Args:
         committed: the status written in the manifest.
         reasons: the manifest's reasons for that status.
-        verifications: verification records of this checkpoint (``ok``, ``problems``, ``at``).
+        verifications: verification records of this checkpoint.
 
     Returns:
         (status, reasons); a failed verification is permanent.
     """
     status, why = committed, list(reasons)
     for rec in verifications:
-        if rec.get("ok"):
+        if rec.ok:
             continue
-        kinds = {p.get("kind") for p in rec.get("problems", [])}
+        kinds = {p.kind for p in rec.problems}
         found = Status.CORRUPT if kinds & _CORRUPTING or not kinds else Status.SUSPECT
         status = worst(status, found)
-        details = "; ".join(f"{p.get('kind')}: {p.get('detail')}" for p in rec.get("problems", []))
-        why.append(f"verification at {rec.get('at')} failed: {details or 'no detail'}")
+        details = "; ".join(f"{p.kind}: {p.detail}" for p in rec.problems)
+        why.append(f"verification at {rec.verified_at} failed: {details or 'no detail'}")
     return status, why
 
 
@@ -196,49 +200,27 @@ def tiebreaker(owner: int, auditor: int, node_of: Sequence[int]) -> int | None:
 
 
 # ------------------------------------------------------- saves, incidents, rollback
-def save_status(
-    world: int, failed_since_previous: dict[str, int], audits_enabled: bool, audits_since_restorable: int
-) -> tuple[Status, list[str]]:
-    """The status a guarded save commits with (the consensus already agreed, or the save raised).
-
-    Args:
-        world: replicas that took part in the consensus.
-        failed_since_previous: failures per check kind since the previous checkpoint.
-        audits_enabled: whether recompute audits are scheduled.
-        audits_since_restorable: audits passed since the previous restorable checkpoint.
-    """
-    failed = {k: n for k, n in failed_since_previous.items() if n}
-    if failed:
-        return Status.SUSPECT, ["checks failed since the previous checkpoint: "
-                                + ", ".join(f"{k} x{n}" for k, n in sorted(failed.items()))]
-    if world < 2:
-        return Status.UNVERIFIED, ["a single replica: no cross-replica consensus or audit is possible"]
-    if audits_enabled and audits_since_restorable < 1:
-        return Status.UNVERIFIED, ["no recompute audit has passed since the previous restorable checkpoint"]
-    return Status.RESTORABLE, []
-
-
-def answered_at(incident: dict[str, Any], rollbacks: Sequence[dict[str, Any]]) -> str | None:
+def answered_at(incident: Incident, rollbacks: Sequence[Rollback]) -> str | None:
     """When the first rollback after ``incident`` happened (ISO time), or None while unanswered."""
-    times = sorted(r["at"] for r in rollbacks if r.get("at", "") > incident.get("at", ""))
+    times = sorted(r.at for r in rollbacks if r.at > incident.at)
     return times[0] if times else None
 
 
-def incident_reasons(step: int, created_at: str, incidents: Sequence[dict[str, Any]],
-                     rollbacks: Sequence[dict[str, Any]]) -> list[str]:
+def incident_reasons(step: int, created_at: str, incidents: Sequence[Incident],
+                     rollbacks: Sequence[Rollback]) -> list[str]:
     """Why a checkpoint is suspect: its step lies in a flagged interval and it was written
     before the rollback that answered that incident (later checkpoints are a new lineage)."""
     out = []
     for inc in incidents:
-        lo, hi = inc["first_suspect_step"], inc.get("to_step")
+        lo, hi = inc.first_suspect_step, inc.to_step
         if step < lo or (hi is not None and step > hi):
             continue
         answered = answered_at(inc, rollbacks)
         if answered is not None and created_at > answered:
             continue
         span = f"{lo}..{hi}" if hi is not None else f"{lo}.."
-        out.append(f"step {step} lies in flagged interval {span} of incident {inc.get('id', '?')} "
-                   f"({inc.get('kind')}: {inc.get('reason') or inc.get('detail', '')})".rstrip())
+        out.append(f"step {step} lies in flagged interval {span} of incident {inc.id or '?'} "
+                   f"({inc.kind}: {inc.reason or inc.detail})".rstrip())
     return out
 
 

@@ -21,6 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from .evidence import consensus_claim
+from .fingerprint import lanes_hex
+from .records import Incident
+
 # Codes are positions in these lists; the ledger stores both lists in its attributes.
 KINDS = ["step", "audit", "consensus", "save", "incident", "restore"]
 VERDICTS = ["pass", "fail", "none"]
@@ -75,11 +79,6 @@ class Columns:
             grad_norm=np.array([e.grad_norm for e in events], dtype=np.float64),
             time=np.array([e.time for e in events], dtype=np.float64),
         )
-
-
-def lanes_hex(lanes: Sequence[int]) -> str:
-    """The 32-hex-digit spelling the guard and manifests use for two lanes."""
-    return "".join(f"{int(v) & (2**64 - 1):016x}" for v in lanes)
 
 
 def checks(cols: Columns) -> list[dict[str, Any]]:
@@ -147,16 +146,15 @@ def consensus_claim_problems(evidence: dict[str, Any], consensus: dict[int, list
     ledger), a consensus check at step s in which every claimed rank passed
     with exactly the claimed fingerprint. Manifests without a claim need nothing.
     """
-    claim = (evidence or {}).get("consensus") or {}
-    if not claim.get("unanimous"):
+    claim = consensus_claim(evidence)
+    if claim is None:
         return []
-    step, fps = claim.get("step"), claim.get("fingerprints") or {}
     if consensus is None:
-        return [f"the manifest claims a unanimous consensus at step {step}, but the run has no ledger"]
-    for seen in consensus.get(step, []):
-        if all(seen.get(int(r)) == fp for r, fp in fps.items()):
+        return [f"the manifest claims a unanimous consensus at step {claim.step}, but the run has no ledger"]
+    for seen in consensus.get(claim.step, []):
+        if all(seen.get(r) == fp for r, fp in claim.fingerprints.items()):
             return []
-    return [f"the manifest claims a unanimous consensus at step {step} over {len(fps)} replicas, "
+    return [f"the manifest claims a unanimous consensus at step {claim.step} over {len(claim.fingerprints)} replicas, "
             "but the ledger records no such consensus"]
 
 
@@ -197,12 +195,11 @@ def redact_url(url: str) -> str:
 
 
 def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: Sequence[dict[str, Any]],
-                incidents: Sequence[dict[str, Any]], answered: Sequence[bool],
+                incidents: Sequence[Incident], answered: Sequence[bool],
                 target: dict[str, Any] | None) -> dict[str, Any]:
     """The input of ``report.render_html``: the ledger's per-step series and votes, checkpoints
     with their derived status, incidents' flagged intervals, and the rollback target."""
-    empty = Columns.of([])
-    cols = cols if cols is not None else empty
+    cols = cols if cols is not None else Columns.of([])
     return {
         "run": redact_url(run),
         "generated_at": generated_at,
@@ -212,15 +209,12 @@ def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: 
         # An answered open-ended interval ends where it was detected: the rollback
         # abandoned that stretch, and later steps belong to the new lineage.
         "incidents": [{
-            "kind": str(i.get("kind", "")), "from_step": int(i["first_suspect_step"]),
-            "to_step": i.get("to_step") if i.get("to_step") is not None or not a else i.get("detected_step"),
-            "detected_step": int(i.get("detected_step", i["first_suspect_step"])),
-            "ranks": [int(r) for r in i.get("ranks", [])],
-            "hosts": sorted({str(h.get("host")) for h in i.get("hosts", []) if isinstance(h, dict) and h.get("host")}),
-            "detail": str(i.get("reason") or i.get("detail") or ""), "answered": bool(a),
+            "kind": i.kind, "from_step": i.first_suspect_step,
+            "to_step": i.to_step if i.to_step is not None or not a else i.detected_step,
+            "detected_step": i.detected_step, "ranks": list(i.ranks), "hosts": i.exclude_hosts,
+            "detail": i.reason or i.detail, "answered": bool(a),
         } for i, a in zip(incidents, answered)],
         "rollback_target": target,
         # A rollback answers an incident for the checkpoints, not for the hardware.
-        "exclude_hosts": sorted({str(h.get("host")) for i in incidents
-                                 for h in i.get("hosts", []) if isinstance(h, dict) and h.get("host")}),
+        "exclude_hosts": sorted({h for i in incidents for h in i.exclude_hosts}),
     }

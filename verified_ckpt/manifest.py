@@ -9,20 +9,23 @@ derived from the manifest plus those records (see ``decisions``).
 from __future__ import annotations
 
 import dataclasses
-import enum
-import json
 import re
 from typing import Any
 
+from .tensorspec import ITEMSIZE, MAX_NDIM, MAX_TENSORS, bounded_numel
 from .errors import ManifestError
-from .fingerprint import dtype_name
-from .flatten import MAX_DEPTH as MAX_SKELETON_DEPTH
-from .flatten import canonical_json, short_repr, skeleton_problem
-from .shards import _DTYPES, MAX_NDIM, MAX_TENSORS, bounded_numel
+from .evidence import evidence_problem
+from .jsonx import JSONBudgetError, Limits, canonical_json, decode, short_repr
+from .skeleton import MAX_DEPTH as MAX_SKELETON_DEPTH
+from .skeleton import skeleton_problem
+from .status import MAX_STEP, Status
+
+__all__ = [
+    "MAX_MANIFEST_BYTES", "MAX_STEP", "SEGMENT", "CheckpointInfo", "Manifest", "ShardEntry", "Status", "TensorEntry",
+]
 
 SCHEMA_VERSION = 1
 MAX_MANIFEST_BYTES = 256 << 20
-
 # Shard file names and checkpoint ids are single flat path segments: nothing
 # a manifest says can point outside its checkpoint folder.
 # (\Z, not $: "$" would also accept a name followed by a newline.)
@@ -30,24 +33,8 @@ SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
 # Deepest JSON nesting a manifest may have: a state skeleton plus the manifest's own levels.
 MAX_DEPTH = MAX_SKELETON_DEPTH + 4
 _MAX_BYTES = 1 << 62  # no size, and no tensor, is larger
-_MAX_STEP = (1 << 63) - 1  # steps go into int64 ledger columns
 _HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
-_RANK = re.compile(r"(0|[1-9][0-9]{0,8})\Z")
-# Manifests spell dtypes as torch does ("float32", "bfloat16"), not as safetensors headers do ("F32").
-_ITEMSIZE = {dtype_name(dt): dt.itemsize for dt in _DTYPES.values()}
-
-
-class Status(str, enum.Enum):
-    """What a checkpoint may be used for."""
-
-    RESTORABLE = "restorable"
-    UNVERIFIED = "unverified"
-    SUSPECT = "suspect"
-    CORRUPT = "corrupt"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,24 +99,12 @@ class Manifest:
         Raises:
             ManifestError: not bytes, too large, not JSON, too deep, or not an object.
         """
-        def bad(why: str) -> ManifestError:
-            return _malformed(where, why)
-
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise bad(f"got {type(data).__name__}, not bytes")
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise bad(f"{len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
         try:
-            d = json.loads(str(data, "utf-8"), parse_constant=_no_constant)
-        except RecursionError:
-            raise bad(f"nested deeper than {MAX_DEPTH} levels") from None
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers too long to convert, NaN
-            raise bad(f"not valid JSON, truncated? {short_repr(str(getattr(e, 'msg', e)))}") from None
-        why = _json_problem(d)
-        if why:
-            raise bad(why)
+            d = decode(data, Limits(max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_DEPTH))
+        except JSONBudgetError as e:
+            raise _malformed(where, str(e)) from None
         if not isinstance(d, dict):
-            raise bad("not a JSON object")
+            raise _malformed(where, "not a JSON object")
         return d
 
     @classmethod
@@ -159,8 +134,8 @@ class Manifest:
                 raise bad(f"missing field {key!r}")
             if not isinstance(d[key], typ) or (typ is int and isinstance(d[key], bool)):
                 raise bad(f"field {key!r} must be {typ.__name__}")
-        if not 0 <= d["step"] <= _MAX_STEP:
-            raise bad(f"step {short_repr(d['step'])} is not between 0 and {_MAX_STEP}")
+        if not 0 <= d["step"] <= MAX_STEP:
+            raise bad(f"step {short_repr(d['step'])} is not between 0 and {MAX_STEP}")
         if not SEGMENT.match(d["checkpoint_id"]):
             raise bad(f"checkpoint_id {short_repr(d['checkpoint_id'])} is not a plain name")
         if not _HEX32.match(d["state_fingerprint"]):
@@ -174,7 +149,7 @@ class Manifest:
         resumed = d.get("resumed_from")
         if resumed is not None and not isinstance(resumed, str):
             raise bad("resumed_from must be a string or null")
-        why = _topology_problem(d["topology"]) or _evidence_problem(d["evidence"])
+        why = _topology_problem(d["topology"]) or evidence_problem(d["evidence"])
         if why:
             raise bad(why)
 
@@ -208,7 +183,7 @@ class Manifest:
                 raise bad(f"{what} lacks dtype, shape, shard or fingerprint")
             if t["shard"] not in by_path:
                 raise bad(f"{what} names unknown shard {short_repr(t['shard'])}")
-            itemsize = _ITEMSIZE.get(t["dtype"])
+            itemsize = ITEMSIZE.get(t["dtype"])
             if itemsize is None:
                 raise bad(f"{what} has unknown dtype {short_repr(t['dtype'])}")
             shape = t["shape"]
@@ -258,33 +233,6 @@ def _malformed(where: str, why: str) -> ManifestError:
                          "restore another checkpoint, or delete this one")
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _json_problem(doc: Any) -> str | None:
-    """Nesting deeper than MAX_DEPTH, or a string UTF-8 cannot encode (a lone surrogate from a
-    ``\\ud800`` escape): either would make later code fail far from here. One iterative pass."""
-    stack = [(doc, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, str):
-            if not v.isascii():
-                try:
-                    v.encode("utf-8")
-                except UnicodeEncodeError:
-                    return f"string {short_repr(v)} is not valid Unicode"
-        elif isinstance(v, (list, dict)):
-            if depth >= MAX_DEPTH:
-                return f"nested deeper than {MAX_DEPTH} levels"
-            if isinstance(v, dict):
-                stack.extend((k, depth) for k in v)
-                stack.extend((x, depth + 1) for x in v.values())
-            else:
-                stack.extend((x, depth + 1) for x in v)
-    return None
-
-
 def _topology_problem(topo: dict[str, Any]) -> str | None:
     world = topo.get("world_size")
     if world is not None and (type(world) is not int or world < 0):
@@ -296,24 +244,6 @@ def _topology_problem(topo: dict[str, Any]) -> str | None:
         if not (isinstance(r, dict) and type(r.get("rank")) is int
                 and all(isinstance(r.get(k, ""), str) for k in ("host", "device"))):
             return "a topology rank must have an int rank and string host and device"
-    return None
-
-
-def _evidence_problem(evidence: dict[str, Any]) -> str | None:
-    claim = evidence.get("consensus")
-    if claim is None:
-        return None
-    if not isinstance(claim, dict):
-        return "evidence consensus must be an object"
-    if not isinstance(claim.get("unanimous", False), bool):
-        return "evidence consensus unanimous must be a bool"
-    for k in ("step", "replicas"):
-        if k in claim and (type(claim[k]) is not int or not 0 <= claim[k] <= _MAX_STEP):
-            return f"evidence consensus {k} must be an int >= 0"
-    fps = claim.get("fingerprints")
-    if fps is not None and not (isinstance(fps, dict) and all(
-            _RANK.match(r) and isinstance(fp, str) for r, fp in fps.items())):
-        return "evidence consensus fingerprints must map rank numbers to strings"
     return None
 
 
@@ -335,66 +265,3 @@ class CheckpointInfo:
             "id": self.id, "step": self.step, "status": self.status.value, "created_at": self.created_at,
             "size_bytes": self.size_bytes, "reasons": list(self.reasons), "signature": self.signature,
         }
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    kind: str  # digest | size | header | fingerprint | missing | nonfinite | manifest | read | ledger
-    detail: str
-
-
-@dataclasses.dataclass(frozen=True)
-class VerificationResult:
-    """The outcome of re-reading one checkpoint offline."""
-
-    id: str
-    step: int
-    ok: bool
-    problems: list[Problem]
-    verified_at: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id, "step": self.step, "ok": self.ok,
-            "problems": [f"{p.kind}: {p.detail}" for p in self.problems], "verified_at": self.verified_at,
-        }
-
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "kind": "verification", "checkpoint_id": self.id, "step": self.step, "ok": self.ok,
-            "problems": [dataclasses.asdict(p) for p in self.problems], "at": self.verified_at,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class Incident:
-    """A failed check: what failed, when, and which replicas are suspect.
-
-    ``first_suspect_step`` is the step after the last step at which that
-    check passed: state from that step on may carry the fault.
-    """
-
-    kind: str  # nonfinite_local | nonfinite_averaged | checksum | audit | consensus | manual
-    detected_step: int
-    first_suspect_step: int
-    ranks: list[int]
-    hosts: list[dict[str, Any]]  # {"rank", "host", "device"} for each suspect rank
-    detail: str
-    id: str = ""
-    reason: str = ""
-    to_step: int | None = None
-
-    @property
-    def exclude_hosts(self) -> list[str]:
-        """Hosts a scheduler should keep this job off."""
-        return sorted({h["host"] for h in self.hosts})
-
-    def summary(self) -> str:
-        who = ", ".join(f"rank {h['rank']} on {h['host']} ({h['device']})" for h in self.hosts) or "no replica could be named"
-        return (f"{self.kind} check failed at step {self.detected_step}: {self.detail}; suspect: {who}; "
-                f"state from step {self.first_suspect_step} on may be corrupt - roll back to an earlier checkpoint")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["exclude_hosts"] = self.exclude_hosts
-        return d

@@ -22,8 +22,10 @@ from typing import Any, BinaryIO
 import blake3
 import torch
 
+from . import tensorspec
 from .errors import CorruptCheckpoint
-from .flatten import short_repr
+from .jsonx import JSONBudgetError, Limits, decode, short_repr
+from .tensorspec import MAX_NDIM, MAX_TENSORS, bounded_numel
 
 CHUNK = 64 << 20  # bytes per read/hash step: big enough to stream, small enough to overlap
 # Bytes per write/hash step. Small on purpose: an object store's multipart part
@@ -32,29 +34,18 @@ CHUNK = 64 << 20  # bytes per read/hash step: big enough to stream, small enough
 # 0.57x boto3 upload_file on SeaweedFS, 8 MiB 0.84-0.90x; docs/BENCHMARKS.md).
 WRITE_CHUNK = 8 << 20
 
-# safetensors dtype names <-> torch dtypes (the format's own spelling).
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool, "C64": torch.complex64,
+#: safetensors code -> torch dtype, for every dtype this torch build has (spellings: ``tensorspec``)
+DTYPES: dict[str, torch.dtype] = {
+    code: getattr(torch, name) for name, code in tensorspec.CODES.items() if isinstance(getattr(torch, name, None), torch.dtype)
 }
-for _name, _attr in [
-    ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
-    ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"),
-]:
-    if hasattr(torch, _attr):
-        _DTYPES[_name] = getattr(torch, _attr)
-_NAMES = {v: k for k, v in _DTYPES.items()}
+_CODE = {dt: code for code, dt in DTYPES.items()}
 
 MAX_HEADER_BYTES = 64 << 20
-MAX_TENSORS = 1_000_000
-MAX_NDIM = 1024  # dimensions per tensor (a sanity bound: real tensors have a handful)
-_MAX_ELEMENTS = 1 << 62  # elements per tensor: sizes and strides must fit int64
-_ITEMSIZE = {name: dt.itemsize for name, dt in _DTYPES.items()}
+_HEADER_LIMITS = Limits(max_bytes=MAX_HEADER_BYTES, max_depth=64, bytes_per_container=12, slack_containers=16)
 
 
 def supported(dtype: torch.dtype) -> bool:
-    return dtype in _NAMES
+    return dtype in _CODE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +86,10 @@ def encode_header(items: dict[str, torch.Tensor], metadata: dict[str, str] | Non
     pos = 0
     for name in _order(items):
         t = items[name]
-        if t.dtype not in _NAMES:
+        if t.dtype not in _CODE:
             raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store; convert it first")
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
+        header[name] = {"dtype": _CODE[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
         pos += n
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
@@ -126,24 +117,6 @@ def write_shard(f: BinaryIO, items: dict[str, torch.Tensor], metadata: dict[str,
                 pending.result()
             size += len(mv)
     return size, hasher.hexdigest()
-
-
-def bounded_numel(shape: list[int], limit: int | None = None) -> int | None:
-    """Elements of ``shape``, or ``None`` when the non-zero dimensions multiply past ``limit`` (2**62).
-
-    Stops as soon as the bound is passed, so a hostile shape of thousands of
-    huge dimensions costs microseconds, not big-integer arithmetic.
-    """
-    limit = _MAX_ELEMENTS if limit is None else limit
-    n, zero = 1, False
-    for d in shape:
-        if d == 0:
-            zero = True
-        else:
-            n *= d
-            if n > limit:
-                return None
-    return 0 if zero else n
 
 
 def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Header:
@@ -179,20 +152,12 @@ def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Hea
         raise bad("header truncated")
     body = prefix[8 : 8 + n]
     # Parsed JSON costs up to ~25x its size in memory for runs of tiny containers
-    # ({}, []); a real header has 3 per entry of 50 bytes or more. Counting them
-    # first (bytes.count runs at memory speed) caps a hostile header near 15x its size.
-    raw_bytes = bytes(body)
-    containers = raw_bytes.count(b"{") + raw_bytes.count(b"[")
-    if containers > n // 12 + 16:
-        raise bad(f"{containers} JSON objects and arrays in {n} bytes; a header holds 3 per entry")
+    # ({}, []); a real header has 3 per entry of 50 bytes or more, so the density
+    # bound caps a hostile header near 15x its size.
     try:
-        raw = json.loads(raw_bytes.decode("utf-8"), parse_constant=_no_constant)
-    except RecursionError:
-        raise bad("JSON nested too deeply") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers too long to convert, NaN
-        raise bad(f"not JSON: {_one_line(e)}") from None
-    finally:
-        del raw_bytes
+        raw = decode(body, _HEADER_LIMITS)
+    except JSONBudgetError as e:
+        raise bad(str(e)) from None
     if not isinstance(raw, dict):
         raise bad("not a JSON object")
     meta = raw.pop("__metadata__", None)
@@ -207,7 +172,7 @@ def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Hea
         what = f"entry {short_repr(name)}"
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
             raise bad(f"{what} must have exactly dtype, shape, data_offsets")
-        dtype = _DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
+        dtype = DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
         if dtype is None:
             raise bad(f"{what} has unknown dtype {short_repr(e['dtype'])}")
         shape, offs = e["shape"], e["data_offsets"]
@@ -219,7 +184,7 @@ def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Hea
         numel = bounded_numel(shape)
         if numel is None:
             raise bad(f"{what} has shape {short_repr(shape)}, whose dimensions multiply past 2**62")
-        if end - begin != numel * _ITEMSIZE[e["dtype"]]:
+        if end - begin != numel * dtype.itemsize:
             raise bad(f"{what}: {end - begin} bytes do not hold shape {short_repr(shape)} of {e['dtype']}")
         entries[name] = HeaderEntry(dtype, tuple(shape), begin, end)
     pos = 0
@@ -230,10 +195,6 @@ def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Hea
     if 8 + n + pos != total_size:
         raise bad(f"data section is {total_size - 8 - n} bytes but the entries cover {pos}")
     return Header(n, entries, meta)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _one_line(e: BaseException) -> str:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import InvalidState
-from .flatten import canonical_json
+from .jsonx import canonical_json
 
 ENV_KEY = "VCKPT_SIGNING_KEY"
 ENV_KEY_FILE = "VCKPT_SIGNING_KEY_FILE"

@@ -38,16 +38,17 @@ from .errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
     InvalidRunURL,
+    InvalidState,
     ManifestError,
     StorageError,
     UnsafePath,
     VerifiedCkptError,
 )
 from .manifest import MAX_MANIFEST_BYTES, SEGMENT
+from .records import MAX_RECORD_BYTES
 from .shards import CHUNK, read_into
 
 MANIFEST = "manifest.json"
-MAX_RECORD_BYTES = 1 << 20
 LEDGER = "ledger.zarr"
 UPLOAD_PART_BYTES = 8 << 20  # multipart part size; matches shards.WRITE_CHUNK
 MAX_PARTS = 10_000  # S3's limit on parts per multipart upload
@@ -400,3 +401,41 @@ class RunStore:
                     if int(self.fs.size(self._confine(p))) <= MAX_RECORD_BYTES:
                         out.append((p.rsplit("/", 1)[-1], self.fs.cat_file(p)))
             return out
+
+
+class ExportFolder:
+    """A local folder that a checkpoint is exported into (through fsspec's local filesystem, like every write).
+
+    Raises:
+        InvalidState: ``dest`` exists and is not an empty folder.
+        StorageError: the folder cannot be created or written (permissions, a full disk).
+    """
+
+    def __init__(self, dest: str) -> None:
+        self.fs = LocalFileSystem()
+        self.dest = os.path.abspath(dest)
+        self.written: list[str] = []
+        if os.path.exists(self.dest) and (not os.path.isdir(self.dest) or os.listdir(self.dest)):
+            raise InvalidState(f"{dest} exists and is not an empty folder; choose a new folder for --to")
+        with self._io(f"creating {self.dest}"):
+            self.fs.makedirs(self.dest, exist_ok=True)
+
+    @contextlib.contextmanager
+    def _io(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            raise StorageError(f"{what} failed ({e.strerror or type(e).__name__}); free some space or choose a "
+                               "writable folder for --to") from None
+
+    def write(self, name: str, data: bytes | memoryview) -> None:
+        path = os.path.join(self.dest, _plain(name, "exported file"))
+        self.written.append(path)
+        with self._io(f"writing {path}"), self.fs.open(path, "wb") as f:
+            f.write(data)
+
+    def discard(self) -> None:
+        """Remove what was written (a failed export leaves nothing usable behind)."""
+        for path in self.written:
+            with contextlib.suppress(OSError):
+                self.fs.rm_file(path)

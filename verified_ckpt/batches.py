@@ -1,0 +1,72 @@
+"""Nested training batches as a flat list of tensors plus a plain structure, and back.
+
+Audits ship a rank's microbatches to the ranks that recompute them, through
+collectives that move tensors only (no pickle). A batch is any mix of tensors,
+mappings (``dict`` and subclasses such as Hugging Face's ``BatchEncoding``),
+lists and tuples, with plain JSON scalars and strings as leaves. The structure
+is a small JSON-able value, and its leaves travel inside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .errors import GuardUsageError
+
+__all__ = ["decode", "encode"]
+
+_T, _LIST, _TUPLE, _MAP, _LEAF = "t", "list", "tuple", "map", "leaf"
+
+
+def encode(batch: Any, path: str = "batch") -> tuple[list[torch.Tensor], Any]:
+    """Split ``batch`` into its tensors (depth-first order) and a structure :func:`decode` rebuilds.
+
+    Raises:
+        GuardUsageError: a leaf is neither a tensor nor a JSON scalar; the message gives its path.
+    """
+    tensors: list[torch.Tensor] = []
+
+    def go(x: Any, where: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return _T
+        if isinstance(x, Mapping):
+            keys = list(x)
+            if not all(isinstance(k, str) for k in keys):
+                raise _unshippable(where, "a mapping with non-string keys")
+            return [_MAP, keys, [go(x[k], f"{where}[{k!r}]") for k in keys]]
+        if isinstance(x, (list, tuple)):
+            return [_TUPLE if isinstance(x, tuple) else _LIST, [go(v, f"{where}[{i}]") for i, v in enumerate(x)]]
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return [_LEAF, x]
+        raise _unshippable(where, type(x).__name__)
+
+    return tensors, go(batch, path)
+
+
+def decode(tensors: list[torch.Tensor], spec: Any) -> Any:
+    """Rebuild what :func:`encode` split (mappings come back as plain ``dict``)."""
+    it = iter(tensors)
+
+    def go(sp: Any) -> Any:
+        if sp == _T:
+            return next(it)
+        tag = sp[0]
+        if tag == _LEAF:
+            return sp[1]
+        if tag == _MAP:
+            return {k: go(s) for k, s in zip(sp[1], sp[2])}
+        items = [go(s) for s in sp[1]]
+        return tuple(items) if tag == _TUPLE else items
+
+    return go(spec)
+
+
+def _unshippable(where: str, what: str) -> GuardUsageError:
+    return GuardUsageError(
+        f"{where} is {what}, which an audit cannot ship to another rank; batches must be tensors, mappings, "
+        "lists or tuples of them, and JSON scalars or strings - convert it in your collate function or pass batch_for="
+    )

@@ -1,0 +1,188 @@
+"""The job's communicator: the only module that calls ``torch.distributed`` collectives.
+
+Like torchsnapshot's ``PGWrapper``, a :class:`Communicator` wraps one process
+group and degrades to a single process when ``torch.distributed`` is not
+initialised. The guard and the checkpoint manager both take one, so an
+unguarded multi-rank save coordinates exactly as a guarded one does. Sharded
+training will hold several (a replica group and a shard group), so nothing
+here assumes the group is the world: ``rank`` and ``world`` are positions in
+the group.
+
+Byte strings and batches travel as uint8 tensors through all-gathers, never
+through pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import batches
+from .records import Host
+
+__all__ = ["Communicator", "describe_device"]
+
+_HOST_BYTES = 192
+
+
+def describe_device(device: torch.device) -> str:
+    """How incidents and manifests name a device: index, model and UUID (what an operator pulls)."""
+    if device.type != "cuda":
+        return device.type
+    props = torch.cuda.get_device_properties(device)
+    return f"cuda:{device.index} {props.name} {getattr(props, 'uuid', '')}".strip()
+
+
+class Communicator:
+    """Collectives over one process group (or none: a single process).
+
+    Args:
+        group: a ``torch.distributed`` process group; ``None`` is the default (world) group.
+        device: the device this rank computes on. NCCL groups move data on it; other
+            backends move it through host memory.
+    """
+
+    def __init__(self, group: Any = None, *, device: torch.device | None = None) -> None:
+        self.group = group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(group) if self.distributed else 1
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.device = device if device is not None else torch.device("cpu")
+        self._topology: list[Host] | None = None
+        self._node_of: list[int] | None = None
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, world={self.world})"
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where tensors must be to take part in this group's collectives."""
+        if self.distributed and dist.get_backend(self.group) == "nccl":
+            return self.device
+        return torch.device("cpu")
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anyone to talk to."""
+        return self.distributed and self.world > 1
+
+    # ------------------------------------------------------------ tensors
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (same shape and dtype everywhere), on every rank, on ``t``'s device."""
+        if not self.active:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(out, t.contiguous(), group=self.group)
+        return out
+
+    def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``all_gather`` of a 1-D tensor, stacked into ``(world, n)`` on the host: one device-to-host copy."""
+        return torch.stack(self.all_gather(t.to(self.comm_device))).cpu()
+
+    def all_reduce_async(self, buf: torch.Tensor) -> torch.futures.Future[Any]:
+        """Start a sum all-reduce of ``buf`` in place; the future's value is ``[buf]``."""
+        return dist.all_reduce(buf, group=self.group, async_op=True).get_future()
+
+    def all_gather_async(self, parts: list[torch.Tensor], buf: torch.Tensor) -> torch.futures.Future[Any]:
+        """Start an all-gather of ``buf`` into ``parts`` (one per rank)."""
+        return dist.all_gather(parts, buf, group=self.group, async_op=True).get_future()
+
+    # -------------------------------------------------------------- bytes
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's byte string, on every rank (two all-gathers; no pickle)."""
+        if not self.active:
+            return [data]
+        dev = self.comm_device
+        sizes = [int(t.item()) for t in self.all_gather(torch.tensor([len(data)], dtype=torch.int64, device=dev))]
+        buf = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+        if data:
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(self.all_gather(buf), sizes)]
+
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        """Rank 0's ``data`` on every rank (what the others pass is ignored)."""
+        return self.gather_bytes(data if self.rank == 0 else b"")[0]
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier(group=self.group)
+
+    # ----------------------------------------------------------- topology
+    def topology(self) -> list[Host]:
+        """Every rank's host and device, exchanged once (a collective the first time)."""
+        if self._topology is None:
+            self._topology, self._node_of = self._exchange_topology()
+        return self._topology
+
+    def node_of(self) -> list[int]:
+        """The node id of every rank: the launcher's node rank where each has one, else hostnames in order."""
+        self.topology()
+        assert self._node_of is not None
+        return self._node_of
+
+    def host_of(self, rank: int) -> Host:
+        return self.topology()[rank]
+
+    def _exchange_topology(self) -> tuple[list[Host], list[int]]:
+        from .decisions import nodes_from
+
+        group_rank = os.environ.get("GROUP_RANK")
+        mine = {"host": socket.gethostname()[:_HOST_BYTES], "device": describe_device(self.device)[:_HOST_BYTES],
+                "group_rank": int(group_rank) if group_rank and group_rank.isdigit() else None}
+        rows = [json.loads(b) for b in self.gather_bytes(json.dumps(mine).encode())]
+        hosts = [Host(r, str(row["host"]), str(row["device"])) for r, row in enumerate(rows)]
+        return hosts, nodes_from([row["group_rank"] for row in rows], [h.host for h in hosts])
+
+    # ------------------------------------------------------------ batches
+    def exchange_batches(self, mine: Sequence[Any]) -> list[list[Any]]:
+        """Every rank's microbatches of this step, on every rank; shapes, dtypes and structure may differ.
+
+        One small gather of each rank's structure (``batches.encode``), then one
+        all-gather per tensor position of the raw bytes, padded to the largest.
+        """
+        flat: list[torch.Tensor] = []
+        specs = []
+        for i, mb in enumerate(mine):
+            ts, spec = batches.encode(mb, f"microbatch {i}")
+            flat += ts
+            specs.append([spec, len(ts)])
+        meta = {"specs": specs, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in flat]}
+        metas = [json.loads(b) for b in self.gather_bytes(json.dumps(meta).encode())]
+        per_rank: list[list[torch.Tensor]] = [[] for _ in metas]
+        dev = self.comm_device
+        for i in range(max(len(m["tensors"]) for m in metas)):
+            described = [m["tensors"][i] if i < len(m["tensors"]) else None for m in metas]
+            sizes = [_nbytes(d) for d in described]
+            padded = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+            if i < len(flat):
+                raw = flat[i].detach().contiguous().reshape(-1).view(torch.uint8)
+                padded[: raw.numel()] = raw.to(dev)
+            for r, got in enumerate(self.all_gather(padded)):
+                d = described[r]
+                if d is not None:
+                    dtype = getattr(torch, d[0])
+                    per_rank[r].append(got[: sizes[r]].to(self.device).view(dtype).reshape(d[1]))
+        out = []
+        for m, tensors in zip(metas, per_rank):
+            mbs, pos = [], 0
+            for spec, n in m["specs"]:
+                mbs.append(batches.decode(tensors[pos : pos + n], spec))
+                pos += n
+            out.append(mbs)
+        return out
+
+
+def _nbytes(described: list[Any] | None) -> int:
+    if described is None:
+        return 0
+    dtype = getattr(torch, described[0])
+    n = 1
+    for d in described[1]:
+        n *= int(d)
+    return n * dtype.itemsize

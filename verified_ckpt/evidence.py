@@ -1,0 +1,148 @@
+"""The verification evidence a manifest records, and the tracker that produces it for each save.
+
+A checkpoint is ``restorable`` only with evidence: a unanimous consensus of
+every replica's fingerprint taken for this save, no failed check since the
+previous checkpoint, and (when audits are scheduled) at least one passed
+recompute audit since the previous restorable checkpoint. The schema lives
+here once: :class:`Evidence` writes it, :func:`evidence_problem` validates it
+when a manifest is read, and :func:`consensus_claim` reads the claim back for
+the ledger cross-check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .status import MAX_STEP, Status
+
+__all__ = [
+    "CheckCounts", "ConsensusClaim", "Evidence", "EvidenceTracker", "consensus_claim", "evidence_problem", "save_status",
+]
+
+_RANK = re.compile(r"(0|[1-9][0-9]{0,8})\Z")
+
+
+@dataclasses.dataclass
+class CheckCounts:
+    """Per check kind: passes, failures, and the last step it passed."""
+
+    passed: int = 0
+    failed: int = 0
+    last_pass: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "failed": self.failed, "last_pass": self.last_pass}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsensusClaim:
+    """A manifest's claim that every replica held these fingerprints at ``step``."""
+
+    step: int
+    unanimous: bool
+    fingerprints: dict[int, str]  # rank -> 32 hex digits
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """What the guard had established when a save committed."""
+
+    consensus_step: int
+    fingerprints: list[str]  # one per replica, in rank order; empty with one replica
+    checks_since_previous: dict[str, CheckCounts]
+    audits_enabled: bool
+    audits_since_restorable: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "consensus": {"step": self.consensus_step, "unanimous": bool(self.fingerprints),
+                          "replicas": len(self.fingerprints),
+                          "fingerprints": {str(r): fp for r, fp in enumerate(self.fingerprints)}},
+            "checks_since_previous": {k: c.to_dict() for k, c in sorted(self.checks_since_previous.items())},
+            "audits_enabled": self.audits_enabled,
+            "audits_since_restorable": self.audits_since_restorable,
+        }
+
+
+class EvidenceTracker:
+    """Turns the guard's running check counters into each save's evidence and status.
+
+    It keeps the counters as of the previous checkpoint (failures since then
+    make a save suspect) and the audits passed as of the previous restorable
+    one (a save needs a newer audit to be restorable).
+    """
+
+    def __init__(self, counters: Mapping[str, CheckCounts]) -> None:
+        self.reset(counters)
+
+    def reset(self, counters: Mapping[str, CheckCounts]) -> None:
+        """Start afresh from ``counters`` (at construction, and after a restore)."""
+        self._baseline = {k: dataclasses.replace(c) for k, c in counters.items()}
+        self._audits_at_restorable = self._baseline.get("audit", CheckCounts()).passed
+
+    def for_save(self, step: int, fingerprints: Sequence[str], counters: Mapping[str, CheckCounts], *, world: int,
+                 audits_enabled: bool) -> tuple[Evidence, Status, list[str]]:
+        """The evidence, status and reasons of a save whose consensus gave ``fingerprints``; advances the baselines."""
+        since = {k: CheckCounts(c.passed - self._baseline.get(k, CheckCounts()).passed,
+                                c.failed - self._baseline.get(k, CheckCounts()).failed, c.last_pass)
+                 for k, c in counters.items()}
+        audits = counters.get("audit", CheckCounts()).passed - self._audits_at_restorable
+        status, reasons = save_status(world, {k: c.failed for k, c in since.items()}, audits_enabled, audits)
+        evidence = Evidence(step, list(fingerprints), since, audits_enabled, audits)
+        self._baseline = {k: dataclasses.replace(c) for k, c in counters.items()}
+        if status is Status.RESTORABLE:
+            self._audits_at_restorable = counters.get("audit", CheckCounts()).passed
+        return evidence, status, reasons
+
+
+def save_status(
+    world: int, failed_since_previous: Mapping[str, int], audits_enabled: bool, audits_since_restorable: int
+) -> tuple[Status, list[str]]:
+    """The status a guarded save commits with (the consensus already agreed, or the save raised).
+
+    Args:
+        world: replicas that took part in the consensus.
+        failed_since_previous: failures per check kind since the previous checkpoint.
+        audits_enabled: whether recompute audits are scheduled.
+        audits_since_restorable: audits passed since the previous restorable checkpoint.
+    """
+    failed = {k: n for k, n in failed_since_previous.items() if n}
+    if failed:
+        return Status.SUSPECT, ["checks failed since the previous checkpoint: "
+                                + ", ".join(f"{k} x{n}" for k, n in sorted(failed.items()))]
+    if world < 2:
+        return Status.UNVERIFIED, ["a single replica: no cross-replica consensus or audit is possible"]
+    if audits_enabled and audits_since_restorable < 1:
+        return Status.UNVERIFIED, ["no recompute audit has passed since the previous restorable checkpoint"]
+    return Status.RESTORABLE, []
+
+
+def evidence_problem(evidence: Mapping[str, Any]) -> str | None:
+    """Why a manifest's ``evidence`` object is not one this library could have written (``None`` if it is)."""
+    claim = evidence.get("consensus")
+    if claim is None:
+        return None
+    if not isinstance(claim, dict):
+        return "evidence consensus must be an object"
+    if not isinstance(claim.get("unanimous", False), bool):
+        return "evidence consensus unanimous must be a bool"
+    for k in ("step", "replicas"):
+        if k in claim and (type(claim[k]) is not int or not 0 <= claim[k] <= MAX_STEP):
+            return f"evidence consensus {k} must be an int >= 0"
+    fps = claim.get("fingerprints")
+    if fps is not None and not (isinstance(fps, dict) and all(
+            _RANK.match(r) and isinstance(fp, str) for r, fp in fps.items())):
+        return "evidence consensus fingerprints must map rank numbers to strings"
+    return None
+
+
+def consensus_claim(evidence: Mapping[str, Any] | None) -> ConsensusClaim | None:
+    """The unanimous-consensus claim of a validated ``evidence`` object, or ``None`` if it makes none."""
+    claim = (evidence or {}).get("consensus") or {}
+    if not claim.get("unanimous"):
+        return None
+    return ConsensusClaim(int(claim.get("step", 0)), True,
+                          {int(r): fp for r, fp in (claim.get("fingerprints") or {}).items()})

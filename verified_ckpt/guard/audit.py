@@ -1,0 +1,162 @@
+"""Check 3: recompute audits with a third-rank tiebreak.
+
+Every ``audit_every`` steps (and at once when a rank's gradient norm is an
+outlier) each auditor recomputes another node's microbatches with the same
+pre-update weights and compares the loss and an exact fingerprint of the
+gradient buckets with what the owner recorded before the all-reduce. On a
+mismatch a third rank, preferably on a node of neither party, recomputes too,
+and the majority names who is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .. import decisions
+from ..comm import Communicator
+from ..history import Event
+from ..lanes import tensor_lanes
+from .config import GuardConfig
+from .stats import Projector, StepStats, Verdict
+
+__all__ = ["Auditor", "Recomputed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recomputed:
+    """A step's loss and gradient fingerprint for one rank's microbatches (recorded or recomputed)."""
+
+    loss: float
+    proj: list[float]
+    lanes: tuple[int, int]
+    sumsq: float = 0.0
+
+    @staticmethod
+    def recorded(x: StepStats) -> Recomputed:
+        return Recomputed(x.loss, list(x.proj), x.lanes, x.sumsq)
+
+
+class Auditor:
+    """Plans, runs and judges one audit; returns a :class:`Verdict` and records nothing.
+
+    Args:
+        module: the replica's module (the DDP-wrapped ``.module``): recomputation must not all-reduce.
+        params: its parameters, in the order bucket layouts index them.
+        loss_fn: ``loss_fn(module, batch) -> loss``, the training loss.
+        comm: the replica group.
+        project: the checksum's projections (compared in tolerance mode).
+        cfg: the guard's configuration (mode, rtol).
+        node_of: node id of every rank, to pick auditors and tiebreakers on other nodes.
+    """
+
+    def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor],
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], comm: Communicator, project: Projector,
+                 cfg: GuardConfig, node_of: Sequence[int]) -> None:
+        self.module, self.params, self.loss_fn = module, list(params), loss_fn
+        self.comm, self.project, self.cfg = comm, project, cfg
+        self.node_of = list(node_of)
+        self.targets = decisions.audit_targets(self.node_of)
+
+    def plan(self, only: Sequence[int] | None) -> dict[int, int]:
+        """Auditor rank -> audited rank. ``only``: audit just these (outliers), whoever is free."""
+        jobs = {a: t for a, t in enumerate(self.targets) if t is not None and (only is None or t in only)}
+        for t in only or []:
+            if t not in jobs.values():  # an outlier is audited even if its usual auditor is busy elsewhere
+                a = next(r for r in range(self.comm.world) if r != t and r not in jobs)
+                jobs[a] = t
+        return jobs
+
+    def run(self, step: int, gathered: Sequence[StepStats], jobs: dict[int, int], batches: list[list[Any]],
+            layout: dict[int, list[int]], first_suspect: int) -> Verdict:
+        """Recompute ``jobs`` (collectively: every rank calls this) and judge any disagreement."""
+        results = self._round(jobs, batches, layout)
+        recorded = [Recomputed.recorded(x) for x in gathered]
+        disputes = [(a, t) for a, t in jobs.items() if not self._same(results[a], recorded[t])]
+
+        def rows(disputed: set[int]) -> Callable[[], list[Event]]:
+            # One row per audited rank: the auditor's recomputed loss and gradient lanes.
+            # Who is to blame is the incident's business (tie-breaks can name the auditor).
+            return lambda: [Event(step, "audit", t, "fail" if t in disputed else "pass", results[a].lanes,
+                                  results[a].loss) for a, t in sorted(jobs.items(), key=lambda j: j[1])]
+
+        if not disputes:
+            return Verdict("audit", True, rows=rows(set()))
+        suspects: set[int] = set()
+        details = []
+        for a, t in disputes:
+            b = decisions.tiebreaker(t, a, self.node_of)
+            third = self._round({b: t}, batches, layout)[b] if b is not None else None
+            verdict, roles = self._verdict(recorded[t], results[a], third)
+            suspects |= {{"owner": t, "auditor": a}[r] for r in roles}
+            details.append(f"rank {a} recomputed rank {t}'s microbatch and disagreed; "
+                           + (f"rank {b} broke the tie: {verdict} is wrong" if b is not None else "no third rank to break the tie"))
+        return Verdict("audit", False, sorted(suspects), "; ".join(details), first_suspect,
+                       rows(set(t for _, t in disputes)))
+
+    def _verdict(self, owner: Recomputed, auditor: Recomputed, third: Recomputed | None) -> tuple[str, list[str]]:
+        if self.cfg.mode == "exact":
+            def key(x: Recomputed) -> tuple[float, tuple[int, int]]:
+                return x.loss, x.lanes
+
+            return decisions.audit_verdict(key(owner), key(auditor), key(third) if third else None)
+        if third is None:
+            return "undetermined", []
+        if self._same(third, auditor):
+            return "owner", ["owner"]
+        if self._same(third, owner):
+            return "auditor", ["auditor"]
+        return "undetermined", ["owner", "auditor"]
+
+    def _same(self, a: Recomputed, b: Recomputed) -> bool:
+        if self.cfg.mode == "exact":
+            return a.loss == b.loss and a.lanes == b.lanes
+        tol = self.cfg.rtol
+        if not math.isclose(a.loss, b.loss, rel_tol=tol, abs_tol=1e-12):
+            return False
+        scale = max(math.sqrt(max(b.sumsq, 0.0)), max((abs(v) for v in b.proj), default=0.0), 1e-30)
+        return all(abs(x - y) <= tol * scale for x, y in zip(a.proj, b.proj))
+
+    def _round(self, jobs: dict[int, int], batches: list[list[Any]], layout: dict[int, list[int]]) -> dict[int, Recomputed]:
+        """Each rank in ``jobs`` recomputes ``jobs[rank]``'s microbatches; everyone learns every result."""
+        k = self.project.k
+        dev = self.params[0].device if self.params else torch.device("cpu")
+        if self.comm.rank in jobs:
+            loss, proj, lanes = self._recompute(batches[jobs[self.comm.rank]], layout)
+            mine = torch.cat([torch.cat([loss.view(1), proj]).view(torch.int64), lanes])
+        else:
+            mine = torch.zeros(3 + k, dtype=torch.int64, device=dev)
+        rows = self.comm.all_gather_rows(mine)
+        out = {}
+        for r in jobs:
+            f = rows[r][: 1 + k].view(torch.float64).tolist()
+            lane_a, lane_b = rows[r][1 + k :].tolist()
+            out[r] = Recomputed(f[0], f[1:], (lane_a, lane_b))
+        return out
+
+    def _recompute(self, microbatches: Sequence[Any], layout: dict[int, list[int]]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The loss and gradient fingerprint of ``microbatches`` with the current (pre-update) weights."""
+        dev = self.params[0].device if self.params else torch.device("cpu")
+        acc: list[torch.Tensor] | None = None
+        loss_total = torch.zeros((), dtype=torch.float64, device=dev)
+        for mb in microbatches:
+            with torch.enable_grad():
+                loss = self.loss_fn(self.module, mb)
+            grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+            full = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.params)]
+            # Same order of additions as autograd's accumulation into .grad.
+            acc = full if acc is None else [x + g for x, g in zip(acc, full)]
+            loss_total = loss_total + loss.detach().to(torch.float64)
+        assert acc is not None
+        lanes = torch.zeros(2, dtype=torch.int64, device=dev)
+        proj = torch.zeros(self.project.k, dtype=torch.float64, device=dev)
+        for index, members in sorted(layout.items()):
+            flat = torch.cat([acc[i].reshape(-1) for i in members])
+            lanes += tensor_lanes(flat) * (2 * index + 1)
+            proj += self.project(flat)
+        return loss_total, proj, lanes

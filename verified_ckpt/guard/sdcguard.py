@@ -1,0 +1,333 @@
+"""``SDCGuard``: the training-loop side of silent-data-corruption detection.
+
+The guard drives the loop (``backward``, ``step``), keeps the bookkeeping
+(counters, incidents, listeners) and turns failed verdicts into incidents.
+The checks themselves live one per module and return verdicts: ``nonfinite``,
+``checksum``, ``audit``, ``consensus``. Every rank reaches the same verdict from
+the same gathered data and raises together, so no rank is left waiting in a
+collective. Checks 1-3 run before the optimizer step: a failure withholds the
+update, so the weights never absorb the bad value. The per-step checks cost
+one small all-gather and one device-to-host copy per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .. import decisions
+from ..comm import Communicator
+from ..errors import GuardUsageError, SilentCorruptionDetected
+from ..evidence import CheckCounts
+from ..faults import FaultPlan
+from ..history import Event
+from ..records import Host, Incident
+from . import checksum, consensus, nonfinite
+from .audit import Auditor
+from .config import GuardConfig
+from .stats import Projector, StepStats, Verdict, gather_step_stats, step_rows
+from .tap import GradientTap
+
+__all__ = ["SDCGuard"]
+
+
+class SDCGuard:
+    """Silent-data-corruption checks for one DDP replica.
+
+    Args:
+        model: the ``DistributedDataParallel`` model (a plain module for a single process).
+        optimizer: its optimizer; :meth:`step` calls ``optimizer.step()`` only when the checks pass.
+        loss_fn: ``loss_fn(module, batch) -> scalar loss``; the same function is used for
+            training and for audit recomputation (put autocast inside it).
+        config: a :class:`GuardConfig`.
+        batch_for: optional ``batch_for(rank, step) -> list of microbatches`` for a
+            deterministic data pipeline; by default audited microbatches travel by collectives.
+        process_group: the data-parallel group (default: the world).
+
+    Usage::
+
+        guard = SDCGuard(ddp_model, opt, loss_fn, GuardConfig(audit_every=100))
+        for step in range(start, steps):
+            for i, mb in enumerate(microbatches):
+                guard.backward(mb, step=step, sync=i == len(microbatches) - 1)
+            clip_grad_norm_(ddp_model.parameters(), 1.0)   # optional, as usual
+            guard.step()          # raises SilentCorruptionDetected; the update is withheld
+            opt.zero_grad(); sched.step()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+        config: GuardConfig | None = None,
+        *,
+        batch_for: Callable[[int, int], Sequence[Any]] | None = None,
+        process_group: Any = None,
+    ) -> None:
+        self.cfg = config or GuardConfig()
+        self.model = model
+        self.module = model.module if isinstance(model, DDP) else model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.batch_for = batch_for
+        self.params = list(self.module.parameters())
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.comm = Communicator(process_group, device=self.device)
+        self.rank, self.world = self.comm.rank, self.comm.world
+        if self.world > 1 and not isinstance(model, DDP):
+            raise GuardUsageError("with more than one process the model must be wrapped in DistributedDataParallel")
+        self.faults = FaultPlan(self.cfg.faults)
+        self.project = Projector(self.cfg.checksum_lanes, self.cfg.seed, self.device)
+        self.auditor = Auditor(self.module, self.params, loss_fn, self.comm, self.project, self.cfg, self.comm.node_of())
+        self.checks: dict[str, CheckCounts] = {}
+        self.incidents: list[Incident] = []
+        self._listeners: list[Callable[[Incident], None]] = []
+        self._event_listeners: list[Callable[[list[Event]], None]] = []
+        self._ran_backward = False
+        self._warmup_pending = False
+        self._audit_requested = False
+        self._step: int | None = None
+        self._start: int | None = None
+        self._batches: list[Any] = []
+        self._losses: list[torch.Tensor] = []
+        self.tap = GradientTap(self.params, self.comm, self.project, self.faults, lambda: self._step,
+                               bool(self.cfg.fixed_order_reduce))
+        if isinstance(model, DDP):
+            self.tap.install(model)
+        if self.faults.has_site("compute"):
+            self.module.register_forward_hook(self._compute_fault)
+
+    # ------------------------------------------------------------ who is where
+    @property
+    def topology(self) -> list[Host]:
+        return self.comm.topology()
+
+    @property
+    def node_of(self) -> list[int]:
+        return self.auditor.node_of
+
+    @property
+    def targets(self) -> list[int | None]:
+        return self.auditor.targets
+
+    def host_of(self, rank: int) -> Host:
+        return self.comm.host_of(rank)
+
+    @property
+    def current_step(self) -> int | None:
+        return self._step
+
+    @property
+    def audits_enabled(self) -> bool:
+        return self.cfg.audit_every is not None and self.world >= 2
+
+    def request_audit(self) -> None:
+        """Audit at the next :meth:`step`, whatever the schedule."""
+        self._audit_requested = True
+
+    # ------------------------------------------------------------ training
+    def backward(self, batch: Any, *, step: int, sync: bool = True) -> torch.Tensor:
+        """Forward and backward one microbatch through the DDP model, recording it for audits.
+
+        Args:
+            batch: what ``loss_fn`` takes (a tensor, or a tuple/list/dict of tensors).
+            step: the training step this microbatch belongs to.
+            sync: ``False`` for all but the last microbatch of a step (runs under ``no_sync``).
+
+        Returns:
+            The loss, detached.
+        """
+        if self._step is not None and step != self._step and self._batches:
+            raise GuardUsageError(f"backward for step {step} while step {self._step} has not been closed with step()")
+        if self._step != step:
+            self._reset_step()
+        self._step = step
+        if self._start is None:
+            self._start = step
+        if self._warmup_pending:
+            self._warmup_pending = False
+            self._warmup(batch)
+        self._ran_backward = True
+        ctx = self.model.no_sync() if (not sync and isinstance(self.model, DDP)) else contextlib.nullcontext()
+        with ctx:
+            loss = self.loss_fn(self.model, batch)
+            loss.backward()
+        self._batches.append(batch)
+        self._losses.append(loss.detach().to(torch.float64))
+        return loss.detach()
+
+    def step(self) -> None:
+        """Check this step's gradients; apply the optimizer update only if every check passes.
+
+        Raises:
+            SilentCorruptionDetected: a check failed; the update was withheld
+                (or, for consensus, the replicas disagree after it).
+            GuardUsageError: :meth:`backward` was not called for this step.
+        """
+        if self._step is None or not self._batches:
+            raise GuardUsageError("call guard.backward(batch, step=...) before guard.step()")
+        s = self._step
+        try:
+            if not isinstance(self.model, DDP):
+                self.tap.single_process()
+            if not self.tap.buckets:
+                raise GuardUsageError(
+                    "no gradient bucket was reduced this step; the last backward() of a step must have sync=True"
+                )
+            gathered = gather_step_stats(self.comm, self.tap.buckets, self._losses, self.cfg.checksum_lanes)
+            self._check_gradients(s, gathered)
+            self.optimizer.step()
+            if self.faults.firing("weights", self.rank, s) and self.params:
+                self.faults.apply("weights", self.rank, s, self.params[0].data)
+            if s % self.cfg.consensus_every == 0:
+                self.consensus(s)
+        except SilentCorruptionDetected:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        finally:
+            self.faults.step_done(s)
+            self._reset_step()
+            self._step = None
+
+    def _check_gradients(self, s: int, gathered: list[StepStats]) -> None:
+        """Checks 1-3, before the update: NaN/Inf, checksum, then an audit when one is due."""
+        rows = self.cfg.ledger_rank_rows
+        for v in nonfinite.check(s, gathered, rows):
+            self._judge(s, v)
+        v = checksum.check(s, gathered, self.cfg.checksum_slack, self.project.max_weight, rows)
+        if v is not None:
+            self._judge(s, v)
+        self._emit(lambda: step_rows(s, gathered, [], rows))
+        suspects = decisions.outliers([x.norm for x in gathered], self.cfg.outlier_factor)
+        scheduled = self.cfg.audit_every is not None and s % self.cfg.audit_every == 0
+        if self.world >= 2 and (scheduled or suspects or self._audit_requested):
+            only = None if (scheduled or self._audit_requested) else suspects
+            batches = self._gather_batches(s)
+            jobs = self.auditor.plan(only)
+            self._judge(s, self.auditor.run(s, gathered, jobs, batches, self.tap.layout, self._last_pass("audit") + 1))
+            self._audit_requested = False
+
+    def consensus(self, step: int) -> list[str]:
+        """Compare every replica's weight and optimizer-state fingerprint now.
+
+        Call it before saving (``CheckpointManager`` does). Returns each rank's
+        fingerprint as hex when all agree.
+
+        Raises:
+            SilentCorruptionDetected: replicas disagree; a strict majority names the others.
+        """
+        if self.world < 2:
+            return []  # unavailable with one replica: reported by the caller as such, never as a pass
+        rows = self.comm.all_gather_rows(self.state_lanes()).tolist()
+        verdict, fps = consensus.judge(step, rows, self._last_pass("consensus") + 1)
+        self._judge(step, verdict)
+        return fps
+
+    def state_lanes(self) -> torch.Tensor:
+        """Exact fingerprint lanes of this replica's parameters and optimizer state, on device."""
+        return consensus.state_lanes(consensus.state_tensors(self.params, self.optimizer), self.device)
+
+    def _gather_batches(self, s: int) -> list[list[Any]]:
+        if self.batch_for is not None:
+            return [list(self.batch_for(r, s)) for r in range(self.world)]
+        return self.comm.exchange_batches(self._batches)
+
+    def _reset_step(self) -> None:
+        self._batches = []
+        self._losses = []
+        self.tap.reset()
+
+    # ------------------------------------------------------------ resume
+    def prepare_resume(self) -> None:
+        """State was just restored into this process: match DDP's bucket layout before the next step.
+
+        DDP rebuilds its gradient buckets after its first iteration, and the
+        floating-point order of an all-reduce depends on the bucket layout
+        (with 3+ gloo ranks). A fresh process that restores at step k would
+        reduce step k in the initial layout while the uninterrupted run used
+        the rebuilt one, and results would drift by rounding. So before the
+        first real backward in such a process, one warm-up forward-backward
+        (RNG, buffers and gradients put back afterwards, no checks, no
+        faults) brings DDP to the same rebuilt layout. In-process rollbacks
+        need nothing: the layout is already rebuilt.
+        """
+        if isinstance(self.model, DDP) and not self._ran_backward:
+            self._warmup_pending = True
+
+    def _warmup(self, batch: Any) -> None:
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        buffers = [b.detach().clone() for b in self.module.buffers()]
+        self.tap.warming = True
+        try:
+            self.loss_fn(self.model, batch).backward()
+        finally:
+            self.tap.warming = False
+            for p in self.params:
+                p.grad = None
+            with torch.no_grad():
+                for b, saved in zip(self.module.buffers(), buffers):
+                    b.copy_(saved)
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+
+    def _compute_fault(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if self.tap.warming:
+            return None
+        if isinstance(output, torch.Tensor) and self.faults.firing("compute", self.rank, self._step):
+            output = output.clone()
+            self.faults.apply("compute", self.rank, self._step, output)
+            return output
+        return None
+
+    # ------------------------------------------------------- bookkeeping
+    def counters(self) -> dict[str, CheckCounts]:
+        """A snapshot of every check's pass/fail counts and last passing step."""
+        return {k: CheckCounts(c.passed, c.failed, c.last_pass) for k, c in self.checks.items()}
+
+    def _last_pass(self, kind: str) -> int:
+        c = self.checks.get(kind)
+        if c and c.last_pass is not None:
+            return c.last_pass
+        return (self._start if self._start is not None else 0) - 1
+
+    def _judge(self, step: int, v: Verdict) -> None:
+        """Count a verdict; on failure, log its rows, tell the listeners and raise the incident."""
+        c = self.checks.setdefault(v.kind, CheckCounts())
+        if v.ok:
+            if v.rows is not None:
+                self._emit(v.rows)
+            c.passed += 1
+            c.last_pass = step
+            return
+        c.failed += 1
+        if v.rows is not None:
+            self._emit(v.rows)  # the failed check's own rows reach the ledger before the incident
+        ranks = sorted(v.ranks)
+        inc = Incident(kind=v.kind, detected_step=step, first_suspect_step=step if v.first_suspect is None else v.first_suspect,
+                       ranks=ranks, hosts=[self.host_of(r) for r in ranks], detail=v.detail)
+        self.incidents.append(inc)
+        for listener in self._listeners:
+            listener(inc)
+        raise SilentCorruptionDetected(inc)
+
+    def add_incident_listener(self, fn: Callable[[Incident], None]) -> None:
+        """Call ``fn(incident)`` on every rank whenever a check fails (before raising)."""
+        self._listeners.append(fn)
+
+    def add_event_listener(self, fn: Callable[[list[Event]], None]) -> None:
+        """Call ``fn(events)`` with the ledger rows of every check this rank runs."""
+        self._event_listeners.append(fn)
+
+    def _emit(self, build: Callable[[], list[Event]]) -> None:
+        if not self._event_listeners:
+            return  # ranks without a ledger build no rows
+        events = build()
+        for fn in self._event_listeners:
+            fn(events)

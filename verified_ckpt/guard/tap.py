@@ -1,0 +1,110 @@
+"""The gradient tap: per-bucket statistics taken inside DDP's communication hook.
+
+DDP hands every gradient bucket to a communication hook before it is
+reduced. The tap measures the local bucket (``stats.local_stats``), starts
+the reduction through the communicator, and measures the averaged result when
+it lands, so the checks see both sides of the all-reduce without an extra
+pass or a host synchronisation. One process (no DDP) is a world of one: the
+local gradients are the averaged ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..comm import Communicator
+from ..faults import FaultPlan
+from .stats import BucketStats, Projector, local_stats
+
+__all__ = ["GradientTap"]
+
+
+class GradientTap:
+    """Records this step's bucket statistics and the parameter layout of each bucket.
+
+    Args:
+        params: the module's parameters (bucket layouts index into them).
+        comm: the replica group the buckets are reduced over.
+        project: the checksum's projections.
+        faults: fault injection (sites ``grad`` and ``allreduce``).
+        step: returns the step being computed (for fault injection).
+        fixed_order: average by all-gather and a sum in rank order instead of the backend's all-reduce.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], comm: Communicator, project: Projector, faults: FaultPlan,
+                 step: Callable[[], int | None], fixed_order: bool) -> None:
+        self.params = list(params)
+        self.comm, self.project, self.faults, self._step = comm, project, faults, step
+        self.fixed_order = fixed_order
+        self._pindex = {id(p): i for i, p in enumerate(self.params)}
+        self.warming = False  # a warm-up pass: a plain average, no checks, no faults, nothing recorded
+        self.buckets: list[BucketStats] = []
+        self.layout: dict[int, list[int]] = {}
+
+    def reset(self) -> None:
+        self.buckets = []
+        self.layout = {}
+
+    def install(self, model: DDP) -> None:
+        """Register the hook on ``model`` (DDP allows one hook per model)."""
+        def hook(state: Any, bucket: Any) -> Any:
+            return self._hook(bucket)
+
+        # DDP inspects the annotations as objects; this module's
+        # ``from __future__ import annotations`` would leave strings.
+        hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+        model.register_comm_hook(None, hook)
+
+    def _hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer()
+        index = bucket.index()
+        world = self.comm.world
+        if self.warming:
+            buf.div_(world)
+            return self.comm.all_reduce_async(buf).then(lambda f: f.value()[0])
+        rank, step = self.comm.rank, self._step()
+        self.layout[index] = [self._pindex[id(p)] for p in bucket.parameters()]
+        if index == 0:
+            self.faults.apply("grad", rank, step, buf)
+        stats = local_stats(index, buf, self.project)
+        if self.fixed_order:
+            parts = [torch.empty_like(buf) for _ in range(world)]
+            fut = self.comm.all_gather_async(parts, buf)
+        else:
+            buf.div_(world)
+            fut = self.comm.all_reduce_async(buf)
+
+        def averaged(f: torch.futures.Future[Any]) -> torch.Tensor:
+            if self.fixed_order:
+                # Element-wise sum in rank order: independent of bucket boundaries.
+                out = buf
+                out.copy_(parts[0])
+                for p in parts[1:]:
+                    out.add_(p)
+                out.div_(world)
+            else:
+                out = f.value()[0]
+            if index == 0:
+                self.faults.apply("allreduce", rank, step, out)
+            stats.avg_proj = self.project(out)
+            self.buckets.append(stats)
+            return out
+
+        return fut.then(averaged)
+
+    def single_process(self) -> None:
+        """No DDP hook ran (one process): measure the gradients as one bucket, local and averaged alike."""
+        step = self._step()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+        self.faults.apply("grad", 0, step, flat)
+        stats = local_stats(0, flat, self.project)
+        self.faults.apply("allreduce", 0, step, flat)
+        stats.avg_proj = self.project(flat)
+        self.layout = {0: list(range(len(self.params)))}
+        self.buckets = [stats]

@@ -1,0 +1,315 @@
+"""Run records: typed facts learnt after a checkpoint was committed, and the one rule for untrusted ones.
+
+Manifests are immutable; what is learnt later is an append-only record under
+``<run>/records/<kind>/``: an :class:`Incident` (a failed check, or a flag set
+by hand), a :class:`Rollback`, or a :class:`VerificationResult`. Each kind has
+a strict ``from_record`` (types, ranges, lengths) and ``to_record`` (the
+stored form, sealed by ``signing``).
+
+:func:`parse` is the single place where a stored record becomes trusted data.
+Its rule: a record that fails its signature check never makes anything more
+trusted. An untrusted incident covers the whole run and no rollback answers it;
+an untrusted verification counts as a failed one; an untrusted rollback answers
+nothing. Pure: bytes in, typed records out; the catalog does the I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+from .errors import ManifestError
+from .jsonx import JSONBudgetError, Limits, decode, short_repr
+from .manifest import MAX_STEP, SEGMENT
+from .signing import Signature, Signer
+
+__all__ = [
+    "INCIDENT", "KINDS", "MAX_RECORD_BYTES", "ROLLBACK", "UNANSWERABLE", "VERIFICATION", "Host", "Incident",
+    "Problem", "Rollback", "VerificationResult", "parse",
+]
+
+INCIDENT, ROLLBACK, VERIFICATION = "incident", "rollback", "verification"
+KINDS = (INCIDENT, ROLLBACK, VERIFICATION)
+MAX_RECORD_BYTES = 1 << 20
+UNANSWERABLE = "9999-12-31T23:59:59+00:00"  # later than any rollback record
+_LIMITS = Limits(max_bytes=MAX_RECORD_BYTES, max_depth=16)
+_ID = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
+_MAX_TEXT = 64 << 10
+_MAX_ITEMS = 100_000
+
+
+class RecordError(ManifestError):
+    """A record is malformed: wrong types, out-of-range values, or not a record of its kind."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """Where a rank ran: what an operator needs to pull a bad GPU."""
+
+    rank: int
+    host: str
+    device: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "device": self.device}
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint."""
+
+    kind: str  # digest | size | header | fingerprint | missing | nonfinite | manifest | read | ledger | signature
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Incident:
+    """A failed check, or steps flagged by hand: what failed, when, and which replicas are suspect.
+
+    ``first_suspect_step`` is the step after the last step at which that
+    check passed: state from that step on may carry the fault. ``to_step``
+    closes the interval (``None``: open-ended). ``signature`` is how the record
+    read back (a :class:`~verified_ckpt.signing.Signature` value); it is not stored.
+    """
+
+    kind: str  # nonfinite_local | nonfinite_averaged | checksum | audit | consensus | manual | ...
+    detected_step: int
+    first_suspect_step: int
+    ranks: list[int]
+    hosts: list[Host]
+    detail: str
+    id: str = ""
+    reason: str = ""
+    to_step: int | None = None
+    at: str = ""
+    source: str = "guard"
+    signature: str = "unsigned"
+
+    @property
+    def exclude_hosts(self) -> list[str]:
+        """Hosts a scheduler should keep this job off."""
+        return sorted({h.host for h in self.hosts})
+
+    @property
+    def trusted(self) -> bool:
+        return Signature(self.signature).trusted
+
+    def summary(self) -> str:
+        who = ", ".join(f"rank {h.rank} on {h.host} ({h.device})" for h in self.hosts) or "no replica could be named"
+        return (f"{self.kind} check failed at step {self.detected_step}: {self.detail}; suspect: {who}; "
+                f"state from step {self.first_suspect_step} on may be corrupt - roll back to an earlier checkpoint")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field (hosts as dicts), plus ``exclude_hosts``."""
+        d = dataclasses.asdict(self)
+        d["exclude_hosts"] = self.exclude_hosts
+        return d
+
+    def to_record(self) -> dict[str, Any]:
+        """The stored form (without the read-back signature state)."""
+        d = self.to_dict()
+        del d["signature"]
+        return d
+
+    @classmethod
+    def from_record(cls, d: dict[str, Any], signature: str = "unsigned") -> Incident:
+        r = _Fields(d, INCIDENT)
+        return cls(
+            kind=r.text("kind", 64), detected_step=r.step("detected_step"),
+            first_suspect_step=r.step("first_suspect_step"), ranks=r.ranks("ranks"), hosts=r.hosts("hosts"),
+            detail=r.text("detail", _MAX_TEXT, default=""), id=r.ident("id"),
+            reason=r.text("reason", _MAX_TEXT, default=""), to_step=r.step("to_step", optional=True),
+            at=r.text("at", 64), source=r.text("source", 32, default="guard"), signature=signature,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rollback:
+    """A recorded rollback: checkpoints saved after ``at`` form a new lineage; it answers ``answers``."""
+
+    at: str
+    to_checkpoint_id: str
+    to_step: int
+    answers: list[str]
+    signature: str = "unsigned"
+
+    def to_record(self) -> dict[str, Any]:
+        return {"at": self.at, "to_checkpoint_id": self.to_checkpoint_id, "to_step": self.to_step,
+                "answers": list(self.answers)}
+
+    @classmethod
+    def from_record(cls, d: dict[str, Any], signature: str = "unsigned") -> Rollback:
+        r = _Fields(d, ROLLBACK)
+        return cls(at=r.text("at", 64), to_checkpoint_id=r.segment("to_checkpoint_id"), to_step=r.step("to_step"),
+                   answers=r.idents("answers"), signature=signature)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerificationResult:
+    """The outcome of re-reading one checkpoint, as returned and as recorded."""
+
+    id: str
+    step: int
+    ok: bool
+    problems: list[Problem]
+    verified_at: str
+    verifier: dict[str, str] | None = None  # who re-read it (host, version); None: the job or the CLI
+    signature: str = "unsigned"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "step": self.step, "ok": self.ok,
+            "problems": [f"{p.kind}: {p.detail}" for p in self.problems], "verified_at": self.verified_at,
+        }
+
+    def to_record(self) -> dict[str, Any]:
+        rec = {
+            "kind": VERIFICATION, "checkpoint_id": self.id, "step": self.step, "ok": self.ok,
+            "problems": [dataclasses.asdict(p) for p in self.problems], "at": self.verified_at,
+        }
+        if self.verifier is not None:
+            rec["verifier"] = dict(self.verifier)
+        return rec
+
+    @classmethod
+    def from_record(cls, d: dict[str, Any], signature: str = "unsigned") -> VerificationResult:
+        r = _Fields(d, VERIFICATION)
+        ok = r.flag("ok")
+        problems = [Problem(p["kind"], p["detail"]) for p in r.objects("problems", {"kind": 64, "detail": _MAX_TEXT})]
+        if ok and problems:
+            raise RecordError("a verification record says ok but lists problems")
+        verifier = d.get("verifier")
+        if verifier is not None and not (isinstance(verifier, dict) and len(verifier) <= 16 and all(
+                isinstance(k, str) and isinstance(v, str) and len(v) <= 256 for k, v in verifier.items())):
+            raise RecordError("field 'verifier' must map names to short strings")
+        return cls(r.segment("checkpoint_id"), r.step("step"), ok, problems, r.text("at", 64), verifier, signature)
+
+
+Record = Incident | Rollback | VerificationResult
+_PARSERS: dict[str, Callable[..., Record]] = {
+    INCIDENT: Incident.from_record, ROLLBACK: Rollback.from_record, VERIFICATION: VerificationResult.from_record,
+}
+
+
+def parse(kind: str, raw: bytes, signer: Signer) -> Record | None:
+    """A stored record as trusted data, under the one rule for untrusted records (module docstring).
+
+    Returns ``None`` for a record that cannot be read at all (not JSON, wrong
+    types); an untrusted rollback is also ``None`` (it answers nothing).
+    """
+    try:
+        doc = decode(raw, _LIMITS)
+    except JSONBudgetError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    sig = signer.check(doc)
+    if not sig.trusted:
+        return _untrusted(kind, doc, signer.why(sig, f"this {kind} record"), sig.value)
+    try:
+        return _PARSERS[kind](doc, sig.value)
+    except RecordError:
+        return None
+
+
+def _untrusted(kind: str, doc: dict[str, Any], why: str, signature: str) -> Record | None:
+    if kind == INCIDENT:
+        # Every field of an edited record may be the edit (a narrowed interval, a
+        # back-dated time that an old rollback would answer), so none is believed:
+        # it covers the whole run and no rollback answers it, until an operator
+        # removes it (and re-flags what is real).
+        rid = doc.get("id")
+        return Incident(kind=str(doc.get("kind", "unknown"))[:64], detected_step=0, first_suspect_step=0, ranks=[],
+                        hosts=[], detail=why, id=rid if isinstance(rid, str) and _ID.match(rid) else "unknown",
+                        reason=why + "; until it is removed every checkpoint is suspect", to_step=None,
+                        at=UNANSWERABLE, source="untrusted", signature=signature)
+    if kind == VERIFICATION:
+        cid = doc.get("checkpoint_id")
+        return VerificationResult(cid if isinstance(cid, str) and SEGMENT.match(cid) else "", 0, False,
+                                  [Problem("signature", why)], str(doc.get("at", ""))[:64], None, signature)
+    return None
+
+
+class _Fields:
+    """Typed field access over one decoded record; every defect is a :class:`RecordError`."""
+
+    def __init__(self, d: dict[str, Any], kind: str) -> None:
+        if not isinstance(d, dict):
+            raise RecordError(f"a {kind} record must be a JSON object")
+        self.d = d
+
+    def _get(self, key: str) -> Any:
+        v = self.d.get(key)
+        if v is None:
+            raise RecordError(f"missing field {key!r}")
+        return v
+
+    def text(self, key: str, limit: int, default: str | None = None) -> str:
+        v = self.d.get(key)
+        if v is None and default is not None:
+            return default
+        if not isinstance(v, str) or len(v) > limit:
+            raise RecordError(f"field {key!r} must be a string of at most {limit} characters, got {short_repr(v)}")
+        return v
+
+    def step(self, key: str, optional: bool = False) -> Any:
+        v = self.d.get(key) if optional else self._get(key)
+        if v is None and optional:
+            return None
+        if type(v) is not int or not 0 <= v <= MAX_STEP:
+            raise RecordError(f"field {key!r} must be a step (an int from 0 to {MAX_STEP}), got {short_repr(v)}")
+        return v
+
+    def flag(self, key: str) -> bool:
+        v = self._get(key)
+        if not isinstance(v, bool):
+            raise RecordError(f"field {key!r} must be true or false, got {short_repr(v)}")
+        return v
+
+    def ident(self, key: str) -> str:
+        v = self._get(key)
+        if not isinstance(v, str) or not _ID.match(v):
+            raise RecordError(f"field {key!r} must be a short id, got {short_repr(v)}")
+        return v
+
+    def segment(self, key: str) -> str:
+        v = self._get(key)
+        if not isinstance(v, str) or not SEGMENT.match(v):
+            raise RecordError(f"field {key!r} must be a checkpoint id, got {short_repr(v)}")
+        return v
+
+    def _list(self, key: str) -> list[Any]:
+        v = self.d.get(key, [])
+        if not isinstance(v, list) or len(v) > _MAX_ITEMS:
+            raise RecordError(f"field {key!r} must be a list, got {short_repr(v)}")
+        return v
+
+    def ranks(self, key: str) -> list[int]:
+        v = self._list(key)
+        if not all(type(r) is int and 0 <= r < 1 << 31 for r in v):
+            raise RecordError(f"field {key!r} must list rank numbers, got {short_repr(v)}")
+        return sorted(v)
+
+    def idents(self, key: str) -> list[str]:
+        v = self._list(key)
+        if not all(isinstance(x, str) and _ID.match(x) for x in v):
+            raise RecordError(f"field {key!r} must list ids, got {short_repr(v)}")
+        return list(v)
+
+    def objects(self, key: str, fields: dict[str, int]) -> list[dict[str, str]]:
+        v = self._list(key)
+        for x in v:
+            if not (isinstance(x, dict) and all(isinstance(x.get(f), str) and len(x[f]) <= n for f, n in fields.items())):
+                raise RecordError(f"field {key!r} must list objects with string fields {sorted(fields)}, got {short_repr(x)}")
+        return v
+
+    def hosts(self, key: str) -> list[Host]:
+        out = []
+        for h in self.objects(key, {"host": 256, "device": 256}):
+            rank = h.get("rank")
+            if type(rank) is not int or not 0 <= rank < 1 << 31:
+                raise RecordError(f"field {key!r}: a host needs an int rank, got {short_repr(h)}")
+            out.append(Host(rank, h["host"], h["device"]))
+        return out

@@ -1,0 +1,120 @@
+"""The JSON skeleton of a saved state: its grammar, checked before anything trusts it.
+
+``flatten`` writes a skeleton: plain JSON plus four one-key tags, for tensor
+references (``__tensor__``), tuples (``__tuple__``), dicts with non-string
+keys (``__dict__``) and non-finite floats (``__float__``). Manifests carry it,
+so readers check it here, without torch, before anything is rebuilt from it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import ManifestError
+from .jsonx import short_repr
+
+__all__ = ["DICT", "FLOAT", "MAX_DEPTH", "TENSOR", "TUPLE", "escape", "malformed", "skeleton_problem", "tensor_refs"]
+
+TENSOR, TUPLE, DICT, FLOAT = "__tensor__", "__tuple__", "__dict__", "__float__"
+# Deepest JSON nesting of one skeleton value that restores accept. Real states nest
+# about ten levels; the bound keeps every walk over untrusted skeletons (and the
+# recursive rebuild) far from the interpreter's recursion limit.
+MAX_DEPTH = 100
+
+
+def escape(segment: str) -> str:
+    """JSON-pointer escaping keeps tensor names unique even when keys contain "/"."""
+    return segment.replace("~", "~0").replace("/", "~1")
+
+
+def skeleton_problem(value: Any, refs: set[str] | None = None) -> str | None:
+    """Why ``value`` is not a skeleton value :func:`flatten` could have written; ``None`` if it is.
+
+    Iterative (no recursion, whatever the nesting) and linear in the size of
+    ``value``. Every tensor name referred to is added to ``refs``. Checking
+    this once up front is what lets :func:`unflatten` trust the structure: a
+    hostile skeleton (unknown tags, unhashable dict keys, non-string tensor
+    names, bad float literals, nesting deeper than :data:`MAX_DEPTH`) is
+    described here instead of failing halfway through a rebuild.
+    """
+    # (value, path, JSON depth, whether it must rebuild into a hashable dict key)
+    stack: list[tuple[Any, str, int, bool]] = [(value, "", 0, False)]
+    while stack:
+        v, path, depth, key = stack.pop()
+        if depth > MAX_DEPTH:
+            return f"nested deeper than {MAX_DEPTH} levels at {_at(path)}"
+        if v is None or isinstance(v, (bool, int, str)):
+            continue
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return f"{_at(path)}: bare non-finite float"
+            continue
+        if isinstance(v, list):
+            if key:
+                return f"{_at(path)}: a list cannot be a dict key"
+            stack.extend((x, f"{path}/{i}", depth + 1, False) for i, x in enumerate(v))
+            continue
+        if not isinstance(v, dict):
+            return f"{_at(path)}: unexpected {type(v).__name__}"
+        if len(v) == 1:
+            ((tag, inner),) = v.items()
+            if tag == TENSOR:
+                if not isinstance(inner, str):
+                    return f"{_at(path)}: tensor reference {short_repr(inner)} is not a name"
+                if refs is not None:
+                    refs.add(inner)
+                continue
+            if tag == FLOAT:
+                if not isinstance(inner, str):
+                    return f"{_at(path)}: float literal {short_repr(inner)} is not a string"
+                try:
+                    float(inner)
+                except ValueError:
+                    return f"{_at(path)}: bad float literal {short_repr(inner)}"
+                continue
+            if tag == TUPLE:
+                if not isinstance(inner, list):
+                    return f"{_at(path)}: tuple is not a list"
+                stack.extend((x, f"{path}/{i}", depth + 2, key) for i, x in enumerate(inner))
+                continue
+            if tag == DICT:
+                if key:
+                    return f"{_at(path)}: a dict cannot be a dict key"
+                if not isinstance(inner, list):
+                    return f"{_at(path)}: dict items are not a list"
+                for i, pair in enumerate(inner):
+                    if not (isinstance(pair, list) and len(pair) == 2):
+                        return f"{_at(path)}: dict item {i} is not a [key, value] pair"
+                    stack.append((pair[0], f"{path}/<key {i}>", depth + 3, True))
+                    stack.append((pair[1], f"{path}/{i}", depth + 3, False))
+                continue
+        if key:
+            return f"{_at(path)}: a dict cannot be a dict key"
+        for k, x in v.items():
+            if not isinstance(k, str) or k.startswith("__"):
+                return f"{_at(path)}: unknown tag or key {short_repr(k)}"
+            stack.append((x, f"{path}/{escape(k)}", depth + 1, False))
+    return None
+
+
+def _at(path: str) -> str:
+    return short_repr(path or "/")
+
+
+def malformed(why: str) -> ManifestError:
+    return ManifestError(f"checkpoint state is malformed ({why}); it cannot be trusted - "
+                         "restore another checkpoint, or delete this one")
+
+
+def tensor_refs(value: Any) -> set[str]:
+    """Every tensor name a skeleton value refers to.
+
+    Raises:
+        ManifestError: ``value`` is not a skeleton :func:`flatten` could have written.
+    """
+    out: set[str] = set()
+    why = skeleton_problem(value, out)
+    if why is not None:
+        raise malformed(why)
+    return out

@@ -2,13 +2,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-s3 test bench clean
+.PHONY: demo demo-s3 test lint bench clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints-dev.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints-dev.txt -e ".[test]"
+	$(PY) -m pip install -q -c constraints-dev.txt -e ".[test,lint]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -17,7 +17,13 @@ demo: $(STAMP)
 demo-s3: $(STAMP)
 	$(PY) tools/s3_demo.py
 
-test: $(STAMP)
+# Style is held by tools, not by review: ruff (lint, import order), mypy (strict), and the size rules.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check verified_ckpt cli tools examples
+	$(VENV)/bin/mypy
+	$(PY) tools/size_check.py verified_ckpt cli
+
+test: lint
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
@@ -27,4 +33,4 @@ bench: $(STAMP)
 	$(PY) tools/bench/bench_s3.py --mib 512 --repeats 3
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

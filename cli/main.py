@@ -119,7 +119,8 @@ def list_cmd(mgr: CheckpointManager, out: Output, restorable: bool) -> int:
             console.print("no checkpoints" + (" are restorable" if restorable else ""))
             return
         console.print(out.table(f"checkpoints in {mgr.url}", ["step", "status", "size", "created_at", "id"],
-                                [[r["step"], r["status"], human_size(r["size_bytes"]), r["created_at"][:19].replace("T", " "), r["id"]]
+                                [[r["step"], r["status"], human_size(r["size_bytes"]),
+                                  r["created_at"][:19].replace("T", " "), r["id"]]
                                  for r in rows]))
         for r in rows:
             if r["status"] != "restorable" and r["reasons"]:
@@ -149,7 +150,8 @@ def show_cmd(mgr: CheckpointManager, out: Output, step: str) -> int:
         console.print(f"  state fingerprint {m['state_fingerprint']}  world size {m['topology'].get('world_size')}")
         console.print(f"  evidence: {json.dumps(m['evidence'], sort_keys=True) if m['evidence'] else 'none'}")
         console.print(out.table(None, ["shard", "size", "blake3", "tensors"],
-                                [[s["path"], human_size(s["size"]), s["digest"][:16] + "…", len(s["tensors"])] for s in m["shards"]]))
+                                [[s["path"], human_size(s["size"]), s["digest"][:16] + "…", len(s["tensors"])]
+                                 for s in m["shards"]]))
 
     out.emit(data, human)
     return EXIT_OK
@@ -236,7 +238,7 @@ def report_cmd(mgr: CheckpointManager, out: Output, dest: str) -> int:
 @click.option("--to-step", type=int, default=None, help="Last suspect step (default: open-ended).")
 @click.option("--rank", "ranks", type=int, multiple=True, help="Suspect rank (repeatable).")
 @click.option("--reason", required=True, help="Why these steps are flagged.")
-def flag_cmd(mgr: CheckpointManager, out: Output, from_step: int, to_step: int | None, ranks: tuple[int, ...],
+def flag_cmd(mgr: CheckpointManager, out: Output, *, from_step: int, to_step: int | None, ranks: tuple[int, ...],
              reason: str) -> int:
     """Flag an incident by hand: checkpoints in the interval become suspect."""
     inc = mgr.flag(from_step, to_step=to_step, ranks=ranks, reason=reason)

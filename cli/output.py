@@ -52,7 +52,7 @@ class Output:
                          min_width=max((len(str(r[i])) for r in rows), default=0) if c == "id" else None)
 
         for r in rows:
-            t.add_row(*[status_text(v) if c == "status" else str(v) for c, v in zip(columns, r)])
+            t.add_row(*[status_text(v) if c == "status" else str(v) for c, v in zip(columns, r, strict=True)])
         return t
 
     def log(self, message: str) -> None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import random
 import os
+import random
 import sys
 import tempfile
 from typing import Any

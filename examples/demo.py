@@ -23,7 +23,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import ddp_train  # noqa: E402
+import ddp_train
 
 FAULT = "grad:1:23:scale=10"
 
@@ -64,7 +64,8 @@ def main() -> int:
     vckpt("list", faulty_run)
     vckpt("verify", faulty_run, "--all")
     vckpt("ledger", faulty_run)
-    report = faulty_run.rstrip("/") + "-report.html" if "://" not in faulty_run else os.path.join(tempfile.gettempdir(), "vckpt-demo-report.html")
+    local = "://" not in faulty_run
+    report = faulty_run.rstrip("/") + "-report.html" if local else os.path.join(tempfile.gettempdir(), "vckpt-demo-report.html")
     vckpt("report", faulty_run, "--out", report)
 
     same = faulty["fingerprint"] == clean["fingerprint"]

@@ -22,9 +22,9 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-import ddp_train  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import ddp_train
+from rich.console import Console
+from rich.table import Table
 
 MODES = ["nan", "inf", "scale=0.5", "scale=1.001", "scale=10", "bitflip=low", "bitflip=high"]
 
@@ -75,7 +75,7 @@ def main() -> None:
                             + (["--inject", spec] if spec else []))
         try:
             result = ddp_train.run_spawned(a)
-        except Exception as e:  # noqa: BLE001 - a crashed run is a finding, not the end of the campaign
+        except Exception as e:
             table[cls]["crashed"] += 1
             runs.append({"spec": spec, "class": cls, "outcome": "crashed", "error": str(e)[-300:]})
             print(f"[{i + 1}/{len(plan)}] {spec or 'clean run'}: CRASHED {str(e).strip().splitlines()[-1][:200]}", flush=True)

@@ -17,7 +17,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples")]
 
 import s3fs  # noqa: E402
-
 import seaweed  # noqa: E402
 
 
@@ -29,19 +28,19 @@ def main() -> int:
             os.environ.update(handle.env)
             s3fs.S3FileSystem(**handle.storage_options()).mkdir("demo")
             os.environ["VCKPT_DEMO_URL"] = "s3://demo"
-            import demo
             import ddp_train
+            import demo
 
             code = demo.main()
             print("\nnode loss: stop a job on an incident, then resume it in fresh processes from S3 alone")
             common = ["--world-size", "3", "--steps", "40", "--save-every", "10", "--audit-every", "5",
                       "--consensus-every", "5", "--run", "s3://demo/node-loss"]
-            stopped = ddp_train.run_spawned(ddp_train.parse(common + ["--inject", "grad:2:33:scale=10"]))
+            stopped = ddp_train.run_spawned(ddp_train.parse([*common, "--inject", "grad:2:33:scale=10"]))
             print(f"   stopped at step {stopped['final_step']}: {stopped['incidents'][0]['kind']} "
                   f"naming rank(s) {stopped['incidents'][0]['ranks']}")
             os.chdir(tempfile.mkdtemp(prefix="new-node-"))  # nothing local survives
-            resumed = ddp_train.run_spawned(ddp_train.parse(common + ["--resume"]))
-            clean = ddp_train.run_spawned(ddp_train.parse(common[:-1] + ["s3://demo/node-loss-clean"]))
+            resumed = ddp_train.run_spawned(ddp_train.parse([*common, "--resume"]))
+            clean = ddp_train.run_spawned(ddp_train.parse([*common[:-1], "s3://demo/node-loss-clean"]))
             same = resumed["fingerprint"] == clean["fingerprint"]
             print(f"   resumed on the new node to step {resumed['final_step']}: {resumed['fingerprint']}")
             print(f"   clean run:                         {clean['fingerprint']}")

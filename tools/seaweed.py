@@ -11,6 +11,7 @@ telemetry is switched off.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -162,7 +163,7 @@ def start(tmpdir, timeout: float = 30.0, attempts: int = 3, extra: tuple = ()) -
     """Start ``weed mini`` under ``tmpdir``; return once S3 round-trips work."""
     tmpdir = Path(tmpdir)
     last_err = None
-    for attempt in range(attempts):
+    for _attempt in range(attempts):
         try:
             return _start_once(tmpdir / f"weed-{uuid.uuid4().hex[:8]}", timeout, extra)
         except _PortRace as e:  # another process grabbed one of our ports
@@ -180,7 +181,7 @@ def _start_once(root: Path, timeout: float, extra: tuple = ()) -> SeaweedHandle:
     log_dir.mkdir()
     cfg = root / "s3.json"
     cfg.write_text(json.dumps(_s3_config()))
-    ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS))))
+    ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
 
     cmd = [
         weed_binary(),
@@ -207,7 +208,8 @@ def _start_once(root: Path, timeout: float, extra: tuple = ()) -> SeaweedHandle:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_pdeathsig())
+                                start_new_session=True,
+                                preexec_fn=_pdeathsig())  # noqa: PLW1509 - it only calls prctl, which is fork-safe
     url = f"http://127.0.0.1:{ports['s3.port']}"
     handle = SeaweedHandle(url, ACCESS_KEY, SECRET_KEY, REGION, proc, ports,
                            data_dir, log_path, cmd, 0.0,
@@ -250,25 +252,19 @@ def stop(handle: SeaweedHandle, grace: float = 5.0) -> None:
     """SIGTERM the process group; SIGKILL after ``grace`` seconds."""
     proc = handle.proc
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait()
     # weed also listens on unix sockets /tmp/seaweedfs-<svc>-<port>.sock
     # (named after our random ports, so no collisions); some survive SIGTERM.
     for name, flag in _SOCKETS:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(f"/tmp/seaweedfs-{name}-{handle.ports[flag]}.sock")
-        except OSError:
-            pass
 
 
 def restart(handle: SeaweedHandle, timeout: float = 30.0) -> SeaweedHandle:
@@ -278,7 +274,7 @@ def restart(handle: SeaweedHandle, timeout: float = 30.0) -> SeaweedHandle:
     with open(handle.log_path, "ab") as log:
         proc = subprocess.Popen(handle.cmd, cwd=handle.data_dir.parent, env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_pdeathsig())
+                                preexec_fn=_pdeathsig())  # noqa: PLW1509 - it only calls prctl, which is fork-safe
     again = SeaweedHandle(handle.endpoint_url, handle.access_key, handle.secret_key, handle.region, proc,
                           handle.ports, handle.data_dir, handle.log_path, handle.cmd, 0.0, env=handle.env)
     return _wait_ready(again, t0, timeout)

@@ -58,7 +58,7 @@ def decode(tensors: list[torch.Tensor], spec: Any) -> Any:
         if tag == _LEAF:
             return sp[1]
         if tag == _MAP:
-            return {k: go(s) for k, s in zip(sp[1], sp[2])}
+            return {k: go(s) for k, s in zip(sp[1], sp[2], strict=True)}
         items = [go(s) for s in sp[1]]
         return tuple(items) if tag == _TUPLE else items
 

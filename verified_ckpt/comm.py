@@ -87,11 +87,17 @@ class Communicator:
 
     def all_reduce_async(self, buf: torch.Tensor) -> torch.futures.Future[Any]:
         """Start a sum all-reduce of ``buf`` in place; the future's value is ``[buf]``."""
-        return dist.all_reduce(buf, group=self.group, async_op=True).get_future()
+        work = dist.all_reduce(buf, group=self.group, async_op=True)
+        assert work is not None
+        fut: torch.futures.Future[Any] = work.get_future()
+        return fut
 
     def all_gather_async(self, parts: list[torch.Tensor], buf: torch.Tensor) -> torch.futures.Future[Any]:
         """Start an all-gather of ``buf`` into ``parts`` (one per rank)."""
-        return dist.all_gather(parts, buf, group=self.group, async_op=True).get_future()
+        work = dist.all_gather(parts, buf, group=self.group, async_op=True)
+        assert work is not None
+        fut: torch.futures.Future[Any] = work.get_future()
+        return fut
 
     # -------------------------------------------------------------- bytes
     def gather_bytes(self, data: bytes) -> list[bytes]:
@@ -103,7 +109,7 @@ class Communicator:
         buf = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
         if data:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
-        return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(self.all_gather(buf), sizes)]
+        return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(self.all_gather(buf), sizes, strict=True)]
 
     def broadcast_bytes(self, data: bytes) -> bytes:
         """Rank 0's ``data`` on every rank (what the others pass is ignored)."""
@@ -169,7 +175,7 @@ class Communicator:
                     dtype = getattr(torch, d[0])
                     per_rank[r].append(got[: sizes[r]].to(self.device).view(dtype).reshape(d[1]))
         out = []
-        for m, tensors in zip(metas, per_rank):
+        for m, tensors in zip(metas, per_rank, strict=True):
             mbs, pos = [], 0
             for spec, n in m["specs"]:
                 mbs.append(batches.decode(tensors[pos : pos + n], spec))
@@ -185,4 +191,4 @@ def _nbytes(described: list[Any] | None) -> int:
     n = 1
     for d in described[1]:
         n *= int(d)
-    return n * dtype.itemsize
+    return n * int(dtype.itemsize)

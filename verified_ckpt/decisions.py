@@ -233,7 +233,7 @@ def rollback_target(infos: Sequence[CheckpointInfo]) -> tuple[CheckpointInfo | N
     Returns:
         (target or None, [(id, step, why skipped)] newest first).
     """
-    skipped = []
+    skipped: list[tuple[str, int, str]] = []
     for info in reversed(infos):
         if info.status is Status.RESTORABLE:
             return info, skipped

@@ -43,7 +43,7 @@ class Flat:
         return canonical_json(self.skeleton)
 
 
-def _alias_key(t: torch.Tensor) -> tuple:
+def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
@@ -56,7 +56,7 @@ def flatten(state: Mapping[str, Any]) -> Flat:
     if not isinstance(state, Mapping):
         raise InvalidState(f"state must be a mapping of names to objects, got {type(state).__name__}")
     tensors: dict[str, torch.Tensor] = {}
-    seen: dict[tuple, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
 
     def enc(value: Any, path: str) -> Any:
         if isinstance(value, torch.Tensor):

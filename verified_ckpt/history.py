@@ -14,6 +14,7 @@ rollback is a new check, not a merge with the old one.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -88,16 +89,17 @@ def checks(cols: Columns) -> list[dict[str, Any]]:
         return []
     key_change = np.ones(n, dtype=bool)
     key_change[1:] = (cols.step[1:] != cols.step[:-1]) | (cols.kind[1:] != cols.kind[:-1])
-    starts = np.flatnonzero(key_change).tolist() + [n]
+    starts = [*np.flatnonzero(key_change).tolist(), n]
     out = []
     fail = VERDICTS.index("fail")
-    for lo, hi in zip(starts[:-1], starts[1:]):
+    for lo, hi in itertools.pairwise(starts):
         verdicts = cols.verdict[lo:hi]
         out.append({
             "step": int(cols.step[lo]), "kind": KINDS[int(cols.kind[lo])], "rows": (lo, hi),
             "failed": bool((verdicts == fail).any()),
             "ranks": cols.rank[lo:hi].tolist(),
-            "failed_ranks": sorted({int(r) for r, v in zip(cols.rank[lo:hi], verdicts) if v == fail and r != NO_RANK}),
+            "failed_ranks": sorted({int(r) for r, v in zip(cols.rank[lo:hi], verdicts, strict=True)
+                                    if v == fail and r != NO_RANK}),
         })
     return out
 
@@ -213,7 +215,7 @@ def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: 
             "to_step": i.to_step if i.to_step is not None or not a else i.detected_step,
             "detected_step": i.detected_step, "ranks": list(i.ranks), "hosts": i.exclude_hosts,
             "detail": i.reason or i.detail, "answered": bool(a),
-        } for i, a in zip(incidents, answered)],
+        } for i, a in zip(incidents, answered, strict=True)],
         "rollback_target": target,
         # A rollback answers an incident for the checkpoints, not for the hardware.
         "exclude_hosts": sorted({h for i in incidents for h in i.exclude_hosts}),

@@ -106,7 +106,7 @@ def short_repr(x: Any) -> str:
     """A bounded, one-line repr for error messages about untrusted data (never raises)."""
     try:
         return _REPR.repr(x)
-    except Exception:  # e.g. an int too long for str(), or a cycle-free but odd object
+    except Exception:  # noqa: BLE001 - messages about hostile data must never raise (an int too long for str())
         return f"<{type(x).__name__}>"
 
 

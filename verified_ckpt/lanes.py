@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .tensorspec import dtype_name
 from .fingerprint import Fingerprint, combine, fingerprint_from_lanes
 from .flatten import flatten
+from .tensorspec import dtype_name
 
 __all__ = ["lanes_of", "state_fingerprint", "tensor_fingerprint", "tensor_lanes"]
 
@@ -68,7 +68,7 @@ def lanes_of(tensors: list[torch.Tensor]) -> list[Fingerprint]:
     out: list[Fingerprint | None] = [None] * len(tensors)
     for idxs in by_device.values():
         stacked = torch.stack([tensor_lanes(tensors[i]) for i in idxs]).cpu().tolist()
-        for i, lanes in zip(idxs, stacked):
+        for i, lanes in zip(idxs, stacked, strict=True):
             out[i] = fingerprint_from_lanes(lanes)
     return out  # type: ignore[return-value]
 
@@ -101,6 +101,6 @@ def state_fingerprint(state: Mapping[str, Any]) -> Fingerprint:
     fps = lanes_of([flat.tensors[n] for n in names])
     entries = [
         (n, dtype_name(flat.tensors[n].dtype), list(flat.tensors[n].shape), fp)
-        for n, fp in zip(names, fps)
+        for n, fp in zip(names, fps, strict=True)
     ]
     return combine(entries, flat.skeleton_json())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import zarr
@@ -61,14 +62,22 @@ class Ledger:
                 group = zarr.open_group(store=self._store.ledger_store(read_only=False), mode="a", zarr_format=3)
                 if "rows" not in group.attrs:
                     _create(group)
-                rows = int(group.attrs["rows"])
+                rows = group.attrs["rows"]
+                assert isinstance(rows, int)
                 for name in _FIELDS:
-                    arr = group[name]
+                    arr = _array(group, name)
                     if arr.shape[0] != rows:  # an interrupted flush: drop its rows
                         arr.resize((rows, *arr.shape[1:]))
                     arr.append(getattr(cols, name))
                 group.attrs["rows"] = rows + len(cols)
             self._buffer.clear()
+
+
+def _array(group: zarr.Group, name: str) -> zarr.Array[Any]:
+    arr = group[name]
+    if not isinstance(arr, zarr.Array):
+        raise CorruptCheckpoint(f"ledger entry {name!r} is not an array; the ledger cannot be trusted")
+    return arr
 
 
 def _create(group: zarr.Group) -> None:
@@ -109,11 +118,11 @@ def read_ledger(store: RunStore) -> Columns | None:
                     or arr.shape[1:] != want.shape[1:] or arr.chunks[0] != CHUNK_ROWS):
                 raise CorruptCheckpoint(f"{where}: array {name!r} is missing or not laid out as written; "
                                         "the ledger cannot be trusted - move it aside to keep using the run")
-        n = min([rows] + [group[name].shape[0] for name in _FIELDS])
+        n = min([rows] + [_array(group, name).shape[0] for name in _FIELDS])
         if n > MAX_ROWS or -(-n // CHUNK_ROWS) > store.ledger_chunks("step"):
             raise CorruptCheckpoint(f"{where} declares {n} rows that its stored chunks do not hold (or more than "
                                     f"{MAX_ROWS}); the ledger cannot be trusted - move it aside to keep using the run")
-        cols = Columns(**{name: np.asarray(group[name][:n]) for name in _FIELDS})
+        cols = Columns(**{name: np.asarray(_array(group, name)[:n]) for name in _FIELDS})
     if n and (int(cols.kind.max()) >= len(KINDS) or int(cols.verdict.max()) >= len(VERDICTS)):
         raise CorruptCheckpoint(f"{where} holds unknown kind or verdict codes; the ledger cannot be trusted")
     return cols

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
-from .tensorspec import ITEMSIZE, MAX_NDIM, MAX_TENSORS, bounded_numel
 from .errors import ManifestError
 from .evidence import evidence_problem
 from .jsonx import JSONBudgetError, Limits, canonical_json, decode, short_repr
 from .skeleton import MAX_DEPTH as MAX_SKELETON_DEPTH
 from .skeleton import skeleton_problem
 from .status import MAX_STEP, Status
+from .tensorspec import ITEMSIZE, MAX_NDIM, MAX_TENSORS, bounded_numel
 
 __all__ = [
     "MAX_MANIFEST_BYTES", "MAX_STEP", "SEGMENT", "CheckpointInfo", "Manifest", "ShardEntry", "Status", "TensorEntry",
@@ -122,110 +123,131 @@ class Manifest:
         def bad(why: str) -> ManifestError:
             return _malformed(where, why)
 
-        if type(d.get("schema_version")) is not int or d["schema_version"] != SCHEMA_VERSION:
-            raise bad(f"schema_version {short_repr(d.get('schema_version'))}, this version reads {SCHEMA_VERSION}")
-        want = {
-            "run_id": str, "checkpoint_id": str, "step": int, "created_at": str, "topology": dict,
-            "shards": list, "tensors": dict, "state_fingerprint": str, "state": dict, "evidence": dict,
-            "status": str, "reasons": list,
-        }
-        for key, typ in want.items():
-            if key not in d:
-                raise bad(f"missing field {key!r}")
-            if not isinstance(d[key], typ) or (typ is int and isinstance(d[key], bool)):
-                raise bad(f"field {key!r} must be {typ.__name__}")
-        if not 0 <= d["step"] <= MAX_STEP:
-            raise bad(f"step {short_repr(d['step'])} is not between 0 and {MAX_STEP}")
-        if not SEGMENT.match(d["checkpoint_id"]):
-            raise bad(f"checkpoint_id {short_repr(d['checkpoint_id'])} is not a plain name")
-        if not _HEX32.match(d["state_fingerprint"]):
-            raise bad("state_fingerprint is not 32 lowercase hex digits")
-        try:
-            status = Status(d["status"])
-        except ValueError:
-            raise bad(f"unknown status {short_repr(d['status'])}") from None
-        if not all(isinstance(r, str) for r in d["reasons"]):
-            raise bad("reasons must be strings")
-        resumed = d.get("resumed_from")
-        if resumed is not None and not isinstance(resumed, str):
-            raise bad("resumed_from must be a string or null")
-        why = _topology_problem(d["topology"]) or evidence_problem(d["evidence"])
-        if why:
-            raise bad(why)
-
-        shards: list[ShardEntry] = []
-        by_path: dict[str, ShardEntry] = {}
-        for s in d["shards"]:
-            if not (isinstance(s, dict) and isinstance(s.get("path"), str) and type(s.get("size")) is int
-                    and isinstance(s.get("digest"), str) and isinstance(s.get("tensors"), list)):
-                raise bad("a shard entry lacks path, size, digest or tensors")
-            path = s["path"]
-            if not SEGMENT.match(path) or path == "manifest.json":
-                raise bad(f"shard path {short_repr(path)} is not a plain file name inside the checkpoint folder")
-            if not 8 <= s["size"] <= _MAX_BYTES or not _HEX64.match(s["digest"]):
-                raise bad(f"shard {path!r} has an invalid size or digest")
-            names = s["tensors"]
-            if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
-                raise bad(f"shard {path!r} must list distinct tensor names (strings)")
-            if path in by_path:
-                raise bad("two shards share a path")
-            by_path[path] = ShardEntry(path, s["size"], s["digest"], list(names))
-            shards.append(by_path[path])
-
-        if len(d["tensors"]) > MAX_TENSORS:
-            raise bad(f"{len(d['tensors'])} tensors, more than {MAX_TENSORS}")
-        tensors: dict[str, TensorEntry] = {}
-        held = {p: 0 for p in by_path}  # data bytes the manifest's shapes put in each shard
-        for name, t in d["tensors"].items():
-            what = f"tensor {short_repr(name)}"
-            if not (isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
-                    and isinstance(t.get("shard"), str) and isinstance(t.get("fingerprint"), str)):
-                raise bad(f"{what} lacks dtype, shape, shard or fingerprint")
-            if t["shard"] not in by_path:
-                raise bad(f"{what} names unknown shard {short_repr(t['shard'])}")
-            itemsize = ITEMSIZE.get(t["dtype"])
-            if itemsize is None:
-                raise bad(f"{what} has unknown dtype {short_repr(t['dtype'])}")
-            shape = t["shape"]
-            if len(shape) > MAX_NDIM or not all(type(n) is int and n >= 0 for n in shape):
-                raise bad(f"{what} has an invalid shape {short_repr(shape)}")
-            numel = bounded_numel(shape, _MAX_BYTES)  # elements; the same bound as shards.parse_header
-            held[t["shard"]] += (numel or 0) * itemsize
-            if numel is None or held[t["shard"]] > by_path[t["shard"]].size - 8:
-                raise bad(f"{what} of shape {short_repr(shape)} does not fit in shard {t['shard']!r}")
-            if not _HEX32.match(t["fingerprint"]):
-                raise bad(f"{what} has a fingerprint that is not 32 lowercase hex digits")
-            tensors[name] = TensorEntry(t["dtype"], list(shape), t["shard"], t["fingerprint"])
-        # Every tensor is listed by the shard it names, and by no other (names are distinct per shard).
-        listed = 0
-        for s in shards:
-            for n in s.tensors:
-                if n not in tensors or tensors[n].shard != s.path:
-                    raise bad(f"shard {s.path!r} lists tensor {short_repr(n)}, which the manifest puts elsewhere")
-            listed += len(s.tensors)
-        if listed != len(tensors):
-            raise bad("a tensor is missing from its shard's list")
-
-        for key, entry in d["state"].items():
-            if not key or "/" in key:
-                raise bad(f"state key {short_repr(key)} is not a plain name")
-            if not (isinstance(entry, dict) and set(entry) == {"stateful", "value"}
-                    and isinstance(entry["stateful"], bool)):
-                raise bad(f"state entry {short_repr(key)} must have exactly stateful (bool) and value")
-            refs: set[str] = set()
-            why = skeleton_problem(entry["value"], refs)
-            if why:
-                raise bad(f"state entry {short_repr(key)}: {why}")
-            missing = sorted(n for n in refs if n not in tensors)
-            if missing:
-                raise bad(f"state entry {short_repr(key)} refers to tensor {short_repr(missing[0])}, which no shard holds")
-
+        status = _check_fields(d, bad)
+        shards = _shards(d["shards"], bad)
+        tensors = _tensors(d["tensors"], {sh.path: sh for sh in shards}, bad)
+        _check_state(d["state"], tensors, bad)
         return cls(
             run_id=d["run_id"], checkpoint_id=d["checkpoint_id"], step=d["step"], created_at=d["created_at"],
             topology=d["topology"], shards=shards, tensors=tensors, state_fingerprint=d["state_fingerprint"],
             state=d["state"], evidence=d["evidence"], status=status, reasons=list(d["reasons"]),
-            resumed_from=resumed,
+            resumed_from=d.get("resumed_from"),
         )
+
+
+_Bad = Callable[[str], ManifestError]
+
+
+def _check_fields(d: dict[str, Any], bad: _Bad) -> Status:
+    """The top-level fields: present, typed, in range; returns the status."""
+    if type(d.get("schema_version")) is not int or d["schema_version"] != SCHEMA_VERSION:
+        raise bad(f"schema_version {short_repr(d.get('schema_version'))}, this version reads {SCHEMA_VERSION}")
+    want = {
+        "run_id": str, "checkpoint_id": str, "step": int, "created_at": str, "topology": dict,
+        "shards": list, "tensors": dict, "state_fingerprint": str, "state": dict, "evidence": dict,
+        "status": str, "reasons": list,
+    }
+    for key, typ in want.items():
+        if key not in d:
+            raise bad(f"missing field {key!r}")
+        if not isinstance(d[key], typ) or (typ is int and isinstance(d[key], bool)):
+            raise bad(f"field {key!r} must be {typ.__name__}")
+    if not 0 <= d["step"] <= MAX_STEP:
+        raise bad(f"step {short_repr(d['step'])} is not between 0 and {MAX_STEP}")
+    if not SEGMENT.match(d["checkpoint_id"]):
+        raise bad(f"checkpoint_id {short_repr(d['checkpoint_id'])} is not a plain name")
+    if not _HEX32.match(d["state_fingerprint"]):
+        raise bad("state_fingerprint is not 32 lowercase hex digits")
+    try:
+        status = Status(d["status"])
+    except ValueError:
+        raise bad(f"unknown status {short_repr(d['status'])}") from None
+    if not all(isinstance(r, str) for r in d["reasons"]):
+        raise bad("reasons must be strings")
+    resumed = d.get("resumed_from")
+    if resumed is not None and not isinstance(resumed, str):
+        raise bad("resumed_from must be a string or null")
+    why = _topology_problem(d["topology"]) or evidence_problem(d["evidence"])
+    if why:
+        raise bad(why)
+    return status
+
+
+def _shards(raw: list[Any], bad: _Bad) -> list[ShardEntry]:
+    shards: list[ShardEntry] = []
+    paths: set[str] = set()
+    for s in raw:
+        if not (isinstance(s, dict) and isinstance(s.get("path"), str) and type(s.get("size")) is int
+                and isinstance(s.get("digest"), str) and isinstance(s.get("tensors"), list)):
+            raise bad("a shard entry lacks path, size, digest or tensors")
+        path = s["path"]
+        if not SEGMENT.match(path) or path == "manifest.json":
+            raise bad(f"shard path {short_repr(path)} is not a plain file name inside the checkpoint folder")
+        if not 8 <= s["size"] <= _MAX_BYTES or not _HEX64.match(s["digest"]):
+            raise bad(f"shard {path!r} has an invalid size or digest")
+        names = s["tensors"]
+        if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+            raise bad(f"shard {path!r} must list distinct tensor names (strings)")
+        if path in paths:
+            raise bad("two shards share a path")
+        paths.add(path)
+        shards.append(ShardEntry(path, s["size"], s["digest"], list(names)))
+    return shards
+
+
+def _tensors(raw: dict[str, Any], by_path: dict[str, ShardEntry], bad: _Bad) -> dict[str, TensorEntry]:
+    """Every tensor entry, checked against the shards: each fits its shard and is listed by it alone."""
+    if len(raw) > MAX_TENSORS:
+        raise bad(f"{len(raw)} tensors, more than {MAX_TENSORS}")
+    tensors: dict[str, TensorEntry] = {}
+    held = dict.fromkeys(by_path, 0)  # data bytes the manifest's shapes put in each shard
+    for name, t in raw.items():
+        what = f"tensor {short_repr(name)}"
+        if not (isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
+                and isinstance(t.get("shard"), str) and isinstance(t.get("fingerprint"), str)):
+            raise bad(f"{what} lacks dtype, shape, shard or fingerprint")
+        if t["shard"] not in by_path:
+            raise bad(f"{what} names unknown shard {short_repr(t['shard'])}")
+        itemsize = ITEMSIZE.get(t["dtype"])
+        if itemsize is None:
+            raise bad(f"{what} has unknown dtype {short_repr(t['dtype'])}")
+        shape = t["shape"]
+        if len(shape) > MAX_NDIM or not all(type(n) is int and n >= 0 for n in shape):
+            raise bad(f"{what} has an invalid shape {short_repr(shape)}")
+        numel = bounded_numel(shape, _MAX_BYTES)  # elements; the same bound as shards.parse_header
+        held[t["shard"]] += (numel or 0) * itemsize
+        if numel is None or held[t["shard"]] > by_path[t["shard"]].size - 8:
+            raise bad(f"{what} of shape {short_repr(shape)} does not fit in shard {t['shard']!r}")
+        if not _HEX32.match(t["fingerprint"]):
+            raise bad(f"{what} has a fingerprint that is not 32 lowercase hex digits")
+        tensors[name] = TensorEntry(t["dtype"], list(shape), t["shard"], t["fingerprint"])
+    # Every tensor is listed by the shard it names, and by no other (names are distinct per shard).
+    listed = 0
+    for s in by_path.values():
+        for n in s.tensors:
+            if n not in tensors or tensors[n].shard != s.path:
+                raise bad(f"shard {s.path!r} lists tensor {short_repr(n)}, which the manifest puts elsewhere")
+        listed += len(s.tensors)
+    if listed != len(tensors):
+        raise bad("a tensor is missing from its shard's list")
+    return tensors
+
+
+def _check_state(state: dict[str, Any], tensors: dict[str, TensorEntry], bad: _Bad) -> None:
+    """Every state entry is a skeleton ``unflatten`` can rebuild from tensors the manifest holds."""
+    for key, entry in state.items():
+        if not key or "/" in key:
+            raise bad(f"state key {short_repr(key)} is not a plain name")
+        if not (isinstance(entry, dict) and set(entry) == {"stateful", "value"}
+                and isinstance(entry["stateful"], bool)):
+            raise bad(f"state entry {short_repr(key)} must have exactly stateful (bool) and value")
+        refs: set[str] = set()
+        why = skeleton_problem(entry["value"], refs)
+        if why:
+            raise bad(f"state entry {short_repr(key)}: {why}")
+        missing = sorted(n for n in refs if n not in tensors)
+        if missing:
+            raise bad(f"state entry {short_repr(key)} refers to tensor {short_repr(missing[0])}, which no shard holds")
 
 
 def _malformed(where: str, why: str) -> ManifestError:

@@ -298,7 +298,7 @@ class _Fields:
             raise RecordError(f"field {key!r} must list ids, got {short_repr(v)}")
         return list(v)
 
-    def objects(self, key: str, fields: dict[str, int]) -> list[dict[str, str]]:
+    def objects(self, key: str, fields: dict[str, int]) -> list[dict[str, Any]]:
         v = self._list(key)
         for x in v:
             if not (isinstance(x, dict) and all(isinstance(x.get(f), str) and len(x[f]) <= n for f, n in fields.items())):

@@ -58,7 +58,7 @@ def _e(value: object) -> str:
     return escape(str(value), quote=True)
 
 
-def _mark(kind: str, cx: float, cy: float, colour: str, r: float = 5, attrs: str = "", title: str = "") -> str:
+def _mark(kind: str, cx: float, cy: float, colour: str, *, r: float = 5, attrs: str = "", title: str = "") -> str:
     tip = f"<title>{_e(title)}</title>" if title else ""
     if kind == "circle":
         tag, geo = "circle", f'cx="{cx:.1f}" cy="{cy:.1f}" r="{r}" fill="{colour}" stroke="#fff"'
@@ -107,7 +107,7 @@ def _loss_layer(steps: Sequence[int], losses: Sequence[float | None], x: Callabl
         return LOSS_BOTTOM - (v - lo + pad) / (hi - lo + 2 * pad) * (LOSS_BOTTOM - LOSS_TOP)
 
     runs: list[list[str]] = [[]]
-    for s, v in zip(steps, known):
+    for s, v in zip(steps, known, strict=True):
         if v is not None:
             runs[-1].append(f"{x(s):.1f},{y(v):.1f}")
         elif runs[-1]:
@@ -168,15 +168,15 @@ def _timeline(data: dict[str, Any], lo: int, hi: int) -> str:
     for v in data["consensus"]:
         step, suspects = int(v["step"]), ", ".join(str(r) for r in v["suspects"]) or "none"
         kind, colour = ("circle", GREEN) if v["unanimous"] else ("diamond", RED)
-        out.append(_mark(kind, x(step), VOTE_Y, colour, 4, ' class="vote"', f"step {step}: suspects {suspects}"))
+        out.append(_mark(kind, x(step), VOTE_Y, colour, r=4, attrs=' class="vote"', title=f"step {step}: suspects {suspects}"))
     for c in data["checkpoints"]:
         step, colour = int(c["step"]), STATUS_COLOURS.get(str(c["status"]), "#000")
         attrs = f' data-testid="checkpoint-{_e(c["id"])}" data-step="{step}"'
-        out.append(_mark("circle", x(step), CKPT_Y, colour, 6, attrs, f"{c['id']} (step {step}): {c['status']}"))
+        out.append(_mark("circle", x(step), CKPT_Y, colour, r=6, attrs=attrs, title=f"{c['id']} (step {step}): {c['status']}"))
     for n, inc in enumerate(data["incidents"]):
         step = int(inc["detected_step"])
         tip = f"incident {n} detected at step {step}"
-        out.append(_mark("triangle", x(step), TOP + 5, RED, 5, ' class="detected"', tip))
+        out.append(_mark("triangle", x(step), TOP + 5, RED, r=5, attrs=' class="detected"', title=tip))
     out.append(f'<line x1="{LEFT}" y1="{BOTTOM}" x2="{RIGHT}" y2="{BOTTOM}" stroke="#424242"/>')
     for t in _ticks(lo, hi):
         out.append(
@@ -198,7 +198,7 @@ def _timeline(data: dict[str, Any], lo: int, hi: int) -> str:
         )
     for n, (kind, colour, label) in enumerate(LEGEND):
         lx, ly = LEFT + (n % 6) * 168, BOTTOM + 56 + (n // 6) * 22
-        out.append(_mark(kind, lx + 6, ly - 4, colour, 5) + f'<text x="{lx + 18}" y="{ly}">{label}</text>')
+        out.append(_mark(kind, lx + 6, ly - 4, colour, r=5) + f'<text x="{lx + 18}" y="{ly}">{label}</text>')
     return (
         f'<svg data-testid="timeline" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
         f'aria-label="training timeline" data-step-lo="{lo}" data-step-hi="{hi}" data-plot-left="{LEFT}" '

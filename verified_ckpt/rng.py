@@ -18,7 +18,7 @@ class RNGState:
     """Captures and restores torch (CPU, CUDA), Python and NumPy global RNG state."""
 
     def state_dict(self) -> dict[str, Any]:
-        np_state = np.random.get_state()
+        np_state: tuple[Any, ...] = tuple(np.random.get_state())
         out: dict[str, Any] = {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),

@@ -70,7 +70,7 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.dtype == torch.bool:
         t = t.view(torch.uint8)
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def _order(items: dict[str, torch.Tensor]) -> list[str]:
@@ -119,7 +119,7 @@ def write_shard(f: BinaryIO, items: dict[str, torch.Tensor], metadata: dict[str,
     return size, hasher.hexdigest()
 
 
-def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Header:
+def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Header:  # size: flat checklist
     """Validate and parse a safetensors header before anything is allocated from it.
 
     Everything a header declares is checked against the real file before it is
@@ -139,7 +139,8 @@ def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Hea
             Never any other exception, whatever the bytes.
     """
     def bad(why: str) -> CorruptCheckpoint:
-        return CorruptCheckpoint(f"{where}: invalid safetensors header ({why}); run `vckpt verify` and restore another checkpoint")
+        return CorruptCheckpoint(f"{where}: invalid safetensors header ({why}); "
+                                 "run `vckpt verify` and restore another checkpoint")
 
     if not isinstance(total_size, int) or isinstance(total_size, bool) or total_size < 8 or len(prefix) < 8:
         raise bad("file shorter than 8 bytes")
@@ -156,8 +157,8 @@ def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Hea
     # bound caps a hostile header near 15x its size.
     try:
         raw = decode(body, _HEADER_LIMITS)
-    except JSONBudgetError as e:
-        raise bad(str(e)) from None
+    except JSONBudgetError as err:
+        raise bad(str(err)) from None
     if not isinstance(raw, dict):
         raise bad("not a JSON object")
     meta = raw.pop("__metadata__", None)
@@ -232,7 +233,7 @@ def read_into(f: BinaryIO, size: int, on_chunk: Callable[[memoryview], None] | N
     if actual is not None and actual > size:
         raise CorruptCheckpoint(f"file is longer than the {size} bytes recorded")
     buf = torch.empty(size, dtype=torch.uint8)
-    mv = memoryview(buf.numpy()).cast("B")
+    mv = buf.numpy().data.cast("B")
     readinto = getattr(f, "readinto", None)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vckpt-hash") as pool:
         pending = None

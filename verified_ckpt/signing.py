@@ -57,6 +57,17 @@ class Signer:
     key: bytes | None = dataclasses.field(default=None, repr=False)
 
     @staticmethod
+    def of(key: bytes) -> Signer:
+        """A signer with an explicit key.
+
+        Raises:
+            InvalidState: the key is shorter than :data:`MIN_KEY_BYTES`.
+        """
+        if len(key) < MIN_KEY_BYTES:
+            raise InvalidState(f"signing_key is shorter than {MIN_KEY_BYTES} bytes; use a random key of 32 bytes or more")
+        return Signer(bytes(key))
+
+    @staticmethod
     def from_env(environ: Mapping[str, str] | None = None) -> Signer:
         """The key from ``VCKPT_SIGNING_KEY`` or ``VCKPT_SIGNING_KEY_FILE`` (neither: no key).
 

@@ -162,7 +162,7 @@ class RunStore:
                                f"permissions on {self._container()}") from e
         except VerifiedCkptError:
             raise
-        except Exception as e:  # noqa: BLE001 - botocore/aiohttp errors are not OSErrors; all mean "storage failed"
+        except Exception as e:
             raise StorageError(f"{what} at {self.url!r} failed ({type(e).__name__}: {str(e)[:200]}); "
                                "check that the store is reachable, then retry") from e
 
@@ -219,7 +219,8 @@ class RunStore:
     def run_meta(self) -> dict[str, Any] | None:
         try:
             with self._io("reading run.json"):
-                return json.loads(self.fs.cat_file(self._join("run.json")))
+                meta = json.loads(self.fs.cat_file(self._join("run.json")))
+                return meta if isinstance(meta, dict) else None
         except FileNotFoundError:
             return None
         except json.JSONDecodeError:
@@ -253,9 +254,11 @@ class RunStore:
                 if size > MAX_MANIFEST_BYTES:  # refused before a byte of it is read
                     raise ManifestError(f"manifest {cid} is {size} bytes, more than the {MAX_MANIFEST_BYTES} allowed; "
                                         "it cannot be trusted - restore another checkpoint, or delete this one")
-                return self.fs.cat_file(path)
+                data: bytes = self.fs.cat_file(path)
+                return data
         except FileNotFoundError:
-            raise CheckpointNotFound(f"checkpoint {cid!r} has no manifest at {self.url!r}; run `vckpt list` to see what exists") from None
+            raise CheckpointNotFound(f"checkpoint {cid!r} has no manifest at {self.url!r}; "
+                                     "run `vckpt list` to see what exists") from None
 
     def commit_manifest(self, cid: str, data: bytes) -> None:
         """Write the manifest: the commit point. Refuses to replace one (manifests are immutable)."""
@@ -298,7 +301,7 @@ class RunStore:
             if isinstance(self.fs, LocalFileSystem) and size > 0:
                 arr = np.memmap(self.fs._strip_protocol(path), dtype=np.uint8, mode="r", shape=(size,))
                 for start in range(0, size, CHUNK):
-                    on_chunk(memoryview(arr[start : start + CHUNK]))
+                    on_chunk(arr[start : start + CHUNK].data)
                 return _mapped(arr)
             if not isinstance(self.fs, MemoryFileSystem) and size > 0:
                 return self._read_staged(path, size, on_chunk)
@@ -367,7 +370,8 @@ class RunStore:
         path = self._shard_path(cid, name)
         with self._io(f"reading {name} of {cid}"):
             try:
-                return self.fs.cat_file(path)
+                data: bytes = self.fs.cat_file(path)
+                return data
             except FileNotFoundError:
                 return None
 

@@ -20,12 +20,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import boto3  # noqa: E402
-import s3fs  # noqa: E402
-import torch  # noqa: E402
+import boto3
+import s3fs
+import seaweed
+import torch
 
-import seaweed  # noqa: E402
-from verified_ckpt import CheckpointManager  # noqa: E402
+from verified_ckpt import CheckpointManager
 
 
 def main() -> None:

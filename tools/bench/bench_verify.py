@@ -21,9 +21,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-import torch  # noqa: E402
+import torch
 
-from verified_ckpt import CheckpointManager  # noqa: E402
+from verified_ckpt import CheckpointManager
 
 
 def rss() -> int:
@@ -69,7 +69,7 @@ def main() -> None:
             for jobs in (1, 4):
                 base, peak, running = rss(), [0], [True]
 
-                def sample() -> None:
+                def sample(peak: list[int] = peak, running: list[bool] = running) -> None:
                     while running[0]:
                         peak[0] = max(peak[0], rss())
                         time.sleep(0.005)

@@ -13,11 +13,23 @@ import concurrent.futures
 import dataclasses
 import time
 import uuid
+from collections.abc import Sequence
+from typing import Any
 
-from .. import decisions
-from ..errors import CheckpointNotFound, CheckpointNotRestorable, CorruptCheckpoint, ManifestError, RunNotFound
+from .. import decisions, history
+from ..errors import (
+    CheckpointNotFound,
+    CheckpointNotRestorable,
+    CorruptCheckpoint,
+    InvalidState,
+    LedgerNotFound,
+    ManifestError,
+    RunNotFound,
+)
+from ..history import Columns
+from ..ledger import read_ledger
 from ..manifest import CheckpointInfo, Manifest
-from ..records import INCIDENT, ROLLBACK, VERIFICATION, Incident, Rollback, VerificationResult, parse
+from ..records import INCIDENT, ROLLBACK, VERIFICATION, Host, Incident, Rollback, VerificationResult, parse
 from ..signing import Signer
 from ..status import Status
 from ..store import RunStore, utc_now
@@ -37,6 +49,7 @@ def step_from_id(cid: str) -> int:
 class RunView:
     """One consistent read of a run: checkpoints oldest first, incidents oldest first, trusted rollbacks."""
 
+    url: str
     infos: list[CheckpointInfo]
     incidents: list[Incident]
     rollbacks: list[Rollback]
@@ -49,7 +62,14 @@ class RunView:
         return [decisions.answered_at(i, self.rollbacks) is not None for i in self.incidents]
 
     def open_incidents(self) -> list[Incident]:
-        return [i for i, done in zip(self.incidents, self.answered()) if not done]
+        return [i for i, done in zip(self.incidents, self.answered(), strict=True) if not done]
+
+    def report_data(self, ledger: Columns | None) -> dict[str, Any]:
+        """Everything ``vckpt report`` draws, as plain data (see ``history.report_data``)."""
+        target, _ = self.rollback_target()
+        return history.report_data(
+            self.url, utc_now(), ledger, [{"id": i.id, "step": i.step, "status": i.status.value} for i in self.infos],
+            self.incidents, self.answered(), {"id": target.id, "step": target.step} if target is not None else None)
 
     def flagged_by(self, incident: Incident) -> list[CheckpointInfo]:
         """The checkpoints ``incident`` makes suspect."""
@@ -107,6 +127,37 @@ class Catalog:
         self.append(INCIDENT, stored.to_record())
         return dataclasses.replace(stored, signature=self.signer.check(self.signer.seal(stored.to_record())).value)
 
+    def flag(self, from_step: int, to_step: int | None, ranks: Sequence[int], reason: str) -> Incident:
+        """Record an incident by hand (see ``CheckpointManager.flag``)."""
+        if not isinstance(from_step, int) or from_step < 0:
+            raise InvalidState(f"--from-step must be an int >= 0, got {from_step!r}")
+        if to_step is not None and to_step < from_step:
+            raise InvalidState(f"--to-step {to_step} is before --from-step {from_step}; give an interval in order")
+        if not reason or not reason.strip():
+            raise InvalidState("a reason is required: say why these steps are flagged (--reason TEXT)")
+        self.require_run()
+        infos = self.view().infos
+        topo: dict[str, Any] = next((i.manifest.topology for i in reversed(infos) if i.manifest), {"ranks": []})
+        known = {r["rank"]: Host(r["rank"], r.get("host", "unknown"), r.get("device", "unknown")) for r in topo["ranks"]}
+        inc = Incident(kind="manual", detected_step=from_step, first_suspect_step=from_step, ranks=sorted(ranks),
+                       hosts=[known.get(r, Host(r, "unknown", "unknown")) for r in sorted(ranks)], detail=reason.strip(),
+                       reason=reason.strip(), to_step=to_step)
+        return self.record_incident(inc, "manual")
+
+    def record_rollback(self, dry_run: bool) -> tuple[CheckpointInfo, list[tuple[str, int, str]]]:
+        """Choose the rollback target and (unless ``dry_run``) record a rollback answering every open incident."""
+        view = self.view()
+        target, skipped = view.rollback_target()
+        if target is None:
+            self.require_run()
+            why = "; ".join(f"{cid} (step {st}) {w}" for cid, st, w in skipped[:3]) or "the run has no checkpoint"
+            raise CheckpointNotRestorable(f"no restorable checkpoint to roll back to in {self.url}: {why}")
+        open_ids = [i.id for i in view.open_incidents()]
+        if open_ids and not dry_run:
+            rb = Rollback(at=utc_now(), to_checkpoint_id=target.id, to_step=target.step, answers=open_ids)
+            self.append(ROLLBACK, rb.to_record())
+        return target, skipped
+
     # ------------------------------------------------------------- view
     def view(self) -> RunView:
         """One read of the run: checkpoints with derived status, incidents, trusted rollbacks."""
@@ -136,7 +187,7 @@ class Catalog:
 
         with concurrent.futures.ThreadPoolExecutor(self.io_workers) as pool:
             infos = list(pool.map(load, ids))
-        return RunView(sorted(infos, key=lambda i: (i.created_at, i.step, i.id)), incidents, rollbacks)
+        return RunView(self.url, sorted(infos, key=lambda i: (i.created_at, i.step, i.id)), incidents, rollbacks)
 
     # -------------------------------------------------------- selection
     def get(self, infos: list[CheckpointInfo], ref: int | str) -> CheckpointInfo:
@@ -170,6 +221,20 @@ class Catalog:
             raise CheckpointNotRestorable(self.refusal(infos[-1], Status.UNVERIFIED in allowed, nothing_restorable=True))
         return found
 
+    def restorable(self, step: int | None, checkpoint_id: str | None, allow_unverified: bool) -> CheckpointInfo:
+        """The checkpoint a restore asked for, refusing any whose status forbids restoring it.
+
+        Raises:
+            CheckpointNotFound: no such checkpoint.
+            CheckpointNotRestorable: its status forbids it (or nothing is restorable).
+        """
+        allowed = {Status.RESTORABLE} | ({Status.UNVERIFIED} if allow_unverified else set())
+        infos = self.view().infos
+        chosen = self.get(infos, checkpoint_id) if checkpoint_id is not None else self.select(infos, step, allowed)
+        if chosen.status not in allowed:
+            raise CheckpointNotRestorable(self.refusal(chosen, allow_unverified))
+        return chosen
+
     def refusal(self, info: CheckpointInfo, allow_unverified: bool, nothing_restorable: bool = False) -> str:
         """Why ``info`` may not be restored, and what to do instead."""
         why = info.reasons[-1] if info.reasons else "no reason recorded"
@@ -179,6 +244,19 @@ class Catalog:
         else:
             nxt = f"restore an earlier restorable checkpoint (`vckpt list {self.url} --restorable`)"
         return f"{head}checkpoint {info.id} (step {info.step}) is {info.status.value}: {why}; {nxt}"
+
+    def ledger_summary(self) -> dict[str, Any]:
+        """``history.summarize`` of the run's ledger.
+
+        Raises:
+            LedgerNotFound: the run has no ledger (it was saved without an SDCGuard).
+        """
+        self.require_run()
+        cols = read_ledger(self.store)
+        if cols is None:
+            raise LedgerNotFound(f"run {self.url} has no ledger: it was saved without an SDCGuard "
+                                 "(the ledger records the guard's checks)")
+        return history.summarize(cols)
 
     # --------------------------------------------------- retention, gc
     def apply_retention(self, keep_last: int) -> None:

@@ -20,8 +20,28 @@ from ..lanes import lanes_of
 from ..manifest import Manifest
 from ..skeleton import tensor_refs
 from ..tensorspec import dtype_name
+from .reading import RESTORE, Reader
 
-__all__ = ["apply", "check_after", "check_fits"]
+__all__ = ["apply", "check_after", "check_fits", "restore_into"]
+
+
+def restore_into(reader: Reader, state: Mapping[str, Any], m: Manifest, url: str) -> None:
+    """Check that ``state`` fits, read what it needs through the checked path, then load it.
+
+    Raises:
+        InvalidState: ``state`` does not fit the checkpoint (nothing was touched).
+        CorruptCheckpoint: stored bytes do not match the manifest (nothing was touched).
+    """
+    needed = check_fits(state, m)
+    loaded, problems = reader.read(m, RESTORE, names=needed)
+    if problems:
+        p = problems[0]
+        raise CorruptCheckpoint(
+            f"checkpoint {m.checkpoint_id} (step {m.step}) failed its {p.kind} check: {p.detail}; "
+            f"run `vckpt verify {url} --step {m.step}` and restore an earlier checkpoint"
+        )
+    apply(state, m, loaded)
+    check_after(state, m)
 
 
 def check_fits(state: Mapping[str, Any], m: Manifest) -> set[str]:
@@ -69,7 +89,7 @@ def check_after(state: Mapping[str, Any], m: Manifest) -> None:
     """The live objects' fingerprints equal the checkpoint's, tensor by tensor."""
     after = flatten(state).tensors
     names = [n for n, t in after.items() if n in m.tensors and dtype_name(t.dtype) == m.tensors[n].dtype]
-    for n, fp in zip(names, lanes_of([after[n] for n in names])):
+    for n, fp in zip(names, lanes_of([after[n] for n in names]), strict=True):
         if str(fp) != m.tensors[n].fingerprint:
             raise CorruptCheckpoint(
                 f"after loading, {n} does not match checkpoint {m.checkpoint_id}'s fingerprint; "
@@ -93,7 +113,7 @@ def _load_into(target: Any, value: Any, memo: dict[int, Any]) -> Any:
             target[k] = _load_into(target.get(k), v, memo)
         return target
     if isinstance(target, list) and isinstance(value, list) and len(target) == len(value):
-        target[:] = [_load_into(t, v, memo) for t, v in zip(target, value)]
+        target[:] = [_load_into(t, v, memo) for t, v in zip(target, value, strict=True)]
         return target
     return _own(value, memo)
 

@@ -102,9 +102,10 @@ class Reader:
         if hasher.hexdigest() != s.digest:
             return {}, [Problem("digest", f"{where} blake3 digest does not match the manifest (bytes changed on storage)")]
         try:
-            header = parse_header(memoryview(buf.numpy()), s.size, where)
+            header = parse_header(buf.numpy().data, s.size, where)
             if sorted(header.entries) != sorted(s.tensors):
-                return {}, [Problem("header", f"{where} holds tensors {sorted(header.entries)[:5]}..., the manifest lists others")]
+                listed = sorted(header.entries)[:5]
+                return {}, [Problem("header", f"{where} holds tensors {listed}..., the manifest lists others")]
             tensors = tensors_from_buffer(buf, header)
         except CorruptCheckpoint as e:
             return {}, [Problem("header", str(e))]
@@ -114,14 +115,15 @@ class Reader:
         if probs:
             return {}, probs
         order = list(tensors)
-        for n, fp in zip(order, lanes_of([tensors[n] for n in order])):
+        for n, fp in zip(order, lanes_of([tensors[n] for n in order]), strict=True):
             if str(fp) != m.tensors[n].fingerprint:
                 probs.append(Problem("fingerprint", f"{where}: {n} fingerprint {fp} != manifest {m.tensors[n].fingerprint}"))
         if mode.scan_nonfinite:
             floats = [n for n in order if tensors[n].is_floating_point() and tensors[n].numel()]
             if floats:
                 ok = finite_flags([tensors[n] for n in floats])
-                probs += [Problem("nonfinite", f"{where}: {n} holds NaN or Inf") for n, good in zip(floats, ok) if not good]
+                probs += [Problem("nonfinite", f"{where}: {n} holds NaN or Inf")
+                          for n, good in zip(floats, ok, strict=True) if not good]
         if on_verified is not None and not probs:
             on_verified(s, buf)
         return (tensors if mode.keep else {}), probs
@@ -136,4 +138,4 @@ def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
     on everything measured 30x slower than the sum on CPU. One host sync.
     """
     sums = torch.stack([t.sum().to(torch.float64) for t in tensors]).isfinite().tolist()
-    return [True if fine else bool(torch.isfinite(t).all()) for t, fine in zip(tensors, sums)]
+    return [True if fine else bool(torch.isfinite(t).all()) for t, fine in zip(tensors, sums, strict=True)]

@@ -31,13 +31,14 @@ from ..flatten import Flat, flatten
 from ..guard import SDCGuard
 from ..jsonx import canonical_json
 from ..lanes import lanes_of
-from ..manifest import Manifest, ShardEntry, TensorEntry
+from ..manifest import CheckpointInfo, Manifest, ShardEntry, TensorEntry
 from ..shards import supported, write_shard
 from ..signing import Signer
 from ..skeleton import skeleton_problem
 from ..status import MAX_STEP, Status
 from ..store import RunStore, utc_now
 from ..tensorspec import MAX_NDIM, dtype_name
+from .catalog import Catalog, info
 
 __all__ = ["UNGUARDED", "SaveJob", "Saver", "checked_flat"]
 
@@ -78,18 +79,21 @@ class SaveJob:
     reasons: list[str]
     evidence: dict[str, Any]
     topology: dict[str, Any]
+    resumed_from: str | None
 
 
 class Saver:
     """Writes checkpoints of one run for one rank of ``comm``."""
 
     def __init__(self, store: RunStore, signer: Signer, comm: Communicator, guard: SDCGuard | None,
-                 tracker: EvidenceTracker, *, shard_bytes: int, io_workers: int, report_timeout_s: float) -> None:
+                 tracker: EvidenceTracker, catalog: Catalog, *, keep_last: int | None, shard_bytes: int, io_workers: int,
+                 report_timeout_s: float) -> None:
         self.store, self.signer, self.comm, self.guard, self.tracker = store, signer, comm, guard, tracker
+        self.catalog, self.keep_last = catalog, keep_last
         self.shard_bytes, self.io_workers, self.report_timeout_s = shard_bytes, io_workers, report_timeout_s
         self._host_copies: dict[str, torch.Tensor] = {}  # reused by non-blocking saves
 
-    def prepare(self, step: int, flat: Flat) -> SaveJob:
+    def prepare(self, step: int, flat: Flat, resumed_from: str | None) -> SaveJob:
         """The synchronous part of a save: consensus, status and evidence, and one id for every rank."""
         g = self.guard
         if g is None:
@@ -104,7 +108,8 @@ class Saver:
             device = next((t.device for t in flat.tensors.values() if t.device.type == "cuda"), torch.device("cpu"))
             hosts[0]["device"] = describe_device(device)
         cid = self.comm.broadcast_bytes(f"step-{step:010d}-{uuid.uuid4().hex[:8]}".encode()).decode()
-        return SaveJob(cid, step, flat, status, reasons, evidence, {"world_size": self.comm.world, "ranks": hosts})
+        topology = {"world_size": self.comm.world, "ranks": hosts}
+        return SaveJob(cid, step, flat, status, reasons, evidence, topology, resumed_from)
 
     def snapshot(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy ``tensors`` to host buffers kept from the previous non-blocking save.
@@ -126,12 +131,18 @@ class Saver:
         self._host_copies = out
         return out
 
-    def finish(self, job: SaveJob, *, collective: bool, run_id: Callable[[], str], resumed_from: str | None,
-               after_commit: Callable[[], None]) -> bytes:
-        """Write this rank's shards and commit; return the committed manifest's bytes (on every rank).
+    def start(self, job: SaveJob) -> concurrent.futures.Future[CheckpointInfo]:
+        """Finish ``job`` on a background thread, from host copies taken now (the only blocking cost)."""
+        job.flat = dataclasses.replace(job.flat, tensors=self.snapshot(job.flat.tensors))
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vckpt-async-save")
+        fut = pool.submit(self.finish, job, collective=False)
+        pool.shutdown(wait=False)
+        return fut
 
-        Collectives only when ``collective`` (the caller's thread). ``after_commit``
-        runs on rank 0 right after the manifest is written (retention).
+    def finish(self, job: SaveJob, *, collective: bool) -> CheckpointInfo:
+        """Write this rank's shards and commit; every rank returns the committed checkpoint.
+
+        Collectives only when ``collective`` (the caller's thread).
         """
         rank, world = self.comm.rank, self.comm.world
         plan = self._plan(job.flat.tensors)
@@ -152,21 +163,23 @@ class Saver:
             reports = self._collect_reports(job.cid) if rank == 0 else []
         manifest_bytes = b""
         if rank == 0:
-            manifest = self._manifest(run_id(), job, reports, resumed_from)
+            manifest = self._manifest(self.catalog.run_id(), job, reports)
             manifest_bytes = canonical_json(self.signer.seal(manifest.to_dict()))
             self.store.commit_manifest(job.cid, manifest_bytes)
             if self.comm.active and not collective:
                 for r in range(world):
                     with contextlib.suppress(Exception):
                         self.store.delete_file(job.cid, f"rank-{r:05d}.json")
-            after_commit()
+            if self.keep_last is not None:
+                self.catalog.apply_retention(self.keep_last)
         if self.comm.active and collective:
             # Every rank returns only after the commit, with the same manifest in hand.
             manifest_bytes = self.comm.broadcast_bytes(manifest_bytes)
             self.comm.barrier()
         elif rank != 0:
             manifest_bytes = self._await(lambda: self.store.read_optional(job.cid, "manifest.json"), job.cid, "manifest")
-        return manifest_bytes
+        doc = Manifest.decode_json(manifest_bytes, job.cid)
+        return dataclasses.replace(info(Manifest.from_dict(doc, job.cid), []), signature=self.signer.check(doc).value)
 
     def _plan(self, flat_tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         shards: list[dict[str, torch.Tensor]] = [{}]
@@ -183,7 +196,7 @@ class Saver:
     def _write(self, cid: str, plan: list[dict[str, torch.Tensor]], indices: range
                ) -> tuple[list[ShardEntry], dict[str, Fingerprint]]:
         names = [n for i in indices for n in plan[i]]
-        fps = dict(zip(names, lanes_of([plan[i][n] for i in indices for n in plan[i]])))
+        fps = dict(zip(names, lanes_of([plan[i][n] for i in indices for n in plan[i]]), strict=True))
 
         def one(i: int) -> ShardEntry:
             path = f"shard-{i:05d}.safetensors"
@@ -195,7 +208,7 @@ class Saver:
         with concurrent.futures.ThreadPoolExecutor(self.io_workers, thread_name_prefix="vckpt-io") as pool:
             return list(pool.map(one, indices)), fps
 
-    def _manifest(self, run_id: str, job: SaveJob, reports: list[dict[str, Any]], resumed_from: str | None) -> Manifest:
+    def _manifest(self, run_id: str, job: SaveJob, reports: list[dict[str, Any]]) -> Manifest:
         shards = sorted((ShardEntry(**e) for r in reports for e in r["shards"]), key=lambda e: e.path)
         fps = {n: Fingerprint.from_hex(fp) for r in reports for n, fp in r["fps"].items()}
         tensors = {}
@@ -207,7 +220,7 @@ class Saver:
         return Manifest(
             run_id=run_id, checkpoint_id=job.cid, step=job.step, created_at=utc_now(), topology=job.topology,
             shards=shards, tensors=tensors, state_fingerprint=str(state_fp), state=job.flat.skeleton,
-            evidence=job.evidence, status=job.status, reasons=job.reasons, resumed_from=resumed_from,
+            evidence=job.evidence, status=job.status, reasons=job.reasons, resumed_from=job.resumed_from,
         )
 
     def _collect_reports(self, cid: str) -> list[dict[str, Any]]:

@@ -54,7 +54,7 @@ class Auditor:
         node_of: node id of every rank, to pick auditors and tiebreakers on other nodes.
     """
 
-    def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor],
+    def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor], *,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], comm: Communicator, project: Projector,
                  cfg: GuardConfig, node_of: Sequence[int]) -> None:
         self.module, self.params, self.loss_fn = module, list(params), loss_fn
@@ -71,7 +71,7 @@ class Auditor:
                 jobs[a] = t
         return jobs
 
-    def run(self, step: int, gathered: Sequence[StepStats], jobs: dict[int, int], batches: list[list[Any]],
+    def run(self, step: int, gathered: Sequence[StepStats], jobs: dict[int, int], *, batches: list[list[Any]],
             layout: dict[int, list[int]], first_suspect: int) -> Verdict:
         """Recompute ``jobs`` (collectively: every rank calls this) and judge any disagreement."""
         results = self._round(jobs, batches, layout)
@@ -93,10 +93,10 @@ class Auditor:
             third = self._round({b: t}, batches, layout)[b] if b is not None else None
             verdict, roles = self._verdict(recorded[t], results[a], third)
             suspects |= {{"owner": t, "auditor": a}[r] for r in roles}
-            details.append(f"rank {a} recomputed rank {t}'s microbatch and disagreed; "
-                           + (f"rank {b} broke the tie: {verdict} is wrong" if b is not None else "no third rank to break the tie"))
+            tie = f"rank {b} broke the tie: {verdict} is wrong" if b is not None else "no third rank to break the tie"
+            details.append(f"rank {a} recomputed rank {t}'s microbatch and disagreed; {tie}")
         return Verdict("audit", False, sorted(suspects), "; ".join(details), first_suspect,
-                       rows(set(t for _, t in disputes)))
+                       rows({t for _, t in disputes}))
 
     def _verdict(self, owner: Recomputed, auditor: Recomputed, third: Recomputed | None) -> tuple[str, list[str]]:
         if self.cfg.mode == "exact":
@@ -119,7 +119,7 @@ class Auditor:
         if not math.isclose(a.loss, b.loss, rel_tol=tol, abs_tol=1e-12):
             return False
         scale = max(math.sqrt(max(b.sumsq, 0.0)), max((abs(v) for v in b.proj), default=0.0), 1e-30)
-        return all(abs(x - y) <= tol * scale for x, y in zip(a.proj, b.proj))
+        return all(abs(x - y) <= tol * scale for x, y in zip(a.proj, b.proj, strict=True))
 
     def _round(self, jobs: dict[int, int], batches: list[list[Any]], layout: dict[int, list[int]]) -> dict[int, Recomputed]:
         """Each rank in ``jobs`` recomputes ``jobs[rank]``'s microbatches; everyone learns every result."""
@@ -148,9 +148,9 @@ class Auditor:
             with torch.enable_grad():
                 loss = self.loss_fn(self.module, mb)
             grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-            full = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.params)]
+            full = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.params, strict=True)]
             # Same order of additions as autograd's accumulation into .grad.
-            acc = full if acc is None else [x + g for x, g in zip(acc, full)]
+            acc = full if acc is None else [x + g for x, g in zip(acc, full, strict=True)]
             loss_total = loss_total + loss.detach().to(torch.float64)
         assert acc is not None
         lanes = torch.zeros(2, dtype=torch.int64, device=dev)

@@ -83,7 +83,8 @@ class SDCGuard:
             raise GuardUsageError("with more than one process the model must be wrapped in DistributedDataParallel")
         self.faults = FaultPlan(self.cfg.faults)
         self.project = Projector(self.cfg.checksum_lanes, self.cfg.seed, self.device)
-        self.auditor = Auditor(self.module, self.params, loss_fn, self.comm, self.project, self.cfg, self.comm.node_of())
+        self.auditor = Auditor(self.module, self.params, loss_fn=loss_fn, comm=self.comm, project=self.project, cfg=self.cfg,
+                               node_of=self.comm.node_of())
         self.checks: dict[str, CheckCounts] = {}
         self.incidents: list[Incident] = []
         self._listeners: list[Callable[[Incident], None]] = []
@@ -95,8 +96,8 @@ class SDCGuard:
         self._start: int | None = None
         self._batches: list[Any] = []
         self._losses: list[torch.Tensor] = []
-        self.tap = GradientTap(self.params, self.comm, self.project, self.faults, lambda: self._step,
-                               bool(self.cfg.fixed_order_reduce))
+        self.tap = GradientTap(self.params, self.comm, project=self.project, faults=self.faults, step=lambda: self._step,
+                               fixed_order=bool(self.cfg.fixed_order_reduce))
         if isinstance(model, DDP):
             self.tap.install(model)
         if self.faults.has_site("compute"):
@@ -199,9 +200,9 @@ class SDCGuard:
         rows = self.cfg.ledger_rank_rows
         for v in nonfinite.check(s, gathered, rows):
             self._judge(s, v)
-        v = checksum.check(s, gathered, self.cfg.checksum_slack, self.project.max_weight, rows)
-        if v is not None:
-            self._judge(s, v)
+        sums = checksum.check(s, gathered, self.cfg.checksum_slack, self.project.max_weight, rows)
+        if sums is not None:
+            self._judge(s, sums)
         self._emit(lambda: step_rows(s, gathered, [], rows))
         suspects = decisions.outliers([x.norm for x in gathered], self.cfg.outlier_factor)
         scheduled = self.cfg.audit_every is not None and s % self.cfg.audit_every == 0
@@ -209,7 +210,8 @@ class SDCGuard:
             only = None if (scheduled or self._audit_requested) else suspects
             batches = self._gather_batches(s)
             jobs = self.auditor.plan(only)
-            self._judge(s, self.auditor.run(s, gathered, jobs, batches, self.tap.layout, self._last_pass("audit") + 1))
+            self._judge(s, self.auditor.run(s, gathered, jobs, batches=batches, layout=self.tap.layout,
+                                            first_suspect=self._last_pass("audit") + 1))
             self._audit_requested = False
 
     def consensus(self, step: int) -> list[str]:
@@ -271,7 +273,7 @@ class SDCGuard:
             for p in self.params:
                 p.grad = None
             with torch.no_grad():
-                for b, saved in zip(self.module.buffers(), buffers):
+                for b, saved in zip(self.module.buffers(), buffers, strict=True):
                     b.copy_(saved)
             torch.set_rng_state(rng)
             if cuda_rng is not None:

@@ -23,6 +23,8 @@ from .stats import BucketStats, Projector, local_stats
 
 __all__ = ["GradientTap"]
 
+_GradBucket = getattr(dist, "GradBucket")  # noqa: B009 - torch exports it without declaring it (no stub)
+
 
 class GradientTap:
     """Records this step's bucket statistics and the parameter layout of each bucket.
@@ -36,7 +38,7 @@ class GradientTap:
         fixed_order: average by all-gather and a sum in rank order instead of the backend's all-reduce.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], comm: Communicator, project: Projector, faults: FaultPlan,
+    def __init__(self, params: Sequence[torch.Tensor], comm: Communicator, *, project: Projector, faults: FaultPlan,
                  step: Callable[[], int | None], fixed_order: bool) -> None:
         self.params = list(params)
         self.comm, self.project, self.faults, self._step = comm, project, faults, step
@@ -57,10 +59,10 @@ class GradientTap:
 
         # DDP inspects the annotations as objects; this module's
         # ``from __future__ import annotations`` would leave strings.
-        hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+        hook.__annotations__ = {"state": object, "bucket": _GradBucket, "return": torch.futures.Future[torch.Tensor]}
         model.register_comm_hook(None, hook)
 
-    def _hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def _hook(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
         index = bucket.index()
         world = self.comm.world
@@ -80,6 +82,7 @@ class GradientTap:
             fut = self.comm.all_reduce_async(buf)
 
         def averaged(f: torch.futures.Future[Any]) -> torch.Tensor:
+            out: torch.Tensor
             if self.fixed_order:
                 # Element-wise sum in rank order: independent of bucket boundaries.
                 out = buf

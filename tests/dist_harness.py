@@ -1,27 +1,34 @@
-"""Run a function on W real gloo ranks (spawned processes), PyTorch MultiProcessTestCase style.
+"""Run a function on W real gloo ranks, PyTorch MultiProcessTestCase style, on a pool of warm processes.
 
-Each child gets a FileStore-backed process group, one thread, and a timeout;
-its return value (JSON-able) or its traceback comes back to the parent, so a
-failing rank reads like a normal pytest failure.
+Each call gets a fresh FileStore-backed process group, one thread per rank,
+and a timeout; each rank's return value (JSON-able) or traceback comes back
+to the parent, so a failing rank reads like a normal pytest failure.
+
+Spawning W processes and importing torch in each costs 4-6 s on this
+machine, more than most of these tests take, so the ranks of one world size
+are kept as a pool between calls. Each call still gets its own process group
+(destroyed afterwards). A call that fails, times out or kills a rank retires
+the pool, so no half-torn state leaks into the next test; calls that must see
+a SIGKILL (``killed=``) always run on fresh processes. Rank functions must not
+leave global patches behind (restore them in ``finally``).
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, init: str, out: str, args: tuple, final_barrier: bool) -> None:
-    import torch
+def _run_one(fn: Callable[..., Any], rank: int, world: int, init: str, args: tuple, final_barrier: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    payload: dict[str, Any]
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         payload = {"ok": True, "result": fn(rank, world, *args)}
@@ -32,8 +39,69 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, init: str, out: str, a
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    return payload
+
+
+def _worker(conn: multiprocessing.connection.Connection, rank: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        fn, world, init, args = task
+        conn.send(json.dumps(_run_one(fn, rank, world, init, args, True)))
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, init: str, out: str, args: tuple, final_barrier: bool) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    payload = _run_one(fn, rank, world, init, args, final_barrier)
     with open(out, "w") as f:
         json.dump(payload, f)
+
+
+class _Pool:
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        pipes = [ctx.Pipe() for _ in range(world)]
+        self.conns = [parent for parent, _ in pipes]
+        self.procs = [ctx.Process(target=_worker, args=(child, r), daemon=True) for r, (_, child) in enumerate(pipes)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout: float) -> list[dict[str, Any]]:
+        with tempfile.TemporaryDirectory() as tmp:
+            init = f"file://{os.path.join(tmp, 'store')}"
+            for conn in self.conns:
+                conn.send((fn, self.world, init, args))
+            deadline = time.monotonic() + timeout
+            payloads: list[dict[str, Any] | None] = [None] * self.world
+            while any(p is None for p in payloads):
+                waiting = [c for c, p in zip(self.conns, payloads) if p is None]
+                ready = multiprocessing.connection.wait(waiting, timeout=max(deadline - time.monotonic(), 0))
+                if not ready:
+                    hung = [r for r, p in enumerate(payloads) if p is None]
+                    raise TimeoutError(f"ranks {hung} still running after {timeout}s (a collective mismatch?)")
+                for c in ready:
+                    r = self.conns.index(c)
+                    try:
+                        payloads[r] = json.loads(c.recv())
+                    except EOFError:
+                        raise AssertionError(f"rank {r} died without a result (exit code {self.procs[r].exitcode})") from None
+        return payloads  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+_POOLS: dict[int, _Pool] = {}
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90.0,
@@ -42,6 +110,24 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
 
     Ranks in ``killed`` must die by SIGKILL (their result is None); then no final barrier runs.
     """
+    if killed:
+        return _run_fresh(fn, world, args, timeout, killed)
+    pool = _POOLS.pop(world, None) or _Pool(world)
+    try:
+        payloads = pool.run(fn, args, timeout)
+    except BaseException:
+        pool.close()
+        raise
+    failed = [(r, p) for r, p in enumerate(payloads) if not p["ok"]]
+    if failed:
+        pool.close()
+        r, p = failed[0]
+        raise AssertionError(f"rank {r} failed:\n{p['traceback']}")
+    _POOLS[world] = pool
+    return [p["result"] for p in payloads]
+
+
+def _run_fresh(fn: Callable[..., Any], world: int, args: tuple, timeout: float, killed: frozenset[int]) -> list[Any]:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"

@@ -27,9 +27,12 @@ def unguarded_save(rank: int, world: int, run: str, blocking: bool) -> dict:
         return real(self, cid, name, size_hint)
 
     store_mod.RunStore.open_shard_for_write = spy
-    mgr = CheckpointManager(run, shard_bytes=2048)  # the world group by default: torch.distributed is initialised
-    got = mgr.save(5, _state(rank), blocking=blocking)
-    info = got if blocking else got.result()
+    try:
+        mgr = CheckpointManager(run, shard_bytes=2048)  # the world group by default: torch.distributed is initialised
+        got = mgr.save(5, _state(rank), blocking=blocking)
+        info = got if blocking else got.result()
+    finally:
+        store_mod.RunStore.open_shard_for_write = real  # the rank processes serve later tests
     return {"opened": sorted(opened), "id": info.id, "status": info.status.value, "world": mgr.comm.world}
 
 

@@ -1,0 +1,90 @@
+"""Small models people actually train, for the examples, the campaign and the tests.
+
+``TinyGPT`` is GPT-2 in miniature: learned token and position embeddings,
+pre-norm blocks of causal self-attention and a GELU MLP, dropout on the
+embeddings, the attention weights and both residual branches (0.1 by
+default, as in GPT-2's config), and an output head tied to the token
+embedding. ``BNMLP`` is an MLP with BatchNorm and dropout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float, context: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.attn_drop = nn.Dropout(dropout)
+        self.resid_drop = nn.Dropout(dropout)
+        # A buffer every replica holds identically: the causal mask (as GPT-2's "bias" buffer).
+        self.register_buffer("mask", torch.tril(torch.ones(context, context, dtype=torch.bool)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
+        y = (self.attn_drop(att) @ v).transpose(1, 2).reshape(b, t, d)
+        return self.resid_drop(self.proj(y))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float, context: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads, dropout, context)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """GPT-2 in miniature (see the module docstring). ``forward(ids) -> logits``."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, heads: int = 4, context: int = 16,
+                 dropout: float = 0.1) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(context, d)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d, heads, dropout, context) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied, as in GPT-2
+        self.vocab = vocab
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        x = self.drop(self.tok(ids) + self.pos(torch.arange(t, device=ids.device)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on a batch of token ids."""
+    logits = model(batch[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+class BNMLP(nn.Module):
+    """An MLP with BatchNorm and dropout: buffers that change in every forward, and randomness."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 64, d_out: int = 4, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(dropout),
+                                 nn.Linear(hidden, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(dropout),
+                                 nn.Linear(hidden, d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)

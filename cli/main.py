@@ -5,6 +5,7 @@ Exit codes (also in README and docs/CLI.md):
     1  a check failed (verification found problems, a checkpoint is not restorable)
     2  usage or input error (bad URL, missing run or step, malformed manifest, bad option)
     3  the store could not be reached or written
+    4  `vckpt status` only: the run has an open silent-data-corruption incident
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from verified_ckpt import (
 
 from .output import Output, human_size, status_text
 
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_STORAGE = 0, 1, 2, 3
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_STORAGE, EXIT_OPEN_INCIDENT = 0, 1, 2, 3, 4
 SIGNATURE_TEXT = {
     "valid": "[green]valid[/] (HMAC-SHA256, key configured)",
     "unsigned": "[yellow]unsigned[/] (no signing key configured; see docs/SECURITY.md)",
@@ -302,10 +303,46 @@ def rollback_cmd(mgr: CheckpointManager, out: Output, dry_run: bool) -> int:
                       + ("" if dry_run else "; rollback recorded, checkpoints saved from now on form a new lineage"))
         for cid, st, why in skipped:
             console.print(f"  skipped {cid} (step {st}): {why}")
-        console.print(f"resume with restore() / --resume, or export with `vckpt restore {mgr.url} --step {target.step} --to DIR`")
+        console.print(f"resume the job with CheckpointManager.resume(state) (examples: --resume), or export with "
+                      f"`vckpt restore {mgr.url} --step {target.step} --to DIR`")
 
     out.emit(data, human)
     return EXIT_OK
+
+
+@main.command("status")
+@run_command
+def status_cmd(mgr: CheckpointManager, out: Output) -> int:
+    """One line of health for schedulers: open incidents, hosts to exclude, rollback target, newest restorable.
+
+    Exit 0 when no incident is open, 4 when one is (SDC: exclude the hosts, restart with resume()),
+    1 when checkpoints exist but none is restorable.
+    """
+    mgr.require_run()
+    view = mgr.view()
+    target, _ = view.rollback_target()
+    open_incidents = view.open_incidents()
+    restorable = [i for i in view.infos if i.status is Status.RESTORABLE]
+    hosts = sorted({h for i in open_incidents for h in i.exclude_hosts})
+    data = {"run": mgr.url, "open_incidents": [_incident_row(i) for i in open_incidents], "exclude_hosts": hosts,
+            "rollback_target": None if target is None else {"id": target.id, "step": target.step},
+            "newest_restorable_step": restorable[-1].step if restorable else None, "checkpoints": len(view.infos)}
+    if open_incidents:
+        code = EXIT_OPEN_INCIDENT
+    else:
+        code = EXIT_CHECK_FAILED if view.infos and not restorable else EXIT_OK
+    data["health"] = {EXIT_OK: "ok", EXIT_OPEN_INCIDENT: "open-incident", EXIT_CHECK_FAILED: "nothing-restorable"}[code]
+
+    def human(console: Any) -> None:
+        where = f"rollback target step {target.step} ({target.id})" if target is not None else "no rollback target"
+        newest = data["newest_restorable_step"]
+        kinds = ", ".join(f"{i.kind}@{i.detected_step}" for i in open_incidents)
+        console.print(f"{data['health']}: {len(open_incidents)} open incident(s){' (' + kinds + ')' if kinds else ''}; "
+                      f"exclude hosts: {' '.join(hosts) or 'none'}; {where}; newest restorable step: "
+                      f"{newest if newest is not None else 'none'}", markup=False)
+
+    out.emit(data, human)
+    return code
 
 
 @main.command("restore")

@@ -4,11 +4,14 @@ Audits ship a rank's microbatches to the ranks that recompute them, through
 collectives that move tensors only (no pickle). A batch is any mix of tensors,
 mappings (``dict`` and subclasses such as Hugging Face's ``BatchEncoding``),
 lists and tuples, with plain JSON scalars and strings as leaves. The structure
-is a small JSON-able value, and its leaves travel inside it.
+is a small JSON-able value, and its leaves travel inside it. Mappings come back
+as their own type where it can be rebuilt from a dict (so ``batch.input_ids``
+still works on the rank that recomputes), else as a ``dict``.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +40,7 @@ def encode(batch: Any, path: str = "batch") -> tuple[list[torch.Tensor], Any]:
             keys = list(x)
             if not all(isinstance(k, str) for k in keys):
                 raise _unshippable(where, "a mapping with non-string keys")
-            return [_MAP, keys, [go(x[k], f"{where}[{k!r}]") for k in keys]]
+            return [_MAP, keys, [go(x[k], f"{where}[{k!r}]") for k in keys], _type_name(type(x))]
         if isinstance(x, (list, tuple)):
             return [_TUPLE if isinstance(x, tuple) else _LIST, [go(v, f"{where}[{i}]") for i, v in enumerate(x)]]
         if x is None or isinstance(x, (bool, int, float, str)):
@@ -58,11 +61,33 @@ def decode(tensors: list[torch.Tensor], spec: Any) -> Any:
         if tag == _LEAF:
             return sp[1]
         if tag == _MAP:
-            return {k: go(s) for k, s in zip(sp[1], sp[2], strict=True)}
+            return _mapping(sp[3] if len(sp) > 3 else "", {k: go(s) for k, s in zip(sp[1], sp[2], strict=True)})
         items = [go(s) for s in sp[1]]
         return tuple(items) if tag == _TUPLE else items
 
     return go(spec)
+
+
+def _type_name(cls: type) -> str:
+    return "" if cls is dict else f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _mapping(name: str, items: dict[str, Any]) -> Any:
+    """The batch's own mapping type where it can be rebuilt from a dict (``BatchEncoding``), else a dict.
+
+    Only classes already imported in this process are used: the name comes
+    from another rank of the same job, and nothing is imported because of it.
+    """
+    module, _, qualname = name.partition(":")
+    cls: Any = sys.modules.get(module)
+    for part in qualname.split(".") if cls is not None else []:
+        cls = getattr(cls, part, None)
+    if isinstance(cls, type) and issubclass(cls, Mapping) and cls is not dict:
+        try:
+            return cls(items)  # type: ignore[call-arg]  # subclasses such as BatchEncoding take a dict
+        except Exception:  # noqa: BLE001 - a mapping type that cannot take a dict: a plain dict still works
+            return items
+    return items
 
 
 def _unshippable(where: str, what: str) -> GuardUsageError:

@@ -14,6 +14,7 @@ through pickle.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import batches
+from .errors import RanksDidNotArrive
 from .records import Host
 
 __all__ = ["Communicator", "describe_device"]
@@ -48,14 +50,18 @@ class Communicator:
             backends move it through host memory.
     """
 
-    def __init__(self, group: Any = None, *, device: torch.device | None = None) -> None:
+    def __init__(self, group: Any = None, *, device: torch.device | None = None, arrival_timeout_s: float = 300.0) -> None:
+        if not arrival_timeout_s > 0:
+            raise ValueError(f"arrival_timeout_s must be > 0, got {arrival_timeout_s!r}")
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.device = device if device is not None else torch.device("cpu")
+        self.arrival_timeout_s = arrival_timeout_s
         self._topology: list[Host] | None = None
         self._node_of: list[int] | None = None
+        self._arrivals: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, world={self.world})"
@@ -118,6 +124,45 @@ class Communicator:
     def barrier(self) -> None:
         if self.active:
             dist.barrier(group=self.group)
+
+    def arrive(self, what: str) -> None:
+        """Wait, within ``arrival_timeout_s``, until every rank has reached the same ``what`` (its n-th call).
+
+        Collectives wait forever for a rank that never comes (a ``save()``
+        called on rank 0 only, the ``torch.save`` habit). Before its first
+        collective, each bounded operation checks in through the group's
+        key-value store instead, which can name who is missing.
+
+        Raises:
+            RanksDidNotArrive: naming the ranks that did not arrive in time.
+        """
+        if not self.active:
+            return
+        store = self._store()
+        if store is None:
+            return  # no store to check in with (a custom backend): the collective itself will wait
+        n = self._arrivals[what] = self._arrivals.get(what, 0) + 1
+        keys = [f"vckpt/arrive/{what}/{n}/{r}" for r in range(self.world)]
+        store.set(keys[self.rank], b"1")
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.arrival_timeout_s))
+        except (RuntimeError, dist.DistError):
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            if not missing:
+                return  # everyone arrived just as the wait gave up
+            raise RanksDidNotArrive(
+                f"{what}: rank(s) {missing} of {self.world} did not arrive within {self.arrival_timeout_s:g}s; "
+                f"{what}() runs on every rank of the job, not only on rank 0 - call it on all ranks "
+                "(or raise arrival_timeout_s if they are only slow)", missing) from None
+
+    def _store(self) -> Any:
+        # The process group's own key-value store (TCPStore or FileStore, prefixed per group):
+        # torch exposes it only through this private accessor, so it is used defensively.
+        try:
+            pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+            return dist.distributed_c10d._get_process_group_store(pg)
+        except (AttributeError, KeyError, RuntimeError, ValueError):
+            return None
 
     # ----------------------------------------------------------- topology
     def topology(self) -> list[Host]:

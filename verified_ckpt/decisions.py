@@ -139,6 +139,47 @@ def outliers(norms: Sequence[float], factor: float) -> list[int]:
     return out
 
 
+def diverged_pair(norms: Sequence[float], factor: float) -> bool:
+    """Two replicas whose local gradient norms differ by more than ``factor``: audit both.
+
+    With two, neither can be called the odd one out (see :func:`outliers`), but
+    a recompute of each by the other still tells whether either computed wrongly.
+    """
+    if len(norms) != 2:
+        return False
+    lo, hi = sorted(norms)
+    return hi > 0 and (lo * factor < hi or not math.isfinite(hi))
+
+
+def buffer_votes(rows: Sequence[Sequence[Any]], replicated: Sequence[bool]) -> tuple[list[bool], dict[int, list[int]]]:
+    """Judge module buffers across replicas, one column per buffer.
+
+    A buffer is *replicated* while every replica holds it identically: DDP
+    starts every replica from rank 0's buffers, and buffers that forward()
+    does not change (masks, frozen statistics, counters that advance alike)
+    stay so. A replicated buffer that now disagrees with a strict majority
+    against some replicas names those replicas. One whose values all differ
+    (statistics of each replica's own data, such as BatchNorm's running mean
+    in training) was never going to agree: it stops being judged. With two
+    replicas no majority exists, so a disagreement retires the buffer too.
+
+    Returns:
+        (still replicated per buffer, {buffer index: suspect ranks}).
+    """
+    out, suspects = list(replicated), {}
+    for b, rep in enumerate(replicated):
+        if not rep:
+            continue
+        unanimous, _, named = vote([tuple(row[b]) for row in rows])
+        if unanimous:
+            continue
+        if named:
+            suspects[b] = named
+        else:
+            out[b] = False
+    return out, suspects
+
+
 def audit_verdict(owner: Any, auditor: Any, tiebreaker: Any | None) -> tuple[str, list[str]]:
     """Who is wrong when an owner's record and an auditor's recomputation disagree.
 

@@ -70,5 +70,17 @@ class SilentCorruptionDetected(VerifiedCkptError, RuntimeError):
         return getattr(self.incident, name)
 
 
+class RanksDidNotArrive(VerifiedCkptError, TimeoutError):
+    """Some ranks never joined an operation every rank must call (a save called on rank 0 only).
+
+    Attributes:
+        ranks: the ranks that did not arrive in time.
+    """
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
 class GuardUsageError(VerifiedCkptError, RuntimeError):
     """The guard was driven in an order it cannot check (for example step() without backward())."""

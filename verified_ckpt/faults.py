@@ -4,6 +4,9 @@ Sites (where a faulty GPU's wrong number enters):
     grad       one rank's local gradient bucket, before the all-reduce
     allreduce  one rank's averaged result, after the all-reduce
     weights    one rank's first parameter, after the optimizer update
+    buffers    one rank's first floating-point module buffer, after the optimizer update
+    optim      one rank's optimizer state (the first parameter's ``exp_avg_sq``, or its first
+               floating-point state tensor), after the optimizer update
     compute    one rank's forward output (also during audit recomputation on that rank)
 
 Steps: ``S`` fires during the first execution of step S only (a transient
@@ -22,7 +25,7 @@ import re
 
 import torch
 
-SITES = ("grad", "allreduce", "weights", "compute")
+SITES = ("grad", "allreduce", "weights", "buffers", "optim", "compute")
 
 _SPEC = re.compile(r"^(?P<site>[a-z]+):(?P<rank>\d+):(?P<start>\d+)(?P<dash>-(?P<end>\d+)?)?(?::(?P<mode>.+))?$")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

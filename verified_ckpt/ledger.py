@@ -62,6 +62,8 @@ class Ledger:
                 group = zarr.open_group(store=self._store.ledger_store(read_only=False), mode="a", zarr_format=3)
                 if "rows" not in group.attrs:
                     _create(group)
+                elif group.attrs.get("kinds") != KINDS:
+                    group.attrs["kinds"] = KINDS  # an older writer's prefix: our new codes append to it
                 rows = group.attrs["rows"]
                 assert isinstance(rows, int)
                 for name in _FIELDS:
@@ -107,7 +109,10 @@ def read_ledger(store: RunStore) -> Columns | None:
     with store.guarded("reading the ledger"):
         group = zarr.open_group(store=store.ledger_store(read_only=True), mode="r", zarr_format=3)
         rows = group.attrs.get("rows")
-        if group.attrs.get("schema") != SCHEMA or group.attrs.get("kinds") != KINDS or type(rows) is not int or rows < 0:
+        kinds = group.attrs.get("kinds")
+        # Kinds are only ever appended: a ledger written by an older version lists a prefix of ours.
+        known = isinstance(kinds, list) and 0 < len(kinds) <= len(KINDS) and kinds == KINDS[: len(kinds)]
+        if group.attrs.get("schema") != SCHEMA or not known or type(rows) is not int or rows < 0:
             raise CorruptCheckpoint(f"{where} has an unknown layout (schema {group.attrs.get('schema')!r}); "
                                     "read it with the verified-ckpt version that wrote it")
         expected = Columns.of([])

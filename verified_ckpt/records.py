@@ -97,9 +97,12 @@ class Incident:
         return Signature(self.signature).trusted
 
     def summary(self) -> str:
-        who = ", ".join(f"rank {h.rank} on {h.host} ({h.device})" for h in self.hosts) or "no replica could be named"
+        who = ", ".join(f"rank {h.rank} on {h.host} ({h.device})" for h in self.hosts) or (
+            "no replica could be named (two replicas, or all of them, disagree: there is no majority; with 3 or more "
+            "replicas a suspect is named) - exclude no host yet; if it recurs after the rollback, rerun the interval "
+            "with one host swapped out")
         return (f"{self.kind} check failed at step {self.detected_step}: {self.detail}; suspect: {who}; "
-                f"state from step {self.first_suspect_step} on may be corrupt - roll back to an earlier checkpoint")
+                f"state from step {self.first_suspect_step} on may be corrupt - roll back with resume(state)")
 
     def to_dict(self) -> dict[str, Any]:
         """Every field (hosts as dicts), plus ``exclude_hosts``."""
@@ -127,10 +130,14 @@ class Incident:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Rollback:
-    """A recorded rollback: checkpoints saved after ``at`` form a new lineage; it answers ``answers``."""
+    """A recorded rollback: checkpoints saved after ``at`` form a new lineage; it answers ``answers``.
+
+    ``to_checkpoint_id`` is ``None`` for a fresh start: nothing was restorable, and
+    the job began again from its initial state.
+    """
 
     at: str
-    to_checkpoint_id: str
+    to_checkpoint_id: str | None
     to_step: int
     answers: list[str]
     signature: str = "unsigned"
@@ -142,7 +149,8 @@ class Rollback:
     @classmethod
     def from_record(cls, d: dict[str, Any], signature: str = "unsigned") -> Rollback:
         r = _Fields(d, ROLLBACK)
-        return cls(at=r.text("at", 64), to_checkpoint_id=r.segment("to_checkpoint_id"), to_step=r.step("to_step"),
+        target = None if d.get("to_checkpoint_id") is None else r.segment("to_checkpoint_id")
+        return cls(at=r.text("at", 64), to_checkpoint_id=target, to_step=r.step("to_step"),
                    answers=r.idents("answers"), signature=signature)
 
 

@@ -115,6 +115,17 @@ class Catalog:
         got = [r for r in self._read(INCIDENT) if isinstance(r, Incident)]
         return sorted(got, key=lambda r: r.at)
 
+    def rollbacks(self) -> list[Rollback]:
+        """Every trusted rollback record (an untrusted one answers nothing)."""
+        return [r for r in self._read(ROLLBACK) if isinstance(r, Rollback)]
+
+    def flagged(self, step: int, created_at: str) -> list[str]:
+        """Why a checkpoint of ``step`` created at ``created_at`` is suspect by the run's incidents (records only)."""
+        return decisions.incident_reasons(step, created_at, self.incidents(), self.rollbacks())
+
+    def record_verification(self, result: VerificationResult) -> None:
+        self.append(VERIFICATION, result.to_record())
+
     def append(self, kind: str, record: dict[str, object]) -> dict[str, object]:
         """Seal and store one record; returns what was stored."""
         sealed = self.signer.seal(record)
@@ -152,11 +163,17 @@ class Catalog:
             self.require_run()
             why = "; ".join(f"{cid} (step {st}) {w}" for cid, st, w in skipped[:3]) or "the run has no checkpoint"
             raise CheckpointNotRestorable(f"no restorable checkpoint to roll back to in {self.url}: {why}")
-        open_ids = [i.id for i in view.open_incidents()]
-        if open_ids and not dry_run:
-            rb = Rollback(at=utc_now(), to_checkpoint_id=target.id, to_step=target.step, answers=open_ids)
-            self.append(ROLLBACK, rb.to_record())
+        if not dry_run:
+            self.answer_incidents(view, target)
         return target, skipped
+
+    def answer_incidents(self, view: RunView, target: CheckpointInfo | None) -> None:
+        """Record a rollback to ``target`` (``None``: a fresh start) answering every open incident of ``view``."""
+        open_ids = [i.id for i in view.open_incidents()]
+        if open_ids:
+            rb = Rollback(at=utc_now(), to_checkpoint_id=None if target is None else target.id,
+                          to_step=0 if target is None else target.step, answers=open_ids)
+            self.append(ROLLBACK, rb.to_record())
 
     # ------------------------------------------------------------- view
     def view(self) -> RunView:
@@ -167,7 +184,7 @@ class Catalog:
             if isinstance(rec, VerificationResult):
                 verifications.setdefault(rec.id, []).append(rec)
         incidents = self.incidents()
-        rollbacks = [r for r in self._read(ROLLBACK) if isinstance(r, Rollback)]
+        rollbacks = self.rollbacks()
 
         def load(cid: str) -> CheckpointInfo:
             try:
@@ -221,7 +238,8 @@ class Catalog:
             raise CheckpointNotRestorable(self.refusal(infos[-1], Status.UNVERIFIED in allowed, nothing_restorable=True))
         return found
 
-    def restorable(self, step: int | None, checkpoint_id: str | None, allow_unverified: bool) -> CheckpointInfo:
+    def restorable(self, step: int | None, checkpoint_id: str | None, allow_unverified: bool,
+                   view: RunView | None = None) -> CheckpointInfo:
         """The checkpoint a restore asked for, refusing any whose status forbids restoring it.
 
         Raises:
@@ -229,7 +247,7 @@ class Catalog:
             CheckpointNotRestorable: its status forbids it (or nothing is restorable).
         """
         allowed = {Status.RESTORABLE} | ({Status.UNVERIFIED} if allow_unverified else set())
-        infos = self.view().infos
+        infos = (view or self.view()).infos
         chosen = self.get(infos, checkpoint_id) if checkpoint_id is not None else self.select(infos, step, allowed)
         if chosen.status not in allowed:
             raise CheckpointNotRestorable(self.refusal(chosen, allow_unverified))

@@ -31,7 +31,7 @@ from ..status import Status
 from ..store import RunStore
 from .catalog import Catalog, RunView
 from .journal import Journal
-from .recovery import Recovery
+from .recovery import Recovery, open_incident_warning
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -105,9 +105,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any], *, blocking: bool = True
              ) -> CheckpointInfo | concurrent.futures.Future[CheckpointInfo]:
-        """Save ``state`` at ``step`` and commit it with a manifest written last.
-
-        With more than one rank (see ``comm``), call it on every rank.
+        """Save ``state`` at ``step`` and commit it with a manifest written last (on every rank, see ``comm``).
 
         Args:
             step: the training step (int >= 0).
@@ -165,11 +163,7 @@ class CheckpointManager:
         return self._catalog.view()
 
     def get(self, ref: int | str) -> CheckpointInfo:
-        """One checkpoint by step (the newest at that step) or by id.
-
-        Raises:
-            CheckpointNotFound: nothing matches.
-        """
+        """One checkpoint by step (the newest at that step) or by id; ``CheckpointNotFound`` if none."""
         return self._catalog.get(self.list(), ref)
 
     def incidents(self) -> builtins.list[Incident]:
@@ -177,11 +171,7 @@ class CheckpointManager:
         return self._catalog.incidents()
 
     def flag(self, from_step: int, *, to_step: int | None = None, ranks: Sequence[int] = (), reason: str) -> Incident:
-        """Record an incident by hand: checkpoints in [from_step, to_step] become suspect.
-
-        Raises:
-            InvalidState: the interval or ranks are malformed.
-        """
+        """Record an incident by hand: checkpoints in [from_step, to_step] become suspect (``InvalidState`` if malformed)."""
         return self._catalog.flag(from_step, to_step, ranks, reason)
 
     def rollback_target(self) -> tuple[CheckpointInfo | None, builtins.list[tuple[str, int, str]]]:
@@ -190,21 +180,40 @@ class CheckpointManager:
         return self.view().rollback_target()
 
     def record_rollback(self, *, dry_run: bool = False) -> tuple[CheckpointInfo, builtins.list[tuple[str, int, str]]]:
-        """Choose the rollback target and record the rollback, answering every open incident.
+        """Choose the rollback target and record the rollback (answering every open incident); checkpoints
+        saved afterwards form a new lineage. ``vckpt rollback`` calls this; a job then calls :meth:`resume`.
 
-        Checkpoints saved after this record form a new lineage. ``vckpt rollback``
-        calls this; a training job then resumes with :meth:`rollback` or :meth:`restore`.
-
-        Returns:
-            (target, skipped newer checkpoints with reasons).
-
-        Raises:
-            CheckpointNotRestorable: nothing is restorable.
+        Returns (target, skipped newer checkpoints with reasons); raises ``CheckpointNotRestorable``.
         """
         return self._catalog.record_rollback(dry_run)
 
+    def resume(self, state: Mapping[str, Any], *, start: int = 0, allow_unverified: bool = False) -> int:
+        """Restore what a (re)starting job should continue from, and return the step to continue at.
+
+        Call it on every rank. With an open incident this is the rollback target
+        (and the rollback is recorded, answering the incident); otherwise the
+        newest restorable checkpoint. A checkpoint whose bytes fail verification
+        while restoring is recorded as ``corrupt``, a warning names it, and every
+        rank falls back to the next candidate.
+
+        Args:
+            state: what to restore into (as for :meth:`restore`).
+            start: the step to return on a fresh start (nothing to continue from).
+            allow_unverified: also continue from an ``unverified`` checkpoint (a run saved without a guard).
+
+        Returns:
+            The restored checkpoint's step + 1, or ``start`` on a fresh start (logged as such).
+
+        Raises:
+            CheckpointNotRestorable: checkpoints exist but every candidate failed verification.
+        """
+        return self._recovery.resume(state, self.comm, start=start, allow_unverified=allow_unverified)
+
     def rollback(self, state: Mapping[str, Any]) -> CheckpointInfo:
-        """Roll back: restore the rollback target into ``state`` and start a new lineage.
+        """Roll back now: restore the rollback target into ``state`` and start a new lineage.
+
+        A (re)starting job should call :meth:`resume`, which also falls back past a
+        corrupt target and handles a fresh start.
 
         Call it on every rank of a multi-rank job (rank 0 chooses, everyone
         restores the same checkpoint). Incidents not yet answered are answered
@@ -243,7 +252,12 @@ class CheckpointManager:
             CorruptCheckpoint: stored bytes do not match the manifest.
             InvalidState: ``state`` does not fit the checkpoint.
         """
-        return self._recovery.restore(state, self._catalog.restorable(step, checkpoint_id, allow_unverified))
+        view = self.view()
+        chosen = self._catalog.restorable(step, checkpoint_id, allow_unverified, view)
+        warning = open_incident_warning(view) if step is None and checkpoint_id is None else None
+        if warning:
+            warnings.warn(warning, stacklevel=2)
+        return self._recovery.restore(state, chosen)
 
     def _restored(self, chosen: CheckpointInfo) -> None:
         """What a restore changes in this job: the lineage, the evidence baseline, the guard's DDP layout."""
@@ -282,16 +296,8 @@ class CheckpointManager:
 
     def verify(self, step: int | None = None, *, jobs: int = 1, progress: Callable[[int], None] | None = None
                ) -> builtins.list[VerificationResult]:
-        """Re-read checkpoints offline and record the result (append-only).
-
-        Re-reads every shard, recomputes digests and fingerprints, scans for
-        NaN/Inf, compares everything with the manifest, and checks that the
-        ledger backs the manifest's consensus claim. A mismatch makes the
-        checkpoint ``corrupt`` from then on.
-
-        Memory stays bounded by ``jobs * io_workers`` shards in flight: each
-        shard is dropped once checked (local shards are mapped, remote ones
-        staged in unlinked temporary files).
+        """Re-read checkpoints offline and record the result (see ``verification``); memory stays bounded
+        by ``jobs * io_workers`` shards in flight. A mismatch makes the checkpoint ``corrupt`` from then on.
 
         Args:
             step: verify only the checkpoints at this step; ``None`` verifies all.

@@ -1,23 +1,35 @@
-"""Getting a job back onto trusted state: restores and rollbacks, coordinated across ranks.
+"""Getting a job back onto trusted state: resume, restore and rollback, coordinated across ranks.
 
 A restore loads one checkpoint whose status allows it (``catalog`` decides)
 through the checked read path into live objects (``loading``), then tells the
 job what it now holds (``on_restored``: the manager's lineage, evidence
-baseline and the guard's resume preparation). A rollback is a restore of the
-rollback target that rank 0 chooses and records, and every rank follows.
+baseline and the guard's resume preparation).
+
+:meth:`Recovery.resume` is what a (re)starting job calls. Rank 0 chooses: the
+rollback target when an incident is open (recording the rollback that
+answers it, once every rank holds the target), else the newest restorable
+checkpoint, else a fresh start. Every rank restores the choice; if any rank
+finds its bytes wrong, the failure is recorded (the checkpoint becomes
+``corrupt``), a warning names it, and every rank falls back to the next
+candidate. An auto-restarting job therefore never loops on one bad checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import VerifiedCkptError
+from ..errors import CheckpointNotRestorable, CorruptCheckpoint, VerifiedCkptError
 from ..history import NO_RANK, Event
 from ..manifest import CheckpointInfo
-from ..store import RunStore
-from .catalog import Catalog
+from ..records import Problem, VerificationResult
+from ..status import Status
+from ..store import RunStore, utc_now
+from .catalog import Catalog, RunView
 from .journal import Journal
 
 if TYPE_CHECKING:
@@ -25,9 +37,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Recovery"]
 
+log = logging.getLogger("verified_ckpt")
+
 
 class Recovery:
-    """Restores and rollbacks for one rank of a job."""
+    """Resume, restore and rollback for one rank of a job."""
 
     def __init__(self, store: RunStore, catalog: Catalog, journal: Journal, io_workers: int,
                  on_restored: Callable[[CheckpointInfo], None]) -> None:
@@ -36,14 +50,20 @@ class Recovery:
 
     def restore(self, state: Mapping[str, Any], chosen: CheckpointInfo) -> CheckpointInfo:
         """Load ``chosen`` (its status already checked) into ``state``."""
+        self._load(state, chosen)
+        return self._loaded(chosen)
+
+    def _load(self, state: Mapping[str, Any], chosen: CheckpointInfo) -> None:
         from .loading import restore_into
         from .reading import Reader
 
-        m = chosen.manifest
-        assert m is not None
-        restore_into(Reader(self.store, self.io_workers), state, m, self.store.url)
-        self.journal.log([Event(m.step, "restore", NO_RANK, "none")])
+        assert chosen.manifest is not None
+        restore_into(Reader(self.store, self.io_workers), state, chosen.manifest, self.store.url)
+
+    def _loaded(self, chosen: CheckpointInfo) -> CheckpointInfo:
+        self.journal.log([Event(chosen.step, "restore", NO_RANK, "none")])
         self.on_restored(chosen)
+        log.info("restored %s (step %d, %s)", chosen.id, chosen.step, chosen.status.value)
         return chosen
 
     def rollback(self, state: Mapping[str, Any], comm: Communicator) -> CheckpointInfo:
@@ -60,3 +80,76 @@ class Recovery:
         restored = self.restore(state, target if target is not None else self.catalog.restorable(None, chosen, False))
         comm.barrier()
         return restored
+
+    def resume(self, state: Mapping[str, Any], comm: Communicator, *, start: int, allow_unverified: bool) -> int:
+        """Restore the checkpoint to continue from on every rank; return the next step (``start`` on a fresh start)."""
+        skipped: list[str] = []
+        while True:
+            plan = comm.broadcast_bytes(self._plan(skipped, allow_unverified).encode() if comm.rank == 0 else b"")
+            choice = json.loads(plan)
+            if choice["id"] is None:
+                return self._fresh(choice, skipped, start)
+            chosen = self.catalog.restorable(None, choice["id"], allow_unverified)
+            error = ""
+            try:
+                self._load(state, chosen)
+            except CorruptCheckpoint as e:  # bytes read and found wrong; an unreachable store is raised as is
+                error = str(e)
+            errors = [e.decode() for e in comm.gather_bytes(error.encode())]
+            failed = [(r, e) for r, e in enumerate(errors) if e]
+            if not failed:
+                if comm.rank == 0 and choice["answer"]:
+                    self.catalog.answer_incidents(self.catalog.view(), chosen)
+                comm.barrier()
+                self._loaded(chosen)
+                return chosen.step + 1
+            self._skip(chosen, failed, comm.rank == 0)
+            skipped.append(chosen.id)
+
+    def _plan(self, skipped: list[str], allow_unverified: bool) -> str:
+        """Rank 0's choice as JSON: the checkpoint id (``None``: none), whether it answers open incidents."""
+        view = self.catalog.view()
+        allowed = {Status.RESTORABLE} | ({Status.UNVERIFIED} if allow_unverified else set())
+        usable = [i for i in view.infos if i.status in allowed and i.id not in skipped]
+        answer = bool(view.open_incidents())
+        if answer:  # the rollback target: statuses already carry the incidents' intervals
+            target, _ = view.rollback_target()
+            usable = [target] if target is not None and target.id not in skipped else []
+        unverified = sum(i.status is Status.UNVERIFIED for i in view.infos)
+        return json.dumps({"id": usable[-1].id if usable else None, "answer": answer, "unverified": unverified,
+                           "any": bool(view.infos)})
+
+    def _fresh(self, choice: dict[str, Any], skipped: list[str], start: int) -> int:
+        if skipped:
+            raise CheckpointNotRestorable(
+                f"no checkpoint of {self.catalog.url} could be restored: {', '.join(skipped)} failed verification "
+                "while restoring; `vckpt list` shows why - restore an export, or start afresh on purpose")
+        if choice["unverified"] and not choice["answer"]:
+            warnings.warn(f"resume: {choice['unverified']} unverified checkpoint(s) in {self.catalog.url} and none "
+                          "restorable; starting afresh - pass allow_unverified=True to continue from the newest",
+                          stacklevel=3)
+        if choice["answer"]:
+            self.catalog.answer_incidents(self.catalog.view(), None)  # a fresh start is a new lineage too
+        log.info("resume: %s - fresh start at step %d", "no checkpoint to continue from" if not choice["any"]
+                 else "nothing restorable", start)
+        return start
+
+    def _skip(self, chosen: CheckpointInfo, failed: list[tuple[int, str]], recorder: bool) -> None:
+        """Record that ``chosen`` failed verification while restoring (it becomes corrupt) and say so."""
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)[:2000]
+        if recorder:
+            self.catalog.record_verification(
+                VerificationResult(chosen.id, chosen.step, False, [Problem("read", detail)], utc_now()))
+            self.journal.log([Event(chosen.step, "verify", NO_RANK, "fail")])
+        warnings.warn(f"resume: skipped {chosen.id} (step {chosen.step}), which failed verification while "
+                      f"restoring ({detail[:300]}); it is now marked corrupt - falling back to the next candidate",
+                      stacklevel=4)
+
+
+def open_incident_warning(view: RunView) -> str | None:
+    """The warning for a restore that leaves incidents open (later saves would all be suspect)."""
+    open_ids = [i.id for i in view.open_incidents()]
+    if not open_ids:
+        return None
+    return (f"incident(s) {', '.join(open_ids)} are open and restore() does not answer them: every checkpoint "
+            "saved from now on will be suspect - use resume(state), which records the rollback")

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -90,11 +91,13 @@ class Saver:
                  report_timeout_s: float) -> None:
         self.store, self.signer, self.comm, self.guard, self.tracker = store, signer, comm, guard, tracker
         self.catalog, self.keep_last = catalog, keep_last
+        self._warned_open = False
         self.shard_bytes, self.io_workers, self.report_timeout_s = shard_bytes, io_workers, report_timeout_s
         self._host_copies: dict[str, torch.Tensor] = {}  # reused by non-blocking saves
 
     def prepare(self, step: int, flat: Flat, resumed_from: str | None) -> SaveJob:
         """The synchronous part of a save: consensus, status and evidence, and one id for every rank."""
+        self.comm.arrive("save")  # fails fast, naming who is missing, when only some ranks save
         g = self.guard
         if g is None:
             status, reasons, evidence = Status.UNVERIFIED, [UNGUARDED], {}
@@ -166,6 +169,7 @@ class Saver:
             manifest = self._manifest(self.catalog.run_id(), job, reports)
             manifest_bytes = canonical_json(self.signer.seal(manifest.to_dict()))
             self.store.commit_manifest(job.cid, manifest_bytes)
+            self._warn_if_flagged(manifest)
             if self.comm.active and not collective:
                 for r in range(world):
                     with contextlib.suppress(Exception):
@@ -180,6 +184,17 @@ class Saver:
             manifest_bytes = self._await(lambda: self.store.read_optional(job.cid, "manifest.json"), job.cid, "manifest")
         doc = Manifest.decode_json(manifest_bytes, job.cid)
         return dataclasses.replace(info(Manifest.from_dict(doc, job.cid), []), signature=self.signer.check(doc).value)
+
+    def _warn_if_flagged(self, m: Manifest) -> None:
+        """A save while an incident is open is suspect: say so once, with the way out."""
+        if self._warned_open:
+            return
+        flagged = self.catalog.flagged(m.step, m.created_at)
+        if flagged:
+            self._warned_open = True
+            warnings.warn(f"checkpoint {m.checkpoint_id} is suspect: {flagged[0]}; it stays suspect (and so will later "
+                          "saves) until a rollback answers the incident - call resume(state) or `vckpt rollback`",
+                          stacklevel=4)
 
     def _plan(self, flat_tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         shards: list[dict[str, torch.Tensor]] = [{}]

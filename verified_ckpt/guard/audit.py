@@ -6,6 +6,14 @@ pre-update weights and compares the loss and an exact fingerprint of the
 gradient buckets with what the owner recorded before the all-reduce. On a
 mismatch a third rank, preferably on a node of neither party, recomputes too,
 and the majority names who is wrong.
+
+Recomputation replays randomness and leaves no trace. Each microbatch travels
+with the state of the default generators (CPU, and the device's CUDA
+generator) it started from on its owner; the auditor recomputes under that
+state inside a forked RNG, so dropout draws the owner's masks and the
+auditor's own streams are untouched. Module buffers (BatchNorm statistics)
+are put back afterwards, and gradients are taken with ``autograd.grad``, so
+``.grad`` and the optimizer never see the recomputation.
 """
 
 from __future__ import annotations
@@ -73,7 +81,20 @@ class Auditor:
 
     def run(self, step: int, gathered: Sequence[StepStats], jobs: dict[int, int], *, batches: list[list[Any]],
             layout: dict[int, list[int]], first_suspect: int) -> Verdict:
-        """Recompute ``jobs`` (collectively: every rank calls this) and judge any disagreement."""
+        """Recompute ``jobs`` (collectively: every rank calls this) and judge any disagreement.
+
+        ``batches[rank]`` holds ``(microbatch, (cpu_rng, cuda_rng))`` pairs.
+        """
+        saved = [b.detach().clone() for b in self.module.buffers()]
+        try:
+            return self._run(step, gathered, jobs, batches, layout, first_suspect)
+        finally:
+            with torch.no_grad():
+                for b, before in zip(self.module.buffers(), saved, strict=True):
+                    b.copy_(before)
+
+    def _run(self, step: int, gathered: Sequence[StepStats], jobs: dict[int, int], batches: list[list[Any]],
+             layout: dict[int, list[int]], first_suspect: int) -> Verdict:
         results = self._round(jobs, batches, layout)
         recorded = [Recomputed.recorded(x) for x in gathered]
         disputes = [(a, t) for a, t in jobs.items() if not self._same(results[a], recorded[t])]
@@ -144,10 +165,14 @@ class Auditor:
         dev = self.params[0].device if self.params else torch.device("cpu")
         acc: list[torch.Tensor] | None = None
         loss_total = torch.zeros((), dtype=torch.float64, device=dev)
-        for mb in microbatches:
-            with torch.enable_grad():
+        cuda = [dev] if dev.type == "cuda" else []
+        for mb, (cpu_rng, cuda_rng) in microbatches:
+            with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+                torch.set_rng_state(cpu_rng)
+                if cuda_rng is not None and cuda:
+                    torch.cuda.set_rng_state(cuda_rng, dev)
                 loss = self.loss_fn(self.module, mb)
-            grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+                grads = torch.autograd.grad(loss, self.params, allow_unused=True)
             full = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.params, strict=True)]
             # Same order of additions as autograd's accumulation into .grad.
             acc = full if acc is None else [x + g for x, g in zip(acc, full, strict=True)]

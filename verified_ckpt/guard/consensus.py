@@ -1,13 +1,22 @@
-"""Check 4: weight consensus. Every replica fingerprints its parameters and optimizer state; all must agree.
+"""Check 4: state consensus. Every replica fingerprints its parameters, optimizer state and buffers; all must agree.
 
 Run every ``consensus_every`` steps after the update and before every save.
-A strict majority (with 3 or more replicas) names the odd ones out; with two,
-a disagreement is reported and nobody is named.
+Three verdicts come from one gather:
+
+* ``nonfinite_state``: every replica checks that its parameters, optimizer
+  state and floating buffers are finite. A NaN/Inf held by every replica alike
+  passes any comparison (it spread through the all-reduce), so this is checked
+  on its own; replicas that hold one are named, unless all do.
+* ``consensus``: parameters and optimizer state, one fingerprint per replica.
+  A strict majority (3 or more replicas) names the odd ones out; with two, a
+  disagreement is reported and nobody is named.
+* ``buffers``: each module buffer is compared while replicas are expected to
+  hold it identically (``decisions.buffer_votes``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,7 +26,7 @@ from ..history import Event
 from ..lanes import tensor_lanes
 from .stats import Verdict
 
-__all__ = ["judge", "state_lanes", "state_tensors"]
+__all__ = ["StateProbe", "judge", "state_lanes", "state_tensors"]
 
 
 def state_tensors(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -38,16 +47,63 @@ def state_lanes(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.
     return (lanes * w[:, None]).sum(0)
 
 
-def judge(step: int, rows: Sequence[Sequence[int]], first_suspect: int) -> tuple[Verdict, list[str]]:
-    """The verdict over every rank's lanes, and each rank's fingerprint as hex."""
-    fps = [lanes_hex(row) for row in rows]
+class StateProbe:
+    """What one replica contributes to a consensus, as one int64 row: state lanes, buffer lanes, non-finite count."""
+
+    def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
+                 buffers: Sequence[torch.Tensor], device: torch.device) -> None:
+        self.params, self.optimizer, self.buffers, self.device = list(params), optimizer, list(buffers), device
+
+    def row(self) -> torch.Tensor:
+        tensors = state_tensors(self.params, self.optimizer)
+        floats = [t for t in tensors + [b.detach() for b in self.buffers] if t.is_floating_point() and t.numel()]
+        # A NaN/Inf anywhere makes the sum non-finite; the exact per-element test runs only then
+        # (finite values whose sum overflows would be flagged: state that large is broken anyway).
+        bad = (~torch.stack([t.sum(dtype=torch.float64) for t in floats]).isfinite()).sum() if floats else \
+            torch.zeros((), dtype=torch.int64, device=self.device)
+        parts = [state_lanes(tensors, self.device)] + [tensor_lanes(b).to(self.device) for b in self.buffers]
+        return torch.cat([*parts, bad.to(torch.int64).to(self.device).view(1)])
+
+    def split(self, row: Sequence[int]) -> tuple[tuple[int, int], list[tuple[int, int]], int]:
+        """(state lanes, lanes per buffer, non-finite tensors) of one gathered row."""
+        buffers = [(row[2 + 2 * i], row[3 + 2 * i]) for i in range(len(self.buffers))]
+        return (row[0], row[1]), buffers, row[-1]
+
+
+def judge(step: int, rows: Sequence[Sequence[int]], probe: StateProbe, replicated: list[bool], names: Sequence[str],
+          first_suspect: int) -> tuple[list[Verdict], list[str], list[bool]]:
+    """The three verdicts over every replica's row, each replica's state fingerprint as hex, and the buffers
+    still judged from now on."""
+    parts = [probe.split(r) for r in rows]
+    world = len(rows)
+    bad = [r for r, p in enumerate(parts) if p[2]]
+    nonfinite = Verdict("nonfinite_state", True) if not bad else Verdict(
+        "nonfinite_state", False, bad if len(bad) < world else [],
+        f"NaN/Inf in the parameters, optimizer state or buffers of rank(s) {bad}"
+        + ("" if len(bad) < world else " - every replica holds it (it spread through the all-reduce), so none is named"),
+        first_suspect)
+    fps = [lanes_hex(p[0]) for p in parts]
     unanimous, _, suspects = decisions.vote(fps)
-
-    def ledger_rows() -> list[Event]:
-        bad = set(suspects) if suspects or unanimous else set(range(len(rows)))
-        return [Event(step, "consensus", r, "fail" if r in bad else "pass", (row[0], row[1])) for r, row in enumerate(rows)]
-
+    rows_of: Callable[[], list[Event]] = _ledger_rows(step, [p[0] for p in parts], suspects, unanimous)
     if unanimous:
-        return Verdict("consensus", True, rows=ledger_rows), fps
-    detail = "replica fingerprints disagree: " + ", ".join(f"rank {r} {fp[:12]}" for r, fp in enumerate(fps))
-    return Verdict("consensus", False, suspects, detail, first_suspect, ledger_rows), fps
+        state = Verdict("consensus", True, rows=rows_of)
+    else:
+        detail = "replica fingerprints disagree: " + ", ".join(f"rank {r} {fp[:12]}" for r, fp in enumerate(fps))
+        state = Verdict("consensus", False, suspects, detail, first_suspect, rows_of)
+    still, disputed = decisions.buffer_votes([p[1] for p in parts], replicated)
+    if disputed:
+        named = sorted({r for ranks in disputed.values() for r in ranks})
+        which = ", ".join(f"{names[b]} (ranks {ranks})" for b, ranks in sorted(disputed.items())[:5])
+        buffers = Verdict("buffers", False, named, f"module buffers every replica held alike now disagree: {which}",
+                          first_suspect)
+    else:
+        buffers = Verdict("buffers", True)
+    return [nonfinite, state, buffers], fps, still
+
+
+def _ledger_rows(step: int, lanes: list[tuple[int, int]], suspects: list[int], unanimous: bool) -> Callable[[], list[Event]]:
+    def rows() -> list[Event]:
+        bad = set(suspects) if suspects or unanimous else set(range(len(lanes)))
+        return [Event(step, "consensus", r, "fail" if r in bad else "pass", lane) for r, lane in enumerate(lanes)]
+
+    return rows

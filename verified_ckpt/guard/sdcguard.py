@@ -13,13 +13,14 @@ one small all-gather and one device-to-host copy per step.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import decisions
+from .. import batches, decisions
 from ..comm import Communicator
 from ..errors import GuardUsageError, SilentCorruptionDetected
 from ..evidence import CheckCounts
@@ -29,10 +30,15 @@ from ..records import Host, Incident
 from . import checksum, consensus, nonfinite
 from .audit import Auditor
 from .config import GuardConfig
+from .consensus import StateProbe
 from .stats import Projector, StepStats, Verdict, gather_step_stats, step_rows
 from .tap import GradientTap
 
-__all__ = ["SDCGuard"]
+__all__ = ["TWO_REPLICAS", "SDCGuard"]
+
+TWO_REPLICAS = ("SDCGuard with two replicas: a failed consensus, checksum or audit shows that one of them is wrong but "
+                "cannot tell which (no majority, no third rank to break a tie), so such incidents name no host. "
+                "Use 3 or more data-parallel replicas to have suspects named (docs/GUARD.md).")
 
 
 class SDCGuard:
@@ -77,14 +83,21 @@ class SDCGuard:
         self.batch_for = batch_for
         self.params = list(self.module.parameters())
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.comm = Communicator(process_group, device=self.device)
+        self.comm = Communicator(process_group, device=self.device, arrival_timeout_s=self.cfg.arrival_timeout_s)
         self.rank, self.world = self.comm.rank, self.comm.world
         if self.world > 1 and not isinstance(model, DDP):
             raise GuardUsageError("with more than one process the model must be wrapped in DistributedDataParallel")
         self.faults = FaultPlan(self.cfg.faults)
         self.project = Projector(self.cfg.checksum_lanes, self.cfg.seed, self.device)
+        named_buffers = list(self.module.named_buffers())
+        self.buffers = [b for _, b in named_buffers]
+        self.probe = StateProbe(self.params, optimizer, self.buffers, self.device)
+        self._buffer_names = [n for n, _ in named_buffers]
+        self._replicated = [True] * len(self.buffers)  # DDP starts every replica from rank 0's buffers
         self.auditor = Auditor(self.module, self.params, loss_fn=loss_fn, comm=self.comm, project=self.project, cfg=self.cfg,
                                node_of=self.comm.node_of())
+        if self.world == 2 and self.rank == 0:
+            warnings.warn(TWO_REPLICAS, stacklevel=2)
         self.checks: dict[str, CheckCounts] = {}
         self.incidents: list[Incident] = []
         self._listeners: list[Callable[[Incident], None]] = []
@@ -95,6 +108,7 @@ class SDCGuard:
         self._step: int | None = None
         self._start: int | None = None
         self._batches: list[Any] = []
+        self._rng: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._losses: list[torch.Tensor] = []
         self.tap = GradientTap(self.params, self.comm, project=self.project, faults=self.faults, step=lambda: self._step,
                                fixed_order=bool(self.cfg.fixed_order_reduce))
@@ -154,6 +168,9 @@ class SDCGuard:
             self._warmup_pending = False
             self._warmup(batch)
         self._ran_backward = True
+        if self.world >= 2 and self.batch_for is None:
+            batches.encode(batch)  # fails now, naming the leaf, not at the first audit hundreds of steps later
+        self._rng.append(self._rng_state())
         ctx = self.model.no_sync() if (not sync and isinstance(self.model, DDP)) else contextlib.nullcontext()
         with ctx:
             loss = self.loss_fn(self.model, batch)
@@ -183,8 +200,7 @@ class SDCGuard:
             gathered = gather_step_stats(self.comm, self.tap.buckets, self._losses, self.cfg.checksum_lanes)
             self._check_gradients(s, gathered)
             self.optimizer.step()
-            if self.faults.firing("weights", self.rank, s) and self.params:
-                self.faults.apply("weights", self.rank, s, self.params[0].data)
+            self._inject_state_faults(s)
             if s % self.cfg.consensus_every == 0:
                 self.consensus(s)
         except SilentCorruptionDetected:
@@ -204,10 +220,14 @@ class SDCGuard:
         if sums is not None:
             self._judge(s, sums)
         self._emit(lambda: step_rows(s, gathered, [], rows))
-        suspects = decisions.outliers([x.norm for x in gathered], self.cfg.outlier_factor)
+        norms = [x.norm for x in gathered]
+        suspects = decisions.outliers(norms, self.cfg.outlier_factor)
+        if decisions.diverged_pair(norms, self.cfg.outlier_factor):
+            suspects = [0, 1]
         scheduled = self.cfg.audit_every is not None and s % self.cfg.audit_every == 0
         if self.world >= 2 and (scheduled or suspects or self._audit_requested):
             only = None if (scheduled or self._audit_requested) else suspects
+            self.comm.arrive("audit")
             batches = self._gather_batches(s)
             jobs = self.auditor.plan(only)
             self._judge(s, self.auditor.run(s, gathered, jobs, batches=batches, layout=self.tap.layout,
@@ -225,9 +245,12 @@ class SDCGuard:
         """
         if self.world < 2:
             return []  # unavailable with one replica: reported by the caller as such, never as a pass
-        rows = self.comm.all_gather_rows(self.state_lanes()).tolist()
-        verdict, fps = consensus.judge(step, rows, self._last_pass("consensus") + 1)
-        self._judge(step, verdict)
+        self.comm.arrive("consensus")
+        rows = self.comm.all_gather_rows(self.probe.row()).tolist()
+        verdicts, fps, self._replicated = consensus.judge(step, rows, self.probe, self._replicated, self._buffer_names,
+                                                          self._last_pass("consensus") + 1)
+        for v in verdicts:
+            self._judge(step, v)
         return fps
 
     def state_lanes(self) -> torch.Tensor:
@@ -235,12 +258,31 @@ class SDCGuard:
         return consensus.state_lanes(consensus.state_tensors(self.params, self.optimizer), self.device)
 
     def _gather_batches(self, s: int) -> list[list[Any]]:
+        """Every rank's microbatches of step ``s``, each with the random state it started from."""
         if self.batch_for is not None:
-            return [list(self.batch_for(r, s)) for r in range(self.world)]
-        return self.comm.exchange_batches(self._batches)
+            rngs = self.comm.exchange_batches(self._rng)
+            return [list(zip(self.batch_for(r, s), rngs[r], strict=True)) for r in range(self.world)]
+        return self.comm.exchange_batches(list(zip(self._batches, self._rng, strict=True)))
+
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The default generators' state a microbatch starts from (what dropout draws), for audits to replay."""
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _inject_state_faults(self, s: int) -> None:
+        if self.faults.firing("weights", self.rank, s) and self.params:
+            self.faults.apply("weights", self.rank, s, self.params[0].data)
+        floats = [b for b in self.buffers if b.is_floating_point()]
+        if self.faults.firing("buffers", self.rank, s) and floats:
+            self.faults.apply("buffers", self.rank, s, floats[0].data)
+        first = self.optimizer.state.get(self.params[0], {}) if self.params else {}
+        target = first.get("exp_avg_sq", next((v for v in first.values() if torch.is_tensor(v) and v.is_floating_point()), None))
+        if self.faults.firing("optim", self.rank, s) and target is not None:
+            self.faults.apply("optim", self.rank, s, target)
 
     def _reset_step(self) -> None:
         self._batches = []
+        self._rng = []
         self._losses = []
         self.tap.reset()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import math
 import os
 import random
 import sys
@@ -31,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import models
 from verified_ckpt import (
     CheckpointManager,
     CheckpointNotRestorable,
@@ -81,6 +83,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--accum", type=int, default=1, help="microbatches per step (no_sync for all but the last)")
     ap.add_argument("--clip", type=float, default=0.0, help="gradient clipping norm (0: off)")
     ap.add_argument("--autocast", action="store_true", help="bf16 autocast in the forward pass")
+    ap.add_argument("--model", choices=["mlp", "gpt", "bnmlp"], default="mlp",
+                    help="mlp (default), gpt (TinyGPT: dropout 0.1, tied head), bnmlp (BatchNorm and dropout)")
+    ap.add_argument("--lr-schedule", choices=["step", "warmup-cosine"], default="step")
     ap.add_argument("--inject", action="append", default=[], metavar="SITE:RANK:STEP[:MODE]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", choices=["exact", "tolerance"], default="exact")
@@ -102,16 +107,47 @@ def _incident(e: SilentCorruptionDetected) -> dict[str, Any]:
             "detected_step": d["detected_step"], "detail": d["detail"]}
 
 
+def workload(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
+    """The model, loss function and batch function of ``--model``."""
+    if args.model == "mlp":
+        return build_model(args.seed), bf16_loss_fn if args.autocast else loss_fn, make_batch
+    torch.manual_seed(args.seed)
+    if args.model == "gpt":
+        def gpt_batch(seed: int, step: int, rank: int, micro: int = 0) -> torch.Tensor:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + rank * 101 + micro)
+            return torch.randint(0, 64, (8, 17), generator=g)
+
+        return models.TinyGPT(), _autocast(models.lm_loss) if args.autocast else models.lm_loss, gpt_batch
+    return models.BNMLP(), _autocast(loss_fn) if args.autocast else loss_fn, make_batch
+
+
+def _autocast(fn: Any) -> Any:
+    def under_bf16(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fn(model, batch).float()
+
+    return under_bf16
+
+
+def schedule(opt: torch.optim.Optimizer, args: argparse.Namespace) -> torch.optim.lr_scheduler.LRScheduler:
+    if args.lr_schedule == "warmup-cosine":
+        warm = max(args.steps // 10, 1)
+        return torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(args.steps - warm, 1))))
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.7)
+
+
 def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     random.seed(args.seed * 1_000 + rank)  # every generator the saved RNGState covers is seeded
     np.random.seed(args.seed * 1_000 + rank)
-    model = DDP(build_model(args.seed))
+    module, fn, batch_of = workload(args)
+    model = DDP(module)
+    torch.manual_seed(args.seed * 1_000 + rank)  # dropout draws differ per rank, as in real jobs
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.7)
+    sched = schedule(opt, args)
     cfg = GuardConfig(consensus_every=args.consensus_every, audit_every=args.audit_every or None,
                       mode=args.mode, faults=tuple(args.inject))
-    fn = bf16_loss_fn if args.autocast else loss_fn
     guard = None if args.no_guard else SDCGuard(model, opt, fn, cfg)
     mgr = CheckpointManager(args.run, guard=guard) if args.run and guard else None
     state = {"model": model.module, "optim": opt, "sched": sched, "rng": RNGState(), "progress": {"step": 0}}
@@ -119,17 +155,17 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     rollbacks: list[dict[str, int]] = []
     step = 1
     if args.resume and mgr is not None:
-        step = mgr.rollback(state).step + 1
+        step = mgr.resume(state, start=1)  # the rollback target if an incident is open, else the newest restorable
     while step <= args.steps:
         try:
             if guard is None:
                 for m in range(args.accum):
                     ctx = model.no_sync() if m < args.accum - 1 else _null()
                     with ctx:
-                        fn(model, make_batch(args.seed, step, rank, m)).backward()
+                        fn(model, batch_of(args.seed, step, rank, m)).backward()
             else:
                 for m in range(args.accum):
-                    guard.backward(make_batch(args.seed, step, rank, m), step=step, sync=m == args.accum - 1)
+                    guard.backward(batch_of(args.seed, step, rank, m), step=step, sync=m == args.accum - 1)
             if args.clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             if guard is None:

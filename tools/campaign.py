@@ -9,6 +9,12 @@ until the step limit or the first incident. A run counts as
   missed       no incident,
   false alarm  an incident before the injected step (or any incident in a clean run).
 `docs/FAULTS.md` explains each class of miss.
+
+    .venv/bin/python tools/campaign.py --clean-only --clean-steps 400
+
+runs only the clean configurations (models people train: dropout, BatchNorm,
+AdamW with warmup and cosine, accumulation with clipping, bf16 autocast in
+tolerance mode) and counts false alarms over every step.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-import ddp_train
 from rich.console import Console
 from rich.table import Table
+
+import ddp_train
 
 MODES = ["nan", "inf", "scale=0.5", "scale=1.001", "scale=10", "bitflip=low", "bitflip=high"]
 
@@ -54,6 +61,39 @@ def judge(spec: str, result: dict) -> str:
     return "detected" if rank in inc["ranks"] else "misnamed"
 
 
+# Clean configurations: (name, extra ddp_train flags). Every one audits and compares often.
+CLEAN = [
+    ("gpt dropout 0.1, exact", ["--model", "gpt"]),
+    ("bnmlp BatchNorm + dropout", ["--model", "bnmlp"]),
+    ("mlp AdamW warmup + cosine", ["--lr-schedule", "warmup-cosine"]),
+    ("gpt accumulation 2 + clipping 1.0", ["--model", "gpt", "--accum", "2", "--clip", "1.0"]),
+    ("gpt bf16 autocast, tolerance", ["--model", "gpt", "--autocast", "--mode", "tolerance"]),
+]
+
+
+def clean_campaign(args: argparse.Namespace) -> None:
+    """Run every clean configuration for ``--clean-steps`` steps and count false alarms."""
+    t = Table(title=f"clean configurations: world {args.world_size}, {args.clean_steps} steps each, "
+                    f"audit every {args.audit_every}, consensus every {args.consensus_every}")
+    for c in ("configuration", "steps", "audits", "consensus", "false alarms"):
+        t.add_column(c, justify="left" if c == "configuration" else "right")
+    total = alarms = 0
+    for name, extra in CLEAN:
+        a = ddp_train.parse(["--world-size", str(args.world_size), "--steps", str(args.clean_steps), "--audit-every",
+                             str(args.audit_every), "--consensus-every", str(args.consensus_every), "--seed",
+                             str(args.seed), *extra])
+        result = ddp_train.run_spawned(a)
+        n = result["final_step"]
+        total += n
+        alarms += len(result["incidents"])
+        checks = result["checks"]
+        t.add_row(name, str(n), str(checks.get("audit", {}).get("passed", 0)),
+                  str(checks.get("consensus", {}).get("passed", 0)), str(len(result["incidents"])))
+        print(f"{name}: {n} steps, incidents {result['incidents']}", flush=True)
+    t.add_row("total", str(total), "", "", str(alarms))
+    Console(width=160).print(t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=40)
@@ -64,7 +104,12 @@ def main() -> None:
     ap.add_argument("--consensus-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", dest="json_out", default=None, help="write every run's outcome to this file")
+    ap.add_argument("--clean-only", action="store_true", help="only the clean configurations (false alarms)")
+    ap.add_argument("--clean-steps", type=int, default=400, help="steps per clean configuration")
     args = ap.parse_args()
+    if args.clean_only:
+        clean_campaign(args)
+        return
     rng = random.Random(args.seed)
     table: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     runs = []

@@ -28,8 +28,9 @@ def main() -> int:
             os.environ.update(handle.env)
             s3fs.S3FileSystem(**handle.storage_options()).mkdir("demo")
             os.environ["VCKPT_DEMO_URL"] = "s3://demo"
-            import ddp_train
             import demo
+
+            import ddp_train
 
             code = demo.main()
             print("\nnode loss: stop a job on an incident, then resume it in fresh processes from S3 alone")

@@ -108,9 +108,11 @@ def main() -> None:
 @click.option("--restorable", is_flag=True, help="Only checkpoints that may be restored.")
 def list_cmd(mgr: CheckpointManager, out: Output, restorable: bool) -> int:
     """List committed checkpoints, oldest first."""
-    infos = mgr.list()
+    view = mgr.view()
+    infos = view.infos
     if not infos:
         mgr.require_run()
+    _warn_unreadable(out, view.unreadable)
     if restorable:
         infos = [i for i in infos if i.status is Status.RESTORABLE]
     rows = [i.to_dict() for i in infos]
@@ -216,7 +218,7 @@ def ledger_cmd(mgr: CheckpointManager, out: Output) -> int:
 
 @main.command("report")
 @run_command
-@click.option("--out", "dest", required=True, type=click.Path(dir_okay=False, writable=True), help="HTML file to write.")
+@click.option("--out", "dest", required=True, help="HTML file to write.")
 def report_cmd(mgr: CheckpointManager, out: Output, dest: str) -> int:
     """Write a self-contained HTML picture of the run: timeline, checkpoints, incidents, rollback target."""
     data = mgr.history_report()
@@ -224,8 +226,10 @@ def report_cmd(mgr: CheckpointManager, out: Output, dest: str) -> int:
     try:
         with open(dest, "w", encoding="utf-8") as f:
             f.write(page)
-    except OSError as e:
-        raise InvalidState(f"cannot write {dest!r}: {e.strerror}; choose a writable file path") from None
+    except (IsADirectoryError, NotADirectoryError, FileNotFoundError) as e:
+        raise InvalidState(f"cannot write {dest!r}: {e.strerror}; choose a file path in an existing folder") from None
+    except OSError as e:  # permissions, a full disk, I/O errors: the destination, not the command, failed
+        raise StorageError(f"cannot write {dest!r}: {e.strerror}; free some space or choose a writable path") from None
     summary = {"out": dest, "checkpoints": len(data["checkpoints"]), "incidents": len(data["incidents"]),
                "steps": len(data["steps"]["step"]), "rollback_target": data["rollback_target"]}
     out.emit(summary, lambda c: c.print(f"wrote {dest}: {summary['steps']} steps, {summary['checkpoints']} checkpoints, "
@@ -253,6 +257,13 @@ def flag_cmd(mgr: CheckpointManager, out: Output, *, from_step: int, to_step: in
     return EXIT_OK
 
 
+def _warn_unreadable(out: Output, unreadable: list[str]) -> None:
+    """Records that could not be read are never dropped silently (docs/SECURITY.md)."""
+    for why in unreadable:
+        out.err.print(f"[yellow]warning:[/] {escape(why)}; it is ignored (no signing key is configured) - "
+                      "inspect or remove it", markup=True, highlight=False)
+
+
 def _incident_row(inc: Incident) -> dict[str, Any]:
     return {"id": inc.id, "kind": inc.kind, "ranks": inc.ranks, "hosts": inc.exclude_hosts,
             "first_suspect_step": inc.first_suspect_step, "to_step": inc.to_step, "detected_step": inc.detected_step,
@@ -264,7 +275,9 @@ def _incident_row(inc: Incident) -> dict[str, Any]:
 def incidents_cmd(mgr: CheckpointManager, out: Output) -> int:
     """List incidents and the hosts to exclude from scheduling."""
     mgr.require_run()
-    rows = [_incident_row(r) for r in mgr.incidents()]
+    view = mgr.view()
+    rows = [_incident_row(r) for r in view.incidents]
+    _warn_unreadable(out, view.unreadable)
 
     def human(console: Any) -> None:
         if not rows:
@@ -276,8 +289,9 @@ def incidents_cmd(mgr: CheckpointManager, out: Output) -> int:
                                   r["reason"]] for r in rows]))
         for r in rows:
             if r["signature"] in ("missing", "invalid"):
-                console.print(f"[bold red]incident {escape(str(r['id']))}: signature {r['signature']}[/] - not trusted; "
-                              "its interval still counts, but it may have been edited (docs/SECURITY.md)")
+                console.print(f"[bold red]incident {escape(str(r['id']))}: signature {r['signature']}[/] - not trusted "
+                              "(edited, or unreadable where a signed record belongs); it covers the whole run until it is "
+                              "removed (docs/SECURITY.md)")
         hosts = sorted({h for r in rows for h in r["hosts"]})
         console.print("exclude from scheduling: " + (" ".join(hosts) if hosts else "no host could be named"))
 
@@ -326,7 +340,9 @@ def status_cmd(mgr: CheckpointManager, out: Output) -> int:
     hosts = sorted({h for i in open_incidents for h in i.exclude_hosts})
     data = {"run": mgr.url, "open_incidents": [_incident_row(i) for i in open_incidents], "exclude_hosts": hosts,
             "rollback_target": None if target is None else {"id": target.id, "step": target.step},
-            "newest_restorable_step": restorable[-1].step if restorable else None, "checkpoints": len(view.infos)}
+            "newest_restorable_step": restorable[-1].step if restorable else None, "checkpoints": len(view.infos),
+            "unreadable_records": view.unreadable}
+    _warn_unreadable(out, view.unreadable)
     if open_incidents:
         code = EXIT_OPEN_INCIDENT
     else:
@@ -348,7 +364,7 @@ def status_cmd(mgr: CheckpointManager, out: Output) -> int:
 @main.command("restore")
 @run_command
 @click.option("--step", type=int, default=None, help="Step to export (default: the rollback target).")
-@click.option("--to", "dest", required=True, type=click.Path(file_okay=False), help="Local folder to write to.")
+@click.option("--to", "dest", required=True, help="Local folder to write to (new or empty).")
 @click.option("--allow-unverified", is_flag=True, help="Also accept an unverified checkpoint (never suspect or corrupt).")
 def restore_cmd(mgr: CheckpointManager, out: Output, step: int | None, dest: str, allow_unverified: bool) -> int:
     """Export a verified checkpoint (safetensors shards + manifest) to a local folder."""

@@ -7,7 +7,10 @@ through fsspec directly, never through the code under test.
 
 from __future__ import annotations
 
+import json
+
 import fsspec
+
 import pytest
 
 from verified_ckpt.errors import CheckpointNotFound, StorageError
@@ -68,8 +71,18 @@ class StoreContract:
         second = store.append_record("verification", {"n": 1})
         third = store.append_record("verification", {"n": 2})
         got = store.records("verification")
-        assert [name for name, _ in got] == [first, second, third]
+        assert [r.name for r in got] == [first, second, third]
+        assert [json.loads(r.data)["n"] for r in got] == [1, 1, 2] and all(r.problem is None for r in got)
         assert len({first, second, third}) == 3
+
+    def test_objects_that_are_not_records_are_reported_not_dropped(self, store, raw):
+        fs, root = raw
+        store.append_record("incident", {"n": 1})
+        fs.pipe_file(f"{root}/records/incident/notes.txt", b"hello")  # a name this library never writes
+        got = store.records("incident")
+        assert len(got) == 2
+        [odd] = [r for r in got if r.name == "notes.txt"]
+        assert odd.data is None and "not a record name" in odd.problem
 
     def test_delete_removes_manifest_and_shards(self, store, raw):
         fs, root = raw

@@ -138,6 +138,57 @@ def test_server_stopped_mid_upload_leaves_nothing_committed(tmp_path):
         seaweed.stop(again)
 
 
+def test_an_outage_mid_verify_and_mid_restore_exits_3_and_changes_no_status(tmp_path):
+    """A private server stopped while shards are being read: one-line StorageError (CLI exit 3), nothing recorded."""
+    from click.testing import CliRunner
+
+    from verified_ckpt import store as store_mod
+    from verified_ckpt_cli.main import main as vckpt
+
+    handle = seaweed.start(tmp_path)
+    opts = {**handle.storage_options(),
+            "config_kwargs": {"retries": {"max_attempts": 2}, "connect_timeout": 1, "read_timeout": 2}}
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem(**handle.storage_options()).mkdir("outage")
+    url = "s3://outage/run"
+    mgr = CheckpointManager(url, storage_options=opts, shard_bytes=1 << 16, io_workers=1)
+    saved = trained_state()
+    mgr.save(1, saved)
+    mgr.save(2, saved)
+    before = [(i.id, i.status) for i in mgr.list()]
+    real, calls = store_mod.RunStore.read_shard, {"n": 0}
+
+    def stop_on_second_shard(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            seaweed.stop(handle)
+        return real(self, *a, **k)
+
+    store_mod.RunStore.read_shard = stop_on_second_shard
+    try:
+        args = ["verify", url, *[f"-o{k}={json.dumps(v)}" for k, v in opts.items()]]
+        r = CliRunner().invoke(vckpt, args)
+        assert r.exit_code == 3 and "reachable" in r.stderr and "Traceback" not in r.output, r.output
+        into = fresh_state()
+        fp = str(state_fingerprint({k: v for k, v in into.items() if k != "rng"}))
+        with pytest.raises(StorageError):
+            CheckpointManager(url, storage_options=opts).restore(into, allow_unverified=True)
+        assert str(state_fingerprint({k: v for k, v in into.items() if k != "rng"})) == fp
+    finally:
+        store_mod.RunStore.read_shard = real
+        seaweed.stop(handle)
+    again = seaweed.restart(handle)
+    try:
+        s3fs.S3FileSystem.clear_instance_cache()
+        after = CheckpointManager(url, storage_options=again.storage_options())
+        assert [(i.id, i.status) for i in after.list()] == before
+        fs = s3fs.S3FileSystem(**again.storage_options())
+        recorded = [json.loads(fs.cat_file(p)) for p in fs.find("outage/run/records/verification")]
+        assert all(rec["ok"] for rec in recorded) and len(recorded) <= 1  # what was read whole, and only that
+    finally:
+        seaweed.stop(again)
+
+
 def test_transient_5xx_errors_are_retried_and_the_save_commits(s3_server, s3_bucket):
     from flaky_proxy import FlakyProxy
 

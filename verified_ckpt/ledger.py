@@ -22,13 +22,14 @@ from typing import Any
 import numpy as np
 import zarr
 
-from .errors import CorruptCheckpoint
+from .errors import CorruptCheckpoint, StorageError
 from .history import KINDS, VERDICTS, Columns, Event
 from .store import RunStore
 
 CHUNK_ROWS = 16384
 MAX_BUFFERED = 65536  # flush early beyond this many rows, bounding rank 0's memory
 MAX_ROWS = 1 << 24  # ~750 MB of columns when read whole: 100k steps x 64 ranks is 6.4M rows
+MAX_OBJECT_BYTES = 4 << 20  # a chunk holds at most 16384 rows x 16 bytes; documents are small
 SCHEMA = 1
 _FIELDS = [f.name for f in dataclasses.fields(Columns)]
 
@@ -59,7 +60,7 @@ class Ledger:
                 return
             cols = Columns.of(self._buffer)
             with self._store.guarded("writing the ledger", writing=True):
-                group = zarr.open_group(store=self._store.ledger_store(read_only=False), mode="a", zarr_format=3)
+                group = zarr.open_group(store=self._store.ledger.zarr_store(read_only=False), mode="a", zarr_format=3)
                 if "rows" not in group.attrs:
                     _create(group)
                 elif group.attrs.get("kinds") != KINDS:
@@ -103,11 +104,32 @@ def read_ledger(store: RunStore) -> Columns | None:
         CorruptCheckpoint: the layout is not one this version writes, or the
             declared rows are not backed by stored chunks.
     """
-    if not store.has_ledger():
+    if not store.ledger.exists():
         return None
     where = f"the ledger of {store.url!r}"
+    try:
+        return _read(store, where)
+    except StorageError as e:
+        # zarr reports undecodable content (an unknown codec, a chunk of garbage, a bad shape) with its
+        # own exceptions, which the store's mapping would call an outage: they are the ledger's fault.
+        cause = e.__cause__
+        if cause is None or _outage(cause):
+            raise
+        raise CorruptCheckpoint(f"{where} cannot be decoded ({type(cause).__name__}: {str(cause)[:160]}); the ledger "
+                                "cannot be trusted - move it aside to keep using the run") from None
+
+
+def _outage(e: BaseException) -> bool:
+    """Whether ``e`` says the store could not be reached (as opposed to what it holds being wrong)."""
+    if isinstance(e, (OSError, TimeoutError, ConnectionError)):
+        return True
+    return type(e).__module__.split(".")[0] in {"botocore", "aiobotocore", "aiohttp", "s3fs", "urllib3", "fsspec"}
+
+
+def _read(store: RunStore, where: str) -> Columns:
+    store.ledger.check_objects(MAX_OBJECT_BYTES)
     with store.guarded("reading the ledger"):
-        group = zarr.open_group(store=store.ledger_store(read_only=True), mode="r", zarr_format=3)
+        group = zarr.open_group(store=store.ledger.zarr_store(read_only=True), mode="r", zarr_format=3)
         rows = group.attrs.get("rows")
         kinds = group.attrs.get("kinds")
         # Kinds are only ever appended: a ledger written by an older version lists a prefix of ours.
@@ -124,7 +146,7 @@ def read_ledger(store: RunStore) -> Columns | None:
                 raise CorruptCheckpoint(f"{where}: array {name!r} is missing or not laid out as written; "
                                         "the ledger cannot be trusted - move it aside to keep using the run")
         n = min([rows] + [_array(group, name).shape[0] for name in _FIELDS])
-        if n > MAX_ROWS or -(-n // CHUNK_ROWS) > store.ledger_chunks("step"):
+        if n > MAX_ROWS or -(-n // CHUNK_ROWS) > store.ledger.chunks("step"):
             raise CorruptCheckpoint(f"{where} declares {n} rows that its stored chunks do not hold (or more than "
                                     f"{MAX_ROWS}); the ledger cannot be trusted - move it aside to keep using the run")
         cols = Columns(**{name: np.asarray(_array(group, name)[:n]) for name in _FIELDS})

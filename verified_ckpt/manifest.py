@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-MAX_MANIFEST_BYTES = 256 << 20
+MAX_MANIFEST_BYTES = 64 << 20  # about 250,000 tensors; real manifests use ~250 bytes per tensor
 # Shard file names and checkpoint ids are single flat path segments: nothing
 # a manifest says can point outside its checkpoint folder.
 # (\Z, not $: "$" would also accept a name followed by a newline.)
@@ -101,7 +101,9 @@ class Manifest:
             ManifestError: not bytes, too large, not JSON, too deep, or not an object.
         """
         try:
-            d = decode(data, Limits(max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_DEPTH))
+            # Real manifests hold one JSON array or object per 70-110 bytes; 24 leaves room and keeps a
+            # hostile one of nested empty containers near 5x its size in memory once parsed.
+            d = decode(data, Limits(max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_DEPTH, bytes_per_container=24))
         except JSONBudgetError as e:
             raise _malformed(where, str(e)) from None
         if not isinstance(d, dict):

@@ -10,7 +10,12 @@ stored form, sealed by ``signing``).
 Its rule: a record that fails its signature check never makes anything more
 trusted. An untrusted incident covers the whole run and no rollback answers it;
 an untrusted verification counts as a failed one; an untrusted rollback answers
-nothing. Pure: bytes in, typed records out; the catalog does the I/O.
+nothing. A record that cannot be read at all (oversized, not a regular file,
+not JSON, wrongly typed) never counts as nothing either: with a signing key,
+an unreadable incident or verification record (either may have been a
+failure someone wants gone) is an untrusted incident covering the whole run;
+without a key it is reported (:class:`Unreadable`) and changes no status.
+Pure: bytes in, typed records out; the catalog does the I/O.
 """
 
 from __future__ import annotations
@@ -195,31 +200,50 @@ class VerificationResult:
         return cls(r.segment("checkpoint_id"), r.step("step"), ok, problems, r.text("at", 64), verifier, signature)
 
 
+@dataclasses.dataclass(frozen=True)
+class Unreadable:
+    """A stored record that could not be read, and why (reported to the operator)."""
+
+    kind: str
+    name: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} record {self.name} could not be read ({self.why})"
+
+
 Record = Incident | Rollback | VerificationResult
 _PARSERS: dict[str, Callable[..., Record]] = {
     INCIDENT: Incident.from_record, ROLLBACK: Rollback.from_record, VERIFICATION: VerificationResult.from_record,
 }
 
 
-def parse(kind: str, raw: bytes, signer: Signer) -> Record | None:
+def parse(kind: str, name: str, raw: bytes | None, problem: str | None, signer: Signer) -> Record | Unreadable | None:
     """A stored record as trusted data, under the one rule for untrusted records (module docstring).
 
-    Returns ``None`` for a record that cannot be read at all (not JSON, wrong
-    types); an untrusted rollback is also ``None`` (it answers nothing).
+    ``raw`` is the record's bytes, or ``None`` with ``problem`` saying why they
+    were not read. Returns ``None`` only for an untrusted rollback (it answers nothing).
     """
     try:
-        doc = decode(raw, _LIMITS)
-    except JSONBudgetError:
-        return None
-    if not isinstance(doc, dict):
-        return None
-    sig = signer.check(doc)
-    if not sig.trusted:
-        return _untrusted(kind, doc, signer.why(sig, f"this {kind} record"), sig.value)
-    try:
+        if raw is None:
+            raise RecordError(problem or "not read")
+        try:
+            doc = decode(raw, _LIMITS)
+        except JSONBudgetError as e:
+            raise RecordError(str(e)) from None
+        if not isinstance(doc, dict):
+            raise RecordError("not a JSON object")
+        sig = signer.check(doc)
+        if not sig.trusted:
+            return _untrusted(kind, doc, signer.why(sig, f"this {kind} record"), sig.value)
         return _PARSERS[kind](doc, sig.value)
-    except RecordError:
-        return None
+    except RecordError as e:
+        unreadable = Unreadable(kind, name, short_repr(str(e))[1:-1])
+        if signer.key is None or kind == ROLLBACK:
+            return unreadable
+        return _untrusted(INCIDENT, {"id": "unreadable", "kind": "unreadable-record"},
+                          f"{unreadable}, although a signing key is configured: it may have been a failure someone "
+                          "wanted gone", Signature.INVALID.value)
 
 
 def _untrusted(kind: str, doc: dict[str, Any], why: str, signature: str) -> Record | None:

@@ -1,5 +1,8 @@
 """The only seam to fsspec: where a run's objects live and how they are written.
 
+Size: every byte the library reads or writes passes through this module, by the
+house rule that only ``store`` touches fsspec; splitting it would spread that seam.
+
 Layout of a run at any fsspec URL::
 
     <run>/run.json                                  run id, written once
@@ -16,18 +19,19 @@ Paths stay ``str`` because a run URL may be remote and ``Path`` would mangle it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
+import stat
 import tempfile
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import fsspec
 import numpy as np
-import torch
 import zarr
 import zarr.abc.store
 import zarr.storage
@@ -46,10 +50,13 @@ from .errors import (
 )
 from .manifest import MAX_MANIFEST_BYTES, SEGMENT
 from .records import MAX_RECORD_BYTES
-from .shards import CHUNK, read_into
+
+if TYPE_CHECKING:
+    import torch
 
 MANIFEST = "manifest.json"
 LEDGER = "ledger.zarr"
+READ_CHUNK = 64 << 20  # bytes per digest step while mapping a local shard
 UPLOAD_PART_BYTES = 8 << 20  # multipart part size; matches shards.WRITE_CHUNK
 MAX_PARTS = 10_000  # S3's limit on parts per multipart upload
 STREAM_BYTES = 8 << 20  # one ranged read of a remote shard on restore
@@ -86,6 +93,8 @@ def _modified(info: dict[str, Any]) -> float | None:
 
 def _mapped(arr: np.memmap) -> torch.Tensor:
     """A uint8 tensor over a read-only mapping (torch warns about read-only arrays; we only ever read it)."""
+    import torch  # only readers of tensors pay for torch: listing a run (the CLI) does not
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(arr)
@@ -115,6 +124,7 @@ class RunStore:
             ) from None
         self.url = url
         self.root = root.rstrip("/") or root
+        self.ledger = LedgerObjects(self)
 
     # -- paths -----------------------------------------------------------
     def _join(self, *parts: str) -> str:
@@ -125,6 +135,26 @@ class RunStore:
 
     def _shard_path(self, cid: str, name: str) -> str:
         return self._confine(f"{self.checkpoint_dir(cid)}/{_plain(name, 'shard path')}")
+
+    def _readable(self, path: str) -> str:
+        """``path``, confined to the run and (on a local disk) a regular file: never a FIFO, device or socket.
+
+        Opening a FIFO blocks until someone writes to it, so a FIFO planted where a
+        manifest, record, shard or ledger document belongs would hang every reader.
+        A path that does not exist is returned as is (the read raises FileNotFoundError).
+        """
+        self._confine(path)
+        if isinstance(self.fs, LocalFileSystem):
+            try:
+                mode = os.stat(path).st_mode
+            except FileNotFoundError:
+                return path
+            except OSError:
+                return path  # the read reports it
+            if not stat.S_ISREG(mode):
+                raise UnsafePath(f"{path} is not a regular file (a FIFO, device, socket or folder); it is never read - "
+                                 "remove it, or restore another checkpoint")
+        return path
 
     def _confine(self, path: str) -> str:
         """On a local disk, refuse a path that resolves through a symlink to outside the run.
@@ -170,29 +200,6 @@ class RunStore:
         """The same one-line error mapping for I/O done through another library (zarr)."""
         return self._io(what, writing)
 
-    def ledger_store(self, read_only: bool) -> zarr.abc.store.Store:
-        """The zarr store of ``<run>/ledger.zarr``, on the run's own filesystem and credentials."""
-        path = self._join(LEDGER)
-        if isinstance(self.fs, LocalFileSystem):
-            self._confine(path)
-            for folder, dirs, files in os.walk(path):  # zarr would follow any link inside
-                for name in dirs + files:
-                    self._confine(os.path.join(folder, name))
-            return zarr.storage.LocalStore(path, read_only=read_only)
-        return zarr.storage.FsspecStore.from_mapper(self.fs.get_mapper(path), read_only=read_only)
-
-    def ledger_chunks(self, array: str) -> int:
-        """How many chunk objects of one ledger array are stored (zarr v3 keys ``<array>/c/...``)."""
-        with self._io("listing the ledger"):
-            try:
-                return len(self.fs.find(self._join(LEDGER, _plain(array, "ledger array"), "c")))
-            except FileNotFoundError:
-                return 0
-
-    def has_ledger(self) -> bool:
-        with self._io("looking for the ledger"):
-            return bool(self.fs.exists(self._join(LEDGER, "zarr.json")))
-
     @property
     def is_local_disk(self) -> bool:
         return isinstance(self.fs, LocalFileSystem)
@@ -219,11 +226,11 @@ class RunStore:
     def run_meta(self) -> dict[str, Any] | None:
         try:
             with self._io("reading run.json"):
-                meta = json.loads(self.fs.cat_file(self._join("run.json")))
+                meta = json.loads(self.fs.cat_file(self._readable(self._join("run.json"))))
                 return meta if isinstance(meta, dict) else None
         except FileNotFoundError:
             return None
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON: a new run id is drawn (a FIFO or link out of the run raises)
             return None
 
     def write_run_meta(self, meta: dict[str, Any]) -> None:
@@ -234,20 +241,25 @@ class RunStore:
     # -- checkpoints -----------------------------------------------------
     def committed_ids(self) -> list[str]:
         """Ids of checkpoint folders that hold a manifest (any order)."""
+        return list(self.committed())
+
+    def committed(self) -> dict[str, int]:
+        """Checkpoint folders that hold a manifest, with the manifest's size as listed (one listing)."""
         with self._io("listing checkpoints"):
             try:
-                found = self.fs.glob(self._join("checkpoints", "*", MANIFEST))
+                found = self.fs.glob(self._join("checkpoints", "*", MANIFEST), detail=True)
             except FileNotFoundError:
-                return []
-        out = []
-        for p in found:
+                return {}
+        out = {}
+        for p, info in found.items():
             cid = p.rstrip("/").split("/")[-2]
             if SEGMENT.match(cid):
-                out.append(cid)
+                size = info.get("size") if isinstance(info, dict) else None
+                out[cid] = int(size) if isinstance(size, int) else 0
         return out
 
     def read_manifest(self, cid: str) -> bytes:
-        path = self._confine(f"{self.checkpoint_dir(cid)}/{MANIFEST}")
+        path = self._readable(f"{self.checkpoint_dir(cid)}/{MANIFEST}")
         try:
             with self._io(f"reading manifest of {cid}"):
                 size = int(self.fs.size(path))
@@ -284,7 +296,7 @@ class RunStore:
 
     def shard_size(self, cid: str, name: str) -> int:
         with self._io(f"reading shard {name} of {cid}"):
-            return int(self.fs.size(self._shard_path(cid, name)))
+            return int(self.fs.size(self._readable(self._shard_path(cid, name))))
 
     def read_shard(self, cid: str, name: str, size: int, on_chunk: Callable[[memoryview], None]) -> torch.Tensor:
         """The shard's ``size`` bytes as a uint8 tensor; ``on_chunk`` sees every byte in order.
@@ -296,15 +308,17 @@ class RunStore:
         mapping cannot slip through. Remote shards are staged the same way
         (``_read_staged``); ``memory://`` is read into a private buffer.
         """
-        path = self._shard_path(cid, name)
+        path = self._readable(self._shard_path(cid, name))
         with self._io(f"reading shard {name} of {cid}"):
             if isinstance(self.fs, LocalFileSystem) and size > 0:
                 arr = np.memmap(self.fs._strip_protocol(path), dtype=np.uint8, mode="r", shape=(size,))
-                for start in range(0, size, CHUNK):
-                    on_chunk(arr[start : start + CHUNK].data)
+                for start in range(0, size, READ_CHUNK):
+                    on_chunk(arr[start : start + READ_CHUNK].data)
                 return _mapped(arr)
             if not isinstance(self.fs, MemoryFileSystem) and size > 0:
                 return self._read_staged(path, size, on_chunk)
+            from .shards import read_into  # torch: see _mapped
+
             with self.fs.open(path, "rb") as f:
                 return read_into(f, size, on_chunk)
 
@@ -367,7 +381,7 @@ class RunStore:
 
     def read_optional(self, cid: str, name: str) -> bytes | None:
         """The object's bytes, or None while it does not exist."""
-        path = self._shard_path(cid, name)
+        path = self._readable(self._shard_path(cid, name))
         with self._io(f"reading {name} of {cid}"):
             try:
                 data: bytes = self.fs.cat_file(path)
@@ -389,22 +403,92 @@ class RunStore:
             self.fs.pipe_file(path, json.dumps(record, sort_keys=True).encode())
         return name
 
-    def records(self, kind: str) -> list[tuple[str, bytes]]:
-        """All records of ``kind`` as (name, raw bytes), oldest first."""
+    def records(self, kind: str) -> list[StoredRecord]:
+        """Every object under ``records/<kind>/``, oldest first: its bytes, or why they were not read.
+
+        Nothing found there is dropped: an oversized object, one that is not a
+        regular file, one behind a symlink out of the run, or one whose name this
+        library would not write comes back with ``problem`` set and no bytes.
+        """
         d = self._join("records", _plain(kind, "record kind"))
         with self._io(f"reading {kind} records"):
             try:
-                paths = sorted(p for p in self.fs.ls(d, detail=False) if p.endswith(".json"))
+                paths = sorted(self.fs.ls(d, detail=False))
             except FileNotFoundError:
                 return []
             out = []
             for p in paths:
-                # A record is a few hundred bytes: an oversized one or one behind a symlink
-                # out of the run is not a record this library wrote, and is skipped unread.
-                with contextlib.suppress(UnsafePath, FileNotFoundError):
-                    if int(self.fs.size(self._confine(p))) <= MAX_RECORD_BYTES:
-                        out.append((p.rsplit("/", 1)[-1], self.fs.cat_file(p)))
+                name = p.rstrip("/").rsplit("/", 1)[-1]
+                try:
+                    if not SEGMENT.match(name) or not name.endswith(".json"):
+                        raise UnsafePath(f"{name!r} is not a record name this library writes")
+                    size = int(self.fs.size(self._readable(p)))
+                    if size > MAX_RECORD_BYTES:  # refused before a byte of it is read
+                        raise UnsafePath(f"{size} bytes, more than the {MAX_RECORD_BYTES} a record may have")
+                    out.append(StoredRecord(name, self.fs.cat_file(p), None))
+                except FileNotFoundError:
+                    continue  # removed between listing and reading
+                except (UnsafePath, IsADirectoryError) as e:
+                    out.append(StoredRecord(name, None, str(e)))
             return out
+
+
+class LedgerObjects:
+    """The objects of ``<run>/ledger.zarr``, as zarr sees them and as a careful reader checks them."""
+
+    def __init__(self, run: RunStore) -> None:
+        self.run = run
+
+    def zarr_store(self, read_only: bool) -> zarr.abc.store.Store:
+        """The zarr store of ``<run>/ledger.zarr``, on the run's own filesystem and credentials."""
+        path = self.run._join(LEDGER)
+        if isinstance(self.run.fs, LocalFileSystem):
+            self.run._confine(path)
+            for folder, dirs, files in os.walk(path):  # zarr would follow any link inside, or block on a FIFO
+                for name in dirs:
+                    self.run._confine(os.path.join(folder, name))
+                for name in files:
+                    self.run._readable(os.path.join(folder, name))
+            return zarr.storage.LocalStore(path, read_only=read_only)
+        return zarr.storage.FsspecStore.from_mapper(self.run.fs.get_mapper(path), read_only=read_only)
+
+    def chunks(self, array: str) -> int:
+        """How many chunk objects of one ledger array are stored (zarr v3 keys ``<array>/c/...``)."""
+        with self.run._io("listing the ledger"):
+            try:
+                return len(self.run.fs.find(self.run._join(LEDGER, _plain(array, "ledger array"), "c")))
+            except FileNotFoundError:
+                return 0
+
+    def check_objects(self, max_bytes: int) -> None:
+        """Refuse a ledger holding an object larger than ``max_bytes`` (zarr would read it whole) or,
+        on a local disk, anything but regular files and folders (a FIFO would block zarr)."""
+        base = self.run._join(LEDGER)
+        with self.run._io("listing the ledger"):
+            try:
+                found = self.run.fs.find(base, detail=True)
+            except FileNotFoundError:
+                return
+        for path, info in found.items():
+            size = info.get("size") if isinstance(info, dict) else None
+            if isinstance(size, int) and size > max_bytes:
+                raise CorruptCheckpoint(f"{path} is {size} bytes, more than a ledger object may hold ({max_bytes}); "
+                                        "the ledger cannot be trusted - move it aside to keep using the run")
+            if isinstance(self.run.fs, LocalFileSystem):
+                self.run._readable(path)
+
+    def exists(self) -> bool:
+        with self.run._io("looking for the ledger"):
+            return bool(self.run.fs.exists(self.run._join(LEDGER, "zarr.json")))
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredRecord:
+    """One object found under ``records/<kind>/``: its bytes, or why it was not read."""
+
+    name: str
+    data: bytes | None
+    problem: str | None
 
 
 class ExportFolder:

@@ -10,10 +10,12 @@ reading, and the appending of records.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .. import decisions, history
@@ -28,13 +30,47 @@ from ..errors import (
 )
 from ..history import Columns
 from ..ledger import read_ledger
-from ..manifest import CheckpointInfo, Manifest
-from ..records import INCIDENT, ROLLBACK, VERIFICATION, Host, Incident, Rollback, VerificationResult, parse
+from ..manifest import MAX_MANIFEST_BYTES, CheckpointInfo, Manifest
+from ..records import (
+    INCIDENT,
+    KINDS,
+    ROLLBACK,
+    VERIFICATION,
+    Host,
+    Incident,
+    Rollback,
+    Unreadable,
+    VerificationResult,
+    parse,
+)
 from ..signing import Signer
 from ..status import Status
 from ..store import RunStore, utc_now
 
 __all__ = ["Catalog", "RunView", "step_from_id"]
+
+
+class _Budget:
+    """Bytes that threads may hold at once; one request larger than the whole budget is admitted alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self.cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, n: int) -> Iterator[None]:
+        with self.cond:
+            self.cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+            self.used += n
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.used -= n
+                self.cond.notify_all()
+
+
+_MANIFEST_MEMORY = _Budget(256 << 20)
 
 
 def step_from_id(cid: str) -> int:
@@ -46,10 +82,21 @@ def step_from_id(cid: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class RunRecords:
+    """A run's records, typed: incidents (oldest first), trusted rollbacks, verifications by checkpoint, unreadable."""
+
+    incidents: list[Incident]
+    rollbacks: list[Rollback]
+    verifications: dict[str, list[VerificationResult]]
+    unreadable: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
 class RunView:
     """One consistent read of a run: checkpoints oldest first, incidents oldest first, trusted rollbacks."""
 
     url: str
+    unreadable: list[str]  # records that could not be read (reported; see ``records.parse``)
     infos: list[CheckpointInfo]
     incidents: list[Incident]
     rollbacks: list[Rollback]
@@ -102,26 +149,31 @@ class Catalog:
         return run_id
 
     # ---------------------------------------------------------- records
-    def _read(self, kind: str) -> list[Incident | Rollback | VerificationResult]:
-        out = []
-        for _, raw in self.store.records(kind):
-            rec = parse(kind, raw, self.signer)
-            if rec is not None:
-                out.append(rec)
-        return out
+    def records(self, kinds: Sequence[str] = KINDS) -> RunRecords:
+        """The run's records of ``kinds``, read once, under the one rule for untrusted records (``records.parse``)."""
+        got = RunRecords([], [], {}, [])
+        for kind in kinds:
+            for stored in self.store.records(kind):
+                rec = parse(kind, stored.name, stored.data, stored.problem, self.signer)
+                if isinstance(rec, Incident):  # from any kind: an unreadable record under a key is one
+                    got.incidents.append(rec)
+                elif isinstance(rec, Rollback):
+                    got.rollbacks.append(rec)
+                elif isinstance(rec, VerificationResult):
+                    got.verifications.setdefault(rec.id, []).append(rec)
+                elif isinstance(rec, Unreadable):
+                    got.unreadable.append(str(rec))
+        got.incidents.sort(key=lambda r: r.at)
+        return got
 
     def incidents(self) -> list[Incident]:
         """Every incident recorded under the run (by the guard or by hand), oldest first."""
-        got = [r for r in self._read(INCIDENT) if isinstance(r, Incident)]
-        return sorted(got, key=lambda r: r.at)
-
-    def rollbacks(self) -> list[Rollback]:
-        """Every trusted rollback record (an untrusted one answers nothing)."""
-        return [r for r in self._read(ROLLBACK) if isinstance(r, Rollback)]
+        return self.records().incidents
 
     def flagged(self, step: int, created_at: str) -> list[str]:
         """Why a checkpoint of ``step`` created at ``created_at`` is suspect by the run's incidents (records only)."""
-        return decisions.incident_reasons(step, created_at, self.incidents(), self.rollbacks())
+        recs = self.records((INCIDENT, ROLLBACK, VERIFICATION))
+        return decisions.incident_reasons(step, created_at, recs.incidents, recs.rollbacks)
 
     def record_verification(self, result: VerificationResult) -> None:
         self.append(VERIFICATION, result.to_record())
@@ -178,18 +230,17 @@ class Catalog:
     # ------------------------------------------------------------- view
     def view(self) -> RunView:
         """One read of the run: checkpoints with derived status, incidents, trusted rollbacks."""
-        ids = self.store.committed_ids()
-        verifications: dict[str, list[VerificationResult]] = {}
-        for rec in self._read(VERIFICATION):
-            if isinstance(rec, VerificationResult):
-                verifications.setdefault(rec.id, []).append(rec)
-        incidents = self.incidents()
-        rollbacks = self.rollbacks()
+        listed = self.store.committed()
+        recs = self.records()
+        verifications, incidents, rollbacks = recs.verifications, recs.incidents, recs.rollbacks
 
         def load(cid: str) -> CheckpointInfo:
             try:
-                raw = Manifest.decode_json(self.store.read_manifest(cid), cid)
-                m = Manifest.from_dict(raw, cid)
+                # Bytes, text and parsed objects of every manifest in flight share one budget, so
+                # parsing many (hostile, large) manifests at once cannot add up past it.
+                with _MANIFEST_MEMORY.hold(min(listed[cid], MAX_MANIFEST_BYTES) * 6):
+                    raw = Manifest.decode_json(self.store.read_manifest(cid), cid)
+                    m = Manifest.from_dict(raw, cid)
             except CorruptCheckpoint as e:  # malformed, oversized, or behind a symlink out of the run
                 return CheckpointInfo(cid, step_from_id(cid), Status.CORRUPT, "", 0, [str(e)], None)
             sig = self.signer.check(raw)
@@ -203,8 +254,8 @@ class Catalog:
             return dataclasses.replace(info(m, verifications.get(cid, []), incidents, rollbacks), signature=sig.value)
 
         with concurrent.futures.ThreadPoolExecutor(self.io_workers) as pool:
-            infos = list(pool.map(load, ids))
-        return RunView(self.url, sorted(infos, key=lambda i: (i.created_at, i.step, i.id)), incidents, rollbacks)
+            infos = list(pool.map(load, listed))
+        return RunView(self.url, recs.unreadable, sorted(infos, key=lambda i: (i.created_at, i.step, i.id)), incidents, rollbacks)
 
     # -------------------------------------------------------- selection
     def get(self, infos: list[CheckpointInfo], ref: int | str) -> CheckpointInfo:

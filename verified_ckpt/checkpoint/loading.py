@@ -1,28 +1,29 @@
 """Loading verified tensors back into the caller's live objects.
 
-The read path has already checked every byte; this module decides whether
-the state fits the checkpoint, rebuilds every entry before touching any, and
-copies into modules, optimizers, tensors and plain values. After loading, the
-fingerprints are checked once more on the live objects: an object whose
-``load_state_dict`` altered values would otherwise pass silently.
+The read path has already checked every byte and ``fitting`` that the state
+fits; this module rebuilds every entry before touching any, copies into
+modules, optimizers, tensors and plain values, and puts everything back if any
+step fails. After loading, the fingerprints are checked once more on the live
+objects: an object whose ``load_state_dict`` altered values would otherwise pass
+silently.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpoint, InvalidState
+from ..errors import CorruptCheckpoint
 from ..flatten import flatten, is_stateful, unflatten
 from ..lanes import lanes_of
 from ..manifest import Manifest
-from ..skeleton import tensor_refs
 from ..tensorspec import dtype_name
+from .fitting import check_fits
 from .reading import RESTORE, Reader
 
-__all__ = ["apply", "check_after", "check_fits", "restore_into"]
+__all__ = ["apply", "check_after", "restore_into"]
 
 
 def restore_into(reader: Reader, state: Mapping[str, Any], m: Manifest, url: str) -> None:
@@ -41,48 +42,70 @@ def restore_into(reader: Reader, state: Mapping[str, Any], m: Manifest, url: str
             f"run `vckpt verify {url} --step {m.step}` and restore an earlier checkpoint"
         )
     apply(state, m, loaded)
-    check_after(state, m)
-
-
-def check_fits(state: Mapping[str, Any], m: Manifest) -> set[str]:
-    """Refuse before touching anything if ``state`` cannot take this checkpoint; return the tensor names needed."""
-    if not isinstance(state, Mapping):
-        raise InvalidState(f"state must be a mapping of names to objects, got {type(state).__name__}")
-    missing = [k for k in state if k not in m.state]
-    if missing:
-        raise InvalidState(
-            f"checkpoint {m.checkpoint_id} has no entry {missing[0]!r}; it holds {sorted(m.state)} - pass matching keys"
-        )
-    current = flatten({k: state[k] for k in state}).tensors
-    for name, t in current.items():
-        e = m.tensors.get(name)
-        if e is not None and list(t.shape) != e.shape:
-            raise InvalidState(
-                f"{name}: checkpoint has shape {e.shape}, the object being restored has {list(t.shape)}; "
-                "build the model with the configuration it was saved with"
-            )
-    needed: set[str] = set()
-    for k in state:
-        needed |= tensor_refs(m.state[k]["value"])
-    return needed
 
 
 def apply(state: Any, m: Manifest, loaded: dict[str, torch.Tensor]) -> None:
-    """Load ``loaded`` into ``state`` in place; every entry is rebuilt before any is touched."""
+    """Load ``loaded`` into ``state`` in place, all or nothing.
+
+    Every entry is rebuilt before any is touched. Objects that may keep the
+    tensors they are given (optimizers, schedulers, RNG state) load first: each
+    one's previous ``state_dict`` is kept by reference, which a later failure
+    loads back (their ``load_state_dict`` replaces state rather than writing into
+    it). Tensors and plain values follow, then modules, which copy into their
+    parameters, so each module's tensors are copied aside before it loads. If
+    anything raises, or the fingerprints do not match afterwards, everything
+    applied so far is put back and the error is raised.
+    """
     values = {key: unflatten(m.state[key]["value"], loaded) for key in list(state)}
-    for key, value in values.items():
-        entry = m.state[key]
+
+    def phase(key: str) -> int:
         target = state[key]
-        if entry["stateful"] and is_stateful(target):
-            # Modules copy into their parameters; other Stateful objects
-            # (optimizers) may keep the tensors they are given, which would
-            # pin whole shard buffers in memory, so they get their own copies.
-            target.load_state_dict(value if isinstance(target, torch.nn.Module) else _own(value))
-        elif isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
+        if isinstance(target, torch.nn.Module):
+            return 2
+        return 0 if is_stateful(target) else 1
+
+    undo: list[Callable[[], None]] = []
+    try:
+        for key in sorted(values, key=phase):
+            undo.append(_load_one(state, key, m.state[key]["stateful"], values[key]))
+        check_after(state, m)
+    except BaseException:
+        for put_back in reversed(undo):
+            put_back()
+        raise
+
+
+def _load_one(state: Any, key: str, stateful: bool, value: Any) -> Callable[[], None]:
+    """Load one entry; return how to put it back."""
+    target = state[key]
+    if stateful and isinstance(target, torch.nn.Module):
+        saved = {k: v.detach().clone() for k, v in target.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+        target.load_state_dict(value)
+
+        def restore_module() -> None:
             with torch.no_grad():
-                target.copy_(value)
-        else:
-            state[key] = _load_into(target, value, {})
+                for k, v in target.state_dict(keep_vars=True).items():
+                    if k in saved:
+                        v.copy_(saved[k])
+
+        return restore_module
+    if stateful and is_stateful(target):
+        before = target.state_dict()
+        # They may keep the tensors they are given, which would pin whole shard buffers in memory: own copies.
+        target.load_state_dict(_own(value))
+        return lambda: target.load_state_dict(before)
+    if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
+        old = target.detach().clone()
+        with torch.no_grad():
+            target.copy_(value)
+
+        def restore_tensor() -> None:
+            with torch.no_grad():
+                target.copy_(old)
+
+        return restore_tensor
+    state[key] = _load_into(target, value, {})
+    return lambda: state.__setitem__(key, target)
 
 
 def check_after(state: Mapping[str, Any], m: Manifest) -> None:

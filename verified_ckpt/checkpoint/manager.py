@@ -315,8 +315,7 @@ class CheckpointManager:
         infos = [i for i in self.list() if step is None or i.step == step]
         if not infos:
             self.get(step) if step is not None else self.require_run()  # raises a helpful error
-        return verify_all(self._catalog, Reader(self._store, self.io_workers), infos, self.ledger(), jobs=jobs,
-                          progress=progress)
+        return verify_all(self._catalog, Reader(self._store, self.io_workers), infos, jobs=jobs, progress=progress)
 
     def total_bytes(self, step: int | None = None) -> int:
         """Bytes a :meth:`verify` with the same ``step`` would read (for progress bars)."""

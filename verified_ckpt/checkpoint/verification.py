@@ -13,8 +13,10 @@ import concurrent.futures
 from collections.abc import Callable, Sequence
 
 from .. import history
-from ..errors import VerifiedCkptError
+from ..errors import CorruptCheckpoint
+from ..evidence import consensus_claim
 from ..history import Columns
+from ..ledger import read_ledger
 from ..manifest import CheckpointInfo
 from ..records import VERIFICATION, Problem, VerificationResult
 from ..signing import Signature
@@ -25,20 +27,31 @@ from .reading import VERIFY, Reader
 __all__ = ["verify_all"]
 
 
-def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo], ledger: Columns | None, *,
+def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo], *,
                jobs: int, progress: Callable[[int], None] | None) -> list[VerificationResult]:
-    """Verify ``infos`` ``jobs`` at a time, record each result, and return them in order."""
+    """Verify ``infos`` ``jobs`` at a time, record each result, and return them in order.
+
+    A malformed ledger does not stop verification: every checkpoint's bytes are
+    still checked, and a consensus claim the ledger cannot back is a problem. A
+    store that stops answering raises ``StorageError`` and records nothing for the
+    checkpoint it was reading: an outage is not a fact about the checkpoint.
+    """
+    try:
+        ledger: Columns | None = read_ledger(catalog.store)
+        ledger_problem = None
+    except CorruptCheckpoint as e:
+        ledger, ledger_problem = None, str(e)
     consensus = history.passing_consensus(ledger) if ledger is not None else None
 
     def one(ck: CheckpointInfo) -> VerificationResult:
         if ck.manifest is None:
             problems = [Problem("manifest", ck.reasons[0] if ck.reasons else "manifest unreadable")]
         else:
-            try:
-                _, problems = reader.read(ck.manifest, VERIFY, progress=progress)
-            except VerifiedCkptError as e:
-                problems = [Problem("read", str(e))]
-            problems += [Problem("ledger", p) for p in history.consensus_claim_problems(ck.manifest.evidence, consensus)]
+            _, problems = reader.read(ck.manifest, VERIFY, progress=progress)  # an outage raises: nothing recorded
+            if ledger_problem is not None and consensus_claim(ck.manifest.evidence) is not None:
+                problems.append(Problem("ledger", f"the consensus claim cannot be checked: {ledger_problem}"))
+            else:
+                problems += [Problem("ledger", p) for p in history.consensus_claim_problems(ck.manifest.evidence, consensus)]
             if not Signature(ck.signature).trusted:
                 problems.insert(0, Problem("signature", ck.reasons[0]))
         result = VerificationResult(ck.id, ck.step, not problems, problems, utc_now())

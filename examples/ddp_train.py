@@ -90,6 +90,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", choices=["exact", "tolerance"], default="exact")
     ap.add_argument("--no-guard", action="store_true", help="plain DDP, for overhead comparisons")
+    ap.add_argument("--no-abft", action="store_true", help="switch off the per-step gradient checks (ABFT)")
     ap.add_argument("--run", default=None, help="checkpoint run URL (local folder, s3://...); enables saves")
     ap.add_argument("--save-every", type=int, default=0, help="save a verified checkpoint every K steps")
     ap.add_argument("--resume", action="store_true", help="continue from the rollback target of --run")
@@ -147,7 +148,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = schedule(opt, args)
     cfg = GuardConfig(consensus_every=args.consensus_every, audit_every=args.audit_every or None,
-                      mode=args.mode, faults=tuple(args.inject))
+                      mode=args.mode, faults=tuple(args.inject), abft=not args.no_abft)
     guard = None if args.no_guard else SDCGuard(model, opt, fn, cfg)
     mgr = CheckpointManager(args.run, guard=guard) if args.run and guard else None
     state = {"model": model.module, "optim": opt, "sched": sched, "rng": RNGState(), "progress": {"step": 0}}

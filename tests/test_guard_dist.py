@@ -73,21 +73,27 @@ BEFORE_UPDATE = [
     ("allreduce:2:7:inf", "nonfinite_averaged", 2, 7),
     ("allreduce:1:7:bitflip=27", "checksum", 1, 7),
     ("allreduce:0:7:scale=1.5", "checksum", 0, 7),
-    ("grad:1:10:bitflip=12", "audit", 1, 10),  # finite, small: only the recompute audit sees it
-    ("grad:2:7:scale=40", "audit", 2, 7),       # outlier norm: audited at once, off schedule
+    ("grad:1:10:bitflip=12", "abft", 1, 10),   # finite, small: the gradient's ABFT checksum sees it at once
+    ("grad:2:7:scale=40", "abft", 2, 7),
+    ("grad:1:10:bitflip=12:noabft", "audit", 1, 10),  # without ABFT only the recompute audit sees it
+    ("grad:2:7:scale=40:noabft", "audit", 2, 7),       # outlier norm: audited at once, off schedule
 ]
 
 
 @pytest.mark.parametrize("world", [3, 4])
 @pytest.mark.parametrize("spec,kind,rank,step", BEFORE_UPDATE, ids=[b[0] for b in BEFORE_UPDATE])
 def test_fault_caught_before_the_update_names_the_rank_and_withholds_it(world, spec, kind, rank, step):
-    results = run_ranks(guarded, world, {"audit_every": 5, "consensus_every": 5, "faults": (spec,)}, 12)
+    spec, _, flag = spec.partition(":noabft")
+    cfg = {"audit_every": 5, "consensus_every": 5, "faults": (spec,), **({"abft": False} if _ == ":noabft" else {})}
+    results = run_ranks(guarded, world, cfg, 12)
     got = one(results)
     assert (got["kind"], got["ranks"], got["detected"]) == (kind, [rank], step), got
     assert all(r["withheld"] for r in results), "the update must not be applied at a failed step"
     assert got["hosts"] == [socket.gethostname()]
     if kind == "audit":
         assert got["first_suspect"] == (step // 5) * 5 + 1 if step % 5 else step - 4
+    elif kind == "abft":
+        assert got["first_suspect"] == step and "does not match its ABFT checksum" in got["message"]
     else:
         assert got["first_suspect"] == step
 
@@ -112,14 +118,14 @@ def test_persistent_compute_fault_is_caught_by_the_audit(mode):
 
 
 def test_audit_with_a_user_batch_for_pipeline():
-    cfg = {"audit_every": 4, "consensus_every": 4, "faults": ("grad:0:8:bitflip=9",)}
+    cfg = {"audit_every": 4, "consensus_every": 4, "abft": False, "faults": ("grad:0:8:bitflip=9",)}
     got = one(run_ranks(guarded, 3, cfg, 10, None, True))
     assert (got["kind"], got["ranks"], got["detected"]) == ("audit", [0], 8)
 
 
 @pytest.mark.parametrize("spec,kind,audit", [("weights:1:3:bitflip=20", "consensus", None), ("grad:1:5:bitflip=12", "audit", 5)])
 def test_two_replicas_report_disagreement_without_naming_a_suspect(spec, kind, audit):
-    got = one(run_ranks(guarded, 2, {"audit_every": audit, "consensus_every": 5, "faults": (spec,)}, 8))
+    got = one(run_ranks(guarded, 2, {"audit_every": audit, "consensus_every": 5, "abft": False, "faults": (spec,)}, 8))
     assert got["kind"] == kind and got["ranks"] == [] and got["detected"] == 5
     assert "no replica could be named" in got["message"]
 
@@ -172,7 +178,7 @@ def test_torchrun_two_nodes_on_one_machine_audit_across_nodes():
     common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
               "--master-addr", "127.0.0.1", "--master-port", str(port)]
     tail = [script, "--steps", "12", "--audit-every", "5", "--consensus-every", "5", "--json",
-            "--inject", "grad:3:10:bitflip=12"]
+            "--inject", "grad:3:10:bitflip=12", "--no-abft"]
     procs = [subprocess.Popen(common + ["--node-rank", str(n)] + tail, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for n in (0, 1)]
     outs = [p.communicate(timeout=200) for p in procs]

@@ -132,13 +132,14 @@ def test_guarded_run_ledger_records_every_check(guarded_run):
     r = invoke("ledger", guarded_run, "--json")
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
-    assert s["divergence"] == [{"step": 13, "kind": "audit", "ranks": [1]}]  # the fault, caught by the outlier audit
+    # the fault, caught by ABFT among the step's checks (the step's rows, then the check's own)
+    assert s["divergence"] == [{"step": 13, "kind": "step", "ranks": [1]}, {"step": 13, "kind": "abft", "ranks": [1]}]
     assert s["counts"]["incident"] == {"checks": 1, "failed": 1}
     assert s["counts"]["save"]["checks"] == 6  # steps 5, 10, 15, 20, 25, 30 (the rollback to 10 saves nothing)
     assert s["counts"]["restore"]["checks"] == 1
     assert s["last_unanimous_consensus"] == 30
     human = invoke("ledger", guarded_run)
-    assert human.exit_code == 0 and "divergence points" in human.output and "disputed 1" in human.output
+    assert human.exit_code == 0 and "divergence points" in human.output and "abft" in human.output
 
 
 def test_verify_all_cross_checks_the_ledger_and_flags_a_forged_claim(guarded_run, tmp_path):

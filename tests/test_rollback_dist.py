@@ -31,7 +31,7 @@ def test_clean_run_equals_in_process_rollback_equals_stop_and_resume(tmp_path):
     fault = "grad:1:23:scale=10"  # transient: a replayed step 23 runs clean
     rolled = run_ranks(run_example, 3, {**COMMON, "run": str(tmp_path / "rb"), "inject": [fault],
                                         "on_incident": "rollback"})[0]
-    assert [i["kind"] for i in rolled["incidents"]] == ["audit"] and rolled["incidents"][0]["ranks"] == [1]
+    assert [i["kind"] for i in rolled["incidents"]] == ["abft"] and rolled["incidents"][0]["ranks"] == [1]
     assert rolled["rollbacks"] == [{"from_step": 23, "to_step": 20}]
     assert rolled["fingerprint"] == clean["fingerprint"]
 

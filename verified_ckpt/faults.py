@@ -14,8 +14,11 @@ fault: a step replayed after a rollback runs clean); ``S-`` every step from S
 on; ``S-E`` every step from S to E inclusive (persistent faults).
 
 Modes: ``nan`` and ``inf`` set one element; ``bitflip=B`` flips bit B of one
-element's bit pattern; ``scale=F`` multiplies the whole tensor by F. "One
-element" is element 0 of the target, so injections are reproducible.
+element's bit pattern; ``elem=F`` multiplies one element by F; ``scale=F``
+multiplies the whole tensor by F. "One element" is element 0 of the target,
+or element K with a ``@K`` suffix (``bitflip=22@1234``; taken modulo the
+target's size), so injections are reproducible. RANK ``*`` fires on every rank
+alike (the same wrong value everywhere, as a faulty reduction would deliver).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import torch
 
 SITES = ("grad", "allreduce", "weights", "buffers", "optim", "compute")
 
-_SPEC = re.compile(r"^(?P<site>[a-z]+):(?P<rank>\d+):(?P<start>\d+)(?P<dash>-(?P<end>\d+)?)?(?::(?P<mode>.+))?$")
+_SPEC = re.compile(r"^(?P<site>[a-z]+):(?P<rank>\d+|\*):(?P<start>\d+)(?P<dash>-(?P<end>\d+)?)?"
+                   r"(?::(?P<mode>[^@]+)(?:@(?P<at>\d+))?)?$")
+EVERY_RANK = -1
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -38,14 +43,16 @@ class Fault:
     start: int
     end: int | None  # None: open-ended (``S-``)
     once: bool  # ``S``: fires during the first execution of step S only
-    mode: str  # nan | inf | bitflip | scale
+    mode: str  # nan | inf | bitflip | elem | scale
     arg: float = 0.0
+    at: int = 0  # the element, modulo the target's size
 
     @property
     def spec(self) -> str:
         steps = str(self.start) if self.once else f"{self.start}-{'' if self.end is None else self.end}"
         mode = self.mode if self.mode in ("nan", "inf") else f"{self.mode}={self.arg:g}"
-        return f"{self.site}:{self.rank}:{steps}:{mode}"
+        rank = "*" if self.rank == EVERY_RANK else str(self.rank)
+        return f"{self.site}:{rank}:{steps}:{mode}" + (f"@{self.at}" if self.at else "")
 
     def covers(self, step: int) -> bool:
         if self.once:
@@ -58,14 +65,17 @@ class Fault:
             flat = t.view(-1)
             if flat.numel() == 0:
                 return
+            k = self.at % flat.numel()
             if self.mode == "nan":
-                flat[0] = float("nan")
+                flat[k] = float("nan")
             elif self.mode == "inf":
-                flat[0] = float("inf")
+                flat[k] = float("inf")
             elif self.mode == "scale":
                 t.mul_(self.arg)
+            elif self.mode == "elem":
+                flat[k] *= self.arg
             elif self.mode == "bitflip":
-                bits = flat[:1].view(_INT_VIEW[t.element_size()])
+                bits = flat[k : k + 1].view(_INT_VIEW[t.element_size()])
                 bit = int(self.arg)
                 if bit == 8 * t.element_size() - 1:  # the sign bit: xor with the minimum value
                     bits ^= torch.iinfo(bits.dtype).min if bits.dtype != torch.uint8 else 0x80
@@ -95,15 +105,16 @@ def parse(spec: str) -> Fault:
         mode = mode_text
     else:
         mode, sep, value = mode_text.partition("=")
-        if mode not in ("scale", "bitflip") or not sep:
-            raise ValueError(f"fault spec {spec!r}: mode must be nan, inf, scale=F or bitflip=B")
+        if mode not in ("scale", "elem", "bitflip") or not sep:
+            raise ValueError(f"fault spec {spec!r}: mode must be nan, inf, scale=F, elem=F or bitflip=B")
         try:
-            arg = float(value) if mode == "scale" else int(value)
+            arg = float(value) if mode in ("scale", "elem") else int(value)
         except ValueError:
             raise ValueError(f"fault spec {spec!r}: {mode} needs a number, got {value!r}") from None
         if mode == "bitflip" and not 0 <= arg < 64:
             raise ValueError(f"fault spec {spec!r}: bit must be in 0..63")
-    return Fault(site, int(m["rank"]), start, end, once=m["dash"] is None, mode=mode, arg=arg)
+    rank = EVERY_RANK if m["rank"] == "*" else int(m["rank"])
+    return Fault(site, rank, start, end, once=m["dash"] is None, mode=mode, arg=arg, at=int(m["at"] or 0))
 
 
 class FaultPlan:
@@ -120,7 +131,7 @@ class FaultPlan:
         if step is None:
             return []
         return [f for i, f in enumerate(self.faults)
-                if f.site == site and f.rank == rank and f.covers(step) and i not in self._spent]
+                if f.site == site and f.rank in (rank, EVERY_RANK) and f.covers(step) and i not in self._spent]
 
     def apply(self, site: str, rank: int, step: int | None, t: torch.Tensor) -> bool:
         fired = self.firing(site, rank, step)

@@ -27,7 +27,7 @@ from .fingerprint import lanes_hex
 from .records import Incident
 
 # Codes are positions in these lists; the ledger stores both lists in its attributes.
-KINDS = ["step", "audit", "consensus", "save", "incident", "restore", "verify"]  # append only: codes are stored
+KINDS = ["step", "audit", "consensus", "save", "incident", "restore", "verify", "nonfinite", "checksum", "abft"]  # append only
 VERDICTS = ["pass", "fail", "none"]
 NO_RANK = -1  # a job-wide row (a save, a restore, or a per-step summary of a large job)
 

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 
 from .. import decisions
-from .stats import LANES, StepStats, Verdict, step_rows
+from .stats import LANES, StepStats, Verdict, failed_rows
 
 __all__ = ["bound", "check"]
 
@@ -50,4 +50,4 @@ def check(step: int, gathered: Sequence[StepStats], slack: float, max_weight: fl
         return Verdict("checksum", True)
     named = bad if len(bad) < world else []
     return Verdict("checksum", False, named, f"all-reduced gradients do not match the local ones (bound {b:.3g})",
-                   rows=lambda: step_rows(step, gathered, named or None, rank_rows))
+                   rows=lambda: failed_rows(step, gathered, "checksum", named or None, rank_rows))

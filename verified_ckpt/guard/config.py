@@ -31,6 +31,10 @@ class GuardConfig:
         ledger_rank_rows: up to this world size the ledger gets one row per rank per step;
             above it, one job-wide row per step (mean loss, largest local gradient norm)
             plus rows for the ranks a failed check names, so the ledger grows with steps, not ranks.
+        check_nonfinite: NaN/Inf checks of local and averaged gradients every step.
+        check_checksum: the all-reduce checksum every step.
+        abft: per-step verification of ``nn.Linear`` and ``nn.Embedding`` gradient computation.
+        abft_slack: safety factor on the ABFT rounding bound.
         arrival_timeout_s: how long a save, consensus or audit waits for every rank to arrive
             before failing with an error naming the missing ranks (a save called on rank 0 only).
         faults: fault-injection specs ``SITE:RANK:STEP[:MODE]`` (testing only).
@@ -46,6 +50,10 @@ class GuardConfig:
     fixed_order_reduce: bool = False
     seed: int = 0
     ledger_rank_rows: int = 64
+    check_nonfinite: bool = True
+    check_checksum: bool = True
+    abft: bool = True
+    abft_slack: float = 8.0
     arrival_timeout_s: float = 300.0
     faults: tuple[str, ...] = ()
 
@@ -64,6 +72,8 @@ class GuardConfig:
             raise ValueError(f"checksum_slack must be >= 1, got {self.checksum_slack!r}")
         if not self.outlier_factor > 1:
             raise ValueError(f"outlier_factor must be > 1, got {self.outlier_factor!r}")
+        if not self.abft_slack >= 1:
+            raise ValueError(f"abft_slack must be >= 1, got {self.abft_slack!r}")
         if not self.arrival_timeout_s > 0:
             raise ValueError(f"arrival_timeout_s must be > 0, got {self.arrival_timeout_s!r}")
         FaultPlan(self.faults)  # raises ValueError naming a bad spec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .stats import StepStats, Verdict, step_rows
+from .stats import StepStats, Verdict, failed_rows
 
 __all__ = ["check"]
 
@@ -21,7 +21,7 @@ def check(step: int, gathered: Sequence[StepStats], rank_rows: int) -> list[Verd
     bad_local = [r for r, x in enumerate(gathered) if not all(math.isfinite(v) for v in x.proj)]
     if bad_local:
         return [Verdict("nonfinite_local", False, bad_local, "NaN/Inf in local gradients before the all-reduce",
-                        rows=lambda: step_rows(step, gathered, bad_local, rank_rows))]
+                        rows=lambda: failed_rows(step, gathered, "nonfinite", bad_local, rank_rows))]
     local = Verdict("nonfinite_local", True)
     bad_avg = [r for r, x in enumerate(gathered) if not all(math.isfinite(v) for v in x.avg_proj)]
     if not bad_avg:
@@ -30,4 +30,4 @@ def check(step: int, gathered: Sequence[StepStats], rank_rows: int) -> list[Verd
     named = bad_avg if len(bad_avg) < world else []
     return [local, Verdict("nonfinite_averaged", False, named,
                            "NaN/Inf in averaged gradients although every local gradient was finite",
-                           rows=lambda: step_rows(step, gathered, named or None, rank_rows))]
+                           rows=lambda: failed_rows(step, gathered, "nonfinite", named or None, rank_rows))]

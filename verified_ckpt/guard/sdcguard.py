@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.flop_counter import FlopCounterMode
 
 from .. import batches, decisions
 from ..comm import Communicator
 from ..errors import GuardUsageError, SilentCorruptionDetected
 from ..evidence import CheckCounts
 from ..faults import FaultPlan
-from ..history import Event
+from ..history import NO_RANK, Event
 from ..records import Host, Incident
-from . import checksum, consensus, nonfinite
+from . import abft, checksum, consensus, nonfinite
+from .abft import GradientChecks
 from .audit import Auditor
 from .config import GuardConfig
 from .consensus import StateProbe
@@ -110,8 +112,9 @@ class SDCGuard:
         self._batches: list[Any] = []
         self._rng: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._losses: list[torch.Tensor] = []
+        self.abft = GradientChecks(self.module, self.params, self.cfg.seed, self.cfg.abft_slack) if self.cfg.abft else None
         self.tap = GradientTap(self.params, self.comm, project=self.project, faults=self.faults, step=lambda: self._step,
-                               fixed_order=bool(self.cfg.fixed_order_reduce))
+                               fixed_order=bool(self.cfg.fixed_order_reduce), abft=self.abft)
         if isinstance(model, DDP):
             self.tap.install(model)
         if self.faults.has_site("compute"):
@@ -161,12 +164,15 @@ class SDCGuard:
             raise GuardUsageError(f"backward for step {step} while step {self._step} has not been closed with step()")
         if self._step != step:
             self._reset_step()
+            if self.abft is not None:
+                self.abft.start_step(self.params)
         self._step = step
         if self._start is None:
             self._start = step
         if self._warmup_pending:
             self._warmup_pending = False
-            self._warmup(batch)
+            with self._abft_paused():
+                self.tap.warm_up(self.model, self.module, self.loss_fn, batch)
         self._ran_backward = True
         if self.world >= 2 and self.batch_for is None:
             batches.encode(batch)  # fails now, naming the leaf, not at the first audit hundreds of steps later
@@ -174,7 +180,12 @@ class SDCGuard:
         ctx = self.model.no_sync() if (not sync and isinstance(self.model, DDP)) else contextlib.nullcontext()
         with ctx:
             loss = self.loss_fn(self.model, batch)
-            loss.backward()
+            if self.abft is not None and self.abft.flop_fraction is None:
+                with FlopCounterMode(display=False) as flops:  # once: the covered share of backward FLOPs
+                    loss.backward()
+                self.abft.measure_flops(flops.get_total_flops())
+            else:
+                loss.backward()
         self._batches.append(batch)
         self._losses.append(loss.detach().to(torch.float64))
         return loss.detach()
@@ -212,14 +223,18 @@ class SDCGuard:
             self._step = None
 
     def _check_gradients(self, s: int, gathered: list[StepStats]) -> None:
-        """Checks 1-3, before the update: NaN/Inf, checksum, then an audit when one is due."""
+        """The per-step checks before the update (NaN/Inf, checksum, ABFT), then an audit when one is due."""
         rows = self.cfg.ledger_rank_rows
-        for v in nonfinite.check(s, gathered, rows):
-            self._judge(s, v)
-        sums = checksum.check(s, gathered, self.cfg.checksum_slack, self.project.max_weight, rows)
-        if sums is not None:
-            self._judge(s, sums)
-        self._emit(lambda: step_rows(s, gathered, [], rows))
+        verdicts: list[Verdict | None] = list(nonfinite.check(s, gathered, rows)) if self.cfg.check_nonfinite else []
+        if self.cfg.check_checksum:
+            verdicts.append(checksum.check(s, gathered, self.cfg.checksum_slack, self.project.max_weight, rows))
+        if self.abft is not None:
+            verdicts.append(abft.check(s, gathered, self.abft.name_of, rows))
+        for v in verdicts:
+            if v is not None:
+                self._judge(s, v)
+        self._emit(lambda: step_rows(s, gathered, [], rows) + [Event(s, v.kind.split("_")[0], NO_RANK, "pass")
+                                                               for v in verdicts if v is not None])
         norms = [x.norm for x in gathered]
         suspects = decisions.outliers(norms, self.cfg.outlier_factor)
         if decisions.diverged_pair(norms, self.cfg.outlier_factor):
@@ -230,8 +245,10 @@ class SDCGuard:
             self.comm.arrive("audit")
             batches = self._gather_batches(s)
             jobs = self.auditor.plan(only)
-            self._judge(s, self.auditor.run(s, gathered, jobs, batches=batches, layout=self.tap.layout,
-                                            first_suspect=self._last_pass("audit") + 1))
+            with self._abft_paused():  # recomputation is not this step's gradient computation
+                verdict = self.auditor.run(s, gathered, jobs, batches=batches, layout=self.tap.layout,
+                                           first_suspect=self._last_pass("audit") + 1)
+            self._judge(s, verdict)
             self._audit_requested = False
 
     def consensus(self, step: int) -> list[str]:
@@ -303,23 +320,16 @@ class SDCGuard:
         if isinstance(self.model, DDP) and not self._ran_backward:
             self._warmup_pending = True
 
-    def _warmup(self, batch: Any) -> None:
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        buffers = [b.detach().clone() for b in self.module.buffers()]
-        self.tap.warming = True
+    @contextlib.contextmanager
+    def _abft_paused(self) -> Iterator[None]:
+        if self.abft is None:
+            yield
+            return
+        self.abft.paused = True
         try:
-            self.loss_fn(self.model, batch).backward()
+            yield
         finally:
-            self.tap.warming = False
-            for p in self.params:
-                p.grad = None
-            with torch.no_grad():
-                for b, saved in zip(self.module.buffers(), buffers, strict=True):
-                    b.copy_(saved)
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
+            self.abft.paused = False
 
     def _compute_fault(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if self.tap.warming:

@@ -20,7 +20,9 @@ from ..comm import Communicator
 from ..history import NO_RANK, Event
 from ..lanes import tensor_lanes
 
-__all__ = ["BucketStats", "Projector", "StepStats", "Verdict", "gather_step_stats", "local_stats", "step_rows"]
+__all__ = [
+    "BucketStats", "Projector", "StepStats", "Verdict", "failed_rows", "gather_step_stats", "local_stats", "step_rows",
+]
 
 LANES = 1024  # projection vector length; buckets are folded onto it row by row
 
@@ -79,6 +81,7 @@ class BucketStats:
     proj: torch.Tensor  # float64[k], local bucket
     lanes: torch.Tensor  # int64[2], exact fingerprint of the local bucket
     avg_proj: torch.Tensor | None = None  # float64[k], all-reduced bucket
+    abft: tuple[torch.Tensor, torch.Tensor] | None = None  # worst ABFT ratio and its parameter index
 
 
 def local_stats(index: int, buf: torch.Tensor, project: Projector) -> BucketStats:
@@ -98,6 +101,8 @@ class StepStats:
     proj: list[float]
     avg_proj: list[float]
     lanes: tuple[int, int]
+    abft_ratio: float = -1.0  # worst |actual - expected| / bound over covered parameters; -1: none covered
+    abft_index: int = -1
 
     @property
     def norm(self) -> float:
@@ -116,15 +121,34 @@ def gather_step_stats(comm: Communicator, buckets: Sequence[BucketStats], losses
     w = torch.tensor([2 * b.index + 1 for b in bs], dtype=torch.int64, device=dev)
     lanes = (torch.stack([b.lanes for b in bs]) * w[:, None]).sum(0)
     loss = torch.stack(list(losses)).sum().to(dev)
+    abft = _worst_abft(bs, dev)
     floats = torch.cat([sumsq.view(1), torch.full((1,), float(numel), dtype=torch.float64, device=dev),
-                        loss.view(1), proj, avg])
+                        loss.view(1), proj, avg, abft])
     rows = comm.all_gather_rows(torch.cat([floats.view(torch.int64), lanes]))
     out = []
     for row in rows:
-        f = row[: 3 + 2 * k].view(torch.float64).tolist()
-        lane_a, lane_b = row[3 + 2 * k :].tolist()
-        out.append(StepStats(f[0], f[1], f[2], f[3 : 3 + k], f[3 + k :], (lane_a, lane_b)))
+        f = row[: 5 + 2 * k].view(torch.float64).tolist()
+        lane_a, lane_b = row[5 + 2 * k :].tolist()
+        out.append(StepStats(f[0], f[1], f[2], f[3 : 3 + k], f[3 + k : 3 + 2 * k], (lane_a, lane_b), f[3 + 2 * k],
+                             int(f[4 + 2 * k])))
     return out
+
+
+def _worst_abft(buckets: Sequence[BucketStats], dev: torch.device) -> torch.Tensor:
+    """float64[2]: the worst ABFT ratio over the buckets and its parameter index ([-1, -1]: nothing covered)."""
+    got = [b.abft for b in buckets if b.abft is not None]
+    if not got:
+        return torch.full((2,), -1.0, dtype=torch.float64, device=dev)
+    ratios = torch.stack([r.to(torch.float64) for r, _ in got])
+    worst = ratios.argmax()
+    return torch.stack([ratios[worst], torch.stack([i.to(torch.float64) for _, i in got])[worst]])
+
+
+def failed_rows(step: int, gathered: Sequence[StepStats], kind: str, failed: Sequence[int] | None,
+                rank_rows: int) -> list[Event]:
+    """The rows of a per-step check that failed: the step's rows, then the check's own (``kind``) naming ``failed``."""
+    own = [Event(step, kind, r, "fail") for r in failed] if failed else [Event(step, kind, NO_RANK, "fail")]
+    return step_rows(step, gathered, failed, rank_rows) + own
 
 
 def step_rows(step: int, gathered: Sequence[StepStats], failed: Sequence[int] | None, rank_rows: int) -> list[Event]:

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..comm import Communicator
 from ..faults import FaultPlan
+from .abft import GradientChecks
 from .stats import BucketStats, Projector, local_stats
 
 __all__ = ["GradientTap"]
@@ -39,7 +40,8 @@ class GradientTap:
     """
 
     def __init__(self, params: Sequence[torch.Tensor], comm: Communicator, *, project: Projector, faults: FaultPlan,
-                 step: Callable[[], int | None], fixed_order: bool) -> None:
+                 step: Callable[[], int | None], fixed_order: bool, abft: GradientChecks | None) -> None:
+        self.abft = abft
         self.params = list(params)
         self.comm, self.project, self.faults, self._step = comm, project, faults, step
         self.fixed_order = fixed_order
@@ -51,6 +53,8 @@ class GradientTap:
     def reset(self) -> None:
         self.buckets = []
         self.layout = {}
+        if self.abft is not None:
+            self.abft.reset()
 
     def install(self, model: DDP) -> None:
         """Register the hook on ``model`` (DDP allows one hook per model)."""
@@ -74,6 +78,8 @@ class GradientTap:
         if index == 0:
             self.faults.apply("grad", rank, step, buf)
         stats = local_stats(index, buf, self.project)
+        if self.abft is not None:  # before the all-reduce: the local gradients, as this rank computed them
+            stats.abft = self.abft.flat(list(bucket.parameters()), buf)
         if self.fixed_order:
             parts = [torch.empty_like(buf) for _ in range(world)]
             fut = self.comm.all_gather_async(parts, buf)
@@ -100,6 +106,27 @@ class GradientTap:
 
         return fut.then(averaged)
 
+    def warm_up(self, model: torch.nn.Module, module: torch.nn.Module,
+                loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], batch: Any) -> None:
+        """One forward-backward that leaves no trace but DDP's rebuilt bucket layout (see ``prepare_resume``):
+        a plain average, no checks, no faults; RNG, buffers and gradients put back afterwards."""
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        buffers = [b.detach().clone() for b in module.buffers()]
+        self.warming = True
+        try:
+            loss_fn(model, batch).backward()
+        finally:
+            self.warming = False
+            for p in self.params:
+                p.grad = None
+            with torch.no_grad():
+                for b, saved in zip(module.buffers(), buffers, strict=True):
+                    b.copy_(saved)
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+
     def single_process(self) -> None:
         """No DDP hook ran (one process): measure the gradients as one bucket, local and averaged alike."""
         step = self._step()
@@ -107,6 +134,8 @@ class GradientTap:
         flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
         self.faults.apply("grad", 0, step, flat)
         stats = local_stats(0, flat, self.project)
+        if self.abft is not None:
+            stats.abft = self.abft.flat(self.params, flat)
         self.faults.apply("allreduce", 0, step, flat)
         stats.avg_proj = self.project(flat)
         self.layout = {0: list(range(len(self.params)))}

@@ -1,0 +1,243 @@
+"""Check 5: per-step verification of gradient computation (algorithm-based fault tolerance).
+
+For an ``nn.Linear`` with input ``X`` (N x in) and output gradient ``dY``
+(N x out), the weight gradient is ``dW = dYᵀ X``. For random vectors ``r``
+(out) and ``s`` (in), ``rᵀ dW s = Σ_n (dY_n · r)(X_n · s)``: the right side
+needs two matrix-vector products, computed in module hooks while the step
+runs (``X s`` in the forward hook, ``dY r`` in a hook on the output's
+gradient), against the matrix-matrix product the gradient itself costs. The
+bias gradient ``db = Σ_n dY_n`` gives ``rᵀ db = Σ_n dY_n · r``, and an
+``nn.Embedding``'s scatter-add gives ``rᵀ dW s = Σ_n r[idx_n] (dY_n · s)``.
+The expected values accumulate across microbatches (and across the modules
+that share a tied weight); in the DDP communication hook, before the
+all-reduce, each covered parameter's actual ``rᵀ G s`` must match within a
+rounding bound derived from the data:
+
+    bound = slack · ε · rms(r) rms(s) · [(√K + √in + √out) · ‖a∘b‖₂ + (√in + 1) · ‖G‖_F]
+
+where ``a_n = ‖X_n‖``, ``b_n = ‖dY_n‖``, ``K`` the rows summed and ``ε`` the
+unit roundoff of the matmul's dtype (bf16 under autocast). The first term is
+the statistical rounding of the gradient GEMM and of both projections (random
+signs make their errors add like a random walk: ``‖a∘b‖`` bounds the size of the
+summed terms), the second that of ``G s`` and of a low-precision gradient.
+
+Not covered: input gradients (``dX``), attention's matmuls, elementwise and
+normalisation layers, convolutions, and any parameter of another module type.
+Coverage is reported as a fraction of parameters and of backward FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .stats import StepStats, Verdict, failed_rows
+
+__all__ = ["GradientChecks", "check"]
+
+_RMS = math.sqrt(7 / 3)  # rms of a weight drawn from ±[1, 2]
+
+
+@dataclasses.dataclass
+class _Covered:
+    """One covered parameter: its random vectors and this step's accumulators (device scalars)."""
+
+    name: str
+    index: int
+    r: torch.Tensor  # rows (out), float32
+    s: torch.Tensor | None  # columns (in), float32; None for a bias
+    expected: torch.Tensor | None = None  # float64
+    spread: torch.Tensor | None = None  # float64, Σ a_n² b_n²
+    rows: int = 0
+    eps: float = 2.0**-24
+
+    def add(self, expected: torch.Tensor, spread: torch.Tensor, rows: int, eps: float) -> None:
+        self.expected = expected if self.expected is None else self.expected + expected
+        self.spread = spread if self.spread is None else self.spread + spread
+        self.rows += rows
+        self.eps = max(self.eps, eps)
+
+
+def _rgs(c: _Covered, g: torch.Tensor) -> torch.Tensor:
+    """``rᵀ G s`` (``rᵀ g`` for a bias) in float64, from one pass over the gradient."""
+    if c.s is not None and g.dim() == 2:
+        return (g @ c.s).double() @ c.r.double()
+    return g.reshape(-1).double() @ c.r.double()
+
+
+def _weights(n: int, g: torch.Generator, device: torch.device) -> torch.Tensor:
+    signs = torch.randint(0, 2, (n,), generator=g) * 2 - 1
+    return ((torch.rand(n, generator=g) + 1) * signs).to(device)
+
+
+def _eps(*dtypes: torch.dtype) -> float:
+    return max(torch.finfo(d).eps / 2 if d.is_floating_point else 2.0**-24 for d in dtypes)
+
+
+class GradientChecks:
+    """Installs the hooks on a module's ``nn.Linear`` and ``nn.Embedding`` layers and checks their gradients.
+
+    Args:
+        module: the replica's module.
+        params: its parameters, in the order the guard indexes them.
+        seed: seed of the random vectors.
+        slack: safety factor on the rounding bound.
+    """
+
+    def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor], seed: int, slack: float) -> None:
+        self.slack = slack
+        self.paused = False  # audit recomputation and warm-up passes are not this step's gradients
+        self.covered: dict[int, _Covered] = {}
+        index = {id(p): i for i, p in enumerate(params)}
+        g = torch.Generator().manual_seed(seed + 7919)
+        names = {id(p): n for n, p in module.named_parameters()}
+        for mod in module.modules():
+            if isinstance(mod, torch.nn.Linear):
+                self._cover(mod.weight, names, index, g, rows=mod.out_features, cols=mod.in_features)
+                if mod.bias is not None:
+                    self._cover(mod.bias, names, index, g, rows=mod.out_features, cols=None, share=mod.weight)
+                mod.register_forward_hook(self._linear_forward)
+            elif isinstance(mod, torch.nn.Embedding) and not mod.sparse and mod.max_norm is None \
+                    and not mod.scale_grad_by_freq:
+                self._cover(mod.weight, names, index, g, rows=mod.num_embeddings, cols=mod.embedding_dim)
+                mod.register_forward_hook(self._embedding_forward)
+        total = sum(p.numel() for p in params)
+        self.param_fraction = sum(params[c.index].numel() for c in self.covered.values()) / total if total else 0.0
+        self.flop_fraction: float | None = None  # measured at the first step (``measure_flops``)
+        self._covered_flops = 0
+
+    def _cover(self, p: torch.Tensor, names: dict[int, str], index: dict[int, int], g: torch.Generator, *,
+               rows: int, cols: int | None, share: torch.Tensor | None = None) -> None:
+        if id(p) in self.covered or id(p) not in index:
+            return  # a tied weight keeps the vectors it was first given
+        r = self.covered[id(share)].r if share is not None and id(share) in self.covered else _weights(rows, g, p.device)
+        s = _weights(cols, g, p.device) if cols is not None else None
+        self.covered[id(p)] = _Covered(names.get(id(p), "?"), index[id(p)], r, s)
+
+    def reset(self) -> None:
+        for c in self.covered.values():
+            c.expected, c.spread, c.rows, c.eps = None, None, 0, 2.0**-24
+
+    def start_step(self, params: Sequence[torch.Tensor]) -> None:
+        """Gradients left from before this step (not zeroed) are part of what the step reduces: start from them.
+
+        ``zero_grad()`` sets gradients to ``None`` by default, and then this costs nothing.
+        """
+        for p in params:
+            c = self.covered.get(id(p))
+            if c is None or p.grad is None:
+                continue
+            c.add(_rgs(c, p.grad.detach().float()), torch.zeros((), dtype=torch.float64, device=p.device), 0, 2.0**-24)
+
+    # ------------------------------------------------------------ hooks
+    def _linear_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
+        if self.paused or not torch.is_grad_enabled() or not isinstance(out, torch.Tensor) or not out.requires_grad:
+            return
+        w = self.covered.get(id(mod.weight))
+        x = args[0] if args else None
+        if w is None or not isinstance(x, torch.Tensor):
+            return
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        xs = x2.float() @ w.s if w.s is not None else None
+        a = torch.linalg.vector_norm(x2, dim=1, dtype=torch.float32)
+        cast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        bias = self.covered.get(id(mod.bias)) if getattr(mod, "bias", None) is not None else None
+        self._flops(mod, 2 * x2.shape[0] * x2.shape[1] * out.shape[-1])
+
+        def on_grad(dy: torch.Tensor) -> None:
+            assert xs is not None
+            dy2 = dy.detach().reshape(-1, dy.shape[-1]).float()
+            dyr = dy2 @ w.r
+            b = torch.linalg.vector_norm(dy2, dim=1)
+            eps = _eps(cast, dy.dtype)
+            w.add(((dyr.double() * xs.double()).sum()), ((a.double() * b.double()) ** 2).sum(), x2.shape[0], eps)
+            if bias is not None:
+                bias.add(dyr.double().sum(), (b.double() ** 2).sum(), x2.shape[0], eps)
+
+        if xs is not None:
+            out.register_hook(on_grad)
+
+    def _embedding_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
+        if self.paused or not torch.is_grad_enabled() or not isinstance(out, torch.Tensor) or not out.requires_grad:
+            return
+        e = self.covered.get(id(mod.weight))
+        idx = args[0] if args else None
+        if e is None or e.s is None or not isinstance(idx, torch.Tensor):
+            return
+        flat = idx.detach().reshape(-1)
+        s = e.s
+        weights = e.r[flat].double()
+        if mod.padding_idx is not None:  # the padding row's gradient is kept at zero
+            weights = weights * (flat != mod.padding_idx)
+
+        def on_grad(dy: torch.Tensor) -> None:
+            dy2 = dy.detach().reshape(-1, dy.shape[-1]).float()
+            b = torch.linalg.vector_norm(dy2, dim=1).double()
+            e.add((weights * (dy2 @ s).double()).sum(), (b**2).sum(), flat.numel(), _eps(dy.dtype))
+
+        out.register_hook(on_grad)
+
+    def _flops(self, mod: torch.nn.Module, weight_grad_flops: int) -> None:
+        if self.flop_fraction is None:
+            self._covered_flops += weight_grad_flops
+
+    def measure_flops(self, total_backward_flops: int) -> None:
+        """Record the covered share of one step's backward FLOPs (weight gradients of covered layers)."""
+        self.flop_fraction = min(self._covered_flops / total_backward_flops, 1.0) if total_backward_flops else 0.0
+
+    # ------------------------------------------------------------ check
+    def flat(self, params: Sequence[torch.Tensor], buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`bucket` over a flat buffer holding ``params``' gradients one after another (a DDP bucket)."""
+        grads, pos = [], 0
+        for p in params:
+            grads.append(buf[pos : pos + p.numel()].view(p.shape))
+            pos += p.numel()
+        return self.bucket(params, grads)
+
+    def bucket(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The worst ratio |actual - expected| / bound over the bucket's covered parameters, and that parameter's
+        index (device tensors, no host sync); ``None`` when nothing in the bucket was covered this step."""
+        ratios, which = [], []
+        for p, grad in zip(params, grads, strict=True):
+            c = self.covered.get(id(p))
+            if c is None or c.expected is None or c.spread is None:
+                continue
+            g = grad.float()
+            actual = _rgs(c, g)
+            if c.s is not None and g.dim() == 2:
+                scale = _RMS * _RMS
+                terms = (math.sqrt(c.rows) + math.sqrt(g.shape[1]) + math.sqrt(g.shape[0])) * c.spread.sqrt()
+                terms = terms + (math.sqrt(g.shape[1]) + 1) * torch.linalg.vector_norm(g).double()
+            else:
+                scale = _RMS
+                terms = (math.sqrt(c.rows) + math.sqrt(g.numel())) * c.spread.sqrt() + torch.linalg.vector_norm(g).double()
+            bound = self.slack * c.eps * scale * terms + 1e-30
+            ratios.append(((actual - c.expected).abs() / bound).nan_to_num(nan=float("inf")))
+            which.append(c.index)
+        if not ratios:
+            return None
+        stacked = torch.stack(ratios)
+        worst = stacked.argmax()
+        return stacked[worst], torch.tensor(which, device=stacked.device)[worst]
+
+    def name_of(self, index: int) -> str:
+        return next((c.name for c in self.covered.values() if c.index == index), f"parameter {index}")
+
+
+def check(step: int, gathered: Sequence[StepStats], name_of: Callable[[int], str], rank_rows: int) -> Verdict | None:
+    """The ABFT verdict: ranks whose worst covered gradient is off by more than its rounding bound.
+
+    ``None`` when no rank had a covered gradient this step (nothing was checked).
+    """
+    if all(x.abft_ratio < 0 for x in gathered):
+        return None
+    bad = [r for r, x in enumerate(gathered) if x.abft_ratio > 1.0]
+    if not bad:
+        return Verdict("abft", True)
+    detail = "; ".join(f"rank {r}: the gradient of {name_of(gathered[r].abft_index)} does not match its ABFT checksum "
+                       f"({gathered[r].abft_ratio:.3g} x the rounding bound)" for r in bad)
+    return Verdict("abft", False, bad, detail, rows=lambda: failed_rows(step, gathered, "abft", bad, rank_rows))

@@ -21,29 +21,34 @@ __all__ = ["bound", "check"]
 _EPS32 = 2.0**-24
 
 
-def bound(gathered: Sequence[StepStats], slack: float, max_weight: float) -> float:
-    """Rounding bound of the all-reduce checksum, derived from the data.
+def bound(gathered: Sequence[StepStats], slack: float, rms_weight: float) -> float:
+    """Rounding bound of the all-reduce checksum, from how rounding errors accumulate (docs/GUARD.md).
 
-    Each averaged element is off by at most ~(W + 2) * eps32 times the mean
-    of the local magnitudes, and the projections' own fp32 column sums add
-    ~log2(n / 1024) * eps32; with weights <= max|r| the projection is off by
-    that times the mean L1 norm, which Cauchy-Schwarz bounds by
-    sqrt(n) * ||g||_2 (so the bound never under-estimates, at the price of
-    being loose for sparse gradients). ``slack`` is a safety factor.
+    D = P(avg) - mean_i P(g_i) is, without a fault, a sum of rounding errors:
+
+    * the averaging: each averaged element is off by at most about (W + 1) ε_b times the sum of
+      the local magnitudes, so the error vector δ has ‖δ‖₂ ≤ (W + 1) ε_b · M, with M = mean_i ‖g_i‖₂
+      and ε_b the unit roundoff of the bucket's dtype;
+    * the projections' float32 products, on both sides: each of a row's 1024 terms is rounded,
+      a random walk of about √1024 ε₃₂ times the row's norm, i.e. 32 ε₃₂ · ‖x‖₂ per side.
+
+    Every element's weight has a pseudo-random sign independent of those errors (``Projector``),
+    so their projection has a standard deviation of about rms(w) times their 2-norm, whatever
+    their pattern: σ ≈ rms(w) · M · ((W + 1) ε_b + 64 ε₃₂). ``slack`` is how many σ are tolerated.
+    The worst-case bound used before grew with √n (the L1 norm); this one does not.
     """
     world = len(gathered)
-    n = max(x.numel for x in gathered)
     mean_l2 = sum(x.norm for x in gathered) / world
-    gamma = (world + 2 + math.log2(max(n / LANES, 2.0))) * _EPS32
-    return slack * gamma * max_weight * math.sqrt(n) * mean_l2 + 1e-30
+    eps = max(x.eps for x in gathered)
+    return slack * rms_weight * mean_l2 * ((world + 1) * eps + 2 * math.sqrt(LANES) * _EPS32) + 1e-30
 
 
-def check(step: int, gathered: Sequence[StepStats], slack: float, max_weight: float, rank_rows: int) -> Verdict | None:
+def check(step: int, gathered: Sequence[StepStats], slack: float, rms_weight: float, rank_rows: int) -> Verdict | None:
     """The checksum verdict, or ``None`` with one replica (nothing was averaged: the check is unavailable)."""
     world = len(gathered)
     if world < 2:
         return None
-    b = bound(gathered, slack, max_weight)
+    b = bound(gathered, slack, rms_weight)
     k = len(gathered[0].proj)
     bad = decisions.checksum_suspects([x.proj for x in gathered], [x.avg_proj for x in gathered], [b] * k)
     if not bad:

@@ -45,7 +45,7 @@ class GuardConfig:
     mode: str = "exact"
     rtol: float = 1e-4
     checksum_lanes: int = 2
-    checksum_slack: float = 16.0
+    checksum_slack: float = 6.0
     outlier_factor: float = 4.0
     fixed_order_reduce: bool = False
     seed: int = 0

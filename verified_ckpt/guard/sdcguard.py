@@ -227,7 +227,7 @@ class SDCGuard:
         rows = self.cfg.ledger_rank_rows
         verdicts: list[Verdict | None] = list(nonfinite.check(s, gathered, rows)) if self.cfg.check_nonfinite else []
         if self.cfg.check_checksum:
-            verdicts.append(checksum.check(s, gathered, self.cfg.checksum_slack, self.project.max_weight, rows))
+            verdicts.append(checksum.check(s, gathered, self.cfg.checksum_slack, self.project.rms_weight, rows))
         if self.abft is not None:
             verdicts.append(abft.check(s, gathered, self.abft.name_of, rows))
         for v in verdicts:

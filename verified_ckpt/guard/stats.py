@@ -45,32 +45,52 @@ class Verdict:
 
 
 class Projector:
-    """Seeded random projections onto ``k`` lanes: 1024 contiguous block sums, then one small matvec.
+    """Seeded random projections onto ``k`` lanes, with a pseudo-random weight for every element.
 
+    A bucket of n elements is viewed as rows of 1024; element (i, c) gets the
+    weight ``A[i] · B[c]`` (per lane), both drawn from ±[1, 2]: ``P(x) = Aᵀ (X B)``,
+    one matrix product that reads ``x`` once, plus a sum over its small result.
     Linear in ``x``, so P(mean of buckets) = mean of P(buckets) up to rounding.
-    Weights have magnitudes in [1, 2] with random signs: no weight is near
-    zero, so any single wrong element moves every lane, and max|r| <= 2 keeps
-    the rounding bound tight. One memory pass whatever the number of lanes.
+    No weight is near zero, so any single wrong element moves every lane; and
+    because every element's weight has its own random sign, rounding errors
+    project like a random walk whatever their pattern (even all alike, as when
+    every element holds the same value), which is what lets the checksum's
+    bound be statistical (``checksum.bound``) instead of worst-case.
     """
 
-    max_weight = 2.0
+    max_weight = 4.0
+    rms_weight = 7.0 / 3.0  # E[w²] = E[a²] E[b²] = (7/3)² for a, b uniform on ±[1, 2]
 
     def __init__(self, k: int, seed: int, device: torch.device) -> None:
+        self.k, self.seed, self.device = k, seed, device
         g = torch.Generator().manual_seed(seed)
-        signs = torch.randint(0, 2, (LANES, k), generator=g) * 2 - 1
-        self.weights = ((torch.rand(LANES, k, generator=g) + 1) * signs).to(torch.float64).to(device)
-        self.k = k
+        self.cols = _signed(LANES, k, g).to(torch.float32).to(device)  # B, for a float32 product
+        self.tail = _signed(1, k, g).to(torch.float64).to(device)  # A of the last, partial row
+        self._rows: dict[int, torch.Tensor] = {}  # A by number of full rows (a few bucket sizes)
+
+    def rows(self, m: int) -> torch.Tensor:
+        got = self._rows.get(m)
+        if got is None:  # identical on every rank: seeded by (seed, m)
+            got = self._rows[m] = _signed(m, self.k, torch.Generator().manual_seed(self.seed * 1_000_003 + m)).to(
+                torch.float64).to(self.device)
+        return got
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        per_block = x.numel() // LANES
+        x = x if x.dtype == torch.float32 else x.float()
+        m = x.numel() // LANES
         out = torch.zeros(self.k, dtype=torch.float64, device=x.device)
-        if per_block:
-            out += x[: per_block * LANES].view(LANES, per_block).sum(1).to(torch.float64) @ self.weights
-        rem = x.numel() - per_block * LANES
+        if m:
+            out += ((x[: m * LANES].view(m, LANES) @ self.cols).to(torch.float64) * self.rows(m)).sum(0)
+        rem = x.numel() - m * LANES
         if rem:
-            out += x[per_block * LANES :].to(torch.float64) @ self.weights[:rem]
+            out += (x[m * LANES :].to(torch.float64) @ self.cols[:rem].to(torch.float64)) * self.tail[0]
         return out
+
+
+def _signed(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """n x k weights with magnitudes uniform on [1, 2] and random signs."""
+    signs = torch.randint(0, 2, (n, k), generator=g) * 2 - 1
+    return (torch.rand(n, k, generator=g) + 1) * signs
 
 
 @dataclasses.dataclass
@@ -82,13 +102,14 @@ class BucketStats:
     lanes: torch.Tensor  # int64[2], exact fingerprint of the local bucket
     avg_proj: torch.Tensor | None = None  # float64[k], all-reduced bucket
     abft: tuple[torch.Tensor, torch.Tensor] | None = None  # worst ABFT ratio and its parameter index
+    eps: float = 2.0**-24  # unit roundoff of the dtype the bucket is reduced in
 
 
 def local_stats(index: int, buf: torch.Tensor, project: Projector) -> BucketStats:
     """Three passes over a local bucket: squared norm, projections, exact lanes. No host sync."""
     x = buf if buf.dtype in (torch.float32, torch.float64) else buf.float()
     return BucketStats(index=index, sumsq=torch.dot(x, x).to(torch.float64), numel=buf.numel(), proj=project(x),
-                       lanes=tensor_lanes(buf))
+                       lanes=tensor_lanes(buf), eps=torch.finfo(buf.dtype).eps / 2 if buf.is_floating_point() else 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +124,7 @@ class StepStats:
     lanes: tuple[int, int]
     abft_ratio: float = -1.0  # worst |actual - expected| / bound over covered parameters; -1: none covered
     abft_index: int = -1
+    eps: float = 2.0**-24  # the largest unit roundoff among the step's buckets
 
     @property
     def norm(self) -> float:
@@ -122,15 +144,15 @@ def gather_step_stats(comm: Communicator, buckets: Sequence[BucketStats], losses
     lanes = (torch.stack([b.lanes for b in bs]) * w[:, None]).sum(0)
     loss = torch.stack(list(losses)).sum().to(dev)
     abft = _worst_abft(bs, dev)
-    floats = torch.cat([sumsq.view(1), torch.full((1,), float(numel), dtype=torch.float64, device=dev),
-                        loss.view(1), proj, avg, abft])
+    meta = torch.tensor([float(numel), max(b.eps for b in bs)], dtype=torch.float64, device=dev)
+    floats = torch.cat([sumsq.view(1), loss.view(1), meta, proj, avg, abft])
     rows = comm.all_gather_rows(torch.cat([floats.view(torch.int64), lanes]))
     out = []
     for row in rows:
-        f = row[: 5 + 2 * k].view(torch.float64).tolist()
-        lane_a, lane_b = row[5 + 2 * k :].tolist()
-        out.append(StepStats(f[0], f[1], f[2], f[3 : 3 + k], f[3 + k : 3 + 2 * k], (lane_a, lane_b), f[3 + 2 * k],
-                             int(f[4 + 2 * k])))
+        f = row[: 6 + 2 * k].view(torch.float64).tolist()
+        lane_a, lane_b = row[6 + 2 * k :].tolist()
+        out.append(StepStats(f[0], f[2], f[1], f[4 : 4 + k], f[4 + k : 4 + 2 * k], (lane_a, lane_b), f[4 + 2 * k],
+                             int(f[5 + 2 * k]), f[3]))
     return out
 
 

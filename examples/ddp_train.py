@@ -208,6 +208,8 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         "audit_pairs": {str(a): t for a, t in enumerate(guard.targets)} if guard else {},
         "nodes": guard.node_of if guard else [],
         "checks": {k: c.to_dict() for k, c in guard.counters().items()} if guard else {},
+        "abft_coverage": {"params": guard.abft.param_fraction, "flops": guard.abft.flop_fraction}
+        if guard and guard.abft else None,
     }
 
 

@@ -2,6 +2,7 @@
 amortised cost of one consensus and one audit.
 
     .venv/bin/python tools/bench/bench_guard.py --world-size 3 --steps 40
+    .venv/bin/python tools/bench/bench_guard.py --model gpt --d-model 256 --batch 16
 
 All variants run in the same spawned job with their own model copies, their
 steps interleaved one by one, so the ratios are measured side by side.
@@ -13,6 +14,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -21,11 +23,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+
+import models
 from verified_ckpt import GuardConfig, SDCGuard
 
 
-def build(width: int, depth: int) -> torch.nn.Module:
+def build(args: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(0)
+    if args.model == "gpt":
+        return models.TinyGPT(vocab=1024, d=args.d_model, layers=args.depth, heads=8, context=args.context)
+    width, depth = args.width, args.depth
     layers: list[torch.nn.Module] = []
     for _ in range(depth):
         layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
@@ -34,6 +42,8 @@ def build(width: int, depth: int) -> torch.nn.Module:
 
 def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
+    if y.dim() == 0:  # token ids: a language model
+        return models.lm_loss(model, x)
     return torch.nn.functional.mse_loss(model(x), y)
 
 
@@ -41,10 +51,15 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, 8, generator=g)) for _ in range(4)]
+    if args.model == "gpt":
+        batches = [(torch.randint(0, 1024, (args.batch, args.context + 1), generator=g), torch.zeros(())) for _ in range(4)]
+    else:
+        batches = [(torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, 8, generator=g))
+                   for _ in range(4)]
     variants = {
         "plain DDP": None,
         "per-step checks": GuardConfig(consensus_every=10**9, audit_every=None),
+        "per-step, no ABFT": GuardConfig(consensus_every=10**9, audit_every=None, abft=False),
         "consensus every step": GuardConfig(consensus_every=1, audit_every=None),
         "audit every step": GuardConfig(consensus_every=10**9, audit_every=1),
     }
@@ -53,7 +68,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     # noise on an oversubscribed box hit all variants alike.
     runs = {}
     for name, cfg in variants.items():
-        model = DDP(build(args.width, args.depth))
+        model = DDP(build(args))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         runs[name] = (model, opt, SDCGuard(model, opt, loss_fn, cfg) if cfg else None)
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -73,7 +88,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
             if step > args.warmup:
                 times[name].append(time.perf_counter() - t0)
     if rank == 0:
-        params = sum(p.numel() for p in build(args.width, args.depth).parameters())
+        params = sum(p.numel() for p in build(args).parameters())
         with open(out, "w") as f:
             json.dump({"params": params, "step_s": {k: statistics.mean(v) for k, v in times.items()}}, f)
     dist.destroy_process_group()
@@ -85,6 +100,9 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
+    ap.add_argument("--d-model", type=int, default=256, help="TinyGPT width (--model gpt)")
+    ap.add_argument("--context", type=int, default=64, help="TinyGPT context length (--model gpt)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", dest="json_out", default=None)
@@ -98,14 +116,18 @@ def main() -> None:
     base, checks = s["plain DDP"], s["per-step checks"]
     ratios = {
         "per-step checks overhead": checks / base - 1,
+        "per-step checks without ABFT": s["per-step, no ABFT"] / base - 1,
         "one consensus, in steps": (s["consensus every step"] - checks) / base,
         "one audit, in steps": (s["audit every step"] - checks) / base,
     }
-    print(f"{args.world_size} gloo ranks, MLP {args.depth}x{args.width} ({res['params'] / 1e6:.1f} M params), "
+    shape = (f"TinyGPT d={args.d_model} x{args.depth} layers, context {args.context}" if args.model == "gpt"
+             else f"MLP {args.depth}x{args.width}")
+    print(f"{args.world_size} gloo ranks, {shape} ({res['params'] / 1e6:.1f} M params), "
           f"batch {args.batch}, mean of {args.steps - args.warmup} interleaved steps")
     for k, v in s.items():
         print(f"  {k:<22} {v * 1000:8.1f} ms/step")
     print("  per-step checks overhead      {:6.1%}   (target <= 5%)".format(ratios["per-step checks overhead"]))
+    print("    of which without ABFT       {:6.1%}".format(ratios["per-step checks without ABFT"]))
     print("  one consensus costs           {:6.2f} steps".format(ratios["one consensus, in steps"]))
     print("  one audit costs               {:6.2f} steps".format(ratios["one audit, in steps"]))
     for every in (10, 100):

@@ -186,6 +186,9 @@ class SDCGuard:
                 self.abft.measure_flops(flops.get_total_flops())
             else:
                 loss.backward()
+        if sync and not isinstance(self.model, DDP):
+            # One process: where DDP's hook would run, at the end of the step's last backward (before any clipping).
+            self.tap.single_process()
         self._batches.append(batch)
         self._losses.append(loss.detach().to(torch.float64))
         return loss.detach()
@@ -202,8 +205,6 @@ class SDCGuard:
             raise GuardUsageError("call guard.backward(batch, step=...) before guard.step()")
         s = self._step
         try:
-            if not isinstance(self.model, DDP):
-                self.tap.single_process()
             if not self.tap.buckets:
                 raise GuardUsageError(
                     "no gradient bucket was reduced this step; the last backward() of a step must have sync=True"

@@ -210,6 +210,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         "checks": {k: c.to_dict() for k, c in guard.counters().items()} if guard else {},
         "abft_coverage": {"params": guard.abft.param_fraction, "flops": guard.abft.flop_fraction}
         if guard and guard.abft else None,
+        "margins": dict(guard.margins) if guard else {},
     }
 
 

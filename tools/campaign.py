@@ -73,9 +73,9 @@ CLEAN = [
 
 def clean_campaign(args: argparse.Namespace) -> None:
     """Run every clean configuration for ``--clean-steps`` steps and count false alarms."""
-    t = Table(title=f"clean configurations: world {args.world_size}, {args.clean_steps} steps each, "
-                    f"audit every {args.audit_every}, consensus every {args.consensus_every}")
-    for c in ("configuration", "steps", "audits", "consensus", "false alarms"):
+    t = Table(title=f"clean configurations: world {args.world_size}, {args.clean_steps} steps each, audit every "
+                    f"{args.audit_every}, consensus every {args.consensus_every}; worst = largest deviation / bound passed")
+    for c in ("configuration", "steps", "audits", "consensus", "worst checksum", "worst abft", "false alarms"):
         t.add_column(c, justify="left" if c == "configuration" else "right")
     total = alarms = 0
     for name, extra in CLEAN:
@@ -87,10 +87,12 @@ def clean_campaign(args: argparse.Namespace) -> None:
         total += n
         alarms += len(result["incidents"])
         checks = result["checks"]
+        margins = result.get("margins", {})
         t.add_row(name, str(n), str(checks.get("audit", {}).get("passed", 0)),
-                  str(checks.get("consensus", {}).get("passed", 0)), str(len(result["incidents"])))
+                  str(checks.get("consensus", {}).get("passed", 0)), f"{margins.get('checksum', 0):.3f}",
+                  f"{margins.get('abft', 0):.3f}", str(len(result["incidents"])))
         print(f"{name}: {n} steps, incidents {result['incidents']}", flush=True)
-    t.add_row("total", str(total), "", "", str(alarms))
+    t.add_row("total", str(total), "", "", "", "", str(alarms))
     Console(width=160).print(t)
 
 

@@ -240,7 +240,7 @@ def check(step: int, gathered: Sequence[StepStats], name_of: Callable[[int], str
         return None
     bad = [r for r, x in enumerate(gathered) if x.abft_ratio > 1.0]
     if not bad:
-        return Verdict("abft", True)
+        return Verdict("abft", True, margin=max(x.abft_ratio for x in gathered))
     detail = "; ".join(f"rank {r}: the gradient of {name_of(gathered[r].abft_index)} does not match its ABFT checksum "
                        f"({gathered[r].abft_ratio:.3g} x the rounding bound)" for r in bad)
     return Verdict("abft", False, bad, detail, rows=lambda: failed_rows(step, gathered, "abft", bad, rank_rows))

@@ -52,7 +52,9 @@ def check(step: int, gathered: Sequence[StepStats], slack: float, rms_weight: fl
     k = len(gathered[0].proj)
     bad = decisions.checksum_suspects([x.proj for x in gathered], [x.avg_proj for x in gathered], [b] * k)
     if not bad:
-        return Verdict("checksum", True)
+        mean = [sum(x.proj[j] for x in gathered) / world for j in range(k)]
+        worst = max(abs(x.avg_proj[j] - mean[j]) for x in gathered for j in range(k))
+        return Verdict("checksum", True, margin=worst / b)
     named = bad if len(bad) < world else []
     return Verdict("checksum", False, named, f"all-reduced gradients do not match the local ones (bound {b:.3g})",
                    rows=lambda: failed_rows(step, gathered, "checksum", named or None, rank_rows))

@@ -101,6 +101,7 @@ class SDCGuard:
         if self.world == 2 and self.rank == 0:
             warnings.warn(TWO_REPLICAS, stacklevel=2)
         self.checks: dict[str, CheckCounts] = {}
+        self.margins: dict[str, float] = {}  # per bounded check: the largest deviation / bound that passed
         self.incidents: list[Incident] = []
         self._listeners: list[Callable[[Incident], None]] = []
         self._event_listeners: list[Callable[[list[Event]], None]] = []
@@ -355,6 +356,8 @@ class SDCGuard:
     def _judge(self, step: int, v: Verdict) -> None:
         """Count a verdict; on failure, log its rows, tell the listeners and raise the incident."""
         c = self.checks.setdefault(v.kind, CheckCounts())
+        if v.margin is not None:
+            self.margins[v.kind] = max(self.margins.get(v.kind, 0.0), v.margin)
         if v.ok:
             if v.rows is not None:
                 self._emit(v.rows)

@@ -42,6 +42,7 @@ class Verdict:
     detail: str = ""
     first_suspect: int | None = None
     rows: Callable[[], list[Event]] | None = None
+    margin: float | None = None  # how close a passing check came to its bound (deviation / bound)
 
 
 class Projector:

@@ -63,10 +63,16 @@ class _Covered:
 
 
 def _rgs(c: _Covered, g: torch.Tensor) -> torch.Tensor:
-    """``rᵀ G s`` (``rᵀ g`` for a bias) in float64, from one pass over the gradient."""
+    """``rᵀ G s`` (``rᵀ g`` for a bias), from one pass over the gradient; float32 sums, whose rounding the
+    bound's terms cover."""
     if c.s is not None and g.dim() == 2:
-        return (g @ c.s).double() @ c.r.double()
-    return g.reshape(-1).double() @ c.r.double()
+        return torch.dot(torch.mv(g, c.s), c.r).double()
+    return torch.dot(g.reshape(-1), c.r).double()
+
+
+def _norm(g: torch.Tensor) -> torch.Tensor:
+    norm: torch.Tensor = torch.linalg.vector_norm(g)
+    return norm.to(torch.float64)
 
 
 def _weights(n: int, g: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -142,9 +148,10 @@ class GradientChecks:
         if w is None or not isinstance(x, torch.Tensor):
             return
         x2 = x.detach().reshape(-1, x.shape[-1])
-        xs = x2.float() @ w.s if w.s is not None else None
-        a = torch.linalg.vector_norm(x2, dim=1, dtype=torch.float32)
         cast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        with torch.autocast(x.device.type, enabled=False):  # the checksums are float32, whatever the layer ran in
+            xs = torch.mv(x2.float(), w.s) if w.s is not None else None
+            a = torch.linalg.vector_norm(x2, dim=1, dtype=torch.float32)
         bias = self.covered.get(id(mod.bias)) if getattr(mod, "bias", None) is not None else None
         self._flops(mod, 2 * x2.shape[0] * x2.shape[1] * out.shape[-1])
 
@@ -154,9 +161,10 @@ class GradientChecks:
             dyr = dy2 @ w.r
             b = torch.linalg.vector_norm(dy2, dim=1)
             eps = _eps(cast, dy.dtype)
-            w.add(((dyr.double() * xs.double()).sum()), ((a.double() * b.double()) ** 2).sum(), x2.shape[0], eps)
+            ab = a * b
+            w.add(torch.dot(dyr, xs).double(), torch.dot(ab, ab).double(), x2.shape[0], eps)
             if bias is not None:
-                bias.add(dyr.double().sum(), (b.double() ** 2).sum(), x2.shape[0], eps)
+                bias.add(dyr.sum(dtype=torch.float64), torch.dot(b, b).double(), x2.shape[0], eps)
 
         if xs is not None:
             out.register_hook(on_grad)
@@ -190,42 +198,56 @@ class GradientChecks:
         self.flop_fraction = min(self._covered_flops / total_backward_flops, 1.0) if total_backward_flops else 0.0
 
     # ------------------------------------------------------------ check
-    def flat(self, params: Sequence[torch.Tensor], buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def flat(self, params: Sequence[torch.Tensor], buf: torch.Tensor,
+             sumsq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """:meth:`bucket` over a flat buffer holding ``params``' gradients one after another (a DDP bucket)."""
         grads, pos = [], 0
         for p in params:
             grads.append(buf[pos : pos + p.numel()].view(p.shape))
             pos += p.numel()
-        return self.bucket(params, grads)
+        return self.bucket(params, grads, sumsq)
 
-    def bucket(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def bucket(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+               sumsq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The worst ratio |actual - expected| / bound over the bucket's covered parameters, and that parameter's
-        index (device tensors, no host sync); ``None`` when nothing in the bucket was covered this step."""
-        ratios, which = [], []
+        index (device tensors, no host sync); ``None`` when nothing in the bucket was covered this step.
+
+        ``sumsq``: the squared norm of all the gradients together (the tap has it already). Its root bounds
+        every gradient's own norm in the bound, which saves a pass over each gradient; without it, each
+        gradient's norm is computed.
+        """
+        whole = sumsq.to(torch.float64).sqrt() if sumsq is not None else None
+        actual, expected, spread, norms, first, second, which = [], [], [], [], [], [], []
         for p, grad in zip(params, grads, strict=True):
             c = self.covered.get(id(p))
             if c is None or c.expected is None or c.spread is None:
                 continue
-            g = grad.float()
-            actual = _rgs(c, g)
+            g = grad if grad.dtype == torch.float32 else grad.float()
+            actual.append(_rgs(c, g))
+            expected.append(c.expected)
+            spread.append(c.spread)
+            norms.append(whole if whole is not None else _norm(g))
+            # The bound's coefficients are plain numbers (shapes, rows, dtype): one tensor of them per bucket.
             if c.s is not None and g.dim() == 2:
-                scale = _RMS * _RMS
-                terms = (math.sqrt(c.rows) + math.sqrt(g.shape[1]) + math.sqrt(g.shape[0])) * c.spread.sqrt()
-                terms = terms + (math.sqrt(g.shape[1]) + 1) * torch.linalg.vector_norm(g).double()
+                k = self.slack * c.eps * _RMS * _RMS
+                first.append(k * (math.sqrt(c.rows) + math.sqrt(g.shape[1]) + math.sqrt(g.shape[0])))
+                second.append(k * (math.sqrt(g.shape[1]) + 1))
             else:
-                scale = _RMS
-                terms = (math.sqrt(c.rows) + math.sqrt(g.numel())) * c.spread.sqrt() + torch.linalg.vector_norm(g).double()
-            bound = self.slack * c.eps * scale * terms + 1e-30
-            # Norms are float32 sums of squares: a value past ~1e19 (no real gradient or activation) overflows
-            # them, and an infinite bound would pass anything. Such a bound is a failure in itself.
-            ratio = torch.where(bound.isfinite(), (actual - c.expected).abs() / bound, torch.inf)
-            ratios.append(ratio.nan_to_num(nan=float("inf")))
+                k = self.slack * c.eps * _RMS
+                first.append(k * (math.sqrt(c.rows) + math.sqrt(g.numel())))
+                second.append(k)
             which.append(c.index)
-        if not ratios:
+        if not actual:
             return None
-        stacked = torch.stack(ratios)
-        worst = stacked.argmax()
-        return stacked[worst], torch.tensor(which, device=stacked.device)[worst]
+        dev = actual[0].device
+        coef = torch.tensor([first, second, which], dtype=torch.float64, device=dev)
+        bound = coef[0] * torch.stack(spread).sqrt() + coef[1] * torch.stack(norms) + 1e-30
+        # Norms are float32 sums of squares: a value past ~1e19 (no real gradient or activation) overflows
+        # them, and an infinite bound would pass anything. Such a bound is a failure in itself.
+        ratio = ((torch.stack(actual) - torch.stack(expected)).abs() / bound).nan_to_num(nan=torch.inf)
+        ratio = torch.where(bound.isfinite(), ratio, torch.inf)
+        worst = ratio.argmax()
+        return ratio[worst], coef[2][worst]
 
     def name_of(self, index: int) -> str:
         return next((c.name for c in self.covered.values() if c.index == index), f"parameter {index}")

@@ -41,12 +41,17 @@ class Recomputed:
 
     loss: float
     proj: list[float]
-    lanes: tuple[int, int]
+    lanes: tuple[int, int] | None  # None: not taken (an audit an outlier triggered compares projections)
     sumsq: float = 0.0
 
     @staticmethod
     def recorded(x: StepStats) -> Recomputed:
-        return Recomputed(x.loss, list(x.proj), x.lanes, x.sumsq)
+        return Recomputed(x.loss, list(x.proj), x.lanes if x.lanes_known else None, x.sumsq)
+
+    def key(self, other: Recomputed) -> tuple[float, tuple[Any, ...]]:
+        """What exact mode compares: the loss and the exact lanes, or the projections where either lacks lanes."""
+        use_lanes = self.lanes is not None and other.lanes is not None
+        return self.loss, (tuple(self.lanes) if use_lanes and self.lanes is not None else tuple(self.proj))
 
 
 class Auditor:
@@ -102,7 +107,7 @@ class Auditor:
         def rows(disputed: set[int]) -> Callable[[], list[Event]]:
             # One row per audited rank: the auditor's recomputed loss and gradient lanes.
             # Who is to blame is the incident's business (tie-breaks can name the auditor).
-            return lambda: [Event(step, "audit", t, "fail" if t in disputed else "pass", results[a].lanes,
+            return lambda: [Event(step, "audit", t, "fail" if t in disputed else "pass", results[a].lanes or (0, 0),
                                   results[a].loss) for a, t in sorted(jobs.items(), key=lambda j: j[1])]
 
         if not disputes:
@@ -121,10 +126,7 @@ class Auditor:
 
     def _verdict(self, owner: Recomputed, auditor: Recomputed, third: Recomputed | None) -> tuple[str, list[str]]:
         if self.cfg.mode == "exact":
-            def key(x: Recomputed) -> tuple[float, tuple[int, int]]:
-                return x.loss, x.lanes
-
-            return decisions.audit_verdict(key(owner), key(auditor), key(third) if third else None)
+            return decisions.audit_verdict(owner.key(owner), auditor.key(owner), third.key(owner) if third else None)
         if third is None:
             return "undetermined", []
         if self._same(third, auditor):
@@ -135,7 +137,7 @@ class Auditor:
 
     def _same(self, a: Recomputed, b: Recomputed) -> bool:
         if self.cfg.mode == "exact":
-            return a.loss == b.loss and a.lanes == b.lanes
+            return a.key(b) == b.key(a)
         tol = self.cfg.rtol
         if not math.isclose(a.loss, b.loss, rel_tol=tol, abs_tol=1e-12):
             return False
@@ -179,9 +181,10 @@ class Auditor:
             loss_total = loss_total + loss.detach().to(torch.float64)
         assert acc is not None
         lanes = torch.zeros(2, dtype=torch.int64, device=dev)
-        proj = torch.zeros(self.project.k, dtype=torch.float64, device=dev)
+        projs = []
         for index, members in sorted(layout.items()):
             flat = torch.cat([acc[i].reshape(-1) for i in members])
             lanes += tensor_lanes(flat) * (2 * index + 1)
-            proj += self.project(flat)
-        return loss_total, proj, lanes
+            projs.append(self.project(flat))
+        # Summed as the owner's per-bucket projections are (``gather_step_stats``): equal grads, equal bits.
+        return loss_total, torch.stack(projs).sum(0), lanes

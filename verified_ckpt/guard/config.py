@@ -19,7 +19,9 @@ class GuardConfig:
         mode: ``"exact"`` compares audits bitwise (deterministic kernels, as on CPU);
             ``"tolerance"`` compares relatively (nondeterministic GPU kernels).
         rtol: relative tolerance of audits in tolerance mode.
-        checksum_lanes: random projections per all-reduce checksum.
+        checksum_lanes: random projections per all-reduce checksum (every element has its own random
+            weight in each, so one lane already moves for any single wrong element; more lanes guard
+            against several wrong elements cancelling, at one pass over the bucket each).
         checksum_slack: safety factor on the rounding bound of the checksum.
         outlier_factor: a rank whose gradient norm is this many times above or below
             the median of the others is audited at once.
@@ -44,7 +46,7 @@ class GuardConfig:
     audit_every: int | None = 500
     mode: str = "exact"
     rtol: float = 1e-4
-    checksum_lanes: int = 2
+    checksum_lanes: int = 1
     checksum_slack: float = 6.0
     outlier_factor: float = 4.0
     fixed_order_reduce: bool = False

@@ -115,7 +115,8 @@ class SDCGuard:
         self._losses: list[torch.Tensor] = []
         self.abft = GradientChecks(self.module, self.params, self.cfg.seed, self.cfg.abft_slack) if self.cfg.abft else None
         self.tap = GradientTap(self.params, self.comm, project=self.project, faults=self.faults, step=lambda: self._step,
-                               fixed_order=bool(self.cfg.fixed_order_reduce), abft=self.abft)
+                               fixed_order=bool(self.cfg.fixed_order_reduce), abft=self.abft,
+                               want_lanes=self._audit_scheduled)
         if isinstance(model, DDP):
             self.tap.install(model)
         if self.faults.has_site("compute"):
@@ -144,6 +145,11 @@ class SDCGuard:
     @property
     def audits_enabled(self) -> bool:
         return self.cfg.audit_every is not None and self.world >= 2
+
+    def _audit_scheduled(self) -> bool:
+        s = self._step
+        every = self.cfg.audit_every
+        return self._audit_requested or (every is not None and s is not None and s % every == 0)
 
     def request_audit(self) -> None:
         """Audit at the next :meth:`step`, whatever the schedule."""

@@ -40,8 +40,9 @@ class GradientTap:
     """
 
     def __init__(self, params: Sequence[torch.Tensor], comm: Communicator, *, project: Projector, faults: FaultPlan,
-                 step: Callable[[], int | None], fixed_order: bool, abft: GradientChecks | None) -> None:
-        self.abft = abft
+                 step: Callable[[], int | None], fixed_order: bool, abft: GradientChecks | None,
+                 want_lanes: Callable[[], bool] = lambda: True) -> None:
+        self.abft, self.want_lanes = abft, want_lanes
         self.params = list(params)
         self.comm, self.project, self.faults, self._step = comm, project, faults, step
         self.fixed_order = fixed_order
@@ -77,9 +78,9 @@ class GradientTap:
         self.layout[index] = [self._pindex[id(p)] for p in bucket.parameters()]
         if index == 0:
             self.faults.apply("grad", rank, step, buf)
-        stats = local_stats(index, buf, self.project)
+        stats = local_stats(index, buf, self.project, self.want_lanes())
         if self.abft is not None:  # before the all-reduce: the local gradients, as this rank computed them
-            stats.abft = self.abft.flat(list(bucket.parameters()), buf)
+            stats.abft = self.abft.flat(list(bucket.parameters()), buf, stats.sumsq)
         if self.fixed_order:
             parts = [torch.empty_like(buf) for _ in range(world)]
             fut = self.comm.all_gather_async(parts, buf)
@@ -133,9 +134,9 @@ class GradientTap:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
         self.faults.apply("grad", 0, step, flat)
-        stats = local_stats(0, flat, self.project)
+        stats = local_stats(0, flat, self.project, self.want_lanes())
         if self.abft is not None:
-            stats.abft = self.abft.flat(self.params, flat)
+            stats.abft = self.abft.flat(self.params, flat, stats.sumsq)
         self.faults.apply("allreduce", 0, step, flat)
         stats.avg_proj = self.project(flat)
         self.layout = {0: list(range(len(self.params)))}

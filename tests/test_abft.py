@@ -108,3 +108,15 @@ def test_one_injection_per_class_is_caught_at_its_step_on_three_ranks(site, bits
 def test_the_clean_twin_raises_nothing():
     got = run_ranks(bit_campaign.trial, 3, None, 12, {})
     assert all(r["kind"] is None for r in got) and len({r["fingerprint"] for r in got}) == 1
+
+
+def clean_schedule(rank: int, world: int) -> dict:
+    import ddp_train
+
+    args = ddp_train.parse(["--steps", "40", "--lr-schedule", "warmup-cosine", "--audit-every", "5"])
+    return ddp_train.train(rank, world, args)
+
+
+def test_a_clean_warmup_cosine_run_raises_nothing():
+    got = run_ranks(clean_schedule, 3)
+    assert all(r["incidents"] == [] for r in got) and got[0]["checks"]["abft"]["passed"] == 40

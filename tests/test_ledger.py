@@ -135,6 +135,9 @@ def test_guarded_run_ledger_records_every_check(guarded_run):
     # the fault, caught by ABFT among the step's checks (the step's rows, then the check's own)
     assert s["divergence"] == [{"step": 13, "kind": "step", "ranks": [1]}, {"step": 13, "kind": "abft", "ranks": [1]}]
     assert s["counts"]["incident"] == {"checks": 1, "failed": 1}
+    # every per-step check has its own rows: one check per step it ran (step 13 twice: caught, then replayed)
+    assert {k: s["counts"][k]["failed"] for k in ("nonfinite", "checksum", "abft")} == {"nonfinite": 0, "checksum": 0, "abft": 1}
+    assert s["counts"]["checksum"]["checks"] == s["counts"]["step"]["checks"] - 1
     assert s["counts"]["save"]["checks"] == 6  # steps 5, 10, 15, 20, 25, 30 (the rollback to 10 saves nothing)
     assert s["counts"]["restore"]["checks"] == 1
     assert s["last_unanimous_consensus"] == 30

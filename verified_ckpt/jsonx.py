@@ -15,7 +15,7 @@ import json
 import reprlib
 from typing import Any
 
-__all__ = ["JSONBudgetError", "Limits", "canonical_json", "decode", "short_repr"]
+__all__ = ["JSONBudgetError", "Limits", "canonical_json", "decode", "decode_object", "short_repr"]
 
 
 class JSONBudgetError(ValueError):
@@ -72,6 +72,14 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits) -> Any:
     why = _problem(doc, limits.max_depth)
     if why:
         raise JSONBudgetError(why)
+    return doc
+
+
+def decode_object(data: bytes | bytearray | memoryview, limits: Limits) -> dict[str, Any]:
+    """:func:`decode`, for documents that must be a JSON object."""
+    doc = decode(data, limits)
+    if not isinstance(doc, dict):
+        raise JSONBudgetError("not a JSON object")
     return doc
 
 

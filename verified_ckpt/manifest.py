@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import ManifestError
 from .evidence import evidence_problem
-from .jsonx import JSONBudgetError, Limits, canonical_json, decode, short_repr
+from .jsonx import JSONBudgetError, Limits, canonical_json, decode_object, short_repr
 from .skeleton import MAX_DEPTH as MAX_SKELETON_DEPTH
 from .skeleton import skeleton_problem
 from .status import MAX_STEP, Status
@@ -103,12 +103,9 @@ class Manifest:
         try:
             # Real manifests hold one JSON array or object per 70-110 bytes; 24 leaves room and keeps a
             # hostile one of nested empty containers near 5x its size in memory once parsed.
-            d = decode(data, Limits(max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_DEPTH, bytes_per_container=24))
+            return decode_object(data, Limits(max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_DEPTH, bytes_per_container=24))
         except JSONBudgetError as e:
             raise _malformed(where, str(e)) from None
-        if not isinstance(d, dict):
-            raise _malformed(where, "not a JSON object")
-        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str) -> Manifest:

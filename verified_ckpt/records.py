@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import ManifestError
-from .jsonx import JSONBudgetError, Limits, decode, short_repr
+from .jsonx import JSONBudgetError, Limits, decode_object, short_repr
 from .manifest import MAX_STEP, SEGMENT
 from .signing import Signature, Signer
 
@@ -228,11 +228,9 @@ def parse(kind: str, name: str, raw: bytes | None, problem: str | None, signer: 
         if raw is None:
             raise RecordError(problem or "not read")
         try:
-            doc = decode(raw, _LIMITS)
+            doc = decode_object(raw, _LIMITS)
         except JSONBudgetError as e:
             raise RecordError(str(e)) from None
-        if not isinstance(doc, dict):
-            raise RecordError("not a JSON object")
         sig = signer.check(doc)
         if not sig.trusted:
             return _untrusted(kind, doc, signer.why(sig, f"this {kind} record"), sig.value)

@@ -24,7 +24,7 @@ import torch
 
 from . import tensorspec
 from .errors import CorruptCheckpoint
-from .jsonx import JSONBudgetError, Limits, decode, short_repr
+from .jsonx import JSONBudgetError, Limits, decode_object, short_repr
 from .tensorspec import MAX_NDIM, MAX_TENSORS, bounded_numel
 
 CHUNK = 64 << 20  # bytes per read/hash step: big enough to stream, small enough to overlap
@@ -156,11 +156,9 @@ def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Hea
     # ({}, []); a real header has 3 per entry of 50 bytes or more, so the density
     # bound caps a hostile header near 15x its size.
     try:
-        raw = decode(body, _HEADER_LIMITS)
+        raw = decode_object(body, _HEADER_LIMITS)
     except JSONBudgetError as err:
         raise bad(str(err)) from None
-    if not isinstance(raw, dict):
-        raise bad("not a JSON object")
     meta = raw.pop("__metadata__", None)
     if meta is None:
         meta = {}

@@ -47,22 +47,30 @@ def restore_into(reader: Reader, state: Mapping[str, Any], m: Manifest, url: str
 def apply(state: Any, m: Manifest, loaded: dict[str, torch.Tensor]) -> None:
     """Load ``loaded`` into ``state`` in place, all or nothing.
 
-    Every entry is rebuilt before any is touched. Objects that may keep the
-    tensors they are given (optimizers, schedulers, RNG state) load first: each
-    one's previous ``state_dict`` is kept by reference, which a later failure
-    loads back (their ``load_state_dict`` replaces state rather than writing into
-    it). Tensors and plain values follow, then modules, which copy into their
-    parameters, so each module's tensors are copied aside before it loads. If
-    anything raises, or the fingerprints do not match afterwards, everything
-    applied so far is put back and the error is raised.
+    Every entry is rebuilt before any is touched, then entries load in the
+    order that keeps failures undoable at no memory cost:
+
+    1. objects that may keep the tensors they are given (optimizers, schedulers,
+       RNG state): each one's previous ``state_dict`` is kept by reference and
+       loaded back on failure (their ``load_state_dict`` replaces state rather than
+       writing into it);
+    2. modules whose loading runs code of their own (load hooks, an overridden
+       ``_load_from_state_dict``), which could fail part-way: their tensors are
+       copied aside first;
+    3. what cannot fail once ``fitting`` has matched keys, shapes and dtypes:
+       modules of torch's own, tensors (a copy into them), plain values. No
+       second copy of the model is made for these.
+
+    If anything raises, everything applied is put back and the error is raised.
+
     """
     values = {key: unflatten(m.state[key]["value"], loaded) for key in list(state)}
 
     def phase(key: str) -> int:
         target = state[key]
         if isinstance(target, torch.nn.Module):
-            return 2
-        return 0 if is_stateful(target) else 1
+            return 1 if _custom_loading(target) else 2
+        return 0 if is_stateful(target) else 2
 
     undo: list[Callable[[], None]] = []
     try:
@@ -79,7 +87,8 @@ def _load_one(state: Any, key: str, stateful: bool, value: Any) -> Callable[[], 
     """Load one entry; return how to put it back."""
     target = state[key]
     if stateful and isinstance(target, torch.nn.Module):
-        saved = {k: v.detach().clone() for k, v in target.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+        saved = {k: v.detach().clone() for k, v in target.state_dict(keep_vars=True).items()
+                 if isinstance(v, torch.Tensor)} if _custom_loading(target) else {}
         target.load_state_dict(value)
 
         def restore_module() -> None:
@@ -95,17 +104,22 @@ def _load_one(state: Any, key: str, stateful: bool, value: Any) -> Callable[[], 
         target.load_state_dict(_own(value))
         return lambda: target.load_state_dict(before)
     if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
-        old = target.detach().clone()
         with torch.no_grad():
-            target.copy_(value)
-
-        def restore_tensor() -> None:
-            with torch.no_grad():
-                target.copy_(old)
-
-        return restore_tensor
+            target.copy_(value)  # shape and dtype matched: cannot fail, and nothing after it can (phase 3)
+        return lambda: None
     state[key] = _load_into(target, value, {})
     return lambda: state.__setitem__(key, target)
+
+
+def _custom_loading(module: torch.nn.Module) -> bool:
+    """Whether loading ``module`` runs code other than torch's own (hooks, an overridden ``_load_from_state_dict``)."""
+    for sub in module.modules():
+        if sub._load_state_dict_pre_hooks or getattr(sub, "_load_state_dict_post_hooks", None):
+            return True
+        own = type(sub)._load_from_state_dict
+        if own is not torch.nn.Module._load_from_state_dict and not type(sub).__module__.startswith("torch.nn"):
+            return True
+    return False
 
 
 def check_after(state: Mapping[str, Any], m: Manifest) -> None:

@@ -107,8 +107,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", dest="json_out", default=None, help="write every run's outcome to this file")
     ap.add_argument("--clean-only", action="store_true", help="only the clean configurations (false alarms)")
+    ap.add_argument("--bits", action="store_true", help="the campaign by bit position (tools/bit_campaign.py)")
     ap.add_argument("--clean-steps", type=int, default=400, help="steps per clean configuration")
-    args = ap.parse_args()
+    args, rest = ap.parse_known_args()
+    if args.bits:
+        import bit_campaign
+
+        sys.argv = [sys.argv[0], *rest]
+        bit_campaign.main()
+        return
     if args.clean_only:
         clean_campaign(args)
         return

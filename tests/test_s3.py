@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -16,6 +17,49 @@ from helpers import flip_byte, fresh_state, trained_state
 from verified_ckpt import CheckpointManager, CorruptCheckpoint, StorageError, state_fingerprint
 
 pytestmark = pytest.mark.timeout(120)
+
+
+SHORT_RETRIES = {"retries": {"max_attempts": 2}, "connect_timeout": 1, "read_timeout": 2}
+
+
+def stoppable_server(tmp_path, bucket: str):
+    """A SeaweedFS of the test's own (it will be stopped) with one bucket, and client options that give up fast."""
+    handle = seaweed.start(tmp_path)
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem(**handle.storage_options()).mkdir(bucket)
+    return handle, {**handle.storage_options(), "config_kwargs": SHORT_RETRIES}
+
+
+@contextlib.contextmanager
+def server_stops_at_second(handle, method: str):
+    """Stop the server just before the second call of ``RunStore.<method>``; put the method back afterwards."""
+    from verified_ckpt import store as store_mod
+
+    real, calls = getattr(store_mod.RunStore, method), {"n": 0}
+
+    def stopping(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            seaweed.stop(handle)
+        return real(self, *a, **k)
+
+    setattr(store_mod.RunStore, method, stopping)
+    try:
+        yield
+    finally:
+        setattr(store_mod.RunStore, method, real)
+        seaweed.stop(handle)
+
+
+@contextlib.contextmanager
+def restarted(handle):
+    """The same server started again on the same data."""
+    again = seaweed.restart(handle)
+    try:
+        s3fs.S3FileSystem.clear_instance_cache()
+        yield again
+    finally:
+        seaweed.stop(again)
 
 
 @pytest.fixture
@@ -100,72 +144,34 @@ def test_permanent_errors_name_the_bucket_and_the_fix(private_server):
 
 def test_server_stopped_mid_upload_leaves_nothing_committed(tmp_path):
     """A private server is stopped between two shard uploads of a save, then started again on the same data."""
-    handle = seaweed.start(tmp_path)
-    opts = {**handle.storage_options(),
-            "config_kwargs": {"retries": {"max_attempts": 2}, "connect_timeout": 1, "read_timeout": 2}}
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem(**handle.storage_options()).mkdir("crash")
+    handle, opts = stoppable_server(tmp_path, "crash")
     url = "s3://crash/run"
     mgr = CheckpointManager(url, storage_options=opts, shard_bytes=1 << 20, io_workers=1)
     first = mgr.save(1, {"w": torch.ones(1 << 18)})
-    from verified_ckpt import store as store_mod
-
-    real = store_mod.RunStore.open_shard_for_write
-    calls = {"n": 0}
-
-    def stop_after_first_shard(self, cid, name, **kw):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            seaweed.stop(handle)
-        return real(self, cid, name, **kw)
-
-    store_mod.RunStore.open_shard_for_write = stop_after_first_shard
-    try:
-        with pytest.raises(StorageError, match="reachable"):
-            mgr.save(2, {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(4)})
-    finally:
-        store_mod.RunStore.open_shard_for_write = real
-        seaweed.stop(handle)
-    again = seaweed.restart(handle)
-    try:
-        s3fs.S3FileSystem.clear_instance_cache()
+    with server_stops_at_second(handle, "open_shard_for_write"), pytest.raises(StorageError, match="reachable"):
+        mgr.save(2, {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(4)})
+    with restarted(handle) as again:
         mgr2 = CheckpointManager(url, storage_options=again.storage_options())
         assert [i.id for i in mgr2.list()] == [first.id]  # the interrupted save was never committed
         into = {"w": torch.zeros(1 << 18)}
         mgr2.restore(into, allow_unverified=True)
         assert torch.equal(into["w"], torch.ones(1 << 18))
-    finally:
-        seaweed.stop(again)
 
 
 def test_an_outage_mid_verify_and_mid_restore_exits_3_and_changes_no_status(tmp_path):
     """A private server stopped while shards are being read: one-line StorageError (CLI exit 3), nothing recorded."""
     from click.testing import CliRunner
 
-    from verified_ckpt import store as store_mod
     from verified_ckpt_cli.main import main as vckpt
 
-    handle = seaweed.start(tmp_path)
-    opts = {**handle.storage_options(),
-            "config_kwargs": {"retries": {"max_attempts": 2}, "connect_timeout": 1, "read_timeout": 2}}
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem(**handle.storage_options()).mkdir("outage")
+    handle, opts = stoppable_server(tmp_path, "outage")
     url = "s3://outage/run"
     mgr = CheckpointManager(url, storage_options=opts, shard_bytes=1 << 16, io_workers=1)
     saved = trained_state()
     mgr.save(1, saved)
     mgr.save(2, saved)
     before = [(i.id, i.status) for i in mgr.list()]
-    real, calls = store_mod.RunStore.read_shard, {"n": 0}
-
-    def stop_on_second_shard(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            seaweed.stop(handle)
-        return real(self, *a, **k)
-
-    store_mod.RunStore.read_shard = stop_on_second_shard
-    try:
+    with server_stops_at_second(handle, "read_shard"):
         args = ["verify", url, *[f"-o{k}={json.dumps(v)}" for k, v in opts.items()]]
         r = CliRunner().invoke(vckpt, args)
         assert r.exit_code == 3 and "reachable" in r.stderr and "Traceback" not in r.output, r.output
@@ -174,19 +180,12 @@ def test_an_outage_mid_verify_and_mid_restore_exits_3_and_changes_no_status(tmp_
         with pytest.raises(StorageError):
             CheckpointManager(url, storage_options=opts).restore(into, allow_unverified=True)
         assert str(state_fingerprint({k: v for k, v in into.items() if k != "rng"})) == fp
-    finally:
-        store_mod.RunStore.read_shard = real
-        seaweed.stop(handle)
-    again = seaweed.restart(handle)
-    try:
-        s3fs.S3FileSystem.clear_instance_cache()
+    with restarted(handle) as again:
         after = CheckpointManager(url, storage_options=again.storage_options())
         assert [(i.id, i.status) for i in after.list()] == before
         fs = s3fs.S3FileSystem(**again.storage_options())
         recorded = [json.loads(fs.cat_file(p)) for p in fs.find("outage/run/records/verification")]
         assert all(rec["ok"] for rec in recorded) and len(recorded) <= 1  # what was read whole, and only that
-    finally:
-        seaweed.stop(again)
 
 
 def test_transient_5xx_errors_are_retried_and_the_save_commits(s3_server, s3_bucket):

@@ -35,11 +35,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
+import campaign
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from rich.console import Console
-from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_train
@@ -133,18 +132,13 @@ def main() -> None:
         if o == "detected":
             checks[key][r["kind"]] += 1
     cols = ["detected", "misnamed", "late", "missed, damage", "missed, harmless", "false alarm"]
-    tab = Table(title=f"bit campaign: 3 gloo ranks, example MLP fp32, {args.per_class} per class, config {args.config}")
-    for c in ["site", "bits", "audit step", *cols, "by check"]:
-        tab.add_column(c, justify="left" if c in ("site", "bits", "by check") else "right")
-    for key in sorted(table, key=lambda k: (k[0], list(BITS).index(k[1]) if k[1] in BITS else -1, not k[2])):
-        n = sum(table[key].values())
-        tab.add_row(key[0], key[1], "yes" if key[2] else "no", *[f"{table[key].get(c, 0)}/{n}" for c in cols],
-                    ", ".join(f"{k} {v}" for k, v in sorted(checks[key].items())))
-    Console(width=200).print(tab)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"args": vars(args), "trials": trials}, f, indent=1)
-
+    rows = [[key[0], key[1], "yes" if key[2] else "no",
+             *[f"{table[key].get(c, 0)}/{sum(table[key].values())}" for c in cols],
+             ", ".join(f"{k} {v}" for k, v in sorted(checks[key].items()))]
+            for key in sorted(table, key=lambda k: (k[0], list(BITS).index(k[1]) if k[1] in BITS else -1, not k[2]))]
+    campaign.report(f"bit campaign: 3 gloo ranks, example MLP fp32, {args.per_class} per class, config {args.config}",
+                    ["site", "bits", "audit step", *cols, "by check"], rows, args.json_out,
+                    {"args": vars(args), "trials": trials})
 
 if __name__ == "__main__":
     main()

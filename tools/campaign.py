@@ -33,6 +33,7 @@ from rich.table import Table
 
 import ddp_train
 
+TEXT_COLUMNS = {"configuration", "class", "site", "bits", "by check"}
 MODES = ["nan", "inf", "scale=0.5", "scale=1.001", "scale=10", "bitflip=low", "bitflip=high"]
 
 
@@ -49,6 +50,19 @@ def draw(rng: random.Random, world: int, steps: int) -> tuple[str, str]:
     if mode.startswith("bitflip"):
         cls += "-low" if int(mode.split("=")[1]) < 12 else "-high"
     return f"{site}:{rng.randrange(world)}:{steps_part}:{mode}", cls
+
+
+def report(title: str, columns: list[str], rows: list[list[str]], json_out: str | None, payload: dict) -> None:
+    """Print a campaign's table (text columns left, counts right) and keep every run as JSON when asked."""
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="left" if c in TEXT_COLUMNS else "right")
+    for row in rows:
+        t.add_row(*row)
+    Console(width=200).print(t)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(payload, f, indent=1)
 
 
 def judge(spec: str, result: dict) -> str:
@@ -73,10 +87,7 @@ CLEAN = [
 
 def clean_campaign(args: argparse.Namespace) -> None:
     """Run every clean configuration for ``--clean-steps`` steps and count false alarms."""
-    t = Table(title=f"clean configurations: world {args.world_size}, {args.clean_steps} steps each, audit every "
-                    f"{args.audit_every}, consensus every {args.consensus_every}; worst = largest deviation / bound passed")
-    for c in ("configuration", "steps", "audits", "consensus", "worst checksum", "worst abft", "false alarms"):
-        t.add_column(c, justify="left" if c == "configuration" else "right")
+    rows = []
     total = alarms = 0
     for name, extra in CLEAN:
         a = ddp_train.parse(["--world-size", str(args.world_size), "--steps", str(args.clean_steps), "--audit-every",
@@ -88,12 +99,15 @@ def clean_campaign(args: argparse.Namespace) -> None:
         alarms += len(result["incidents"])
         checks = result["checks"]
         margins = result.get("margins", {})
-        t.add_row(name, str(n), str(checks.get("audit", {}).get("passed", 0)),
-                  str(checks.get("consensus", {}).get("passed", 0)), f"{margins.get('checksum', 0):.3f}",
-                  f"{margins.get('abft', 0):.3f}", str(len(result["incidents"])))
+        rows.append([name, str(n), str(checks.get("audit", {}).get("passed", 0)),
+                     str(checks.get("consensus", {}).get("passed", 0)), f"{margins.get('checksum', 0):.3f}",
+                     f"{margins.get('abft', 0):.3f}", str(len(result["incidents"]))])
         print(f"{name}: {n} steps, incidents {result['incidents']}", flush=True)
-    t.add_row("total", str(total), "", "", "", "", str(alarms))
-    Console(width=160).print(t)
+    rows.append(["total", str(total), "", "", "", "", str(alarms)])
+    report(f"clean configurations: world {args.world_size}, {args.clean_steps} steps each, audit every "
+           f"{args.audit_every}, consensus every {args.consensus_every}; worst = largest deviation / bound passed",
+           ["configuration", "steps", "audits", "consensus", "worst checksum", "worst abft", "false alarms"], rows,
+           None, {})
 
 
 def main() -> None:
@@ -140,18 +154,11 @@ def main() -> None:
         runs.append({"spec": spec, "class": cls, "outcome": outcome, "incident": inc})
         print(f"[{i + 1}/{len(plan)}] {spec or 'clean run'}: {outcome}"
               + (f" ({inc['kind']} at step {inc['detected_step']}, ranks {inc['ranks']})" if inc else ""), flush=True)
-    t = Table(title=f"campaign: {args.runs} injections + {args.clean_runs} clean runs, "
-                    f"world {args.world_size}, audit every {args.audit_every}, consensus every {args.consensus_every}")
     cols = ["detected", "misnamed", "missed", "false alarm", "clean", "crashed"]
-    t.add_column("class")
-    for c in cols:
-        t.add_column(c, justify="right")
-    for cls in sorted(table):
-        t.add_row(cls, *[str(table[cls].get(c, 0)) for c in cols])
-    Console(width=160).print(t)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+    report(f"campaign: {args.runs} injections + {args.clean_runs} clean runs, world {args.world_size}, "
+           f"audit every {args.audit_every}, consensus every {args.consensus_every}",
+           ["class", *cols], [[cls, *[str(table[cls].get(c, 0)) for c in cols]] for cls in sorted(table)],
+           args.json_out, {"args": vars(args), "runs": runs})
 
 
 if __name__ == "__main__":

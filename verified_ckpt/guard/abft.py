@@ -28,9 +28,10 @@ Coverage is reported as a fraction of parameters and of backward FLOPs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -127,6 +128,15 @@ class GradientChecks:
     def reset(self) -> None:
         for c in self.covered.values():
             c.expected, c.spread, c.rows, c.eps = None, None, 0, 2.0**-24
+
+    @contextlib.contextmanager
+    def pausing(self) -> Iterator[None]:
+        """No checks inside: for forward-backward passes that are not the step's own (audits, warm-up)."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
 
     def start_step(self, params: Sequence[torch.Tensor]) -> None:
         """Gradients left from before this step (not zeroed) are part of what the step reduces: start from them.

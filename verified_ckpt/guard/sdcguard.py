@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -328,16 +328,8 @@ class SDCGuard:
         if isinstance(self.model, DDP) and not self._ran_backward:
             self._warmup_pending = True
 
-    @contextlib.contextmanager
-    def _abft_paused(self) -> Iterator[None]:
-        if self.abft is None:
-            yield
-            return
-        self.abft.paused = True
-        try:
-            yield
-        finally:
-            self.abft.paused = False
+    def _abft_paused(self) -> contextlib.AbstractContextManager[None]:
+        return self.abft.pausing() if self.abft is not None else contextlib.nullcontext()
 
     def _compute_fault(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if self.tap.warming:

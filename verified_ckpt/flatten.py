@@ -44,6 +44,9 @@ class Flat:
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
+    local = getattr(t, "_local_tensor", None)  # a DTensor aliases what its local piece aliases
+    if local is not None:
+        return ("dtensor", *_alias_key(local))
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from .errors import ManifestError
 from .evidence import evidence_problem
 from .jsonx import JSONBudgetError, Limits, canonical_json, decode_object, short_repr
+from .layout import LayoutEntry, parse_layout
 from .skeleton import MAX_DEPTH as MAX_SKELETON_DEPTH
 from .skeleton import skeleton_problem
 from .status import MAX_STEP, Status
@@ -72,14 +73,27 @@ class Manifest:
     reasons: list[str]
     resumed_from: str | None = None
     schema_version: int = SCHEMA_VERSION
+    # Sharded tensors (FSDP2/HSDP): logical name -> global shape and the stored chunks that tile it.
+    # Written only when non-empty, so replicated (DDP) manifests are what they always were.
+    layout: dict[str, LayoutEntry] = dataclasses.field(default_factory=dict)
 
     @property
     def size_bytes(self) -> int:
         return sum(s.size for s in self.shards)
 
+    def spec(self, name: str) -> tuple[str, list[int]] | None:
+        """The dtype and (global) shape of the logical tensor ``name``, stored whole or in chunks."""
+        if name in self.tensors:
+            return self.tensors[name].dtype, self.tensors[name].shape
+        if name in self.layout:
+            return self.layout[name].dtype, self.layout[name].shape
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["status"] = self.status.value
+        if not self.layout:
+            del d["layout"]
         return d
 
     def to_json(self) -> bytes:
@@ -125,12 +139,13 @@ class Manifest:
         status = _check_fields(d, bad)
         shards = _shards(d["shards"], bad)
         tensors = _tensors(d["tensors"], {sh.path: sh for sh in shards}, bad)
-        _check_state(d["state"], tensors, bad)
+        layout = parse_layout(d.get("layout", {}), tensors, bad)
+        _check_state(d["state"], tensors.keys() | layout.keys(), bad)
         return cls(
             run_id=d["run_id"], checkpoint_id=d["checkpoint_id"], step=d["step"], created_at=d["created_at"],
             topology=d["topology"], shards=shards, tensors=tensors, state_fingerprint=d["state_fingerprint"],
             state=d["state"], evidence=d["evidence"], status=status, reasons=list(d["reasons"]),
-            resumed_from=d.get("resumed_from"),
+            resumed_from=d.get("resumed_from"), layout=layout,
         )
 
 
@@ -232,8 +247,8 @@ def _tensors(raw: dict[str, Any], by_path: dict[str, ShardEntry], bad: _Bad) -> 
     return tensors
 
 
-def _check_state(state: dict[str, Any], tensors: dict[str, TensorEntry], bad: _Bad) -> None:
-    """Every state entry is a skeleton ``unflatten`` can rebuild from tensors the manifest holds."""
+def _check_state(state: dict[str, Any], tensors: set[str], bad: _Bad) -> None:
+    """Every state entry is a skeleton ``unflatten`` can rebuild from tensors the manifest holds (whole or in chunks)."""
     for key, entry in state.items():
         if not key or "/" in key:
             raise bad(f"state key {short_repr(key)} is not a plain name")

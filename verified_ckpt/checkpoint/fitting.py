@@ -89,12 +89,12 @@ def _entry_diffs(key: str, target: Any, m: Manifest) -> list[str]:
 
 
 def _tensor_diffs(where: str, t: torch.Tensor, name: str, m: Manifest) -> list[str]:
-    e = m.tensors[name]
+    dtype, shape = m.spec(name) or ("?", [])
     out = []
-    if list(t.shape) != e.shape:
-        out.append(f"{where}: shape {list(t.shape)}, saved {e.shape}")
-    if dtype_name(t.dtype) != e.dtype:
-        out.append(f"{where}: dtype {dtype_name(t.dtype)}, saved {e.dtype} (a restore never casts)")
+    if list(t.shape) != shape:
+        out.append(f"{where}: shape {list(t.shape)}, saved {shape}")
+    if dtype_name(t.dtype) != dtype:
+        out.append(f"{where}: dtype {dtype_name(t.dtype)}, saved {dtype} (a restore never casts)")
     return out
 
 
@@ -136,9 +136,9 @@ def _optimizer_diffs(key: str, opt: torch.optim.Optimizer, saved: Any, m: Manife
         found = _STATE_NAME.match(name)
         if not found or int(found.group(1)) >= len(params):
             continue
-        e, p = m.tensors[name], params[int(found.group(1))]
-        if e.shape and e.shape != list(p.shape):
-            out.append(f"{name}: saved shape {e.shape} does not fit parameter {int(found.group(1))} of shape {list(p.shape)}")
+        shape, p = (m.spec(name) or ("?", []))[1], params[int(found.group(1))]
+        if shape and shape != list(p.shape):
+            out.append(f"{name}: saved shape {shape} does not fit parameter {int(found.group(1))} of shape {list(p.shape)}")
     return out
 
 

@@ -19,6 +19,7 @@ from ..errors import CorruptCheckpoint
 from ..flatten import flatten, is_stateful, unflatten
 from ..lanes import lanes_of
 from ..manifest import Manifest
+from ..sharding import assemble, box_of, chunks_for, sharded_targets, to_dtensor
 from ..tensorspec import dtype_name
 from .fitting import check_fits
 from .reading import RESTORE, Reader
@@ -34,13 +35,23 @@ def restore_into(reader: Reader, state: Mapping[str, Any], m: Manifest, url: str
         CorruptCheckpoint: stored bytes do not match the manifest (nothing was touched).
     """
     needed = check_fits(state, m)
-    loaded, problems = reader.read(m, RESTORE, names=needed)
+    sharded = needed & m.layout.keys()
+    targets = sharded_targets(state, flatten(state).tensors, m.layout) if sharded else {}
+    shapes = {n: e.shape for n, e in m.tensors.items()}
+    boxes = {n: box_of(targets[n]) if n in targets else None for n in sharded}
+    names = needed - sharded
+    for n in sharded:  # only the stored chunks this rank's pieces overlap
+        names.update(chunks_for(m.layout[n], boxes[n], shapes))
+    loaded, problems = reader.read(m, RESTORE, names=names)
     if problems:
         p = problems[0]
         raise CorruptCheckpoint(
             f"checkpoint {m.checkpoint_id} (step {m.step}) failed its {p.kind} check: {p.detail}; "
             f"run `vckpt verify {url} --step {m.step}` and restore an earlier checkpoint"
         )
+    for n in sharded:
+        piece = assemble(n, m.layout[n], boxes[n], shapes, loaded)
+        loaded[n] = to_dtensor(piece, targets[n]) if n in targets else piece
     apply(state, m, loaded)
 
 

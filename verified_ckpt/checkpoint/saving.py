@@ -32,7 +32,9 @@ from ..flatten import Flat, flatten
 from ..guard import SDCGuard
 from ..jsonx import canonical_json
 from ..lanes import lanes_of
+from ..layout import LayoutEntry
 from ..manifest import CheckpointInfo, Manifest, ShardEntry, TensorEntry
+from ..sharding import split
 from ..shards import supported, write_shard
 from ..signing import Signer
 from ..skeleton import skeleton_problem
@@ -81,6 +83,10 @@ class SaveJob:
     evidence: dict[str, Any]
     topology: dict[str, Any]
     resumed_from: str | None
+    # Sharded tensors: the chunks this rank alone writes, and the global layout (the same on every rank).
+    # ``flat.tensors`` then holds only the replicated tensors, which the ranks share out.
+    mine: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    layout: dict[str, LayoutEntry] = dataclasses.field(default_factory=dict)
 
 
 class Saver:
@@ -98,6 +104,7 @@ class Saver:
     def prepare(self, step: int, flat: Flat, resumed_from: str | None) -> SaveJob:
         """The synchronous part of a save: consensus, status and evidence, and one id for every rank."""
         self.comm.arrive("save")  # fails fast, naming who is missing, when only some ranks save
+        parts = split(flat.tensors, self.comm)
         g = self.guard
         if g is None:
             status, reasons, evidence = Status.UNVERIFIED, [UNGUARDED], {}
@@ -112,7 +119,8 @@ class Saver:
             hosts[0]["device"] = describe_device(device)
         cid = self.comm.broadcast_bytes(f"step-{step:010d}-{uuid.uuid4().hex[:8]}".encode()).decode()
         topology = {"world_size": self.comm.world, "ranks": hosts}
-        return SaveJob(cid, step, flat, status, reasons, evidence, topology, resumed_from)
+        return SaveJob(cid, step, dataclasses.replace(flat, tensors=parts.replicated), status, reasons, evidence,
+                       topology, resumed_from, parts.mine, parts.layout)
 
     def snapshot(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy ``tensors`` to host buffers kept from the previous non-blocking save.
@@ -136,7 +144,9 @@ class Saver:
 
     def start(self, job: SaveJob) -> concurrent.futures.Future[CheckpointInfo]:
         """Finish ``job`` on a background thread, from host copies taken now (the only blocking cost)."""
-        job.flat = dataclasses.replace(job.flat, tensors=self.snapshot(job.flat.tensors))
+        copies = self.snapshot(job.flat.tensors | job.mine)
+        job.flat = dataclasses.replace(job.flat, tensors={n: copies[n] for n in job.flat.tensors})
+        job.mine = {n: copies[n] for n in job.mine}
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vckpt-async-save")
         fut = pool.submit(self.finish, job, collective=False)
         pool.shutdown(wait=False)
@@ -149,14 +159,19 @@ class Saver:
         """
         rank, world = self.comm.rank, self.comm.world
         plan = self._plan(job.flat.tensors)
+        own = self._plan(job.mine) if job.mine else []
         try:
-            entries, fps = self._write(job.cid, plan, range(rank, len(plan), world))
+            entries, fps = self._write(job.cid, plan, range(rank, len(plan), world), "shard-{:05d}")
+            if own:
+                more, chunk_fps = self._write(job.cid, own, range(len(own)), f"chunks-r{rank:05d}-{{:05d}}")
+                entries, fps = entries + more, fps | chunk_fps
         except BaseException as e:
             if self.comm.active and not collective:
                 with contextlib.suppress(Exception):  # tell rank 0 not to wait for us
                     self.store.write_aside(job.cid, f"rank-{rank:05d}.error", str(e).encode())
             raise
-        mine = {"shards": [dataclasses.asdict(e) for e in entries], "fps": {n: str(fp) for n, fp in fps.items()}}
+        mine = {"shards": [dataclasses.asdict(e) for e in entries], "fps": {n: str(fp) for n, fp in fps.items()},
+                "specs": {n: [dtype_name(t.dtype), list(t.shape)] for n, t in job.mine.items()}}
         if not self.comm.active:
             reports = [mine]
         elif collective:
@@ -208,13 +223,13 @@ class Saver:
             filled += n
         return shards
 
-    def _write(self, cid: str, plan: list[dict[str, torch.Tensor]], indices: range
+    def _write(self, cid: str, plan: list[dict[str, torch.Tensor]], indices: range, pattern: str
                ) -> tuple[list[ShardEntry], dict[str, Fingerprint]]:
         names = [n for i in indices for n in plan[i]]
         fps = dict(zip(names, lanes_of([plan[i][n] for i in indices for n in plan[i]]), strict=True))
 
         def one(i: int) -> ShardEntry:
-            path = f"shard-{i:05d}.safetensors"
+            path = pattern.format(i) + ".safetensors"
             nbytes = sum(t.numel() * t.element_size() for t in plan[i].values())
             with self.store.open_shard_for_write(cid, path, size_hint=nbytes) as f:
                 size, digest = write_shard(f, plan[i])
@@ -226,16 +241,19 @@ class Saver:
     def _manifest(self, run_id: str, job: SaveJob, reports: list[dict[str, Any]]) -> Manifest:
         shards = sorted((ShardEntry(**e) for r in reports for e in r["shards"]), key=lambda e: e.path)
         fps = {n: Fingerprint.from_hex(fp) for r in reports for n, fp in r["fps"].items()}
+        specs = {n: (t.dtype, list(t.shape)) for n, t in job.flat.tensors.items()}
+        specs |= {n: (getattr(torch, d), shape) for r in reports for n, (d, shape) in r.get("specs", {}).items()}
         tensors = {}
         for s in shards:
             for n in s.tensors:
-                t = job.flat.tensors[n]
-                tensors[n] = TensorEntry(dtype_name(t.dtype), list(t.shape), s.path, str(fps[n]))
+                dtype, shape = specs[n]
+                tensors[n] = TensorEntry(dtype_name(dtype), shape, s.path, str(fps[n]))
         state_fp = combine([(n, e.dtype, e.shape, fps[n]) for n, e in tensors.items()], job.flat.skeleton_json())
         return Manifest(
             run_id=run_id, checkpoint_id=job.cid, step=job.step, created_at=utc_now(), topology=job.topology,
             shards=shards, tensors=tensors, state_fingerprint=str(state_fp), state=job.flat.skeleton,
             evidence=job.evidence, status=job.status, reasons=job.reasons, resumed_from=job.resumed_from,
+            layout=job.layout,
         )
 
     def _collect_reports(self, cid: str) -> list[dict[str, Any]]:

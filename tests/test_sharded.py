@@ -121,3 +121,56 @@ def test_a_flipped_byte_in_a_chunk_fails_the_restore_before_anything_is_touched(
     with pytest.raises(CorruptCheckpoint):
         CheckpointManager(str(copy)).restore({"model": model, "optim": opt}, allow_unverified=True)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not opt.state
+
+
+def dcp_roundtrip(rank: int, world: int, run: str, flip: bool) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from verified_ckpt.integrations.dcp import VerifiedStorageReader, VerifiedStorageWriter
+
+    model, opt = build((3, 2))
+    train(model, opt, range(2), rank)
+    msd, osd = get_state_dict(model, opt)
+    mgr = CheckpointManager(run)
+    writer = VerifiedStorageWriter(mgr, 2)
+    dcp.save({"model": msd, "optim": osd}, storage_writer=writer)
+    want = consolidated(model, opt)
+    if flip:
+        if rank == 0:
+            [info] = mgr.list()
+            shard = sorted(s.path for s in info.manifest.shards)[-1]
+            path = f"{run}/checkpoints/{info.id}/{shard}"
+            with open(path, "r+b") as f:
+                f.seek(-2, 2)
+                b = f.read(1)
+                f.seek(-2, 2)
+                f.write(bytes([b[0] ^ 1]))
+        torch.distributed.barrier()
+    fresh, fopt = build((3, 2))
+    train(fresh, fopt, range(5, 6), rank)  # other values, and optimizer state to load into
+    before = consolidated(fresh, fopt)
+    msd, osd = get_state_dict(fresh, fopt)
+    try:
+        dcp.load({"model": msd, "optim": osd}, storage_reader=VerifiedStorageReader(mgr, allow_unverified=True))
+    except BaseException as e:
+        after = consolidated(fresh, fopt)
+        return {"error": type(e).__name__ + ": " + str(e),
+                "untouched": all(torch.equal(after[k], before[k]) for k in before)}
+    set_state_dict(fresh, fopt, model_state_dict=msd, optim_state_dict=osd)
+    got = consolidated(fresh, fopt)
+    return {"error": None, "equal": all(torch.equal(got[k], want[k]) for k in want)}
+
+
+def test_dcp_save_and_load_through_the_verified_storage_round_trip_on_hsdp(tmp_path):
+    results = run_ranks(dcp_roundtrip, 6, str(tmp_path / "run"), False)
+    assert all(r["error"] is None and r["equal"] for r in results), results
+    [info] = CheckpointManager(str(tmp_path / "run")).list()
+    assert info.manifest.layout and not any(s.path.endswith(".metadata") for s in info.manifest.shards)
+    [result] = CheckpointManager(str(tmp_path / "run")).verify()
+    assert result.ok, result.problems
+
+
+def test_dcp_load_of_a_flipped_chunk_fails_on_every_rank_before_a_parameter_is_touched(tmp_path):
+    results = run_ranks(dcp_roundtrip, 6, str(tmp_path / "run"), True)
+    assert all(r["error"] and "digest" in r["error"] and r["untouched"] for r in results), results

@@ -18,9 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import decisions
-from ..errors import (
-    InvalidState,
-)
+from ..errors import InvalidState
 from ..evidence import EvidenceTracker
 from ..history import NO_RANK, Columns, Event
 from ..ledger import read_ledger
@@ -35,8 +33,9 @@ from .recovery import Recovery, open_incident_warning
 
 if TYPE_CHECKING:
     from ..comm import Communicator
+    from ..flatten import Flat
     from ..guard import SDCGuard
-    from .saving import Saver
+    from .saving import SaveJob, Saver
 
 __all__ = ["CheckpointManager"]
 
@@ -124,10 +123,19 @@ class CheckpointManager:
             StorageError: the store could not be written; nothing is committed.
             SilentCorruptionDetected: the replicas disagree; nothing is written.
         """
-        from .saving import Saver, checked_flat
+        from .saving import checked_flat
 
         self.wait()
-        flat = checked_flat(step, state)
+        saver, job = self._prepare(step, checked_flat(step, state))
+        if blocking:
+            return saver.finish(job, collective=True)
+        self._pending = saver.start(job)
+        return self._pending
+
+    def _prepare(self, step: int, flat: Flat) -> tuple[Saver, SaveJob]:
+        """The synchronous, collective part of every save (also of ``dcp.save`` through the verified writer)."""
+        from .saving import Saver
+
         if self._saver is None:
             self._saver = Saver(self._store, self._signer, self.comm, self.guard, self._tracker, self._catalog,
                                 keep_last=self.keep_last, shard_bytes=self.shard_bytes, io_workers=self.io_workers,
@@ -135,10 +143,7 @@ class CheckpointManager:
         job = self._saver.prepare(step, flat, self.resumed_from)
         # Before any manifest can claim this save's consensus, the ledger holds it.
         self._journal.log([Event(step, "save", NO_RANK, "pass" if job.status is Status.RESTORABLE else "none")])
-        if blocking:
-            return self._saver.finish(job, collective=True)
-        self._pending = self._saver.start(job)
-        return self._pending
+        return self._saver, job
 
     def wait(self) -> CheckpointInfo | None:
         """Wait for a pending non-blocking save; return its info or raise its failure."""

@@ -159,19 +159,16 @@ class Saver:
         """
         rank, world = self.comm.rank, self.comm.world
         plan = self._plan(job.flat.tensors)
-        own = self._plan(job.mine) if job.mine else []
         try:
             entries, fps = self._write(job.cid, plan, range(rank, len(plan), world), "shard-{:05d}")
-            if own:
-                more, chunk_fps = self._write(job.cid, own, range(len(own)), f"chunks-r{rank:05d}-{{:05d}}")
-                entries, fps = entries + more, fps | chunk_fps
+            mine = self.write(job.cid, job.mine, f"chunks-r{rank:05d}-{{:05d}}")
         except BaseException as e:
             if self.comm.active and not collective:
                 with contextlib.suppress(Exception):  # tell rank 0 not to wait for us
                     self.store.write_aside(job.cid, f"rank-{rank:05d}.error", str(e).encode())
             raise
-        mine = {"shards": [dataclasses.asdict(e) for e in entries], "fps": {n: str(fp) for n, fp in fps.items()},
-                "specs": {n: [dtype_name(t.dtype), list(t.shape)] for n, t in job.mine.items()}}
+        mine["shards"] += [dataclasses.asdict(e) for e in entries]
+        mine["fps"] |= {n: str(fp) for n, fp in fps.items()}
         if not self.comm.active:
             reports = [mine]
         elif collective:
@@ -181,16 +178,11 @@ class Saver:
             reports = self._collect_reports(job.cid) if rank == 0 else []
         manifest_bytes = b""
         if rank == 0:
-            manifest = self._manifest(self.catalog.run_id(), job, reports)
-            manifest_bytes = canonical_json(self.signer.seal(manifest.to_dict()))
-            self.store.commit_manifest(job.cid, manifest_bytes)
-            self._warn_if_flagged(manifest)
+            manifest_bytes = self.commit(job, reports)
             if self.comm.active and not collective:
                 for r in range(world):
                     with contextlib.suppress(Exception):
                         self.store.delete_file(job.cid, f"rank-{r:05d}.json")
-            if self.keep_last is not None:
-                self.catalog.apply_retention(self.keep_last)
         if self.comm.active and collective:
             # Every rank returns only after the commit, with the same manifest in hand.
             manifest_bytes = self.comm.broadcast_bytes(manifest_bytes)
@@ -199,6 +191,27 @@ class Saver:
             manifest_bytes = self._await(lambda: self.store.read_optional(job.cid, "manifest.json"), job.cid, "manifest")
         doc = Manifest.decode_json(manifest_bytes, job.cid)
         return dataclasses.replace(info(Manifest.from_dict(doc, job.cid), []), signature=self.signer.check(doc).value)
+
+    def commit(self, job: SaveJob, reports: list[dict[str, Any]]) -> bytes:
+        """Rank 0: write the manifest of ``job`` from every rank's shard report, last; return its bytes.
+
+        A report is ``{"shards": [ShardEntry as dict], "fps": {name: hex}, "specs": {name: [dtype, shape]}}``;
+        ``specs`` names the tensors rank 0 does not hold itself.
+        """
+        manifest = self._manifest(self.catalog.run_id(), job, reports)
+        manifest_bytes = canonical_json(self.signer.seal(manifest.to_dict()))
+        self.store.commit_manifest(job.cid, manifest_bytes)
+        self._warn_if_flagged(manifest)
+        if self.keep_last is not None:
+            self.catalog.apply_retention(self.keep_last)
+        return manifest_bytes
+
+    def write(self, cid: str, tensors: dict[str, torch.Tensor], pattern: str) -> dict[str, Any]:
+        """Write ``tensors``, which only this rank writes, into shards named by ``pattern``; return its report."""
+        plan = self._plan(tensors)
+        entries, fps = self._write(cid, plan, range(len(plan)), pattern) if tensors else ([], {})
+        return {"shards": [dataclasses.asdict(e) for e in entries], "fps": {n: str(fp) for n, fp in fps.items()},
+                "specs": {n: [dtype_name(t.dtype), list(t.shape)] for n, t in tensors.items()}}
 
     def _warn_if_flagged(self, m: Manifest) -> None:
         """A save while an incident is open is suspect: say so once, with the way out."""

@@ -1,0 +1,253 @@
+"""``torch.distributed.checkpoint`` storage that writes and reads verified checkpoints.
+
+A team already on DCP changes one argument::
+
+    dcp.save(state, storage_writer=VerifiedStorageWriter(manager, step))
+    dcp.load(state, storage_reader=VerifiedStorageReader(manager))
+
+DCP keeps doing what it does well: planning who writes which chunk (replicas
+deduplicated) and the resharding arithmetic of a load. The storage is
+verified-ckpt's: every rank writes safetensors shards through the run's store,
+rank 0 commits a manifest last, with the guard's consensus when the manager
+has a guard, and the checkpoint is listed, verified, flagged and rolled back
+like any other. DCP's own ``.metadata`` (a pickle) is never written or read:
+the reader rebuilds DCP's metadata from the manifest's JSON layout.
+
+Values that are not tensors (DCP pickles them) are stored as JSON through the
+same codec as the rest of a checkpoint and set directly on load, so nothing
+is unpickled; a value JSON cannot hold is refused at save. Loading them needs
+the default load planner (or one with its ``state_dict`` bookkeeping).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..checkpoint.catalog import info
+from ..errors import CorruptCheckpoint, InvalidState
+from ..flatten import Flat, flatten, unflatten
+from ..layout import Chunk, LayoutEntry, chunk_name
+from ..manifest import CheckpointInfo, Manifest
+from ..skeleton import TENSOR
+from ..tensorspec import dtype_name
+
+if TYPE_CHECKING:
+    from ..checkpoint.manager import CheckpointManager
+    from ..checkpoint.saving import SaveJob, Saver
+
+__all__ = ["VerifiedStorageReader", "VerifiedStorageWriter"]
+
+_ENTRY = "dcp"  # the one state entry of a checkpoint written through DCP: its flattened state dict
+
+
+class VerifiedStorageWriter(StorageWriter):
+    """Commit ``dcp.save`` as checkpoint ``step`` of ``manager``'s run (call it on every rank).
+
+    Args:
+        manager: the run, and its guard (consensus before the save) if it has one.
+        step: the training step this checkpoint holds.
+    """
+
+    def __init__(self, manager: CheckpointManager, step: int) -> None:
+        self.manager, self.step = manager, step
+        self._saver: Saver | None = None
+        self._job: SaveJob | None = None
+        self.info: CheckpointInfo | None = None  # the committed checkpoint (on the coordinator)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._saver = self._job = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # the checkpoint is chosen by the manager's run and the step, not by a path
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # Collective, on every rank, before any data moves: consensus, status and one checkpoint id.
+        self.manager.wait()
+        self._saver, self._job = self.manager._prepare(self.step, Flat({}, {}))
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assert self._saver is not None and self._job is not None, "set_up_storage_writer runs first"
+        tensors: dict[str, torch.Tensor] = {}
+        values: dict[str, Any] = {}
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                values[item.index.fqn] = _json_value(item.index.fqn, getattr(planner, "state_dict", {}))
+            else:
+                data = planner.resolve_data(item)
+                assert isinstance(data, torch.Tensor)
+                tensors[chunk_name(item.index.fqn, tuple(item.index.offset or ()))] = data.detach()
+        rank = self.manager.comm.rank
+        report = self._saver.write(self._job.cid, tensors, f"dcp-r{rank:05d}-{{:05d}}")
+        # DCP hands every rank's results to the coordinator: the first one carries this rank's shard report.
+        results = [WriteResult(index=item.index, size_in_bytes=0,
+                               storage_data={"report": report, "values": values} if i == 0 else None)
+                   for i, item in enumerate(plan.items)]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        assert self._saver is not None and self._job is not None
+        firsts = [r[0].storage_data for r in results if r and r[0].storage_data]
+        reports = [f["report"] for f in firsts]
+        values = {k: v for f in firsts for k, v in f["values"].items()}
+        layout, skeleton = {}, {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                chunks = [Chunk([int(o) for o in c.offsets], chunk_name(fqn, tuple(c.offsets))) for c in md.chunks]
+                layout[fqn] = LayoutEntry(dtype_name(md.properties.dtype), list(md.size), chunks)
+                skeleton[fqn] = {TENSOR: fqn}
+            else:
+                skeleton[fqn] = values[fqn]
+        self._job.layout, self._job.flat = layout, Flat({}, {_ENTRY: {"stateful": False, "value": skeleton}})
+        self.info = info(Manifest.from_json(self._saver.commit(self._job, reports), self._job.cid), [])
+
+    def storage_meta(self) -> None:
+        return None
+
+
+def _json_value(fqn: str, state_dict: Any) -> Any:
+    """The JSON form of the non-tensor value ``fqn`` (the planner pickles it; we never unpickle)."""
+    if fqn not in state_dict:
+        raise InvalidState(f"{fqn}: a non-tensor value the planner does not expose; use DefaultSavePlanner")
+    flat = flatten({"v": state_dict[fqn]})
+    if flat.tensors:
+        raise InvalidState(f"{fqn}: a non-tensor value that holds tensors cannot be stored")
+    return flat.skeleton["v"]["value"]
+
+
+class VerifiedStorageReader(StorageReader):
+    """Serve ``dcp.load`` from a verified checkpoint of ``manager``'s run.
+
+    Every stored chunk a rank needs is read through the checked path (size,
+    digest, header, fingerprint) before any value reaches the planner, and
+    the ranks agree that every read passed before any of them loads: a
+    flipped byte anywhere fails the load with nothing touched.
+
+    Args:
+        manager: the run.
+        step: which step; ``None`` is the rollback target (the newest restorable checkpoint).
+        checkpoint_id: a checkpoint by id instead.
+        allow_unverified: also accept an ``unverified`` checkpoint (never ``suspect`` or ``corrupt``).
+    """
+
+    def __init__(self, manager: CheckpointManager, *, step: int | None = None, checkpoint_id: str | None = None,
+                 allow_unverified: bool = False) -> None:
+        self.manager = manager
+        self.choice = (step, checkpoint_id, allow_unverified)
+        self.info: CheckpointInfo | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.info = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self.info = self.manager._catalog.restorable(*self.choice)
+        m = self.manager_manifest()
+        sd_md: dict[str, Any] = {}
+        storage: dict[MetadataIndex, str] = {}
+        for fqn, e in m.layout.items():
+            chunks = []
+            for c in e.chunks:
+                chunks.append(ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(m.tensors[c.tensor].shape)))
+                storage[MetadataIndex(fqn, torch.Size(c.offsets))] = c.tensor
+            sd_md[fqn] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, e.dtype)), torch.Size(e.shape),
+                                               chunks)
+        for fqn in self._values(m):
+            sd_md[fqn] = BytesStorageMetadata()
+        return Metadata(state_dict_metadata=sd_md, storage_data=storage)
+
+    def manager_manifest(self) -> Manifest:
+        assert self.info is not None and self.info.manifest is not None, "read_metadata runs first"
+        m = self.info.manifest
+        if set(m.state) != {_ENTRY}:
+            raise InvalidState(f"checkpoint {m.checkpoint_id} was not written through DCP; restore it with "
+                               "CheckpointManager.restore()")
+        return m
+
+    def _values(self, m: Manifest) -> dict[str, Any]:
+        skeleton = m.state[_ENTRY]["value"]
+        return {k: v for k, v in skeleton.items() if k not in m.layout}
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.info is None:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        from ..checkpoint.reading import RESTORE, Reader
+
+        m = self.manager_manifest()
+        by_chunk: dict[str, list[Any]] = defaultdict(list)
+        for item in plan.items:
+            if item.type == LoadItemType.TENSOR:
+                by_chunk[chunk_name(item.storage_index.fqn, tuple(item.storage_index.offset or ()))].append(item)
+        loaded, problems = Reader(self.manager._store, self.manager.io_workers).read(m, RESTORE, names=set(by_chunk))
+        error = ""
+        if problems:
+            error = (f"checkpoint {m.checkpoint_id} (step {m.step}) failed its {problems[0].kind} check: "
+                     f"{problems[0].detail}; nothing was loaded - restore an earlier checkpoint")
+        failed = [e.decode() for e in self.manager.comm.gather_bytes(error.encode()) if e]
+        if failed:
+            raise CorruptCheckpoint(failed[0])
+        values = self._values(m)
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                _set_value(planner, item.dest_index.fqn, unflatten(values[item.storage_index.fqn], {}))
+        for name, items in by_chunk.items():
+            for item in items:
+                src = loaded[name]
+                for d, (o, n) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                    src = src.narrow(d, o, n)
+                dest = planner.resolve_tensor(item).detach()
+                dest.copy_(src)
+                planner.commit_tensor(item, dest)
+        assert self.info is not None
+        self.manager._recovery._loaded(self.info)  # the lineage, the ledger and the guard learn of the restore
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _set_value(planner: LoadPlanner, fqn: str, value: Any) -> None:
+    """What ``DefaultLoadPlanner.load_bytes`` does after unpickling, without the unpickling."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    mappings = getattr(planner, "mappings", None)
+    if getattr(planner, "flatten_state_dict", False) and mappings is not None:
+        set_element(planner.original_state_dict, mappings[fqn], value)  # type: ignore[attr-defined]
+    elif isinstance(getattr(planner, "state_dict", None), dict):
+        planner.state_dict[fqn] = value  # type: ignore[attr-defined]
+    else:
+        raise InvalidState(f"{fqn}: this load planner cannot take a non-tensor value without unpickling it; "
+                           "use DefaultLoadPlanner")

@@ -58,16 +58,21 @@ def save_hsdp(rank: int, world: int, run: str, ref: str) -> str:
     train(model, opt, range(3), rank)
     info = CheckpointManager(run).save(3, {"model": model, "optim": opt})
     full = consolidated(model, opt)
+    train(model, opt, range(3, 6), rank)  # the uninterrupted run, for the resumed one to match
+    later = consolidated(model, opt)
     if rank == 0:
         save_file(full, ref)
+        save_file(later, ref + ".later")
     return info.id
 
 
-def restore_on(rank: int, world: int, run: str, ref: str, mesh: list[int] | None) -> list[str]:
+def restore_on(rank: int, world: int, run: str, ref: str, mesh: list[int] | None, resume: bool = False) -> list[str]:
     model, opt = build(tuple(mesh) if mesh else None)
     CheckpointManager(run).restore({"model": model, "optim": opt}, allow_unverified=True)
+    if resume:
+        train(model, opt, range(3, 6), rank)
     full = consolidated(model, opt)
-    want = load_file(ref)
+    want = load_file(ref + ".later" if resume else ref)
     assert sorted(full) == sorted(want)
     return [k for k in want if not torch.equal(full[k], want[k])]
 
@@ -102,6 +107,11 @@ def test_hsdp_checkpoint_restores_bitwise_on_another_mesh(hsdp_run, world, mesh)
         assert restore_on(0, 1, run, ref, None) == []
     else:
         assert run_ranks(restore_on, world, run, ref, mesh) == [[]] * world
+
+
+def test_a_run_resumed_at_3x2_matches_the_uninterrupted_run_bit_for_bit(hsdp_run):
+    run, ref = hsdp_run
+    assert run_ranks(restore_on, 6, run, ref, [3, 2], True) == [[]] * 6
 
 
 def test_a_flipped_byte_in_a_chunk_fails_the_restore_before_anything_is_touched(hsdp_run, tmp_path):
@@ -174,3 +184,29 @@ def test_dcp_save_and_load_through_the_verified_storage_round_trip_on_hsdp(tmp_p
 def test_dcp_load_of_a_flipped_chunk_fails_on_every_rank_before_a_parameter_is_touched(tmp_path):
     results = run_ranks(dcp_roundtrip, 6, str(tmp_path / "run"), True)
     assert all(r["error"] and "digest" in r["error"] and r["untouched"] for r in results), results
+
+
+def test_the_cli_lists_shows_verifies_and_exports_a_sharded_checkpoint(hsdp_run, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from verified_ckpt_cli.main import main
+
+    run, _ = hsdp_run
+
+    def vckpt(*args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(main, list(args))
+        assert "Traceback" not in result.output
+        return result.exit_code, result.output
+
+    code, out = vckpt("list", run, "--json")
+    assert code == 0 and json.loads(out)[0]["step"] == 3
+    code, out = vckpt("show", run, "3", "--json")
+    assert code == 0 and "model/1.weight" in json.loads(out)["manifest"]["layout"]
+    code, out = vckpt("verify", run, "--step", "3")
+    assert code == 0, out
+    code, out = vckpt("restore", run, "--step", "3", "--to", str(tmp_path / "out"), "--allow-unverified")
+    assert code == 0, out
+    [info] = CheckpointManager(run).list()
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {s.path for s in info.manifest.shards} | {"manifest.json"}

@@ -105,7 +105,8 @@ def main() -> None:
         args.dir = tmp
         out = os.path.join(tmp, "out.json")
         mp.start_processes(_rank, args=(r * s, f"file://{tmp}/store", args, out), nprocs=r * s, start_method="spawn")
-        res = json.load(open(out))
+        with open(out) as f:
+            res = json.load(f)
         shutil.rmtree(tmp, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in res["times"].items()}
     print(f"HSDP {args.mesh}, {res['params'] / 1e6:.1f} M params, state {res['state_mib']:.0f} MiB, "

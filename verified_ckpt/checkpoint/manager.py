@@ -1,12 +1,11 @@
 """``CheckpointManager``: the facade that holds the checkpoint invariants.
 
-Public methods hold the invariants (never restore what is not restorable,
-never commit before every shard is written and digested, record what was
-learnt) and delegate the work: ``saving``, ``recovery`` (restores, rollbacks),
-``catalog`` (run view, records, selection, retention, gc), ``verification``,
-``export``. Subclasses must not override the public methods, or the invariants
-would live in more than one place. Modules that need torch are imported when a
-method first needs them, so listing a run (the CLI) starts without it.
+Public methods hold the invariants (never restore what is not restorable, never commit before every
+shard is written and digested, record what was learnt) and delegate the work: ``saving``, ``recovery``
+(restores, rollbacks), ``catalog`` (run view, records, selection, retention, gc), ``verification``,
+``export``. Subclasses must not override the public methods, or the invariants would live in more than
+one place. Modules that need torch are imported when a method first needs them, so listing a run (the
+CLI) starts without it.
 """
 
 from __future__ import annotations
@@ -136,10 +135,9 @@ class CheckpointManager:
         """The synchronous, collective part of every save (also of ``dcp.save`` through the verified writer)."""
         from .saving import Saver
 
-        if self._saver is None:
-            self._saver = Saver(self._store, self._signer, self.comm, self.guard, self._tracker, self._catalog,
-                                keep_last=self.keep_last, shard_bytes=self.shard_bytes, io_workers=self.io_workers,
-                                report_timeout_s=self.report_timeout_s)
+        self._saver = self._saver or Saver(self._store, self._signer, self.comm, self.guard, self._tracker,
+                                           self._catalog, keep_last=self.keep_last, shard_bytes=self.shard_bytes,
+                                           io_workers=self.io_workers, report_timeout_s=self.report_timeout_s)
         job = self._saver.prepare(step, flat, self.resumed_from)
         # Before any manifest can claim this save's consensus, the ledger holds it.
         self._journal.log([Event(step, "save", NO_RANK, "pass" if job.status is Status.RESTORABLE else "none")])
@@ -346,9 +344,7 @@ class CheckpointManager:
 
 
 def _check_options(keep_last: int | None, shard_bytes: int, io_workers: int) -> None:
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
-    if shard_bytes < 1:
-        raise ValueError(f"shard_bytes must be >= 1, got {shard_bytes}")
-    if io_workers < 1:
-        raise ValueError(f"io_workers must be >= 1, got {io_workers}")
+    for name, value, ok in [("keep_last", keep_last, keep_last is None or isinstance(keep_last, int) and keep_last >= 1),
+                            ("shard_bytes", shard_bytes, shard_bytes >= 1), ("io_workers", io_workers, io_workers >= 1)]:
+        if not ok:
+            raise ValueError(f"{name} must be {'None or ' if name == 'keep_last' else ''}an int >= 1, got {value!r}")

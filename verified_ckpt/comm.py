@@ -105,6 +105,10 @@ class Communicator:
         fut: torch.futures.Future[Any] = work.get_future()
         return fut
 
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: Any, op: Any, async_op: bool) -> Any:
+        """FSDP's reduce-scatter over its own sub-group (``group``), as FSDP's default communication issues it."""
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
     # -------------------------------------------------------------- bytes
     def gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's byte string, on every rank (two all-gathers; no pickle)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 
 import torch
 
@@ -138,6 +139,23 @@ class FaultPlan:
         for f in fired:
             f.apply(t)
         return bool(fired)
+
+    def inject_state(self, rank: int, step: int, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
+                     optimizer: torch.optim.Optimizer) -> None:
+        """The state sites, after the optimizer update: the first parameter, the first floating buffer, and
+        the first parameter's ``exp_avg_sq`` (or first floating state tensor); a DTensor's local shard."""
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if hasattr(t, "to_local") else t  # a sharded (FSDP) tensor: this rank's piece
+
+        if self.firing("weights", rank, step) and params:
+            self.apply("weights", rank, step, local(params[0]).data)
+        floats = [b for b in buffers if b.is_floating_point()]
+        if self.firing("buffers", rank, step) and floats:
+            self.apply("buffers", rank, step, floats[0].data)
+        first = optimizer.state.get(params[0], {}) if params else {}
+        target = first.get("exp_avg_sq", next((v for v in first.values() if torch.is_tensor(v) and v.is_floating_point()), None))
+        if self.firing("optim", rank, step) and target is not None:
+            self.apply("optim", rank, step, local(target))
 
     def step_done(self, step: int) -> None:
         """A step finished (or was abandoned): its once-faults never fire again."""

@@ -344,7 +344,7 @@ class CheckpointManager:
 
 
 def _check_options(keep_last: int | None, shard_bytes: int, io_workers: int) -> None:
-    for name, value, ok in [("keep_last", keep_last, keep_last is None or isinstance(keep_last, int) and keep_last >= 1),
+    for name, value, ok in [("keep_last", keep_last, keep_last is None or (isinstance(keep_last, int) and keep_last >= 1)),
                             ("shard_bytes", shard_bytes, shard_bytes >= 1), ("io_workers", io_workers, io_workers >= 1)]:
         if not ok:
             raise ValueError(f"{name} must be {'None or ' if name == 'keep_last' else ''}an int >= 1, got {value!r}")

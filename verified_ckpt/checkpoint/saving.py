@@ -110,7 +110,7 @@ class Saver:
             status, reasons, evidence = Status.UNVERIFIED, [UNGUARDED], {}
         else:
             fingerprints = g.consensus(step)  # raises on disagreement: nothing is written
-            ev, status, reasons = self.tracker.for_save(step, fingerprints, g.counters(), world=g.world,
+            ev, status, reasons = self.tracker.for_save(step, fingerprints, g.counters(), world=g.replicas,
                                                         audits_enabled=g.audits_enabled)
             evidence = ev.to_dict()
         hosts = [h.to_dict() for h in self.comm.topology()]

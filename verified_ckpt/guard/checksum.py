@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from .. import decisions
 from .stats import LANES, StepStats, Verdict, failed_rows
 
-__all__ = ["bound", "check"]
+__all__ = ["bound", "check", "sigma_bound"]
 
 _EPS32 = 2.0**-24
 
@@ -38,9 +38,12 @@ def bound(gathered: Sequence[StepStats], slack: float, rms_weight: float) -> flo
     The worst-case bound used before grew with √n (the L1 norm); this one does not.
     """
     world = len(gathered)
-    mean_l2 = sum(x.norm for x in gathered) / world
-    eps = max(x.eps for x in gathered)
-    return slack * rms_weight * mean_l2 * ((world + 1) * eps + 2 * math.sqrt(LANES) * _EPS32) + 1e-30
+    return sigma_bound(sum(x.norm for x in gathered) / world, world, max(x.eps for x in gathered), slack, rms_weight)
+
+
+def sigma_bound(mean_l2: float, terms: int, eps: float, slack: float, rms_weight: float) -> float:
+    """``slack`` standard deviations of the rounding error of a reduction of ``terms`` buffers (see :func:`bound`)."""
+    return slack * rms_weight * mean_l2 * ((terms + 1) * eps + 2 * math.sqrt(LANES) * _EPS32) + 1e-30
 
 
 def check(step: int, gathered: Sequence[StepStats], slack: float, rms_weight: float, rank_rows: int) -> Verdict | None:

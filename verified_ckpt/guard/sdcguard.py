@@ -67,6 +67,14 @@ class SDCGuard:
             opt.zero_grad(); sched.step()
     """
 
+    def __new__(cls, model: torch.nn.Module, *args: Any, **kwargs: Any) -> SDCGuard:
+        if cls is SDCGuard:  # an FSDP2/HSDP model gets the sharded guard: one public class for every model
+            from .fsdpguard import FSDPGuard, is_fsdp
+
+            if is_fsdp(model):
+                return super().__new__(FSDPGuard)
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -137,6 +145,11 @@ class SDCGuard:
 
     def host_of(self, rank: int) -> Host:
         return self.comm.host_of(rank)
+
+    @property
+    def replicas(self) -> int:
+        """How many copies of each piece of the state take part in a consensus."""
+        return self.world
 
     @property
     def current_step(self) -> int | None:
@@ -219,7 +232,7 @@ class SDCGuard:
             gathered = gather_step_stats(self.comm, self.tap.buckets, self._losses, self.cfg.checksum_lanes)
             self._check_gradients(s, gathered)
             self.optimizer.step()
-            self._inject_state_faults(s)
+            self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
             if s % self.cfg.consensus_every == 0:
                 self.consensus(s)
         except SilentCorruptionDetected:
@@ -293,17 +306,6 @@ class SDCGuard:
         """The default generators' state a microbatch starts from (what dropout draws), for audits to replay."""
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         return torch.get_rng_state(), cuda
-
-    def _inject_state_faults(self, s: int) -> None:
-        if self.faults.firing("weights", self.rank, s) and self.params:
-            self.faults.apply("weights", self.rank, s, self.params[0].data)
-        floats = [b for b in self.buffers if b.is_floating_point()]
-        if self.faults.firing("buffers", self.rank, s) and floats:
-            self.faults.apply("buffers", self.rank, s, floats[0].data)
-        first = self.optimizer.state.get(self.params[0], {}) if self.params else {}
-        target = first.get("exp_avg_sq", next((v for v in first.values() if torch.is_tensor(v) and v.is_floating_point()), None))
-        if self.faults.firing("optim", self.rank, s) and target is not None:
-            self.faults.apply("optim", self.rank, s, target)
 
     def _reset_step(self) -> None:
         self._batches = []

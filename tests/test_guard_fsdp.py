@@ -57,15 +57,19 @@ CASES = {
     "local gradient inf on rank 1": ("grad:1:6:inf", "nonfinite_local", [1], 6),
     "one rank's all-reduced shard x10 (rank 4)": ("allreduce:4:7:elem=10", "checksum", [4], 7),
     "one rank's all-reduced shard, exponent flip (rank 2)": ("allreduce:2:3:bitflip=27", "checksum", [2], 3),
-    "a weight flip on rank 5's shard": ("weights:5:3:bitflip=22", "consensus", [5], 5),
-    "an inf in rank 0's optimizer state": ("optim:0:2:inf", "nonfinite_state", [0], 5),
+    "a weight flip on rank 5's shard": ("weights:5:3:bitflip=22", "consensus", [5], 4),  # the audit asks first
+    "an inf in rank 0's optimizer state": ("optim:0:2:inf", "nonfinite_state", [0], 4),  # at the audit
+    "one rank's local gradient x10 (rank 3), at an audit": ("grad:3:4:elem=10", "audit", [3], 4),
+    "a persistent compute fault on rank 2": ("compute:2:3-:scale=1.5", "audit", [2], 4),
 }
 
 
 def hsdp_campaign(rank: int, world: int) -> dict:
     warnings_off()
-    out = {name: train_until_incident(rank, (3, 2), [spec], 12) for name, (spec, *_) in CASES.items()}
-    out["clean"] = train_until_incident(rank, (3, 2), [], 200)
+    out = {name: train_until_incident(rank, (3, 2), [spec], 12, audit_every=4) for name, (spec, *_) in CASES.items()}
+    out["replica group 1 computes wrongly"] = train_until_incident(
+        rank, (3, 2), ["compute:2:3-:scale=1.5", "compute:3:3-:scale=1.5"], 12, audit_every=4)
+    out["clean"] = train_until_incident(rank, (3, 2), [], 200, audit_every=5)
     out["fsdp reduced shard"] = train_until_incident(rank, (6,), ["allreduce:2:3:bitflip=27"], 12)
     return out
 
@@ -84,7 +88,9 @@ def test_hsdp_guard_catches_every_fault_class_naming_the_rank_and_stays_quiet_fo
         assert (got[name]["kind"], got[name]["ranks"], got[name]["step"]) == (kind, ranks, step), (name, got[name])
         assert len(got[name]["hosts"]) == len(ranks)
     assert got["clean"]["clean"] == 200 and got["clean"]["checks"]["checksum"] == 200, got["clean"]
-    assert got["clean"]["checks"]["consensus"] == 40
+    assert got["clean"]["checks"]["consensus"] == 40 and got["clean"]["checks"]["audit"] == 40
+    group = got["replica group 1 computes wrongly"]
+    assert (group["kind"], group["ranks"], group["step"]) == ("audit", [2, 3], 4)
     assert got["fsdp reduced shard"]["kind"] == "checksum" and got["fsdp reduced shard"]["ranks"] == [2]
 
 
@@ -102,7 +108,7 @@ def rollback_story(rank: int, world: int, run: str, faults: list[str]) -> dict:
 
     warnings_off()
     model, opt = build((3, 2))
-    guard = SDCGuard(model, opt, loss_fn, GuardConfig(faults=faults, consensus_every=2))
+    guard = SDCGuard(model, opt, loss_fn, GuardConfig(faults=faults, consensus_every=2, audit_every=2))
     mgr = CheckpointManager(run, guard=guard)
     state = {"model": model, "optim": opt}
     step, incidents, rollbacks = 0, [], []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from verified_ckpt.fingerprint import lanes_hex
 from verified_ckpt.history import (
     NO_RANK,
     Columns,
@@ -15,7 +16,6 @@ from verified_ckpt.history import (
     step_series,
     summarize,
 )
-from verified_ckpt.fingerprint import lanes_hex
 from verified_ckpt.records import Host, Incident
 
 

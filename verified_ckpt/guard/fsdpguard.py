@@ -17,13 +17,14 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from .. import batches
 from ..comm import Communicator
 from ..errors import GuardUsageError, SilentCorruptionDetected
 from ..faults import FaultPlan
 from ..history import NO_RANK, Event
 from .config import GuardConfig
 from .sdcguard import SDCGuard
-from .sharded import ShardedTap, judge_state, judge_step, mesh_view, state_row
+from .sharded import ShardedTap, audit_vector, judge_audit, judge_state, judge_step, mesh_view, state_row
 from .stats import Projector
 
 __all__ = ["FSDPGuard", "is_fsdp"]
@@ -67,12 +68,16 @@ class FSDPGuard(SDCGuard):
         self._step: int | None = None
         self._start: int | None = None
         self._losses: list[torch.Tensor] = []
+        self._batches: list[Any] = []
+        self._rng: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._eps = 0.0
         self.rs_tap = ShardedTap(self.project, self._reduce_scatter, two_d=self.view.replicas > 1, inject=self._inject)
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_custom_reduce_scatter(self.rs_tap)  # type: ignore[arg-type]  # the ReduceScatter protocol
                 m.set_all_reduce_hook(self.rs_tap.after_all_reduce)
+        if self.faults.has_site("compute"):
+            model.register_forward_hook(self._compute_fault)
         if self.rank == 0 and self.view.replicas < 3:
             warnings.warn(ONE_REPLICA if self.view.replicas == 1 else TWO_GROUPS, stacklevel=3)
 
@@ -82,7 +87,7 @@ class FSDPGuard(SDCGuard):
 
     @property
     def audits_enabled(self) -> bool:
-        return False  # recompute audits across replica groups are not built for FSDP yet
+        return self.cfg.audit_every is not None and self.view.replicas >= 2
 
     @property
     def node_of(self) -> list[int]:
@@ -106,10 +111,18 @@ class FSDPGuard(SDCGuard):
         self._step = step
         self._start = step if self._start is None else self._start
         self._ran_backward = True
+        if self.audits_enabled and self.batch_for is None:
+            batches.encode(batch)  # fails now, naming the leaf, not at the first audit hundreds of steps later
+        self._rng.append(self._rng_state())
+        loss = self._forward_backward(batch, sync)
+        self._batches.append(batch)
+        self._losses.append(loss.to(torch.float64))
+        return loss
+
+    def _forward_backward(self, batch: Any, sync: bool) -> torch.Tensor:
         self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]
         loss = self.loss_fn(self.model, batch)
         loss.backward()
-        self._losses.append(loss.detach().to(torch.float64))
         return loss.detach()
 
     def step(self) -> None:
@@ -121,14 +134,17 @@ class FSDPGuard(SDCGuard):
             if not self.rs_tap.rows:
                 raise GuardUsageError("no gradient was reduce-scattered this step; the last backward() of a step must "
                                       "have sync=True")
-            rows = self.comm.all_gather_rows(torch.cat(self.rs_tap.rows)).tolist()  # the step's one host sync
-            verdicts = [v for v in judge_step(s, rows, self.view, self.rs_tap.modes, self.project.k, self._eps or 2.0**-24,
-                                              self.cfg.checksum_slack, self.project.rms_weight)
+            loss = torch.stack(self._losses).sum().view(1)
+            rows = self.comm.all_gather_rows(torch.cat([*self.rs_tap.rows, loss])).tolist()  # the step's one host sync
+            verdicts = [v for v in judge_step(s, [r[:-1] for r in rows], self.view, self.rs_tap.modes, self.project.k,
+                                              self._eps or 2.0**-24, self.cfg.checksum_slack, self.project.rms_weight)
                         if (v.kind == "checksum" and self.cfg.check_checksum)
                         or (v.kind != "checksum" and self.cfg.check_nonfinite)]
             for v in verdicts:
                 self._judge(s, v)
             self._emit(lambda: [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
+            if self.audits_enabled and (self._audit_requested or s % (self.cfg.audit_every or 1) == 0):
+                self._audit(s, rows)
             self.optimizer.step()
             self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
             if s % self.cfg.consensus_every == 0:
@@ -159,8 +175,72 @@ class FSDPGuard(SDCGuard):
         return state_row(self.params, self.optimizer, self.device)[:2]
 
     def _reset_step(self) -> None:
-        self._losses = []
+        self._losses, self._batches, self._rng = [], [], []
         self.rs_tap.reset()
+
+    def _compute_fault(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        """The ``compute`` site: this rank's forward output, also when it recomputes for an audit."""
+        if isinstance(output, torch.Tensor) and self.faults.firing("compute", self.rank, self._step):
+            output = output.clone()
+            self.faults.apply("compute", self.rank, self._step, output)
+            return output
+        return None
+
+    # ------------------------------------------------------------ audits
+    def _audit(self, s: int, rows: list[list[float]]) -> None:
+        """Every replica group recomputes the microbatches of the group before it (and, on a mismatch, of the
+        one before that), all shard ranks of a group together, before the update; see ``sharded.judge_audit``."""
+        self.comm.arrive("audit")
+        self._audit_requested = False
+        calls, shape = len(self.rs_tap.modes), (self.view.shards, self.project.k)
+        everyone = self._gather_batches(s)
+        owner = [audit_vector(r, calls, *shape) for r in rows]
+        first = [audit_vector(r, calls, *shape) for r in self._recompute_for(everyone, 1)]
+        verdict, differ = judge_audit(s, owner, first, None, self.view, exact=self.cfg.mode == "exact",
+                                      rtol=self.cfg.rtol, rms_weight=self.project.rms_weight,
+                                      first_suspect=self._last_pass("audit") + 1)
+        if differ and self.view.replicas >= 3:
+            second = [audit_vector(r, calls, *shape) for r in self._recompute_for(everyone, 2)]
+            verdict, _ = judge_audit(s, owner, first, second, self.view, exact=self.cfg.mode == "exact",
+                                     rtol=self.cfg.rtol, rms_weight=self.project.rms_weight,
+                                     first_suspect=self._last_pass("audit") + 1)
+        if not verdict.ok:
+            # A wrong weight shard makes its whole replica group compute wrongly (the group all-gathers it),
+            # so compare the shards first: that names the one rank holding it, not its healthy peers.
+            self.consensus(s)
+        self._judge(s, verdict)
+
+    def _recompute_for(self, everyone: list[list[Any]], back: int) -> list[list[float]]:
+        """Recompute, on every rank at once, the microbatches of the rank ``back`` replica groups before it at the
+        same shard index; the gathered rows. Gradients, buffers, random state and the step's rows are put back."""
+        g, j = next((g, row.index(self.rank)) for g, row in enumerate(self.view.ranks) if self.rank in row)
+        owner = self.view.ranks[(g - back) % self.view.replicas][j]
+        grads = [p.grad for p in self.params]
+        buffers = [b.detach().clone() for b in self.buffers]
+        kept = (self.rs_tap.rows, self.rs_tap.modes)
+        self.rs_tap.reset()
+        self.rs_tap.auditing = True
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                for p in self.params:
+                    p.grad = None
+                total = torch.zeros((), dtype=torch.float64, device=self.device)
+                mine = everyone[owner]
+                for i, (mb, (cpu_rng, cuda_rng)) in enumerate(mine):
+                    torch.set_rng_state(cpu_rng)
+                    if cuda_rng is not None and self.device.type == "cuda":
+                        torch.cuda.set_rng_state(cuda_rng, self.device)
+                    total += self._forward_backward(mb, i == len(mine) - 1).to(torch.float64)
+                row = torch.cat([*self.rs_tap.rows, total.view(1)])
+        finally:
+            self.rs_tap.auditing = False
+            self.rs_tap.rows, self.rs_tap.modes = kept
+            for p, grad in zip(self.params, grads, strict=True):
+                p.grad = grad
+            with torch.no_grad():
+                for b, saved in zip(self.buffers, buffers, strict=True):
+                    b.copy_(saved)
+        return self.comm.all_gather_rows(row).tolist()
 
     def prepare_resume(self) -> None:
         """Nothing to rebuild: FSDP's reduction order does not depend on a first iteration, unlike DDP's buckets."""

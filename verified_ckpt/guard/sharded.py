@@ -18,10 +18,12 @@ one row per rank, the step's only host synchronisation, and judges:
   the rank whose result is wrong;
 * ``consensus`` (every ``consensus_every`` steps and before saves): for each shard index, the
   replicas' exact fingerprints of their local shards of parameters and optimizer state must
-  agree; a strict majority (3 or more replica groups) names the odd ones out.
+  agree; a strict majority (3 or more replica groups) names the odd ones out;
+* ``audit`` (every ``audit_every`` steps, before the update): every replica group recomputes the
+  microbatches of another, all its shard ranks together, and each rank's local-gradient
+  projections and loss must equal those of the rank it recomputed; a third group breaks ties.
 
-What each mesh can conclude is in docs/GUARD.md. Not built yet: recompute audits
-across replica groups, and ABFT; both are DDP-only for now.
+What each mesh can conclude is in docs/GUARD.md. ABFT is DDP-only for now.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from .checksum import sigma_bound
 from .consensus import state_lanes, state_tensors
 from .stats import Projector, Verdict
 
-__all__ = ["MeshView", "ShardedTap", "judge_state", "judge_step", "mesh_view"]
+__all__ = ["MeshView", "ShardedTap", "audit_vector", "judge_audit", "judge_state", "judge_step", "mesh_view", "state_row"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +91,7 @@ class ShardedTap:
         self.rows: list[torch.Tensor] = []
         self.modes: list[str | None] = []  # "avg", "sum", or None: a scaled sum whose factor is not known here
         self.paused = False
+        self.auditing = False  # recording a recomputation: rows, but no injected faults
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(tuple(size), dtype=dtype, device=device)
@@ -97,11 +100,12 @@ class ShardedTap:
                  async_op: bool = False) -> Any:
         if self.paused:
             return self.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
-        self.inject("grad", input_tensor)
+        if not self.auditing:  # a recomputation reproduces the computation, not the reduction's faults
+            self.inject("grad", input_tensor)
         pieces = input_tensor.view(group.size(), -1)
         before = [self.project(p) for p in pieces] + [_norms(pieces)]
         work = self.reduce_scatter(output_tensor, input_tensor, group, op, False)
-        if not self.two_d:
+        if not self.two_d and not self.auditing:
             self.inject("allreduce", output_tensor)  # no all-reduce follows: the reduced shard is the result
         name = str(op).rsplit(".", 1)[-1].lower()
         self.modes.append(name if name in ("avg", "sum") else None)
@@ -113,7 +117,7 @@ class ShardedTap:
         """FSDP's all-reduce hook: the shard after the cross-replica all-reduce (after the reduce-scatter on 1-D)."""
         if self.paused or not self.rows:
             return
-        if self.two_d:
+        if self.two_d and not self.auditing:
             self.inject("allreduce", output)
         k = self.project.k + 1
         self.rows[-1] = torch.cat([self.rows[-1][:-k], self._stats(output)])
@@ -239,3 +243,58 @@ def judge_state(step: int, rows: Sequence[Sequence[int]], view: MeshView, first_
         return [nonfinite, Verdict("consensus", True, rows=ledger)], fps
     detail = "replicas of a shard disagree: " + ", ".join(f"rank {r} {fps[r][:12]}" for r in range(world))
     return [nonfinite, Verdict("consensus", False, sorted(suspects), detail, first_suspect, ledger)], fps
+
+
+def audit_vector(row: Sequence[float], calls: int, shards: int, k: int) -> tuple[float, list[float], list[float]]:
+    """(loss, the local-gradient projections, their norms) of one rank's gathered row (calls' rows, then the loss)."""
+    width = shards * (k + 1) + 2 * (k + 1)
+    proj: list[float] = []
+    norms: list[float] = []
+    for c in range(calls):
+        part = _split(row[c * width:(c + 1) * width], shards, k)
+        proj += [v for p in part.in_proj for v in p]
+        norms += part.in_norm
+    return row[calls * width], proj, norms
+
+
+def judge_audit(step: int, owner: Sequence[tuple[float, list[float], list[float]]],
+                first: Sequence[tuple[float, list[float], list[float]]],
+                second: Sequence[tuple[float, list[float], list[float]]] | None, view: MeshView, *, exact: bool,
+                rtol: float, rms_weight: float, first_suspect: int) -> tuple[Verdict, list[int]]:
+    """Replica group g recomputed the microbatches of group g-1 (``first``), and on a mismatch those of
+    g-2 (``second``, the tiebreak). Returns the verdict and the owners whose recomputation differed.
+
+    Every rank of the auditing group recomputes the rank at its own shard index: the same
+    all-gathered weights, the same microbatches and random state, so in exact mode the loss and the
+    projections of the local gradients must be equal bit for bit.
+    """
+    def same(a: tuple[float, list[float], list[float]], b: tuple[float, list[float], list[float]]) -> bool:
+        if exact:
+            return a[0] == b[0] and a[1] == b[1]
+        scale = [rms_weight * n for n in b[2] for _ in range(len(b[1]) // max(len(b[2]), 1))]
+        return math.isclose(a[0], b[0], rel_tol=rtol) and all(
+            abs(x - y) <= rtol * (abs(y) + z) for x, y, z in zip(a[1], b[1], scale, strict=False))
+
+    r_count = view.replicas
+
+    def auditor(o: int, back: int) -> int:
+        g, j = next((g, row.index(o)) for g, row in enumerate(view.ranks) if o in row)
+        return view.ranks[(g + back) % r_count][j]
+
+    differ = [o for row in view.ranks for o in row if not same(owner[o], first[auditor(o, 1)])]
+    if not differ:
+        return Verdict("audit", True), []
+    if second is None:
+        return Verdict("audit", False, [], f"the recomputation of rank(s) {differ}'s microbatches by another replica "
+                       "group differs; with two replica groups there is no third to tell which is wrong",
+                       first_suspect), differ
+    named: set[int] = set()
+    for o in differ:
+        a1, a2 = auditor(o, 1), auditor(o, 2)
+        if same(first[a1], second[a2]):
+            named.add(o)  # two other groups agree on what o should have computed
+        elif same(owner[o], second[a2]):
+            named.add(a1)  # the third group reproduces o: its first auditor computed wrongly
+    detail = (f"recomputing rank(s) {differ}'s microbatches on other replica groups gave other gradients or loss"
+              + (f"; the third replica group names rank(s) {sorted(named)}" if named else "; no majority"))
+    return Verdict("audit", False, sorted(named), detail, first_suspect), differ

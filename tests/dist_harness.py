@@ -34,7 +34,7 @@ def _run_one(fn: Callable[..., Any], rank: int, world: int, init: str, args: tup
         payload = {"ok": True, "result": fn(rank, world, *args)}
         if final_barrier:
             dist.barrier()  # no rank tears its process group down while another still talks to it
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
         payload = {"ok": False, "traceback": traceback.format_exc()}
     finally:
         if dist.is_initialized():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import fsspec
+
 import pytest
 
 from verified_ckpt.errors import CheckpointNotFound, StorageError

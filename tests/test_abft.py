@@ -3,12 +3,12 @@ at the step, naming the rank and the layer; one injection per fault class on 3 g
 
 from __future__ import annotations
 
-import bit_campaign
 import pytest
 import torch
-from dist_harness import run_ranks
 from torch.utils.checkpoint import checkpoint
 
+import bit_campaign
+from dist_harness import run_ranks
 from models import TinyGPT, lm_loss
 from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
 
@@ -70,7 +70,7 @@ def test_a_wrong_gradient_is_caught_at_its_step_naming_the_layer(spec):
     torch.manual_seed(0)
     guard, incident = run(TinyGPT(), lm_loss, 8, faults=(spec,))
     assert incident is not None and (incident.kind, incident.detected_step, incident.ranks) == ("abft", 5, [0])
-    assert ("does not match its ABFT checksum" in incident.detail and ".weight" in incident.detail) or ".bias" in incident.detail
+    assert "does not match its ABFT checksum" in incident.detail and ".weight" in incident.detail or ".bias" in incident.detail
 
 
 def test_checks_switch_off_one_by_one():

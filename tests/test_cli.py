@@ -11,8 +11,8 @@ import fsspec
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import flip_byte
 
+from helpers import flip_byte
 from verified_ckpt import CheckpointManager
 from verified_ckpt_cli.main import main, parse_storage_options
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_harness import run_ranks
 
+from dist_harness import run_ranks
 from verified_ckpt import CheckpointManager, Communicator, Status, state_fingerprint
 
 pytestmark = pytest.mark.timeout(120)

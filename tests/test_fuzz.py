@@ -23,10 +23,10 @@ import tracemalloc
 import blake3
 import pytest
 import torch
-from helpers import fresh_state, trained_state
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import fresh_state, trained_state
 from verified_ckpt import (
     CheckpointManager,
     CheckpointNotRestorable,
@@ -38,9 +38,9 @@ from verified_ckpt import (
     state_fingerprint,
 )
 from verified_ckpt.flatten import unflatten
+from verified_ckpt.skeleton import tensor_refs
 from verified_ckpt.manifest import MAX_DEPTH, Manifest
 from verified_ckpt.shards import parse_header, read_into, tensors_from_buffer, write_shard
-from verified_ckpt.skeleton import tensor_refs
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,10 +14,10 @@ import sys
 
 import pytest
 import torch
-from dist_harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_train
+from dist_harness import run_ranks
 from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected, state_fingerprint
 
 pytestmark = pytest.mark.timeout(180)

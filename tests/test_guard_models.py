@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 import torch
-from dist_harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dist_harness import run_ranks
 from models import BNMLP, TinyGPT, lm_loss
 from verified_ckpt import GuardConfig, GuardUsageError, SDCGuard, SilentCorruptionDetected, state_fingerprint
 

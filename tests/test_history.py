@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-from verified_ckpt.fingerprint import lanes_hex
 from verified_ckpt.history import (
     NO_RANK,
     Columns,
@@ -16,6 +15,7 @@ from verified_ckpt.history import (
     step_series,
     summarize,
 )
+from verified_ckpt.fingerprint import lanes_hex
 from verified_ckpt.records import Host, Incident
 
 

@@ -262,6 +262,7 @@ def test_choosing_a_rollback_and_reporting_read_each_manifest_once(guarded_run, 
     assert sorted(reads) == ids
     # rollback() on rank 0 restores the target it chose, without listing the run again
     import ddp_train
+
     from verified_ckpt import RNGState
 
     model = ddp_train.build_model(0)

@@ -12,8 +12,8 @@ import fsspec
 import pytest
 import safetensors.torch
 import torch
-from helpers import flip_byte, fresh_state, trained_state
 
+from helpers import flip_byte, fresh_state, trained_state
 from verified_ckpt import (
     CheckpointManager,
     CheckpointNotFound,

@@ -10,10 +10,10 @@ import warnings
 import pytest
 import torch
 from click.testing import CliRunner
-from dist_harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_train
+from dist_harness import run_ranks
 from verified_ckpt import (
     CheckpointManager,
     GuardConfig,

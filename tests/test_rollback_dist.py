@@ -6,10 +6,10 @@ import os
 
 import pytest
 import torch
-from dist_harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_train
+from dist_harness import run_ranks
 from verified_ckpt import CheckpointManager, GuardConfig, SDCGuard, SilentCorruptionDetected, Status
 
 pytestmark = pytest.mark.timeout(240)

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 import s3fs
-import seaweed
 import torch
-from helpers import flip_byte, fresh_state, trained_state
 
+import seaweed
+from helpers import flip_byte, fresh_state, trained_state
 from verified_ckpt import CheckpointManager, CorruptCheckpoint, StorageError, state_fingerprint
 
 pytestmark = pytest.mark.timeout(120)

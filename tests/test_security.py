@@ -13,8 +13,8 @@ import fsspec
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import fresh_state, trained_state
 
+from helpers import fresh_state, trained_state
 from verified_ckpt import CheckpointManager, InvalidState, Status, state_fingerprint
 from verified_ckpt.shards import parse_header
 from verified_ckpt_cli.main import main

@@ -1,6 +1,7 @@
 """The store contract on memory:// and a local folder (S3 joins in the S3 issue)."""
 
 import pytest
+
 from store_contract import StoreContract
 
 

@@ -24,6 +24,7 @@ import os
 import random
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -222,11 +223,14 @@ class _null:
         return None
 
 
-def _spawned(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
+Train = Callable[[int, int, argparse.Namespace], dict[str, Any]]
+
+
+def _spawned(rank: int, world: int, init: str, args: argparse.Namespace, train_fn: Train | None = None) -> None:
     faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        result = train(rank, world, args)
+        result = (train_fn or train)(rank, world, args)
         if rank == 0 and args.result_file:
             with open(args.result_file, "w") as f:
                 json.dump(result, f)
@@ -270,10 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    return launch(args, train)
+
+
+def launch(args: argparse.Namespace, train_fn: Train) -> int:
+    """Run ``train_fn`` under torchrun (when launched by it) or on ``args.world_size`` spawned gloo ranks; report."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         dist.init_process_group("gloo")
         try:
-            result = train(dist.get_rank(), dist.get_world_size(), args)
+            result = train_fn(dist.get_rank(), dist.get_world_size(), args)
             dist.barrier()  # no rank tears its process group down while another still talks to it
         finally:
             dist.destroy_process_group()
@@ -281,15 +290,15 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ["RANK"]) == 0:
             code = report(result, args.json)
         _exit_now(code)
-    return report(run_spawned(args), args.json)
+    return report(run_spawned(args, train_fn), args.json)
 
 
-def run_spawned(args: argparse.Namespace) -> dict[str, Any]:
+def run_spawned(args: argparse.Namespace, train_fn: Train | None = None) -> dict[str, Any]:
     """Run ``args.world_size`` gloo ranks on this machine and return rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         args.result_file = os.path.join(tmp, "result.json")
         init = f"file://{os.path.join(tmp, 'store')}"
-        mp.spawn(_spawned, args=(args.world_size, init, args), nprocs=args.world_size, join=True)
+        mp.spawn(_spawned, args=(args.world_size, init, args, train_fn), nprocs=args.world_size, join=True)
         with open(args.result_file) as f:
             return json.load(f)
 

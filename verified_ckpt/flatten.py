@@ -25,11 +25,17 @@ from .errors import InvalidState
 from .jsonx import canonical_json, short_repr
 from .skeleton import DICT, FLOAT, TENSOR, TUPLE, escape, malformed, skeleton_problem
 
-__all__ = ["Flat", "flatten", "is_stateful", "unflatten"]
+__all__ = ["Flat", "flatten", "is_per_rank", "is_stateful", "unflatten"]
 
 
 def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def is_per_rank(obj: Any) -> bool:
+    """Whether ``obj`` holds different values on every rank (``per_rank = True``, as :class:`RNGState` has):
+    each rank's value is saved, and each rank restores its own."""
+    return getattr(obj, "per_rank", False) is True
 
 
 @dataclasses.dataclass
@@ -38,6 +44,7 @@ class Flat:
 
     tensors: dict[str, torch.Tensor]
     skeleton: dict[str, Any]
+    per_rank: tuple[str, ...] = ()  # top-level entries whose value is this rank's own (see is_per_rank)
 
     def skeleton_json(self) -> bytes:
         return canonical_json(self.skeleton)

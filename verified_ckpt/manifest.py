@@ -89,6 +89,17 @@ class Manifest:
             return self.layout[name].dtype, self.layout[name].shape
         return None
 
+    def for_rank(self, rank: int) -> Manifest:
+        """This manifest as rank ``rank`` restores it: each per-rank entry holds that rank's own value.
+
+        A job restored on fewer or more ranks than saved takes rank ``rank % saved ranks``'s value.
+        """
+        if not any(e.get("per_rank") for e in self.state.values()):
+            return self
+        state = {k: {"stateful": e["stateful"], "value": e["value"][str(rank % len(e["value"]))]}
+                 if e.get("per_rank") else e for k, e in self.state.items()}
+        return dataclasses.replace(self, state=state)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["status"] = self.status.value
@@ -252,11 +263,17 @@ def _check_state(state: dict[str, Any], tensors: set[str], bad: _Bad) -> None:
     for key, entry in state.items():
         if not key or "/" in key:
             raise bad(f"state key {short_repr(key)} is not a plain name")
-        if not (isinstance(entry, dict) and set(entry) == {"stateful", "value"}
-                and isinstance(entry["stateful"], bool)):
-            raise bad(f"state entry {short_repr(key)} must have exactly stateful (bool) and value")
+        if not (isinstance(entry, dict) and set(entry) in ({"stateful", "value"}, {"stateful", "value", "per_rank"})
+                and isinstance(entry["stateful"], bool) and entry.get("per_rank", True) is True):
+            raise bad(f"state entry {short_repr(key)} must have exactly stateful (bool), value and maybe per_rank (true)")
+        values = [entry["value"]]
+        if entry.get("per_rank"):  # one value per rank that saved, "0" .. "W-1"
+            ranks = entry["value"]
+            if not (isinstance(ranks, dict) and ranks and set(ranks) == {str(r) for r in range(len(ranks))}):
+                raise bad(f"per-rank state entry {short_repr(key)} must map ranks 0..W-1 to values")
+            values = list(ranks.values())
         refs: set[str] = set()
-        why = skeleton_problem(entry["value"], refs)
+        why = next((w for v in values if (w := skeleton_problem(v, refs))), None)
         if why:
             raise bad(f"state entry {short_repr(key)}: {why}")
         missing = sorted(n for n in refs if n not in tensors)

@@ -15,7 +15,9 @@ import torch
 
 
 class RNGState:
-    """Captures and restores torch (CPU, CUDA), Python and NumPy global RNG state."""
+    """Captures and restores torch (CPU, CUDA), Python and NumPy global RNG state, each rank its own."""
+
+    per_rank = True  # every rank draws its own stream (dropout differs per rank): each saves and restores its own
 
     def state_dict(self) -> dict[str, Any]:
         np_state: tuple[Any, ...] = tuple(np.random.get_state())

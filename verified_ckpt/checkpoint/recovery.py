@@ -44,9 +44,9 @@ class Recovery:
     """Resume, restore and rollback for one rank of a job."""
 
     def __init__(self, store: RunStore, catalog: Catalog, journal: Journal, io_workers: int,
-                 on_restored: Callable[[CheckpointInfo], None]) -> None:
+                 on_restored: Callable[[CheckpointInfo], None], rank: Callable[[], int]) -> None:
         self.store, self.catalog, self.journal, self.io_workers = store, catalog, journal, io_workers
-        self.on_restored = on_restored
+        self.on_restored, self.rank = on_restored, rank
 
     def restore(self, state: Mapping[str, Any], chosen: CheckpointInfo) -> CheckpointInfo:
         """Load ``chosen`` (its status already checked) into ``state``."""
@@ -58,7 +58,7 @@ class Recovery:
         from .reading import Reader
 
         assert chosen.manifest is not None
-        restore_into(Reader(self.store, self.io_workers), state, chosen.manifest, self.store.url)
+        restore_into(Reader(self.store, self.io_workers), state, chosen.manifest.for_rank(self.rank()), self.store.url)
 
     def _loaded(self, chosen: CheckpointInfo) -> CheckpointInfo:
         self.journal.log([Event(chosen.step, "restore", NO_RANK, "none")])

@@ -28,7 +28,7 @@ from ..comm import Communicator, describe_device
 from ..errors import InvalidState, StorageError
 from ..evidence import EvidenceTracker
 from ..fingerprint import Fingerprint, combine
-from ..flatten import Flat, flatten
+from ..flatten import Flat, flatten, is_per_rank
 from ..guard import SDCGuard
 from ..jsonx import canonical_json
 from ..lanes import lanes_of
@@ -37,7 +37,7 @@ from ..manifest import CheckpointInfo, Manifest, ShardEntry, TensorEntry
 from ..sharding import split
 from ..shards import supported, write_shard
 from ..signing import Signer
-from ..skeleton import skeleton_problem
+from ..skeleton import skeleton_problem, tensor_refs
 from ..status import MAX_STEP, Status
 from ..store import RunStore, utc_now
 from ..tensorspec import MAX_NDIM, dtype_name
@@ -48,8 +48,10 @@ __all__ = ["UNGUARDED", "SaveJob", "Saver", "checked_flat"]
 UNGUARDED = "saved without an SDCGuard: no cross-replica consensus or audit evidence"
 
 
-def checked_flat(step: int, state: Mapping[str, Any]) -> Flat:
+def checked_flat(step: int, state: Mapping[str, Any], rank: int = 0) -> Flat:
     """Flatten ``state`` for saving, refusing (before anything is written) what the reader would refuse.
+
+    Per-rank entries (``is_per_rank``) get tensor names of their own on every rank (``key@r<rank>/...``).
 
     Raises:
         InvalidState: naming the offending entry and what to do.
@@ -58,7 +60,11 @@ def checked_flat(step: int, state: Mapping[str, Any]) -> Flat:
         raise InvalidState(f"step must be an int >= 0, got {step!r}")
     if step > MAX_STEP:
         raise InvalidState(f"step must be <= {MAX_STEP}, got {step}")
-    flat = flatten(state)
+    own = tuple(k for k, v in state.items() if is_per_rank(v)) if isinstance(state, Mapping) else ()
+    flat = flatten({f"{k}@r{rank}" if k in own else k: v for k, v in state.items()} if own else state)
+    if own:
+        flat = Flat(flat.tensors, {k.split("@r")[0] if k.split("@r")[0] in own else k: v
+                                   for k, v in flat.skeleton.items()}, own)
     for name, t in flat.tensors.items():
         if not supported(t.dtype):
             raise InvalidState(f"{name}: dtype {t.dtype} cannot be stored in safetensors; convert it in state_dict()")
@@ -104,6 +110,7 @@ class Saver:
     def prepare(self, step: int, flat: Flat, resumed_from: str | None) -> SaveJob:
         """The synchronous part of a save: consensus, status and evidence, and one id for every rank."""
         self.comm.arrive("save")  # fails fast, naming who is missing, when only some ranks save
+        flat, own = self._per_rank(flat)
         parts = split(flat.tensors, self.comm)
         g = self.guard
         if g is None:
@@ -120,7 +127,22 @@ class Saver:
         cid = self.comm.broadcast_bytes(f"step-{step:010d}-{uuid.uuid4().hex[:8]}".encode()).decode()
         topology = {"world_size": self.comm.world, "ranks": hosts}
         return SaveJob(cid, step, dataclasses.replace(flat, tensors=parts.replicated), status, reasons, evidence,
-                       topology, resumed_from, parts.mine, parts.layout)
+                       topology, resumed_from, parts.mine | own, parts.layout)
+
+    def _per_rank(self, flat: Flat) -> tuple[Flat, dict[str, torch.Tensor]]:
+        """Every rank's value of the per-rank entries in the skeleton (one small all-gather); this rank's tensors
+        of them, which it writes itself."""
+        if not flat.per_rank:
+            return flat, {}
+        mine = {k: flat.skeleton[k] for k in flat.per_rank}
+        everyone = [json.loads(b) for b in self.comm.gather_bytes(canonical_json(mine))]
+        skeleton = dict(flat.skeleton)
+        for k in flat.per_rank:
+            skeleton[k] = {"stateful": mine[k]["stateful"], "per_rank": True,
+                           "value": {str(r): theirs[k]["value"] for r, theirs in enumerate(everyone)}}
+        names = set().union(*(tensor_refs(mine[k]["value"]) for k in flat.per_rank))
+        own = {n: t for n, t in flat.tensors.items() if n in names}
+        return Flat({n: t for n, t in flat.tensors.items() if n not in names}, skeleton, flat.per_rank), own
 
     def snapshot(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy ``tensors`` to host buffers kept from the previous non-blocking save.

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .fingerprint import Fingerprint, combine, fingerprint_from_lanes
-from .flatten import flatten
+from .flatten import flatten, is_per_rank
 from .tensorspec import dtype_name
 
 __all__ = ["lanes_of", "state_fingerprint", "tensor_fingerprint", "tensor_lanes"]
@@ -94,9 +94,10 @@ def state_fingerprint(state: Mapping[str, Any]) -> Fingerprint:
 
     Returns:
         A :class:`Fingerprint` equal to the ``state_fingerprint`` that a
-        manifest records for the same state.
+        manifest records for the same state. Per-rank entries (``RNGState``)
+        are left out on both sides: they differ between ranks by design.
     """
-    flat = flatten(state)
+    flat = flatten({k: v for k, v in state.items() if not is_per_rank(v)} if isinstance(state, Mapping) else state)
     names = list(flat.tensors)
     fps = lanes_of([flat.tensors[n] for n in names])
     entries = [

@@ -1,7 +1,8 @@
 """Sharded (HSDP) checkpoints: verified save and restore against ``dcp.save`` / ``dcp.load`` of the same state.
 
 One job of R x S gloo ranks trains an FSDP2/HSDP MLP with AdamW for one step,
-then alternates, ``--repeats`` times each: ``dcp.save`` with DCP's own
+then alternates, ``--repeats`` times each: one consensus of the HSDP guard (each rank fingerprints
+its local shards) against DDP's consensus of the same model (each rank fingerprints a whole replica), ``dcp.save`` with DCP's own
 ``FileSystemWriter``, ``CheckpointManager.save`` (verified: digests, exact
 fingerprints, manifest last), ``dcp.load`` with ``FileSystemReader`` (into
 ``get_state_dict``'s views, then ``set_state_dict``), and
@@ -86,12 +87,39 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
         t0 = time.perf_counter()
         mgr.restore({"model": model, "optim": opt}, step=i, allow_unverified=True)
         times["restore"].append(_slowest(time.perf_counter() - t0))
+    times |= _consensus_times(model, opt, width, depth, args.repeats)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         with open(out, "w") as f:
             json.dump({"times": times, "params": params, "state_mib": params * 12 / (1 << 20)}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _consensus_times(model: torch.nn.Module, opt: torch.optim.Optimizer, width: int, depth: int, repeats: int
+                     ) -> dict[str, list[float]]:
+    """One consensus of the HSDP guard (local shards) against DDP's (the whole replica), same model, same job."""
+    from verified_ckpt import Communicator, SDCGuard
+    from verified_ckpt.guard.consensus import StateProbe
+
+    guard = SDCGuard(model, opt, lambda m, b: m(b).sum())
+    torch.manual_seed(0)
+    replica = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+    ropt = torch.optim.AdamW(replica.parameters(), lr=1e-3)
+    replica(torch.randn(4, width)).square().mean().backward()
+    ropt.step()
+    probe, comm = StateProbe(list(replica.parameters()), ropt, [], torch.device("cpu")), Communicator()
+    out: dict[str, list[float]] = {"consensus hsdp": [], "consensus ddp": []}
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        guard.consensus(0)
+        out["consensus hsdp"].append(_slowest(time.perf_counter() - t0))
+        dist.barrier()
+        t0 = time.perf_counter()
+        comm.all_gather_rows(probe.row())
+        out["consensus ddp"].append(_slowest(time.perf_counter() - t0))
+    return out
 
 
 def main() -> None:
@@ -115,6 +143,8 @@ def main() -> None:
         print(f"  {k:9s} {v:7.3f} s   runs {', '.join(f'{x:.3f}' for x in res['times'][k])}")
     print(f"  save / dcp.save     {med['save'] / med['dcp.save']:.2f}  (target <= 1.3)")
     print(f"  restore / dcp.load  {med['restore'] / med['dcp.load']:.2f}  (target <= 1.3)")
+    print(f"  consensus HSDP / DDP, same model  {med['consensus hsdp'] / med['consensus ddp']:.2f}  "
+          f"(target about 1/S = {1 / s:.2f})")
     sys.stdout.flush()
 
 

@@ -180,10 +180,12 @@ class Saver:
         Collectives only when ``collective`` (the caller's thread).
         """
         rank, world = self.comm.rank, self.comm.world
-        plan = self._plan(job.flat.tensors)
+        # Alone, this rank's own tensors go with the rest: a single process writes the files it always did.
+        alone = not self.comm.active
+        plan = self._plan(job.flat.tensors | job.mine if alone else job.flat.tensors)
         try:
             entries, fps = self._write(job.cid, plan, range(rank, len(plan), world), "shard-{:05d}")
-            mine = self.write(job.cid, job.mine, f"chunks-r{rank:05d}-{{:05d}}")
+            mine = self.write(job.cid, {} if alone else job.mine, f"chunks-r{rank:05d}-{{:05d}}")
         except BaseException as e:
             if self.comm.active and not collective:
                 with contextlib.suppress(Exception):  # tell rank 0 not to wait for us
@@ -276,14 +278,19 @@ class Saver:
     def _manifest(self, run_id: str, job: SaveJob, reports: list[dict[str, Any]]) -> Manifest:
         shards = sorted((ShardEntry(**e) for r in reports for e in r["shards"]), key=lambda e: e.path)
         fps = {n: Fingerprint.from_hex(fp) for r in reports for n, fp in r["fps"].items()}
-        specs = {n: (t.dtype, list(t.shape)) for n, t in job.flat.tensors.items()}
+        specs = {n: (t.dtype, list(t.shape)) for n, t in (job.flat.tensors | job.mine).items()}
         specs |= {n: (getattr(torch, d), shape) for r in reports for n, (d, shape) in r.get("specs", {}).items()}
         tensors = {}
         for s in shards:
             for n in s.tensors:
                 dtype, shape = specs[n]
                 tensors[n] = TensorEntry(dtype_name(dtype), shape, s.path, str(fps[n]))
-        state_fp = combine([(n, e.dtype, e.shape, fps[n]) for n, e in tensors.items()], job.flat.skeleton_json())
+        # Per-rank entries differ between ranks by design: the state fingerprint, the one every rank's live
+        # state must reproduce (``state_fingerprint``), leaves them out; their tensors keep their own fingerprints.
+        own = set().union(*(tensor_refs(v) for k in job.flat.per_rank for v in job.flat.skeleton[k]["value"].values()))
+        shared = {k: v for k, v in job.flat.skeleton.items() if k not in job.flat.per_rank}
+        state_fp = combine([(n, e.dtype, e.shape, fps[n]) for n, e in tensors.items() if n not in own],
+                           canonical_json(shared))
         return Manifest(
             run_id=run_id, checkpoint_id=job.cid, step=job.step, created_at=utc_now(), topology=job.topology,
             shards=shards, tensors=tensors, state_fingerprint=str(state_fp), state=job.flat.skeleton,

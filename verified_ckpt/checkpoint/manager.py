@@ -82,8 +82,7 @@ class CheckpointManager:
         self._tracker = EvidenceTracker(guard.counters() if guard is not None else {})
         # Rank 0 of a guarded job keeps the run's ledger of check events (docs/LEDGER.md).
         self._journal = Journal(self._store, self._catalog, writer=guard is not None and guard.rank == 0)
-        self._recovery = Recovery(self._store, self._catalog, self._journal, io_workers, self._restored,
-                                  lambda: self.comm.rank)
+        self._recovery = Recovery(self._store, self._catalog, self._journal, io_workers, self._restored, lambda: self.comm.rank)
         if guard is not None:
             guard.add_incident_listener(self._journal.incident)
             if self._journal.ledger is not None:  # other ranks build no rows

@@ -13,16 +13,20 @@ pytestmark = pytest.mark.timeout(300)
 WIDTHS = [16, 24, 15, 8]
 
 
-def build(mesh_shape: tuple[int, ...]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(mesh_shape: tuple[int, ...], dropout: float = 0.0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in itertools.pairwise(WIDTHS)])
+    layers = [torch.nn.Linear(a, b) for a, b in itertools.pairwise(WIDTHS)]
+    if dropout:
+        layers.insert(1, torch.nn.Dropout(dropout))
+    model = torch.nn.Sequential(*layers)
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     for layer in model:
-        fully_shard(layer, mesh=mesh)
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -35,10 +39,12 @@ def batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(8, WIDTHS[0], generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
-def train_until_incident(rank: int, mesh: tuple[int, ...], faults: list[str], steps: int, **cfg) -> dict | None:
+def train_until_incident(rank: int, mesh: tuple[int, ...], faults: list[str], steps: int, dropout: float = 0.0,
+                         **cfg) -> dict | None:
     from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
 
-    model, opt = build(mesh)
+    model, opt = build(mesh, dropout)
+    torch.manual_seed(100 + rank)  # each rank its own dropout stream
     guard = SDCGuard(model, opt, loss_fn, GuardConfig(faults=faults, consensus_every=5, **cfg))
     assert type(guard).__name__ == "FSDPGuard"
     for step in range(steps):
@@ -49,7 +55,8 @@ def train_until_incident(rank: int, mesh: tuple[int, ...], faults: list[str], st
             return {"kind": e.incident.kind, "ranks": e.incident.ranks, "step": step,
                     "hosts": [h.host for h in e.incident.hosts]}
         opt.zero_grad()
-    return {"clean": steps, "checks": {k: c.passed for k, c in guard.counters().items()}}
+    final = [t.tolist() for t in consolidated(model, opt)]
+    return {"clean": steps, "checks": {k: c.passed for k, c in guard.counters().items()}, "final": final}
 
 
 CASES = {
@@ -70,7 +77,10 @@ def hsdp_campaign(rank: int, world: int) -> dict:
     out["replica group 1 computes wrongly"] = train_until_incident(
         rank, (3, 2), ["compute:2:3-:scale=1.5", "compute:3:3-:scale=1.5"], 12, audit_every=4)
     out["clean"] = train_until_incident(rank, (3, 2), [], 200, audit_every=5)
+    out["dropout, audits every step"] = train_until_incident(rank, (3, 2), [], 8, 0.2, audit_every=1)
+    out["dropout, no audits"] = train_until_incident(rank, (3, 2), [], 8, 0.2, audit_every=None)
     out["fsdp reduced shard"] = train_until_incident(rank, (6,), ["allreduce:2:3:bitflip=27"], 12)
+    out["fsdp compute"] = train_until_incident(rank, (6,), ["compute:2:3-:scale=1.5"], 12, audit_every=4)
     return out
 
 
@@ -89,9 +99,13 @@ def test_hsdp_guard_catches_every_fault_class_naming_the_rank_and_stays_quiet_fo
         assert len(got[name]["hosts"]) == len(ranks)
     assert got["clean"]["clean"] == 200 and got["clean"]["checks"]["checksum"] == 200, got["clean"]
     assert got["clean"]["checks"]["consensus"] == 40 and got["clean"]["checks"]["audit"] == 40
+    audited, plain = got["dropout, audits every step"], got["dropout, no audits"]
+    assert audited["checks"]["audit"] == 8 and "audit" not in plain["checks"]
+    assert audited["final"] == plain["final"]  # audits replay randomness and leave no trace
     group = got["replica group 1 computes wrongly"]
     assert (group["kind"], group["ranks"], group["step"]) == ("audit", [2, 3], 4)
     assert got["fsdp reduced shard"]["kind"] == "checksum" and got["fsdp reduced shard"]["ranks"] == [2]
+    assert (got["fsdp compute"]["kind"], got["fsdp compute"]["ranks"], got["fsdp compute"]["step"]) == ("audit", [2], 4)
 
 
 def consolidated(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -279,7 +279,21 @@ class RunStore:
             if self.fs.exists(path):
                 raise StorageError(f"checkpoint {cid!r} already has a manifest; manifests are immutable")
             self._mkdir(self.checkpoint_dir(cid), exist_ok=True)
+            self._put_whole(path, data)
+
+    def _put_whole(self, path: str, data: bytes) -> None:
+        """Write ``data`` so that a reader sees all of it or nothing.
+
+        An object store's PUT already is; a local file written in place is not: a rank polling for it (a
+        non-blocking save) or a reader listing the run could read it half-written. So locally the bytes
+        go to a temporary name in the same folder first, then one rename publishes them.
+        """
+        if not isinstance(self.fs, LocalFileSystem):
             self.fs.pipe_file(path, data)
+            return
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        self.fs.pipe_file(tmp, data)
+        os.replace(tmp, path)
 
     @contextlib.contextmanager
     def open_shard_for_write(self, cid: str, name: str, size_hint: int = 0) -> Iterator[BinaryIO]:
@@ -377,7 +391,7 @@ class RunStore:
         """A small object beside the shards (a rank's report of an async save); never referenced by a manifest."""
         with self._io(f"writing {name} of {cid}", writing=True):
             self._mkdir(self.checkpoint_dir(cid), exist_ok=True)
-            self.fs.pipe_file(self._shard_path(cid, name), data)
+            self._put_whole(self._shard_path(cid, name), data)
 
     def read_optional(self, cid: str, name: str) -> bytes | None:
         """The object's bytes, or None while it does not exist."""

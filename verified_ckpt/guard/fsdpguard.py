@@ -30,8 +30,8 @@ from .stats import Projector
 __all__ = ["FSDPGuard", "is_fsdp"]
 
 ONE_REPLICA = ("SDCGuard on a 1-D (pure FSDP) mesh: every rank holds a different shard, so there is no replica to "
-               "compare weights with; the per-step NaN/Inf checks and the reduce-scatter checksum run, consensus "
-               "only checks that the state is finite, and saves stay unverified (docs/GUARD.md).")
+               "compare weights with; the per-step checks and audits (each rank recomputes another's microbatches) "
+               "run, consensus only checks that the state is finite, and saves stay unverified (docs/GUARD.md).")
 TWO_GROUPS = ("SDCGuard on HSDP with two replica groups: a disagreement between them shows that one is wrong but "
               "cannot tell which, so such incidents name no host. Use 3 or more replica groups to have suspects named.")
 
@@ -87,7 +87,7 @@ class FSDPGuard(SDCGuard):
 
     @property
     def audits_enabled(self) -> bool:
-        return self.cfg.audit_every is not None and self.view.replicas >= 2
+        return self.cfg.audit_every is not None and self.view.ring >= 2
 
     @property
     def node_of(self) -> list[int]:
@@ -188,8 +188,9 @@ class FSDPGuard(SDCGuard):
 
     # ------------------------------------------------------------ audits
     def _audit(self, s: int, rows: list[list[float]]) -> None:
-        """Every replica group recomputes the microbatches of the group before it (and, on a mismatch, of the
-        one before that), all shard ranks of a group together, before the update; see ``sharded.judge_audit``."""
+        """Every rank recomputes the microbatches of the rank before it in the audit ring (another replica group's
+        at its shard index; on a 1-D mesh the previous shard rank's), and on a mismatch of the one before that,
+        all ranks together (they must all-gather), before the update; see ``sharded.judge_audit``."""
         self.comm.arrive("audit")
         self._audit_requested = False
         calls, shape = len(self.rs_tap.modes), (self.view.shards, self.project.k)
@@ -199,7 +200,7 @@ class FSDPGuard(SDCGuard):
         verdict, differ = judge_audit(s, owner, first, None, self.view, exact=self.cfg.mode == "exact",
                                       rtol=self.cfg.rtol, rms_weight=self.project.rms_weight,
                                       first_suspect=self._last_pass("audit") + 1)
-        if differ and self.view.replicas >= 3:
+        if differ and self.view.ring >= 3:
             second = [audit_vector(r, calls, *shape) for r in self._recompute_for(everyone, 2)]
             verdict, _ = judge_audit(s, owner, first, second, self.view, exact=self.cfg.mode == "exact",
                                      rtol=self.cfg.rtol, rms_weight=self.project.rms_weight,
@@ -211,10 +212,9 @@ class FSDPGuard(SDCGuard):
         self._judge(s, verdict)
 
     def _recompute_for(self, everyone: list[list[Any]], back: int) -> list[list[float]]:
-        """Recompute, on every rank at once, the microbatches of the rank ``back`` replica groups before it at the
-        same shard index; the gathered rows. Gradients, buffers, random state and the step's rows are put back."""
-        g, j = next((g, row.index(self.rank)) for g, row in enumerate(self.view.ranks) if self.rank in row)
-        owner = self.view.ranks[(g - back) % self.view.replicas][j]
+        """Recompute, on every rank at once, the microbatches of the rank ``back`` places before it in the audit
+        ring; the gathered rows. Gradients, buffers, random state and the step's rows are put back."""
+        owner = self.view.shifted(self.rank, -back)
         grads = [p.grad for p in self.params]
         buffers = [b.detach().clone() for b in self.buffers]
         kept = (self.rs_tap.rows, self.rs_tap.modes)

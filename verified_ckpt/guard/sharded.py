@@ -64,6 +64,20 @@ class MeshView:
         """The ranks holding shard index ``s``, one per replica group."""
         return [row[s] for row in self.ranks]
 
+    def shifted(self, rank: int, by: int) -> int:
+        """The rank ``by`` places after ``rank`` in the audit ring: the same shard index in another replica
+        group (HSDP), or, with one replica group (pure FSDP), the next shard rank. Audits pair ranks that
+        compute the same full weights from the same all-gather."""
+        g, j = next((g, row.index(rank)) for g, row in enumerate(self.ranks) if rank in row)
+        if self.replicas > 1:
+            return self.ranks[(g + by) % self.replicas][j]
+        return self.ranks[0][(j + by) % self.shards]
+
+    @property
+    def ring(self) -> int:
+        """How many distinct ranks the audit ring visits for each rank (replica groups, or shards on 1-D)."""
+        return self.replicas if self.replicas > 1 else self.shards
+
 
 def mesh_view(params: Sequence[torch.Tensor]) -> MeshView:
     """The data-parallel mesh the FSDP parameters live on."""
@@ -261,8 +275,9 @@ def judge_audit(step: int, owner: Sequence[tuple[float, list[float], list[float]
                 first: Sequence[tuple[float, list[float], list[float]]],
                 second: Sequence[tuple[float, list[float], list[float]]] | None, view: MeshView, *, exact: bool,
                 rtol: float, rms_weight: float, first_suspect: int) -> tuple[Verdict, list[int]]:
-    """Replica group g recomputed the microbatches of group g-1 (``first``), and on a mismatch those of
-    g-2 (``second``, the tiebreak). Returns the verdict and the owners whose recomputation differed.
+    """Each rank recomputed the microbatches of the rank one place before it in the audit ring (``first``;
+    ``MeshView.shifted``), and on a mismatch of the rank two places before (``second``, the tiebreak).
+    Returns the verdict and the owners whose recomputation differed.
 
     Every rank of the auditing group recomputes the rank at its own shard index: the same
     all-gathered weights, the same microbatches and random state, so in exact mode the loss and the
@@ -275,18 +290,15 @@ def judge_audit(step: int, owner: Sequence[tuple[float, list[float], list[float]
         return math.isclose(a[0], b[0], rel_tol=rtol) and all(
             abs(x - y) <= rtol * (abs(y) + z) for x, y, z in zip(a[1], b[1], scale, strict=False))
 
-    r_count = view.replicas
-
     def auditor(o: int, back: int) -> int:
-        g, j = next((g, row.index(o)) for g, row in enumerate(view.ranks) if o in row)
-        return view.ranks[(g + back) % r_count][j]
+        return view.shifted(o, back)
 
     differ = [o for row in view.ranks for o in row if not same(owner[o], first[auditor(o, 1)])]
     if not differ:
         return Verdict("audit", True), []
     if second is None:
-        return Verdict("audit", False, [], f"the recomputation of rank(s) {differ}'s microbatches by another replica "
-                       "group differs; with two replica groups there is no third to tell which is wrong",
+        return Verdict("audit", False, [], f"the recomputation of rank(s) {differ}'s microbatches by another rank "
+                       "differs; with two in the audit ring there is no third to tell which is wrong",
                        first_suspect), differ
     named: set[int] = set()
     for o in differ:

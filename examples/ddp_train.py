@@ -153,6 +153,46 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     guard = None if args.no_guard else SDCGuard(model, opt, fn, cfg)
     mgr = CheckpointManager(args.run, guard=guard) if args.run and guard else None
     state = {"model": model.module, "optim": opt, "sched": sched, "rng": RNGState(), "progress": {"step": 0}}
+
+    def one_step(step: int) -> None:
+        if guard is None:
+            for m in range(args.accum):
+                ctx = model.no_sync() if m < args.accum - 1 else _null()
+                with ctx:
+                    fn(model, batch_of(args.seed, step, rank, m)).backward()
+        else:
+            for m in range(args.accum):
+                guard.backward(batch_of(args.seed, step, rank, m), step=step, sync=m == args.accum - 1)
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if guard is None:
+            opt.step()
+        else:
+            guard.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+
+    step, completed, incidents, rollbacks = loop(args, one_step, state, guard, mgr)
+    return {
+        "final_step": step - 1,
+        "completed": completed,
+        "fingerprint": str(state_fingerprint({"model": model.module})),
+        "incidents": incidents,
+        "rollbacks": rollbacks,
+        "audit_pairs": {str(a): t for a, t in enumerate(guard.targets)} if guard else {},
+        "nodes": guard.node_of if guard else [],
+        "checks": {k: c.to_dict() for k, c in guard.counters().items()} if guard else {},
+        "abft_coverage": {"params": guard.abft.param_fraction, "flops": guard.abft.flop_fraction}
+        if guard and guard.abft else None,
+        "margins": dict(guard.margins) if guard else {},
+    }
+
+
+def loop(args: argparse.Namespace, one_step: Callable[[int], None], state: dict[str, Any], guard: SDCGuard | None,
+         mgr: CheckpointManager | None) -> tuple[int, bool, list[dict[str, Any]], list[dict[str, int]]]:
+    """Steps 1..--steps (from the rollback target with --resume), saving every --save-every steps; on an
+    incident stop, or with --on-incident rollback roll back in-process and carry on. Returns (next step,
+    completed, incidents, rollbacks)."""
     incidents: list[dict[str, Any]] = []
     rollbacks: list[dict[str, int]] = []
     step = 1
@@ -160,25 +200,10 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         step = mgr.resume(state, start=1)  # the rollback target if an incident is open, else the newest restorable
     while step <= args.steps:
         try:
-            if guard is None:
-                for m in range(args.accum):
-                    ctx = model.no_sync() if m < args.accum - 1 else _null()
-                    with ctx:
-                        fn(model, batch_of(args.seed, step, rank, m)).backward()
-            else:
-                for m in range(args.accum):
-                    guard.backward(batch_of(args.seed, step, rank, m), step=step, sync=m == args.accum - 1)
-            if args.clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            if guard is None:
-                opt.step()
-            else:
-                guard.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
+            one_step(step)
             state["progress"]["step"] = step
             if mgr is not None and args.save_every and step % args.save_every == 0:
-                mgr.save(step, state, blocking=not args.async_save)
+                mgr.save(step, state, blocking=not getattr(args, "async_save", False))
             step += 1
         except SilentCorruptionDetected as e:
             incidents.append(_incident(e))
@@ -200,19 +225,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         except SilentCorruptionDetected as e:
             incidents.append(_incident(e))
             completed = False
-    return {
-        "final_step": step - 1,
-        "completed": completed,
-        "fingerprint": str(state_fingerprint({"model": model.module})),
-        "incidents": incidents,
-        "rollbacks": rollbacks,
-        "audit_pairs": {str(a): t for a, t in enumerate(guard.targets)} if guard else {},
-        "nodes": guard.node_of if guard else [],
-        "checks": {k: c.to_dict() for k, c in guard.counters().items()} if guard else {},
-        "abft_coverage": {"params": guard.abft.param_fraction, "flops": guard.abft.flop_fraction}
-        if guard and guard.abft else None,
-        "margins": dict(guard.margins) if guard else {},
-    }
+    return step, completed, incidents, rollbacks
 
 
 class _null:
@@ -268,17 +281,19 @@ def report(result: dict[str, Any], as_json: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+    return launch(parse(argv), train)
+
+
+def launch(args: argparse.Namespace, train_fn: Train) -> int:
+    """Run ``train_fn`` under torchrun (when launched by it) or on ``args.world_size`` spawned gloo ranks; report.
+
+    A guard option that cannot work is refused here, before any rank starts (exit 2).
+    """
     try:
         GuardConfig(consensus_every=args.consensus_every, audit_every=args.audit_every or None, faults=tuple(args.inject))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    return launch(args, train)
-
-
-def launch(args: argparse.Namespace, train_fn: Train) -> int:
-    """Run ``train_fn`` under torchrun (when launched by it) or on ``args.world_size`` spawned gloo ranks; report."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         dist.init_process_group("gloo")
         try:

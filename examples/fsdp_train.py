@@ -26,15 +26,7 @@ import torch
 
 import ddp_train
 import models
-from verified_ckpt import (
-    CheckpointManager,
-    CheckpointNotRestorable,
-    GuardConfig,
-    RNGState,
-    SDCGuard,
-    SilentCorruptionDetected,
-    state_fingerprint,
-)
+from verified_ckpt import CheckpointManager, GuardConfig, RNGState, SDCGuard, state_fingerprint
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,38 +91,13 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     guard = SDCGuard(model, opt, models.lm_loss, cfg)
     mgr = CheckpointManager(args.run, guard=guard) if args.run else None
     state = {"model": model, "optim": opt, "rng": RNGState(), "progress": {"step": 0}}
-    incidents: list[dict[str, Any]] = []
-    rollbacks: list[dict[str, int]] = []
-    step = 1
-    if args.resume and mgr is not None:
-        step = mgr.resume(state, start=1)
-    while step <= args.steps:
-        try:
-            guard.backward(batch_of(args.seed, step, rank), step=step)
-            guard.step()
-            opt.zero_grad(set_to_none=True)
-            state["progress"]["step"] = step
-            if mgr is not None and args.save_every and step % args.save_every == 0:
-                mgr.save(step, state)
-            step += 1
-        except SilentCorruptionDetected as e:
-            incidents.append(ddp_train._incident(e))
-            if args.on_incident == "rollback" and mgr is not None:
-                try:
-                    info = mgr.rollback(state)
-                except CheckpointNotRestorable:
-                    break
-                rollbacks.append({"from_step": step, "to_step": info.step})
-                step = info.step + 1
-                continue
-            break
-    completed = step > args.steps
-    if completed:
-        try:
-            guard.consensus(args.steps)
-        except SilentCorruptionDetected as e:
-            incidents.append(ddp_train._incident(e))
-            completed = False
+
+    def one_step(step: int) -> None:
+        guard.backward(batch_of(args.seed, step, rank), step=step)
+        guard.step()
+        opt.zero_grad(set_to_none=True)
+
+    step, completed, incidents, rollbacks = ddp_train.loop(args, one_step, state, guard, mgr)
     return {
         "final_step": step - 1, "completed": completed, "fingerprint": consolidated_fingerprint(model),
         "incidents": incidents, "rollbacks": rollbacks, "mesh": list(args.shape),
@@ -139,13 +106,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    try:
-        GuardConfig(consensus_every=args.consensus_every, audit_every=args.audit_every or None, faults=tuple(args.inject))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return ddp_train.EXIT_USAGE
-    return ddp_train.launch(args, train)
+    return ddp_train.launch(parse(argv), train)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .. import batches
 from ..comm import Communicator
-from ..errors import GuardUsageError, SilentCorruptionDetected
+from ..errors import GuardUsageError
 from ..faults import FaultPlan
 from ..history import NO_RANK, Event
 from .config import GuardConfig
@@ -125,37 +125,22 @@ class FSDPGuard(SDCGuard):
         loss.backward()
         return loss.detach()
 
-    def step(self) -> None:
-        """Check this step's reductions; apply the optimizer update only if every check passes (see ``SDCGuard.step``)."""
-        if self._step is None or not self._losses:
-            raise GuardUsageError("call guard.backward(batch, step=...) before guard.step()")
-        s = self._step
-        try:
-            if not self.rs_tap.rows:
-                raise GuardUsageError("no gradient was reduce-scattered this step; the last backward() of a step must "
-                                      "have sync=True")
-            loss = torch.stack(self._losses).sum().view(1)
-            rows = self.comm.all_gather_rows(torch.cat([*self.rs_tap.rows, loss])).tolist()  # the step's one host sync
-            verdicts = [v for v in judge_step(s, [r[:-1] for r in rows], self.view, self.rs_tap.modes, self.project.k,
-                                              self._eps or 2.0**-24, self.cfg.checksum_slack, self.project.rms_weight)
-                        if (v.kind == "checksum" and self.cfg.check_checksum)
-                        or (v.kind != "checksum" and self.cfg.check_nonfinite)]
-            for v in verdicts:
-                self._judge(s, v)
-            self._emit(lambda: [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
-            if self.audits_enabled and (self._audit_requested or s % (self.cfg.audit_every or 1) == 0):
-                self._audit(s, rows)
-            self.optimizer.step()
-            self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
-            if s % self.cfg.consensus_every == 0:
-                self.consensus(s)
-        except SilentCorruptionDetected:
-            self.optimizer.zero_grad(set_to_none=True)
-            raise
-        finally:
-            self.faults.step_done(s)
-            self._reset_step()
-            self._step = None
+    def _check_before_update(self, s: int) -> None:
+        """NaN/Inf and checksums of this step's reductions, then an audit when one is due (see ``SDCGuard.step``)."""
+        if not self.rs_tap.rows:
+            raise GuardUsageError("no gradient was reduce-scattered this step; the last backward() of a step must "
+                                  "have sync=True")
+        loss = torch.stack(self._losses).sum().view(1)
+        rows = self.comm.all_gather_rows(torch.cat([*self.rs_tap.rows, loss])).tolist()  # the step's one host sync
+        verdicts = [v for v in judge_step(s, [r[:-1] for r in rows], self.view, self.rs_tap.modes, self.project.k,
+                                          self._eps or 2.0**-24, self.cfg.checksum_slack, self.project.rms_weight)
+                    if (v.kind == "checksum" and self.cfg.check_checksum)
+                    or (v.kind != "checksum" and self.cfg.check_nonfinite)]
+        for v in verdicts:
+            self._judge(s, v)
+        self._emit(lambda: [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
+        if self.audits_enabled and (self._audit_requested or s % (self.cfg.audit_every or 1) == 0):
+            self._audit(s, rows)
 
     def consensus(self, step: int) -> list[str]:
         """Compare, for every shard index, the replicas' fingerprints of their local shards now.

@@ -225,12 +225,7 @@ class SDCGuard:
             raise GuardUsageError("call guard.backward(batch, step=...) before guard.step()")
         s = self._step
         try:
-            if not self.tap.buckets:
-                raise GuardUsageError(
-                    "no gradient bucket was reduced this step; the last backward() of a step must have sync=True"
-                )
-            gathered = gather_step_stats(self.comm, self.tap.buckets, self._losses, self.cfg.checksum_lanes)
-            self._check_gradients(s, gathered)
+            self._check_before_update(s)
             self.optimizer.step()
             self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
             if s % self.cfg.consensus_every == 0:
@@ -242,6 +237,12 @@ class SDCGuard:
             self.faults.step_done(s)
             self._reset_step()
             self._step = None
+
+    def _check_before_update(self, s: int) -> None:
+        """Every check of step ``s`` that must pass before the update (raises on the first that fails)."""
+        if not self.tap.buckets:
+            raise GuardUsageError("no gradient bucket was reduced this step; the last backward() of a step must have sync=True")
+        self._check_gradients(s, gather_step_stats(self.comm, self.tap.buckets, self._losses, self.cfg.checksum_lanes))
 
     def _check_gradients(self, s: int, gathered: list[StepStats]) -> None:
         """The per-step checks before the update (NaN/Inf, checksum, ABFT), then an audit when one is due."""

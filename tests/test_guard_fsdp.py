@@ -153,3 +153,22 @@ def test_hsdp_rollback_story_fault_incident_rollback_and_a_bit_identical_finish(
     assert faulty[0]["incidents"] == [["consensus", [4], 6]]
     assert faulty[0]["rollbacks"] == [4]  # step 4 predates the suspect interval (5, 6]
     assert faulty[0]["full"] == clean[0]["full"]  # bit for bit (float lists compare exactly)
+
+
+def test_the_fsdp_example_trains_on_a_mesh_and_reports_a_json_line():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import fsdp_train
+
+    script = os.path.join(os.path.dirname(fsdp_train.__file__), "fsdp_train.py")
+    done = subprocess.run([sys.executable, script, "--mesh", "1x2", "--steps", "6", "--audit-every", "3",
+                           "--consensus-every", "3", "--json"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["completed"] and result["mesh"] == [1, 2] and result["checks"]["audit"]["passed"] == 2
+    bad = subprocess.run([sys.executable, script, "--mesh", "3y2"], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert bad.returncode == 2 and "--mesh must look like 3x2" in bad.stderr

@@ -56,7 +56,9 @@ def consolidated(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str
 def save_hsdp(rank: int, world: int, run: str, ref: str) -> str:
     model, opt = build((3, 2))
     train(model, opt, range(3), rank)
-    info = CheckpointManager(run).save(3, {"model": model, "optim": opt})
+    mgr = CheckpointManager(run)
+    pending = mgr.save(3, {"model": model, "optim": opt}, blocking=False)  # the non-blocking path, sharded
+    info = pending.result()
     full = consolidated(model, opt)
     train(model, opt, range(3, 6), rank)  # the uninterrupted run, for the resumed one to match
     later = consolidated(model, opt)
@@ -210,3 +212,86 @@ def test_the_cli_lists_shows_verifies_and_exports_a_sharded_checkpoint(hsdp_run,
     assert code == 0, out
     [info] = CheckpointManager(run).list()
     assert {p.name for p in (tmp_path / "out").iterdir()} == {s.path for s in info.manifest.shards} | {"manifest.json"}
+
+
+def test_a_sharded_restore_and_verify_never_unpickle(hsdp_run, monkeypatch):
+    import _pickle
+    import pickle
+
+    run, ref = hsdp_run
+    calls = []
+
+    def refuse(*a, **k):
+        calls.append(a[:1])
+        raise RuntimeError("pickle loading is forbidden on the load path")
+
+    for mod in (pickle, _pickle):
+        monkeypatch.setattr(mod, "load", refuse)
+        monkeypatch.setattr(mod, "loads", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    assert restore_on(0, 1, run, ref, None) == []
+    assert all(r.ok for r in CheckpointManager(run).verify())
+    assert calls == []
+
+
+def _manifest_with_layout(layout: dict, tensors: dict) -> bytes:
+    import json
+
+    shard = {"path": "chunks-r00000-00000.safetensors", "size": 1 << 20, "digest": "0" * 64, "tensors": sorted(tensors)}
+    doc = {"schema_version": 1, "run_id": "r", "checkpoint_id": "step-0000000001-abcd", "step": 1,
+           "created_at": "2026-01-01T00:00:00+00:00", "topology": {}, "shards": [shard],
+           "tensors": {n: {"dtype": "float32", "shape": s, "shard": shard["path"], "fingerprint": "0" * 32}
+                       for n, s in tensors.items()},
+           "state_fingerprint": "0" * 32, "state": {"w": {"stateful": False, "value": {"__tensor__": "w"}}},
+           "evidence": {}, "status": "unverified", "reasons": [], "layout": layout}
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize("chunks,tensors,why", [
+    ([{"offsets": [0], "tensor": "w@0"}, {"offsets": [4], "tensor": "w@4"}], {"w@0": [4], "w@4": [4]}, None),
+    ([{"offsets": [0], "tensor": "w@0"}, {"offsets": [6], "tensor": "w@4"}], {"w@0": [4], "w@4": [4]}, "outside"),
+    ([{"offsets": [0], "tensor": "w@0"}, {"offsets": [2], "tensor": "w@4"}], {"w@0": [4], "w@4": [2]}, "elements"),
+    ([{"offsets": [0], "tensor": "w@0"}, {"offsets": [4], "tensor": "nope"}], {"w@0": [4], "w@4": [4]}, "not stored"),
+    ([{"offsets": [0], "tensor": "w@0"}, {"offsets": [4], "tensor": "w@0"}], {"w@0": [4]}, "two chunks"),
+    ([{"offsets": [0, 0], "tensor": "w@0"}], {"w@0": [8]}, "dimensions"),
+    ([], {"w@0": [8]}, "1 to"),
+])
+def test_a_manifest_layout_is_refused_unless_its_chunks_fit_the_tensor(chunks, tensors, why):
+    from verified_ckpt.errors import ManifestError
+    from verified_ckpt.manifest import Manifest
+
+    layout = {"w": {"dtype": "float32", "shape": [8], "chunks": chunks}}
+    data = _manifest_with_layout(layout, tensors)
+    if why is None:
+        assert Manifest.from_json(data, "x").layout["w"].shape == [8]
+    else:
+        with pytest.raises(ManifestError, match=why):
+            Manifest.from_json(data, "x")
+
+
+def test_overlapping_chunks_that_add_up_are_refused_when_a_restore_assembles_them():
+    from verified_ckpt.layout import Chunk, LayoutEntry
+    from verified_ckpt.sharding import assemble
+
+    entry = LayoutEntry("float32", [8], [Chunk([0], "a"), Chunk([2], "b"), Chunk([6], "c")])  # 4 + 2 + 2 = 8, overlap
+    loaded = {"a": torch.zeros(4), "b": torch.ones(2), "c": torch.ones(2)}
+    with pytest.raises(CorruptCheckpoint, match="exactly once"):
+        assemble("w", entry, None, {n: list(t.shape) for n, t in loaded.items()}, loaded)
+
+
+@pytest.mark.parametrize("value,ok", [({"0": 1, "1": 2}, True), ({"0": 1, "2": 2}, False), ({}, False), ([1, 2], False)])
+def test_a_per_rank_entry_holds_one_value_per_rank_0_to_w_minus_1(value, ok):
+    import json
+
+    from verified_ckpt.errors import ManifestError
+    from verified_ckpt.manifest import Manifest
+
+    doc = json.loads(_manifest_with_layout({"w": {"dtype": "float32", "shape": [4], "chunks": [
+        {"offsets": [0], "tensor": "w@0"}]}}, {"w@0": [4]}))
+    doc["state"]["rng"] = {"stateful": True, "per_rank": True, "value": value}
+    if ok:
+        m = Manifest.from_json(json.dumps(doc).encode(), "x")
+        assert m.for_rank(1).state["rng"]["value"] == 2 and m.for_rank(3).state["rng"]["value"] == 2
+    else:
+        with pytest.raises(ManifestError, match="per-rank"):
+            Manifest.from_json(json.dumps(doc).encode(), "x")

@@ -390,3 +390,34 @@ def gc_cmd(mgr: CheckpointManager, out: Output, dry_run: bool, grace: float) -> 
 
 if __name__ == "__main__":
     main()
+
+
+@main.command("serve")
+@click.argument("runs", nargs=-1, required=True)
+@click.option("--storage-option", "-o", "storage_options", multiple=True, metavar="KEY=VALUE",
+              help="fsspec storage option for every run (repeatable).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; not loopback needs a token.")
+@click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--poll", "poll_s", default=10.0, show_default=True, type=float, help="Seconds between looks at each run.")
+@click.option("--scrub-interval", "scrub_s", default=86400.0, show_default=True, type=float,
+              help="Re-verify every checkpoint this often (seconds).")
+@click.option("--bandwidth", "bytes_per_s", default=0.0, show_default=True, type=float,
+              help="Cap on bytes read per second across all runs (0: none).")
+def serve_cmd(runs: tuple[str, ...], storage_options: tuple[str, ...], host: str, port: int, poll_s: float,
+              scrub_s: float, bytes_per_s: float) -> None:
+    """Watch RUNS: verify each new commit independently, scrub old checkpoints, serve health over HTTP.
+
+    JSON API under /api, Prometheus metrics at /metrics, /healthz, /readyz and a dashboard at /.
+    The write endpoints (flag, rollback) need the bearer token from VCKPT_SERVICE_TOKEN or
+    VCKPT_SERVICE_TOKEN_FILE. Details: docs/SERVICE.md. Exit 2 on a configuration it refuses.
+    """
+    from verified_ckpt.service import ServiceConfig, ServiceError, serve
+
+    err = Output(False).err
+    try:
+        cfg = ServiceConfig(runs=runs, storage_options=parse_storage_options(storage_options) or None, host=host,
+                            port=port, poll_s=poll_s, scrub_interval_s=scrub_s, bytes_per_s=bytes_per_s)
+    except ServiceError as e:
+        err.print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
+        sys.exit(EXIT_USAGE)
+    serve(cfg)

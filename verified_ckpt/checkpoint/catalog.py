@@ -100,6 +100,7 @@ class RunView:
     infos: list[CheckpointInfo]
     incidents: list[Incident]
     rollbacks: list[Rollback]
+    verifications: dict[str, list[VerificationResult]] = dataclasses.field(default_factory=dict)  # by checkpoint id
 
     def rollback_target(self) -> tuple[CheckpointInfo | None, list[tuple[str, int, str]]]:
         return decisions.rollback_target(self.infos)
@@ -255,7 +256,8 @@ class Catalog:
 
         with concurrent.futures.ThreadPoolExecutor(self.io_workers) as pool:
             infos = list(pool.map(load, listed))
-        return RunView(self.url, recs.unreadable, sorted(infos, key=lambda i: (i.created_at, i.step, i.id)), incidents, rollbacks)
+        return RunView(self.url, recs.unreadable, sorted(infos, key=lambda i: (i.created_at, i.step, i.id)), incidents, rollbacks,
+                       verifications)
 
     # -------------------------------------------------------- selection
     def get(self, infos: list[CheckpointInfo], ref: int | str) -> CheckpointInfo:

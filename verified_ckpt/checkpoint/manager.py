@@ -297,28 +297,27 @@ class CheckpointManager:
             raise InvalidState(f"--grace must be >= 0 seconds, got {grace_s}")
         return self._catalog.gc(grace_s, dry_run)
 
-    def verify(self, step: int | None = None, *, jobs: int = 1, progress: Callable[[int], None] | None = None
-               ) -> builtins.list[VerificationResult]:
-        """Re-read checkpoints offline and record the result (see ``verification``); memory stays bounded
-        by ``jobs * io_workers`` shards in flight. A mismatch makes the checkpoint ``corrupt`` from then on.
+    def verify(self, step: int | str | None = None, *, jobs: int = 1, progress: Callable[[int], None] | None = None,
+               verifier: dict[str, str] | None = None) -> builtins.list[VerificationResult]:
+        """Re-read checkpoints offline, record and return the results (oldest first; see ``verification``); memory
+        stays bounded by ``jobs * io_workers`` shards in flight. A mismatch makes a checkpoint ``corrupt`` from then on.
 
         Args:
-            step: verify only the checkpoints at this step; ``None`` verifies all.
+            step: verify only the checkpoints at this step (or the one with this id); ``None`` verifies all.
             jobs: checkpoints verified at the same time.
-            progress: called with a byte count as data is read (from several threads).
-
-        Returns:
-            One :class:`VerificationResult` per checkpoint, oldest first.
+            progress: called with a byte count as data is read (from several threads); it may block to pace reads.
+            verifier: who re-reads (recorded with each result; ``vckpt serve`` names its host and version).
         """
         from .reading import Reader
         from .verification import verify_all
 
         if not isinstance(jobs, int) or jobs < 1:
             raise InvalidState(f"--jobs must be an int >= 1, got {jobs!r}")
-        infos = [i for i in self.list() if step is None or i.step == step]
+        infos = [i for i in self.list() if step is None or step in (i.step, i.id)]
         if not infos:
             self.get(step) if step is not None else self.require_run()  # raises a helpful error
-        return verify_all(self._catalog, Reader(self._store, self.io_workers), infos, jobs=jobs, progress=progress)
+        return verify_all(self._catalog, Reader(self._store, self.io_workers), infos, jobs=jobs, progress=progress,
+                          verifier=verifier)
 
     def total_bytes(self, step: int | None = None) -> int:
         """Bytes a :meth:`verify` with the same ``step`` would read (for progress bars)."""

@@ -27,8 +27,8 @@ from .reading import VERIFY, Reader
 __all__ = ["verify_all"]
 
 
-def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo], *,
-               jobs: int, progress: Callable[[int], None] | None) -> list[VerificationResult]:
+def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo], *, jobs: int,
+               progress: Callable[[int], None] | None, verifier: dict[str, str] | None = None) -> list[VerificationResult]:
     """Verify ``infos`` ``jobs`` at a time, record each result, and return them in order.
 
     A malformed ledger does not stop verification: every checkpoint's bytes are
@@ -54,7 +54,7 @@ def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo]
                 problems += [Problem("ledger", p) for p in history.consensus_claim_problems(ck.manifest.evidence, consensus)]
             if not Signature(ck.signature).trusted:
                 problems.insert(0, Problem("signature", ck.reasons[0]))
-        result = VerificationResult(ck.id, ck.step, not problems, problems, utc_now())
+        result = VerificationResult(ck.id, ck.step, not problems, problems, utc_now(), verifier)
         catalog.append(VERIFICATION, result.to_record())
         return result
 

@@ -1,0 +1,115 @@
+"""``vckpt serve``: a long-running verifier that re-checks checkpoints independently and serves health.
+
+One thread per watched run (``watch``) re-reads new commits and scrubs old
+checkpoints at a capped byte rate (``scrub``); the HTTP side (``app``) serves
+the JSON API, Prometheus metrics (``metrics``), health and a dashboard from
+what the watchers last saw. Everything it learns is written to the runs' own
+records, so it keeps no state of its own that a restart could lose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import ipaddress
+import os
+import threading
+from typing import Any
+
+__all__ = ["ServiceConfig", "ServiceError", "run_key", "serve"]
+
+
+class ServiceError(ValueError):
+    """A configuration the service refuses to start with (the message says what to change)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """How ``vckpt serve`` runs.
+
+    Args:
+        runs: run URLs to watch.
+        storage_options: fsspec options for every run.
+        host, port: where to listen; the default is loopback only.
+        token: bearer token for the write endpoints (``flag``, ``rollback``); required for a
+            non-loopback bind. ``None`` reads ``VCKPT_SERVICE_TOKEN`` or the file ``VCKPT_SERVICE_TOKEN_FILE``.
+        poll_s: how often each run is looked at for new commits.
+        scrub_interval_s: re-verify each checkpoint this often.
+        bytes_per_s: cap on the bytes read per second across all runs (0: none).
+    """
+
+    runs: tuple[str, ...]
+    storage_options: dict[str, Any] | None = None
+    host: str = "127.0.0.1"
+    port: int = 8765
+    token: str | None = None
+    poll_s: float = 10.0
+    scrub_interval_s: float = 24 * 3600.0
+    bytes_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.runs:
+            raise ServiceError("give at least one run URL to watch")
+        for name in ("poll_s", "scrub_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ServiceError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.bytes_per_s < 0:
+            raise ServiceError(f"bytes_per_s must be >= 0, got {self.bytes_per_s!r}")
+        if not _loopback(self.host) and not self.resolved_token():
+            raise ServiceError(f"binding {self.host} (not loopback) needs a token: set VCKPT_SERVICE_TOKEN or "
+                               "VCKPT_SERVICE_TOKEN_FILE, or bind 127.0.0.1")
+
+    def resolved_token(self) -> str | None:
+        if self.token:
+            return self.token
+        if os.environ.get("VCKPT_SERVICE_TOKEN"):
+            return os.environ["VCKPT_SERVICE_TOKEN"]
+        path = os.environ.get("VCKPT_SERVICE_TOKEN_FILE")
+        if path:
+            try:
+                with open(path) as f:
+                    token = f.read().strip()
+            except OSError as e:
+                raise ServiceError(f"cannot read the token file {path}: {e.strerror}") from None
+            return token or None
+        return None
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_key(url: str) -> str:
+    """A short stable name for a run in URLs and metric labels."""
+    return hashlib.blake2b(url.encode(), digest_size=6).hexdigest()
+
+
+def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None) -> None:
+    """Watch ``cfg.runs`` and serve HTTP until interrupted (SIGINT/SIGTERM)."""
+    import uvicorn
+
+    from .app import build_app
+    from .metrics import Metrics
+    from .scrub import Throttle
+    from .watch import Watcher, verifier_identity
+
+    metrics, throttle, who = Metrics(), Throttle(cfg.bytes_per_s), verifier_identity()
+    watchers = {run_key(u): Watcher(run_key(u), u, cfg.storage_options, metrics, throttle, poll_s=cfg.poll_s,
+                                    scrub_interval_s=cfg.scrub_interval_s, verifier=who) for u in dict.fromkeys(cfg.runs)}
+    threads = [threading.Thread(target=w.run, name=f"vckpt-watch-{k}", daemon=True) for k, w in watchers.items()]
+    for t in threads:
+        t.start()
+    server = uvicorn.Server(uvicorn.Config(build_app(watchers, metrics, cfg.resolved_token()), host=cfg.host,
+                                           port=cfg.port, log_level="warning", lifespan="off"))
+    try:
+        server.run()
+    finally:
+        for w in watchers.values():
+            w.stop.set()
+        for t in threads:
+            t.join(timeout=5)

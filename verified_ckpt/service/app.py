@@ -1,0 +1,163 @@
+"""The service's HTTP side (Starlette): JSON API, Prometheus metrics, health, and an HTML dashboard.
+
+Reads come from each watcher's last published state, so a request never
+touches the store and answers in constant time. The two writes (``flag`` and
+``rollback``) need the bearer token, compared in constant time; without a
+configured token they are refused.
+"""
+
+from __future__ import annotations
+
+import hmac
+import html
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from .. import CheckpointManager, VerifiedCkptError, render_html
+from .metrics import Metrics
+from .watch import RunState, Watcher
+
+__all__ = ["build_app"]
+
+REFRESH_S = 10
+
+
+def _run_summary(st: RunState) -> dict[str, Any]:
+    view = st.view
+    counts: dict[str, int] = {}
+    target = None
+    incidents: list[dict[str, Any]] = []
+    if view is not None:
+        for c in view.infos:
+            counts[c.status.value] = counts.get(c.status.value, 0) + 1
+        t, _ = view.rollback_target()
+        target = {"id": t.id, "step": t.step} if t else None
+        incidents = [dict(i.to_dict(), answered=a) for i, a in zip(view.incidents, view.answered(), strict=True)]
+    exclude = sorted({h for i in incidents if not i["answered"] for h in i.get("exclude_hosts", [])})
+    p = st.plan
+    return {
+        "key": st.key, "url": st.url, "error": st.error, "passes": st.passes, "last_pass_at": st.last_pass_at,
+        "checkpoints": counts, "rollback_target": target, "open_incidents": sum(not i["answered"] for i in incidents),
+        "exclude_hosts": exclude,
+        "scrub": {"reading": st.reading, "never_verified": len(p.new) if p else None,
+                  "due": len(p.due) if p else None, "lag_s": p.lag_s if p else None},
+    }
+
+
+def build_app(watchers: dict[str, Watcher], metrics: Metrics, token: str | None) -> Starlette:
+    """The ASGI app over ``watchers`` (by run key)."""
+
+    def find(request: Request) -> Watcher | None:
+        return watchers.get(request.path_params["key"])
+
+    def per_run(handler: Callable[[Watcher], Response]) -> Callable[[Request], Any]:
+        async def endpoint(request: Request) -> Response:
+            w = find(request)
+            if w is None:
+                return JSONResponse({"error": f"no watched run {request.path_params['key']!r}"}, status_code=404)
+            return handler(w)
+
+        return endpoint
+
+    def authorised(request: Request) -> bool:
+        got = request.headers.get("authorization", "")
+        return token is not None and hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+
+    async def healthz(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def readyz(request: Request) -> Response:
+        waiting = [w.url for w in watchers.values() if w.state.passes == 0]
+        if waiting:
+            return PlainTextResponse(f"first pass pending: {', '.join(waiting)}", status_code=503)
+        return PlainTextResponse("ready")
+
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def runs(request: Request) -> Response:
+        return JSONResponse([_run_summary(w.state) for w in watchers.values()])
+
+    def checkpoints(w: Watcher) -> Response:
+        view = w.state.view
+        if view is None:
+            return JSONResponse({"error": w.state.error or "not read yet"}, status_code=503)
+        out = []
+        for c in view.infos:
+            checks = view.verifications.get(c.id, [])
+            out.append(dict(c.to_dict(), evidence=c.manifest.evidence if c.manifest else None,
+                            verifications=[dict(r.to_dict(), verifier=r.verifier) for r in checks]))
+        return JSONResponse(out)
+
+    def summary(w: Watcher) -> Response:
+        return JSONResponse(_run_summary(w.state))
+
+    async def write(request: Request) -> Response:
+        if not authorised(request):
+            return JSONResponse({"error": "a bearer token is required for this endpoint"}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        w = find(request)
+        if w is None:
+            return JSONResponse({"error": "no such run"}, status_code=404)
+        mgr = CheckpointManager(w.url, storage_options=w.storage_options)
+        try:
+            if request.url.path.endswith("/flag"):
+                body = await request.json()
+                inc = mgr.flag(int(body["from_step"]), to_step=body.get("to_step"), ranks=body.get("ranks", []),
+                               reason=str(body.get("reason", "flagged through vckpt serve")))
+                result: dict[str, Any] = inc.to_dict()
+            else:
+                target, skipped = mgr.record_rollback()
+                result = {"id": target.id, "step": target.step, "skipped": [list(s) for s in skipped]}
+        except (VerifiedCkptError, KeyError, ValueError, TypeError) as e:
+            return JSONResponse({"error": str(e).splitlines()[0]}, status_code=400)
+        w.one_pass()  # the change shows at once
+        return JSONResponse(result)
+
+    async def dashboard(request: Request) -> Response:
+        return HTMLResponse(_dashboard([_run_summary(w.state) for w in watchers.values()],
+                                       [(w.key, c) for w in watchers.values() for c in w.state.changes]))
+
+    def report(w: Watcher) -> Response:
+        mgr = CheckpointManager(w.url, storage_options=w.storage_options)
+        return HTMLResponse(render_html(mgr.history_report()))
+
+    return Starlette(routes=[
+        Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics_endpoint),
+        Route("/api/runs", runs), Route("/api/runs/{key}", per_run(summary)),
+        Route("/api/runs/{key}/checkpoints", per_run(checkpoints)),
+        Route("/api/runs/{key}/flag", write, methods=["POST"]), Route("/api/runs/{key}/rollback", write, methods=["POST"]),
+        Route("/runs/{key}/report", per_run(report)), Route("/", dashboard),
+    ])
+
+
+_COLOURS = {"restorable": "#2e7d32", "unverified": "#9e9e9e", "suspect": "#ef6c00", "corrupt": "#c62828"}
+
+
+def _dashboard(runs: list[dict[str, Any]], changes: list[tuple[str, dict[str, Any]]]) -> str:
+    """Runs at a glance and what changed recently; refreshes itself, no external assets, no scripts."""
+    e = html.escape
+    rows = []
+    for r in runs:
+        badges = " ".join(f'<span class="b" style="background:{_COLOURS.get(s, "#555")}">{e(s)} {n}</span>'
+                          for s, n in sorted(r["checkpoints"].items()))
+        target = r["rollback_target"]
+        rows.append(f"<tr><td><a href=\"/runs/{e(r['key'])}/report\">{e(r['url'])}</a></td><td>{badges}</td>"
+                    f"<td>{'step ' + str(target['step']) if target else 'none'}</td><td>{r['open_incidents']}</td>"
+                    f"<td>{e(', '.join(r['exclude_hosts']))}</td><td class=\"err\">{e(r['error'] or '')}</td></tr>")
+    recent = "".join(f"<li>{e(time.strftime('%H:%M:%S', time.gmtime(c['at'])))} {e(key)}: {e(c['checkpoint'])} "
+                     f"{e(c['from'])} → {e(c['to'])}</li>" for key, c in sorted(changes, key=lambda x: -x[1]["at"])[:20])
+    return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'">
+<title>vckpt serve</title><style>body{{font:14px sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px}}.b{{color:#fff;padding:2px 6px;border-radius:3px;margin-right:4px}}
+.err{{color:#c62828}}</style></head><body><h1>Runs</h1><table><tr><th>run</th><th>checkpoints</th>
+<th>rollback target</th><th>open incidents</th><th>exclude hosts</th><th>error</th></tr>{''.join(rows)}</table>
+<h2>Recent changes</h2><ul>{recent or '<li>none</li>'}</ul></body></html>"""

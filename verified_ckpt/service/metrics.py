@@ -1,0 +1,40 @@
+"""The service's Prometheus metrics, one registry, labelled by run.
+
+Counters count what this process did since it started (Prometheus handles
+restarts); gauges are re-derived from the run's own records on every pass,
+so they are right after a restart too.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from .. import Status
+
+__all__ = ["Metrics"]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.checkpoints = Gauge("vckpt_checkpoints", "Committed checkpoints by derived status", ["run", "status"],
+                                 registry=r)
+        self.verified_bytes = Counter("vckpt_verified_bytes", "Bytes re-read and checked by this service", ["run"],
+                                      registry=r)
+        self.verified = Counter("vckpt_verified_checkpoints", "Checkpoints re-read and checked by this service", ["run"],
+                                registry=r)
+        self.failures = Counter("vckpt_verification_failures", "Verifications that found a problem", ["run"], registry=r)
+        self.newest_age = Gauge("vckpt_newest_verified_age_seconds",
+                                "Age of the newest checkpoint a verification service has verified (-1: none)", ["run"],
+                                registry=r)
+        self.scrub_lag = Gauge("vckpt_scrub_lag_seconds", "How long the most overdue scrub has waited past its time",
+                               ["run"], registry=r)
+        self.open_incidents = Gauge("vckpt_open_incidents", "Incidents no rollback has answered", ["run"], registry=r)
+        self.store_errors = Counter("vckpt_store_errors", "Passes over a run that failed to read its store", ["run"],
+                                    registry=r)
+        self.run_up = Gauge("vckpt_run_up", "1 when the last pass over the run succeeded, else 0", ["run"], registry=r)
+
+    def statuses(self, run: str, counts: dict[Status, int]) -> None:
+        for status in Status:
+            self.checkpoints.labels(run, status.value).set(counts.get(status, 0))

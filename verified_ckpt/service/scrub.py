@@ -1,0 +1,90 @@
+"""What the service verifies next, and how fast it may read: pure scheduling plus a byte-rate limiter.
+
+The service keeps no memory of its own that matters: what was verified, by
+whom and when, is in each run's verification records (``RunView.verifications``).
+A record whose ``verifier`` carries a ``service`` key is a re-read by a
+verification service (any instance: two on one run share the work). So after
+a restart, or a SIGKILL mid-scrub, the next pass sees exactly what was read
+to the end and recorded, and nothing else counts as verified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+import time
+from collections.abc import Sequence
+
+from .. import CheckpointInfo, Status, VerificationResult
+
+__all__ = ["Plan", "Throttle", "epoch", "last_service_check", "plan"]
+
+
+def epoch(stamp: str) -> float:
+    """An ISO time stamp in seconds since the epoch (0 when unreadable)."""
+    try:
+        return datetime.datetime.fromisoformat(stamp).timestamp()
+    except ValueError:
+        return 0.0  # an unreadable time counts as long ago: re-read it first
+
+
+def last_service_check(results: Sequence[VerificationResult]) -> float | None:
+    """When a verification service last re-read a checkpoint (epoch seconds), or ``None``: never."""
+    times = [epoch(r.verified_at) for r in results if r.verifier and "service" in r.verifier]
+    return max(times) if times else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One pass over a run: checkpoints never re-read by a service (newest first), then those due for a scrub."""
+
+    new: list[CheckpointInfo]
+    due: list[CheckpointInfo]
+    lag_s: float  # how long the most overdue checkpoint has waited past its scrub time (0: none overdue)
+
+
+def plan(infos: Sequence[CheckpointInfo], verifications: dict[str, list[VerificationResult]], target: str | None,
+         now: float, interval_s: float) -> Plan:
+    """What to verify now. ``target`` is the run's rollback target id.
+
+    Checkpoints already ``corrupt`` are not read again: nothing can make them restorable. Scrubs put
+    those at risk first: the rollback target, then restorable ones, then by oldest verification.
+    """
+    new: list[CheckpointInfo] = []
+    due: list[tuple[tuple[int, int, float], CheckpointInfo]] = []
+    lag = 0.0
+    for ck in infos:
+        if ck.status is Status.CORRUPT or ck.manifest is None:
+            continue
+        last = last_service_check(verifications.get(ck.id, []))
+        if last is None:
+            new.append(ck)
+        elif now - last >= interval_s:
+            lag = max(lag, now - last - interval_s)
+            due.append(((ck.id != target, ck.status is not Status.RESTORABLE, last), ck))
+    new.sort(key=lambda c: (c.created_at, c.step), reverse=True)  # a fresh commit is the likely next restore
+    return Plan(new, [ck for _, ck in sorted(due, key=lambda x: x[0])], lag)
+
+
+class Throttle:
+    """At most ``bytes_per_s`` read across every thread that calls :meth:`take` (0: no cap).
+
+    A token bucket of one second's worth: a reader that got ahead waits until the average rate
+    is back under the cap. Waiting is the point here (pacing I/O), not synchronisation.
+    """
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.rate = bytes_per_s
+        self._lock = threading.Lock()
+        self._allowed_at = time.monotonic()  # when the bytes taken so far are paid for
+
+    def take(self, n: int) -> None:
+        if self.rate <= 0 or n <= 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._allowed_at = max(self._allowed_at, now - 1.0) + n / self.rate
+            wait = self._allowed_at - now - 1.0  # a burst of one second's worth is free
+        if wait > 0:
+            time.sleep(wait)

@@ -1,0 +1,129 @@
+"""One watched run: a loop of passes that verify new commits and scrub old checkpoints, and what it saw.
+
+Each pass reads the run's view (committed checkpoints only: a save is judged
+only after its manifest exists), plans (``scrub.plan``), and re-reads what is
+due through ``CheckpointManager.verify`` with the service named as verifier,
+paced by the shared :class:`~verified_ckpt.service.scrub.Throttle`. The view is
+read again after every verification, so a checkpoint found ``corrupt`` moves
+the rollback target at once. A store that stops answering is an error on this
+run only; the loop backs off (doubling up to a minute) and recovers by itself.
+Anything a hostile run holds becomes an error on that run, never a crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+from .. import CheckpointManager, RunView, Status, StorageError
+from .metrics import Metrics
+from .scrub import Plan, Throttle, epoch, last_service_check, plan
+
+__all__ = ["RunState", "Watcher", "verifier_identity"]
+
+log = logging.getLogger("verified_ckpt.service")
+MAX_BACKOFF_S = 60.0
+
+
+def verifier_identity() -> dict[str, str]:
+    from .. import __version__
+
+    return {"service": "vckpt serve", "host": socket.gethostname(), "version": __version__}
+
+
+@dataclasses.dataclass
+class RunState:
+    """What the API reports about one run (replaced whole by each pass, so readers never see half of one)."""
+
+    key: str
+    url: str
+    view: RunView | None = None
+    plan: Plan | None = None
+    error: str | None = None
+    passes: int = 0
+    last_pass_at: float | None = None
+    reading: str | None = None  # the checkpoint being re-read now
+    changes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # recent status changes, newest last
+
+
+class Watcher:
+    """The loop for one run; ``state`` is what it last saw."""
+
+    def __init__(self, key: str, url: str, storage_options: dict[str, Any] | None, metrics: Metrics, throttle: Throttle,
+                 *, poll_s: float, scrub_interval_s: float, verifier: dict[str, str]) -> None:
+        self.key, self.url, self.metrics, self.throttle = key, url, metrics, throttle
+        self.poll_s, self.scrub_interval_s, self.verifier = poll_s, scrub_interval_s, verifier
+        self.storage_options = storage_options
+        self.state = RunState(key, url)
+        self.stop = threading.Event()
+        self._backoff = 0.0
+        self._mgr: CheckpointManager | None = None
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.one_pass()
+            self.stop.wait(self._backoff or self.poll_s)
+
+    def one_pass(self) -> None:
+        try:
+            if self._mgr is None:
+                self._mgr = CheckpointManager(self.url, storage_options=self.storage_options)
+            self._pass(self._mgr)
+            self._backoff = 0.0
+            self.metrics.run_up.labels(self.key).set(1)
+        except StorageError as e:
+            self._failed(f"store unreachable: {e}")
+            self.metrics.store_errors.labels(self.key).inc()
+            self._backoff = min(max(self._backoff * 2, self.poll_s), MAX_BACKOFF_S)
+        except Exception as e:  # noqa: BLE001 - a hostile or broken run must not stop the service
+            self._failed(f"{type(e).__name__}: {e}")
+            self._backoff = min(max(self._backoff * 2, self.poll_s), MAX_BACKOFF_S)
+
+    def _failed(self, why: str) -> None:
+        log.warning("run %s: %s", self.url, why)
+        self.metrics.run_up.labels(self.key).set(0)
+        self.state = dataclasses.replace(self.state, error=why.splitlines()[0][:500], passes=self.state.passes + 1,
+                                         last_pass_at=time.time(), reading=None)
+
+    def _pass(self, mgr: CheckpointManager) -> None:
+        view = self._publish(mgr.view(), None)
+        todo = view and self.state.plan
+        for ck in (todo.new + todo.due) if todo else []:
+            if self.stop.is_set():
+                break
+            self.state = dataclasses.replace(self.state, reading=ck.id)
+            [result] = mgr.verify(ck.id, progress=self._read, verifier=self.verifier)
+            self.metrics.verified.labels(self.key).inc()
+            if not result.ok:
+                self.metrics.failures.labels(self.key).inc()
+            self._publish(mgr.view(), None)
+        self.state = dataclasses.replace(self.state, reading=None, passes=self.state.passes + 1, last_pass_at=time.time())
+
+    def _read(self, n: int) -> None:
+        self.throttle.take(n)
+        self.metrics.verified_bytes.labels(self.key).inc(n)
+
+    def _publish(self, view: RunView, error: str | None) -> RunView:
+        target, _ = view.rollback_target()
+        now = time.time()
+        p = plan(view.infos, view.verifications, target.id if target else None, now, self.scrub_interval_s)
+        before = {c.id: c.status for c in self.state.view.infos} if self.state.view else {}
+        changes = self.state.changes + [
+            {"at": now, "checkpoint": c.id, "step": c.step, "from": before[c.id].value, "to": c.status.value}
+            for c in view.infos if c.id in before and before[c.id] is not c.status]
+        self.state = dataclasses.replace(self.state, view=view, plan=p, error=error, changes=changes[-50:])
+        counts: dict[Status, int] = {}
+        for c in view.infos:
+            counts[c.status] = counts.get(c.status, 0) + 1
+        self.metrics.statuses(self.key, counts)
+        checked = [c for c in view.infos if last_service_check(view.verifications.get(c.id, [])) is not None]
+        newest = max(checked, key=lambda c: (c.created_at, c.step), default=None)
+        self.metrics.newest_age.labels(self.key).set(now - epoch(newest.created_at) if newest else -1)
+        self.metrics.scrub_lag.labels(self.key).set(p.lag_s)
+        self.metrics.open_incidents.labels(self.key).set(sum(not a for a in view.answered()))
+        return view
+

@@ -388,9 +388,6 @@ def gc_cmd(mgr: CheckpointManager, out: Output, dry_run: bool, grace: float) -> 
     return EXIT_OK
 
 
-if __name__ == "__main__":
-    main()
-
 
 @main.command("serve")
 @click.argument("runs", nargs=-1, required=True)
@@ -421,3 +418,7 @@ def serve_cmd(runs: tuple[str, ...], storage_options: tuple[str, ...], host: str
         err.print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
         sys.exit(EXIT_USAGE)
     serve(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -246,6 +246,9 @@ class RunStore:
     def committed(self) -> dict[str, int]:
         """Checkpoint folders that hold a manifest, with the manifest's size as listed (one listing)."""
         with self._io("listing checkpoints"):
+            # Object-store clients cache listings: a reader that lives on (``vckpt serve``, a resuming job)
+            # must see commits made since its last look.
+            self.fs.invalidate_cache()
             try:
                 found = self.fs.glob(self._join("checkpoints", "*", MANIFEST), detail=True)
             except FileNotFoundError:
@@ -426,6 +429,7 @@ class RunStore:
         """
         d = self._join("records", _plain(kind, "record kind"))
         with self._io(f"reading {kind} records"):
+            self.fs.invalidate_cache()  # records appended by other processes since the last look
             try:
                 paths = sorted(self.fs.ls(d, detail=False))
             except FileNotFoundError:

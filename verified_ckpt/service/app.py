@@ -51,59 +51,55 @@ def _run_summary(st: RunState) -> dict[str, Any]:
     }
 
 
-def build_app(watchers: dict[str, Watcher], metrics: Metrics, token: str | None) -> Starlette:
-    """The ASGI app over ``watchers`` (by run key)."""
+class _Api:
+    """The endpoints over ``watchers`` (by run key); each answers from the watchers' last published state."""
 
-    def find(request: Request) -> Watcher | None:
-        return watchers.get(request.path_params["key"])
+    def __init__(self, watchers: dict[str, Watcher], metrics: Metrics, token: str | None) -> None:
+        self.watchers, self.metrics, self.token = watchers, metrics, token
 
-    def per_run(handler: Callable[[Watcher], Response]) -> Callable[[Request], Any]:
+    def per_run(self, handler: Callable[[Watcher], Response]) -> Callable[[Request], Any]:
         async def endpoint(request: Request) -> Response:
-            w = find(request)
+            w = self.watchers.get(request.path_params["key"])
             if w is None:
                 return JSONResponse({"error": f"no watched run {request.path_params['key']!r}"}, status_code=404)
             return handler(w)
 
         return endpoint
 
-    def authorised(request: Request) -> bool:
-        got = request.headers.get("authorization", "")
-        return token is not None and hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
-
-    async def healthz(request: Request) -> Response:
+    async def healthz(self, request: Request) -> Response:
         return PlainTextResponse("ok")
 
-    async def readyz(request: Request) -> Response:
-        waiting = [w.url for w in watchers.values() if w.state.passes == 0]
+    async def readyz(self, request: Request) -> Response:
+        # Ready once every run has been looked at (read, or found failing): its verification may still run.
+        waiting = [w.url for w in self.watchers.values() if w.state.view is None and w.state.error is None]
         if waiting:
             return PlainTextResponse(f"first pass pending: {', '.join(waiting)}", status_code=503)
         return PlainTextResponse("ready")
 
-    async def metrics_endpoint(request: Request) -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def runs(request: Request) -> Response:
-        return JSONResponse([_run_summary(w.state) for w in watchers.values()])
+    async def runs(self, request: Request) -> Response:
+        return JSONResponse([_run_summary(w.state) for w in self.watchers.values()])
 
-    def checkpoints(w: Watcher) -> Response:
+    def summary(self, w: Watcher) -> Response:
+        return JSONResponse(_run_summary(w.state))
+
+    def checkpoints(self, w: Watcher) -> Response:
         view = w.state.view
         if view is None:
             return JSONResponse({"error": w.state.error or "not read yet"}, status_code=503)
-        out = []
-        for c in view.infos:
-            checks = view.verifications.get(c.id, [])
-            out.append(dict(c.to_dict(), evidence=c.manifest.evidence if c.manifest else None,
-                            verifications=[dict(r.to_dict(), verifier=r.verifier) for r in checks]))
-        return JSONResponse(out)
+        return JSONResponse([dict(c.to_dict(), evidence=c.manifest.evidence if c.manifest else None,
+                                  verifications=[dict(r.to_dict(), verifier=r.verifier)
+                                                 for r in view.verifications.get(c.id, [])]) for c in view.infos])
 
-    def summary(w: Watcher) -> Response:
-        return JSONResponse(_run_summary(w.state))
-
-    async def write(request: Request) -> Response:
-        if not authorised(request):
+    async def write(self, request: Request) -> Response:
+        """``flag`` and ``rollback``: only with the bearer token (compared in constant time)."""
+        got = request.headers.get("authorization", "")
+        if self.token is None or not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
             return JSONResponse({"error": "a bearer token is required for this endpoint"}, status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
-        w = find(request)
+        w = self.watchers.get(request.path_params["key"])
         if w is None:
             return JSONResponse({"error": "no such run"}, status_code=404)
         mgr = CheckpointManager(w.url, storage_options=w.storage_options)
@@ -121,20 +117,25 @@ def build_app(watchers: dict[str, Watcher], metrics: Metrics, token: str | None)
         w.one_pass()  # the change shows at once
         return JSONResponse(result)
 
-    async def dashboard(request: Request) -> Response:
-        return HTMLResponse(_dashboard([_run_summary(w.state) for w in watchers.values()],
-                                       [(w.key, c) for w in watchers.values() for c in w.state.changes]))
+    async def dashboard(self, request: Request) -> Response:
+        return HTMLResponse(_dashboard([_run_summary(w.state) for w in self.watchers.values()],
+                                       [(w.key, c) for w in self.watchers.values() for c in w.state.changes]))
 
-    def report(w: Watcher) -> Response:
+    def report(self, w: Watcher) -> Response:
         mgr = CheckpointManager(w.url, storage_options=w.storage_options)
         return HTMLResponse(render_html(mgr.history_report()))
 
+
+def build_app(watchers: dict[str, Watcher], metrics: Metrics, token: str | None) -> Starlette:
+    """The ASGI app over ``watchers`` (by run key)."""
+    api = _Api(watchers, metrics, token)
     return Starlette(routes=[
-        Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics_endpoint),
-        Route("/api/runs", runs), Route("/api/runs/{key}", per_run(summary)),
-        Route("/api/runs/{key}/checkpoints", per_run(checkpoints)),
-        Route("/api/runs/{key}/flag", write, methods=["POST"]), Route("/api/runs/{key}/rollback", write, methods=["POST"]),
-        Route("/runs/{key}/report", per_run(report)), Route("/", dashboard),
+        Route("/healthz", api.healthz), Route("/readyz", api.readyz), Route("/metrics", api.metrics_text),
+        Route("/api/runs", api.runs), Route("/api/runs/{key}", api.per_run(api.summary)),
+        Route("/api/runs/{key}/checkpoints", api.per_run(api.checkpoints)),
+        Route("/api/runs/{key}/flag", api.write, methods=["POST"]),
+        Route("/api/runs/{key}/rollback", api.write, methods=["POST"]),
+        Route("/runs/{key}/report", api.per_run(api.report)), Route("/", api.dashboard),
     ])
 
 

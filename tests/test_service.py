@@ -1,0 +1,240 @@
+"""`vckpt serve` as a real process on loopback, checked with a real HTTP client (httpx) and Prometheus' own parser."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import fsspec
+import httpx
+import numpy as np
+import pytest
+import torch
+from helpers import flip_byte
+from prometheus_client.parser import text_string_to_metric_families
+
+from verified_ckpt import CheckpointManager
+from verified_ckpt.service import run_key
+
+pytestmark = pytest.mark.timeout(120)
+TOKEN = "s3cret-token-for-tests"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def service(*runs: str, env: dict | None = None, extra: tuple[str, ...] = (), scrub: float = 2.0):
+    port = free_port()
+    cmd = [sys.executable, "-m", "verified_ckpt_cli.main", "serve", *runs, "--port", str(port), "--poll", "0.2",
+           "--scrub-interval", str(scrub), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "VCKPT_SERVICE_TOKEN": TOKEN, **(env or {})})
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
+    try:
+        until(lambda: _ready(client), what="the service to be ready", proc=proc)
+        yield client, proc
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(10)
+
+
+def _ready(client: httpx.Client) -> bool:
+    try:
+        return client.get("/readyz").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def until(check, *, what: str, timeout: float = 30.0, proc: subprocess.Popen | None = None):
+    """Poll ``check`` (observable state, not a timer) until it returns a truthy value, within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the service exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def save(url: str, step: int, n: int = 1000) -> str:
+    torch.manual_seed(step)
+    return CheckpointManager(url).save(step, {"w": torch.randn(n), "b": torch.randn(8)}).id
+
+
+def checkpoints(client: httpx.Client, url: str) -> dict[str, dict]:
+    r = client.get(f"/api/runs/{run_key(url)}/checkpoints")
+    return {c["id"]: c for c in r.json()} if r.status_code == 200 else {}
+
+
+def by_service(c: dict) -> bool:
+    return any((v.get("verifier") or {}).get("service") for v in c["verifications"])
+
+
+def train(run: str) -> None:
+    """A real 3-rank guarded training job that saves restorable checkpoints at steps 5, 10 and 15."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "examples/ddp_train.py", "--world-size", "3", "--steps", "15", "--audit-every", "5",
+           "--consensus-every", "5", "--save-every", "5", "--run", run, "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=root, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_training_jobs_commits_are_verified_and_a_flipped_byte_makes_one_corrupt_and_moves_the_target(tmp_path):
+    run, other = str(tmp_path / "run"), str(tmp_path / "other")
+    save(other, 1)
+    with service(run, other) as (client, _):
+        train(run)  # commits while the service runs
+        got = until(lambda: (c := checkpoints(client, run)) and len(c) == 3 and all(by_service(x) for x in c.values())
+                    and c, what="the job's three commits to be verified by the service")
+        assert {c["status"] for c in got.values()} == {"restorable"}
+        verifier = next(v["verifier"] for c in got.values() for v in c["verifications"] if v.get("verifier"))
+        assert verifier["service"] == "vckpt serve" and verifier["host"] and verifier["version"]
+        newest = max(got.values(), key=lambda c: c["step"])
+        assert client.get(f"/api/runs/{run_key(run)}").json()["rollback_target"]["step"] == 15
+        shard = next(p for p in (tmp_path / "run" / "checkpoints" / newest["id"]).iterdir() if p.suffix == ".safetensors")
+        flip_byte(fsspec.filesystem("file"), str(shard), shard.stat().st_size - 3)
+        until(lambda: checkpoints(client, run)[newest["id"]]["status"] == "corrupt", what="the scrub to find the flip")
+        assert client.get(f"/api/runs/{run_key(run)}").json()["rollback_target"]["step"] == 10
+        listed = json.loads(subprocess.run([sys.executable, "-m", "verified_ckpt_cli.main", "list", run, "--json"],
+                                           capture_output=True, text=True, check=True).stdout)
+        assert {c["id"]: c["status"] for c in listed}[newest["id"]] == "corrupt"
+        # /metrics, parsed by prometheus_client's own parser, counts what `vckpt list` shows.
+        families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+        counts = {s.labels["status"]: s.value for s in families["vckpt_checkpoints"].samples
+                  if s.labels["run"] == run_key(run)}
+        want: dict[str, int] = {}
+        for c in listed:
+            want[c["status"]] = want.get(c["status"], 0) + 1
+        assert {k: v for k, v in counts.items() if v} == want == {"restorable": 2, "corrupt": 1}
+        failures = [s.value for s in families["vckpt_verification_failures"].samples
+                    if s.name.endswith("_total") and s.labels["run"] == run_key(run)]
+        assert failures == [1.0]
+        assert client.get("/healthz").text == "ok"
+        page = client.get("/").text
+        assert run in page and other in page and "corrupt 1" in page and "restorable 2" in page
+        img = screenshot(str(client.base_url) + "/", tmp_path)
+        for colour in ((0xC6, 0x28, 0x28), (0x2E, 0x7D, 0x32)):  # the corrupt and restorable badges
+            assert np.all(img == np.array(colour, np.uint8), axis=2).sum() >= 100, colour
+
+
+def screenshot(url: str, tmp_path) -> np.ndarray:
+    """The page at ``url`` as headless Chromium paints it (RGB)."""
+    import shutil
+
+    from png import read_png
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        if os.environ.get("VCKPT_REQUIRE_CHROMIUM") == "1":
+            pytest.fail("chromium not installed, and VCKPT_REQUIRE_CHROMIUM=1 forbids skipping")
+        pytest.skip("chromium not installed (apt-get install chromium)")
+    shot = tmp_path / "dashboard.png"
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1300,800",
+           "--force-device-scale-factor=1", "--force-color-profile=srgb", f"--user-data-dir={tmp_path / 'profile'}",
+           "--no-first-run", f"--screenshot={shot}", url]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert shot.exists(), f"no screenshot (rc {done.returncode}): {done.stderr[-2000:]}"
+    return read_png(shot)[:, :, :3]
+
+
+def test_writes_need_the_token_and_a_non_loopback_bind_needs_one(tmp_path):
+    run = str(tmp_path / "run")
+    save(run, 1)
+    with service(run) as (client, _):
+        url = f"/api/runs/{run_key(run)}/flag"
+        body = {"from_step": 1, "reason": "suspected host"}
+        assert client.post(url, json=body).status_code == 401
+        assert client.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        ok = client.post(url, json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert ok.status_code == 200 and ok.json()["kind"] == "manual"
+        assert client.get(f"/api/runs/{run_key(run)}").json()["open_incidents"] == 1
+        assert client.post(f"/api/runs/{run_key(run)}/rollback").status_code == 401
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VCKPT_SERVICE_TOKEN")}
+    done = subprocess.run([sys.executable, "-m", "verified_ckpt_cli.main", "serve", run, "--host", "0.0.0.0",
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert done.returncode == 2 and "needs a token" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_hostile_manifest_in_one_run_leaves_the_service_serving_the_others(tmp_path):
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    save(good, 1)
+    cid = save(bad, 1)
+    (tmp_path / "bad" / "checkpoints" / cid / "manifest.json").write_bytes(b"[" * 100_000)
+    os.mkfifo(tmp_path / "bad" / "checkpoints" / "step-0000000009-deadbeef")
+    with service(good, bad) as (client, proc):
+        until(lambda: all(by_service(c) for c in checkpoints(client, good).values()), what="the good run verified")
+        runs = {r["url"]: r for r in client.get("/api/runs").json()}
+        assert runs[good]["error"] is None and runs[good]["checkpoints"] == {"unverified": 1}
+        assert runs[bad]["checkpoints"].get("corrupt", 0) >= 1 or runs[bad]["error"]
+        assert client.get("/").status_code == 200 and proc.poll() is None
+
+
+def test_sigkill_mid_scrub_marks_nothing_unread_as_verified_and_a_restart_resumes(tmp_path):
+    run = str(tmp_path / "run")
+    ids = [save(run, s, n=250_000) for s in range(1, 5)]  # 1 MB each; capped at 1 MB/s the pass takes seconds
+    with service(run, extra=("--bandwidth", str(1 << 20))) as (client, proc):
+        until(lambda: any(by_service(c) for c in checkpoints(client, run).values()), what="a first verification")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    view = CheckpointManager(run).view()
+    done = {cid for cid, rs in view.verifications.items() if any((r.verifier or {}).get("service") for r in rs)}
+    assert done and done < set(ids), "killed mid-pass: some checkpoints verified, not all"
+    assert all(r.ok for rs in view.verifications.values() for r in rs)  # no half-read checkpoint was judged
+    with service(run) as (client, _):
+        until(lambda: (c := checkpoints(client, run)) and all(by_service(x) for x in c.values()),
+              what="the restarted service to verify the rest")
+        again = CheckpointManager(run).view().verifications
+        assert all(len(again[cid]) == 1 for cid in done)  # what was verified before the kill is not re-read at once
+
+
+def test_an_s3_run_is_verified_and_a_store_outage_shows_as_an_error_then_recovers(tmp_path):
+    import s3fs
+    import seaweed
+    from test_s3 import restarted, stoppable_server
+
+    handle, opts = stoppable_server(tmp_path, "svc")
+    url, local = "s3://svc/runs/exp", str(tmp_path / "local")
+    save(local, 1)
+    CheckpointManager(url, storage_options=opts).save(1, {"w": torch.randn(64)})
+    flat = {"key": opts["key"], "secret": opts["secret"], "client_kwargs.endpoint_url": opts["client_kwargs"]["endpoint_url"],
+            "client_kwargs.region_name": opts["client_kwargs"]["region_name"], "config_kwargs.connect_timeout": 1,
+            "config_kwargs.read_timeout": 2, "config_kwargs.retries.max_attempts": 2}
+    extra = tuple(a for k, v in flat.items() for a in ("-o", f"{k}={v}"))
+    try:
+        with service(url, local, extra=extra) as (client, _):
+            until(lambda: (c := checkpoints(client, url)) and all(by_service(x) for x in c.values()),
+                  what="the S3 checkpoint verified by the service")
+            seaweed.stop(handle)
+            down = until(lambda: (r := client.get(f"/api/runs/{run_key(url)}").json())["error"] and r,
+                         what="the outage to show on the S3 run")
+            assert "store" in down["error"]
+            assert client.get(f"/api/runs/{run_key(local)}").json()["error"] is None  # the other run is unaffected
+            families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+            assert any(s.value >= 1 for s in families["vckpt_store_errors"].samples
+                       if s.name.endswith("_total") and s.labels["run"] == run_key(url))
+            with restarted(handle) as again:
+                s3fs.S3FileSystem.clear_instance_cache()
+                CheckpointManager(url, storage_options={**again.storage_options(), "config_kwargs": {
+                    "retries": {"max_attempts": 2}}}).save(2, {"w": torch.randn(64)})
+                try:
+                    until(lambda: (c := checkpoints(client, url)) and len(c) == 2 and all(by_service(x) for x in c.values()),
+                          what="the service to recover and verify the new commit", timeout=60)
+                except AssertionError:
+                    raise AssertionError(str(client.get(f"/api/runs/{run_key(url)}").json())) from None
+                assert client.get(f"/api/runs/{run_key(url)}").json()["error"] is None
+    finally:
+        seaweed.stop(handle)

@@ -390,7 +390,8 @@ def gc_cmd(mgr: CheckpointManager, out: Output, dry_run: bool, grace: float) -> 
 
 
 @main.command("serve")
-@click.argument("runs", nargs=-1, required=True)
+@click.argument("runs", nargs=-1)
+@click.option("--discover", multiple=True, metavar="PREFIX", help="Also watch every run directly under PREFIX (repeatable).")
 @click.option("--storage-option", "-o", "storage_options", multiple=True, metavar="KEY=VALUE",
               help="fsspec storage option for every run (repeatable).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; not loopback needs a token.")
@@ -400,8 +401,8 @@ def gc_cmd(mgr: CheckpointManager, out: Output, dry_run: bool, grace: float) -> 
               help="Re-verify every checkpoint this often (seconds).")
 @click.option("--bandwidth", "bytes_per_s", default=0.0, show_default=True, type=float,
               help="Cap on bytes read per second across all runs (0: none).")
-def serve_cmd(runs: tuple[str, ...], storage_options: tuple[str, ...], host: str, port: int, poll_s: float,
-              scrub_s: float, bytes_per_s: float) -> None:
+def serve_cmd(runs: tuple[str, ...], discover: tuple[str, ...], storage_options: tuple[str, ...], host: str, port: int,
+              poll_s: float, scrub_s: float, bytes_per_s: float) -> None:
     """Watch RUNS: verify each new commit independently, scrub old checkpoints, serve health over HTTP.
 
     JSON API under /api, Prometheus metrics at /metrics, /healthz, /readyz and a dashboard at /.
@@ -412,7 +413,8 @@ def serve_cmd(runs: tuple[str, ...], storage_options: tuple[str, ...], host: str
 
     err = Output(False).err
     try:
-        cfg = ServiceConfig(runs=runs, storage_options=parse_storage_options(storage_options) or None, host=host,
+        cfg = ServiceConfig(runs=runs, discover=discover, storage_options=parse_storage_options(storage_options) or None,
+                            host=host,
                             port=port, poll_s=poll_s, scrub_interval_s=scrub_s, bytes_per_s=bytes_per_s)
     except ServiceError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)

@@ -238,3 +238,16 @@ def test_an_s3_run_is_verified_and_a_store_outage_shows_as_an_error_then_recover
                 assert client.get(f"/api/runs/{run_key(url)}").json()["error"] is None
     finally:
         seaweed.stop(handle)
+
+
+def test_discovered_runs_are_watched_including_new_ones_and_two_services_share_a_run(tmp_path):
+    root = tmp_path / "runs"
+    a = save(str(root / "a"), 1)
+    with service("--discover", str(root)) as (one, _), service(str(root / "a")) as (two, _):
+        save(str(root / "b"), 1)  # appears after the start
+        until(lambda: {r["url"] for r in one.get("/api/runs").json()} == {str(root / "a"), str(root / "b")},
+              what="both runs discovered")
+        for client in (one, two):
+            until(lambda c=client: (x := checkpoints(c, str(root / "a"))) and by_service(x[a]), what="run a verified")
+    view = CheckpointManager(str(root / "a")).view()
+    assert view.unreadable == [] and all(r.ok for r in view.verifications[a])  # two writers, no damaged records

@@ -38,13 +38,14 @@ if TYPE_CHECKING:
     from .report import render_html
     from .rng import RNGState
     from .status import Status
+    from .store import discover_runs
 
 _LAZY = {
     "CheckpointManager": "checkpoint", "RunView": "checkpoint", "Communicator": "comm", "Fingerprint": "fingerprint",
     "GuardConfig": "guard", "SDCGuard": "guard", "state_fingerprint": "lanes", "tensor_fingerprint": "lanes",
     "CheckpointInfo": "manifest", "Manifest": "manifest", "Host": "records", "Incident": "records",
     "Problem": "records", "Rollback": "records", "VerificationResult": "records", "render_html": "report",
-    "RNGState": "rng", "Status": "status",
+    "RNGState": "rng", "Status": "status", "discover_runs": "store",
 }
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "UnsafePath",
     "VerificationResult",
     "VerifiedCkptError",
+    "discover_runs",
     "render_html",
     "state_fingerprint",
     "tensor_fingerprint",

@@ -67,6 +67,25 @@ def part_bytes(size_hint: int) -> int:
     return max(UPLOAD_PART_BYTES, -(-size_hint // (MAX_PARTS - 100)))
 
 
+def discover_runs(prefix: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """URLs of the runs in the folders directly under ``prefix`` (any fsspec URL; a folder holding ``run.json``
+    or ``checkpoints/``), sorted; for ``vckpt serve --discover``.
+
+    Raises:
+        InvalidRunURL: the prefix cannot be opened.
+        StorageError: the store could not be listed.
+    """
+    store = RunStore(prefix, storage_options)
+    with store._io("listing runs"):
+        store.fs.invalidate_cache()
+        try:
+            found = store.fs.glob(store._join("*", "run.json")) + store.fs.glob(store._join("*", "checkpoints"))
+        except FileNotFoundError:
+            return []
+    names = sorted({p.rstrip("/").split("/")[-2] for p in found})
+    return [f"{prefix.rstrip('/')}/{n}" for n in names if SEGMENT.match(n)]
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
 

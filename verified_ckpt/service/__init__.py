@@ -12,11 +12,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import ipaddress
+import logging
 import os
 import threading
 from typing import Any
 
 __all__ = ["ServiceConfig", "ServiceError", "run_key", "serve"]
+
+log = logging.getLogger("verified_ckpt.service")
 
 
 class ServiceError(ValueError):
@@ -29,6 +32,8 @@ class ServiceConfig:
 
     Args:
         runs: run URLs to watch.
+        discover: prefixes (any fsspec URL) whose child folders holding a run are watched too, including
+            runs that appear later.
         storage_options: fsspec options for every run.
         host, port: where to listen; the default is loopback only.
         token: bearer token for the write endpoints (``flag``, ``rollback``); required for a
@@ -38,7 +43,8 @@ class ServiceConfig:
         bytes_per_s: cap on the bytes read per second across all runs (0: none).
     """
 
-    runs: tuple[str, ...]
+    runs: tuple[str, ...] = ()
+    discover: tuple[str, ...] = ()  # prefixes whose child folders are runs; looked at again every 10 polls
     storage_options: dict[str, Any] | None = None
     host: str = "127.0.0.1"
     port: int = 8765
@@ -48,8 +54,8 @@ class ServiceConfig:
     bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.runs:
-            raise ServiceError("give at least one run URL to watch")
+        if not self.runs and not self.discover:
+            raise ServiceError("give at least one run URL to watch, or --discover PREFIX")
         for name in ("poll_s", "scrub_interval_s"):
             if not getattr(self, name) > 0:
                 raise ServiceError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -93,23 +99,45 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None) -> None:
     """Watch ``cfg.runs`` and serve HTTP until interrupted (SIGINT/SIGTERM)."""
     import uvicorn
 
+    from .. import VerifiedCkptError, discover_runs
     from .app import build_app
     from .metrics import Metrics
     from .scrub import Throttle
     from .watch import Watcher, verifier_identity
 
     metrics, throttle, who = Metrics(), Throttle(cfg.bytes_per_s), verifier_identity()
-    watchers = {run_key(u): Watcher(run_key(u), u, cfg.storage_options, metrics, throttle, poll_s=cfg.poll_s,
-                                    scrub_interval_s=cfg.scrub_interval_s, verifier=who) for u in dict.fromkeys(cfg.runs)}
-    threads = [threading.Thread(target=w.run, name=f"vckpt-watch-{k}", daemon=True) for k, w in watchers.items()]
-    for t in threads:
-        t.start()
+    watchers: dict[str, Watcher] = {}  # only ever added to; readers take list() snapshots
+    threads: list[threading.Thread] = []
+    stop = threading.Event()
+
+    def watch(urls: list[str]) -> None:
+        for u in urls:
+            if run_key(u) not in watchers:
+                w = Watcher(run_key(u), u, cfg.storage_options, metrics, throttle, poll_s=cfg.poll_s,
+                            scrub_interval_s=cfg.scrub_interval_s, verifier=who)
+                watchers[w.key] = w
+                threads.append(threading.Thread(target=w.run, name=f"vckpt-watch-{w.key}", daemon=True))
+                threads[-1].start()
+
+    def discover() -> None:
+        while not stop.is_set():
+            for prefix in cfg.discover:
+                try:
+                    watch(discover_runs(prefix, cfg.storage_options))
+                except VerifiedCkptError as e:  # an unreachable prefix: try again at the next look
+                    log.warning("discovering runs under %s: %s", prefix, e)
+            stop.wait(cfg.poll_s * 10)
+
+    watch(list(cfg.runs))
+    if cfg.discover:
+        threading.Thread(target=discover, name="vckpt-discover", daemon=True).start()
     server = uvicorn.Server(uvicorn.Config(build_app(watchers, metrics, cfg.resolved_token()), host=cfg.host,
                                            port=cfg.port, log_level="warning", lifespan="off"))
     try:
         server.run()
     finally:
-        for w in watchers.values():
+        stop.set()
+        for w in list(watchers.values()):
             w.stop.set()
-        for t in threads:
+        for t in list(threads):
             t.join(timeout=5)

@@ -71,7 +71,7 @@ class _Api:
 
     async def readyz(self, request: Request) -> Response:
         # Ready once every run has been looked at (read, or found failing): its verification may still run.
-        waiting = [w.url for w in self.watchers.values() if w.state.view is None and w.state.error is None]
+        waiting = [w.url for w in list(self.watchers.values()) if w.state.view is None and w.state.error is None]
         if waiting:
             return PlainTextResponse(f"first pass pending: {', '.join(waiting)}", status_code=503)
         return PlainTextResponse("ready")
@@ -80,7 +80,7 @@ class _Api:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def runs(self, request: Request) -> Response:
-        return JSONResponse([_run_summary(w.state) for w in self.watchers.values()])
+        return JSONResponse([_run_summary(w.state) for w in list(self.watchers.values())])
 
     def summary(self, w: Watcher) -> Response:
         return JSONResponse(_run_summary(w.state))
@@ -118,8 +118,8 @@ class _Api:
         return JSONResponse(result)
 
     async def dashboard(self, request: Request) -> Response:
-        return HTMLResponse(_dashboard([_run_summary(w.state) for w in self.watchers.values()],
-                                       [(w.key, c) for w in self.watchers.values() for c in w.state.changes]))
+        return HTMLResponse(_dashboard([_run_summary(w.state) for w in list(self.watchers.values())],
+                                       [(w.key, c) for w in list(self.watchers.values()) for c in w.state.changes]))
 
     def report(self, w: Watcher) -> Response:
         mgr = CheckpointManager(w.url, storage_options=w.storage_options)

@@ -262,8 +262,9 @@ class RunStore:
         """Ids of checkpoint folders that hold a manifest (any order)."""
         return list(self.committed())
 
-    def committed(self) -> dict[str, int]:
-        """Checkpoint folders that hold a manifest, with the manifest's size as listed (one listing)."""
+    def committed(self) -> dict[str, tuple[int, str]]:
+        """Checkpoint folders that hold a manifest, with the manifest's size and a change stamp (modification
+        time or ETag) as listed (one listing)."""
         with self._io("listing checkpoints"):
             # Object-store clients cache listings: a reader that lives on (``vckpt serve``, a resuming job)
             # must see commits made since its last look.
@@ -273,11 +274,11 @@ class RunStore:
             except FileNotFoundError:
                 return {}
         out = {}
-        for p, info in found.items():
-            cid = p.rstrip("/").split("/")[-2]
+        for p, listed in found.items():
+            cid, info = p.rstrip("/").split("/")[-2], listed if isinstance(listed, dict) else {}
             if SEGMENT.match(cid):
-                size = info.get("size") if isinstance(info, dict) else None
-                out[cid] = int(size) if isinstance(size, int) else 0
+                stamp = next((str(info[k]) for k in ("mtime", "ETag", "LastModified", "created") if info.get(k)), "")
+                out[cid] = (info["size"] if isinstance(info.get("size"), int) else 0, stamp)
         return out
 
     def read_manifest(self, cid: str) -> bytes:

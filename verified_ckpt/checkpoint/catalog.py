@@ -71,6 +71,7 @@ class _Budget:
 
 
 _MANIFEST_MEMORY = _Budget(256 << 20)
+PARSED_CACHE_BYTES = 64 << 20  # manifest bytes whose parsed form a catalog keeps (see Catalog._remember)
 
 
 def step_from_id(cid: str) -> int:
@@ -133,6 +134,9 @@ class Catalog:
         self.signer = signer
         self.url = store.url
         self.io_workers = io_workers
+        self._parsed: dict[tuple[str, int, str], tuple[dict[str, Any], Manifest]] = {}
+        self._parsed_bytes = 0
+        self._parsed_lock = threading.Lock()
 
     # ------------------------------------------------------------- run
     def require_run(self) -> None:
@@ -228,6 +232,17 @@ class Catalog:
                           to_step=0 if target is None else target.step, answers=open_ids)
             self.append(ROLLBACK, rb.to_record())
 
+    def _remember(self, key: tuple[str, int, str], raw: dict[str, Any], m: Manifest) -> None:
+        """Keep parsed manifests while they stay listed with the same size and stamp, so a reader that looks again
+        and again (``vckpt serve``) parses each once. Manifests are written once; a replaced one has another stamp."""
+        with self._parsed_lock:
+            self._parsed[key] = (raw, m)
+            self._parsed_bytes += key[1]
+            while self._parsed_bytes > PARSED_CACHE_BYTES and self._parsed:
+                old = next(iter(self._parsed))
+                self._parsed_bytes -= old[1]
+                del self._parsed[old]
+
     # ------------------------------------------------------------- view
     def view(self) -> RunView:
         """One read of the run: checkpoints with derived status, incidents, trusted rollbacks."""
@@ -236,12 +251,18 @@ class Catalog:
         verifications, incidents, rollbacks = recs.verifications, recs.incidents, recs.rollbacks
 
         def load(cid: str) -> CheckpointInfo:
+            size, stamp = listed[cid]
+            key = (cid, size, stamp)
             try:
-                # Bytes, text and parsed objects of every manifest in flight share one budget, so
-                # parsing many (hostile, large) manifests at once cannot add up past it.
-                with _MANIFEST_MEMORY.hold(min(listed[cid], MAX_MANIFEST_BYTES) * 6):
-                    raw = Manifest.decode_json(self.store.read_manifest(cid), cid)
-                    m = Manifest.from_dict(raw, cid)
+                if stamp and key in self._parsed:
+                    raw, m = self._parsed[key]
+                else:
+                    # Bytes, text and parsed objects of every manifest in flight share one budget, so
+                    # parsing many (hostile, large) manifests at once cannot add up past it.
+                    with _MANIFEST_MEMORY.hold(min(size, MAX_MANIFEST_BYTES) * 6):
+                        raw = Manifest.decode_json(self.store.read_manifest(cid), cid)
+                        m = Manifest.from_dict(raw, cid)
+                    self._remember(key, raw, m)
             except CorruptCheckpoint as e:  # malformed, oversized, or behind a symlink out of the run
                 return CheckpointInfo(cid, step_from_id(cid), Status.CORRUPT, "", 0, [str(e)], None)
             sig = self.signer.check(raw)

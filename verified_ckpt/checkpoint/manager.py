@@ -13,7 +13,7 @@ from __future__ import annotations
 import builtins
 import concurrent.futures
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import decisions
@@ -297,15 +297,15 @@ class CheckpointManager:
             raise InvalidState(f"--grace must be >= 0 seconds, got {grace_s}")
         return self._catalog.gc(grace_s, dry_run)
 
-    def verify(self, step: int | str | None = None, *, jobs: int = 1, progress: Callable[[int], None] | None = None,
-               verifier: dict[str, str] | None = None) -> builtins.list[VerificationResult]:
+    def verify(self, step: int | str | Collection[str] | None = None, *, jobs: int = 1, progress: Callable[[int], None]
+               | None = None, verifier: dict[str, str] | None = None) -> builtins.list[VerificationResult]:
         """Re-read checkpoints offline, record and return the results (oldest first; see ``verification``); memory
         stays bounded by ``jobs * io_workers`` shards in flight. A mismatch makes a checkpoint ``corrupt`` from then on.
 
         Args:
-            step: verify only the checkpoints at this step (or the one with this id); ``None`` verifies all.
-            jobs: checkpoints verified at the same time.
-            progress: called with a byte count as data is read (from several threads); it may block to pace reads.
+            step: only the checkpoints at this step, or with this id, or these ids; ``None`` verifies all.
+            jobs, progress: checkpoints verified at the same time; called with byte counts as data is read (from
+                several threads), it may block to pace the reads.
             verifier: who re-reads (recorded with each result; ``vckpt serve`` names its host and version).
         """
         from .reading import Reader
@@ -313,9 +313,10 @@ class CheckpointManager:
 
         if not isinstance(jobs, int) or jobs < 1:
             raise InvalidState(f"--jobs must be an int >= 1, got {jobs!r}")
-        infos = [i for i in self.list() if step is None or step in (i.step, i.id)]
+        wanted = None if step is None else {step} if isinstance(step, (int, str)) else set(step)
+        infos = [i for i in self.list() if wanted is None or i.step in wanted or i.id in wanted]
         if not infos:
-            self.get(step) if step is not None else self.require_run()  # raises a helpful error
+            self.get(step) if isinstance(step, (int, str)) else self.require_run()  # raises a helpful error
         return verify_all(self._catalog, Reader(self._store, self.io_workers), infos, jobs=jobs, progress=progress,
                           verifier=verifier)
 

@@ -41,6 +41,7 @@ class ServiceConfig:
         poll_s: how often each run is looked at for new commits.
         scrub_interval_s: re-verify each checkpoint this often.
         bytes_per_s: cap on the bytes read per second across all runs (0: none).
+        concurrency: runs verified at the same time (each reads two checkpoints at a time).
     """
 
     runs: tuple[str, ...] = ()
@@ -52,6 +53,7 @@ class ServiceConfig:
     poll_s: float = 10.0
     scrub_interval_s: float = 24 * 3600.0
     bytes_per_s: float = 0.0
+    concurrency: int = 2
 
     def __post_init__(self) -> None:
         if not self.runs and not self.discover:
@@ -59,6 +61,8 @@ class ServiceConfig:
         for name in ("poll_s", "scrub_interval_s"):
             if not getattr(self, name) > 0:
                 raise ServiceError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not isinstance(self.concurrency, int) or self.concurrency < 1:
+            raise ServiceError(f"concurrency must be an int >= 1, got {self.concurrency!r}")
         if self.bytes_per_s < 0:
             raise ServiceError(f"bytes_per_s must be >= 0, got {self.bytes_per_s!r}")
         if not _loopback(self.host) and not self.resolved_token():
@@ -106,6 +110,7 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None) -> None:
     from .watch import Watcher, verifier_identity
 
     metrics, throttle, who = Metrics(), Throttle(cfg.bytes_per_s), verifier_identity()
+    slots = threading.Semaphore(cfg.concurrency)
     watchers: dict[str, Watcher] = {}  # only ever added to; readers take list() snapshots
     threads: list[threading.Thread] = []
     stop = threading.Event()
@@ -114,7 +119,7 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None) -> None:
         for u in urls:
             if run_key(u) not in watchers:
                 w = Watcher(run_key(u), u, cfg.storage_options, metrics, throttle, poll_s=cfg.poll_s,
-                            scrub_interval_s=cfg.scrub_interval_s, verifier=who)
+                            scrub_interval_s=cfg.scrub_interval_s, verifier=who, slots=slots)
                 watchers[w.key] = w
                 threads.append(threading.Thread(target=w.run, name=f"vckpt-watch-{w.key}", daemon=True))
                 threads[-1].start()

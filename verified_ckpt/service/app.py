@@ -22,33 +22,11 @@ from starlette.routing import Route
 
 from .. import CheckpointManager, VerifiedCkptError, render_html
 from .metrics import Metrics
-from .watch import RunState, Watcher
+from .watch import Watcher
 
 __all__ = ["build_app"]
 
 REFRESH_S = 10
-
-
-def _run_summary(st: RunState) -> dict[str, Any]:
-    view = st.view
-    counts: dict[str, int] = {}
-    target = None
-    incidents: list[dict[str, Any]] = []
-    if view is not None:
-        for c in view.infos:
-            counts[c.status.value] = counts.get(c.status.value, 0) + 1
-        t, _ = view.rollback_target()
-        target = {"id": t.id, "step": t.step} if t else None
-        incidents = [dict(i.to_dict(), answered=a) for i, a in zip(view.incidents, view.answered(), strict=True)]
-    exclude = sorted({h for i in incidents if not i["answered"] for h in i.get("exclude_hosts", [])})
-    p = st.plan
-    return {
-        "key": st.key, "url": st.url, "error": st.error, "passes": st.passes, "last_pass_at": st.last_pass_at,
-        "checkpoints": counts, "rollback_target": target, "open_incidents": sum(not i["answered"] for i in incidents),
-        "exclude_hosts": exclude,
-        "scrub": {"reading": st.reading, "never_verified": len(p.new) if p else None,
-                  "due": len(p.due) if p else None, "lag_s": p.lag_s if p else None},
-    }
 
 
 class _Api:
@@ -80,10 +58,10 @@ class _Api:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def runs(self, request: Request) -> Response:
-        return JSONResponse([_run_summary(w.state) for w in list(self.watchers.values())])
+        return JSONResponse([w.state.summary() for w in list(self.watchers.values())])
 
     def summary(self, w: Watcher) -> Response:
-        return JSONResponse(_run_summary(w.state))
+        return JSONResponse(w.state.summary())
 
     def checkpoints(self, w: Watcher) -> Response:
         view = w.state.view
@@ -118,7 +96,7 @@ class _Api:
         return JSONResponse(result)
 
     async def dashboard(self, request: Request) -> Response:
-        return HTMLResponse(_dashboard([_run_summary(w.state) for w in list(self.watchers.values())],
+        return HTMLResponse(_dashboard([w.state.summary() for w in list(self.watchers.values())],
                                        [(w.key, c) for w in list(self.watchers.values()) for c in w.state.changes]))
 
     def report(self, w: Watcher) -> Response:

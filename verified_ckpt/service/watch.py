@@ -27,6 +27,8 @@ __all__ = ["RunState", "Watcher", "verifier_identity"]
 
 log = logging.getLogger("verified_ckpt.service")
 MAX_BACKOFF_S = 60.0
+BATCH = 64  # checkpoints per verify() call
+JOBS = 2  # checkpoints of one run read at the same time (runs are watched in parallel too)
 
 
 def verifier_identity() -> dict[str, str]:
@@ -48,14 +50,40 @@ class RunState:
     last_pass_at: float | None = None
     reading: str | None = None  # the checkpoint being re-read now
     changes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # recent status changes, newest last
+    _view_summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # derived once per published view
+
+    def summary(self) -> dict[str, Any]:
+        """What the API says about the run: cheap, the view-derived part was computed when it was published."""
+        p = self.plan
+        return {
+            "key": self.key, "url": self.url, "error": self.error, "passes": self.passes,
+            "last_pass_at": self.last_pass_at, **(self._view_summary or _of_view(None)),
+            "scrub": {"reading": self.reading, "never_verified": len(p.new) if p else None,
+                      "due": len(p.due) if p else None, "lag_s": p.lag_s if p else None},
+        }
+
+
+def _of_view(view: RunView | None) -> dict[str, Any]:
+    counts: dict[str, int] = {}
+    target = None
+    incidents: list[dict[str, Any]] = []
+    if view is not None:
+        for c in view.infos:
+            counts[c.status.value] = counts.get(c.status.value, 0) + 1
+        t, _ = view.rollback_target()
+        target = {"id": t.id, "step": t.step} if t else None
+        incidents = [dict(i.to_dict(), answered=a) for i, a in zip(view.incidents, view.answered(), strict=True)]
+    return {"checkpoints": counts, "rollback_target": target,
+            "open_incidents": sum(not i["answered"] for i in incidents),
+            "exclude_hosts": sorted({h for i in incidents if not i["answered"] for h in i.get("exclude_hosts", [])})}
 
 
 class Watcher:
     """The loop for one run; ``state`` is what it last saw."""
 
     def __init__(self, key: str, url: str, storage_options: dict[str, Any] | None, metrics: Metrics, throttle: Throttle,
-                 *, poll_s: float, scrub_interval_s: float, verifier: dict[str, str]) -> None:
-        self.key, self.url, self.metrics, self.throttle = key, url, metrics, throttle
+                 *, poll_s: float, scrub_interval_s: float, verifier: dict[str, str], slots: threading.Semaphore) -> None:
+        self.key, self.url, self.metrics, self.throttle, self.slots = key, url, metrics, throttle, slots
         self.poll_s, self.scrub_interval_s, self.verifier = poll_s, scrub_interval_s, verifier
         self.storage_options = storage_options
         self.state = RunState(key, url)
@@ -90,16 +118,20 @@ class Watcher:
                                          last_pass_at=time.time(), reading=None)
 
     def _pass(self, mgr: CheckpointManager) -> None:
-        view = self._publish(mgr.view(), None)
-        todo = view and self.state.plan
-        for ck in (todo.new + todo.due) if todo else []:
+        self._publish(mgr.view(), None)
+        todo = self.state.plan
+        queue = (todo.new + todo.due) if todo else []
+        # In batches: each verify() reads the run's view once, and the view is read again after each batch,
+        # so a checkpoint found corrupt moves the rollback target within one batch.
+        for at in range(0, len(queue), BATCH):
             if self.stop.is_set():
                 break
-            self.state = dataclasses.replace(self.state, reading=ck.id)
-            [result] = mgr.verify(ck.id, progress=self._read, verifier=self.verifier)
-            self.metrics.verified.labels(self.key).inc()
-            if not result.ok:
-                self.metrics.failures.labels(self.key).inc()
+            batch = queue[at:at + BATCH]
+            self.state = dataclasses.replace(self.state, reading=batch[0].id)
+            with self.slots:  # bounded concurrency across runs: a few runs read at a time, not all of them
+                results = mgr.verify([ck.id for ck in batch], jobs=JOBS, progress=self._read, verifier=self.verifier)
+            self.metrics.verified.labels(self.key).inc(len(results))
+            self.metrics.failures.labels(self.key).inc(sum(not r.ok for r in results))
             self._publish(mgr.view(), None)
         self.state = dataclasses.replace(self.state, reading=None, passes=self.state.passes + 1, last_pass_at=time.time())
 
@@ -115,7 +147,8 @@ class Watcher:
         changes = self.state.changes + [
             {"at": now, "checkpoint": c.id, "step": c.step, "from": before[c.id].value, "to": c.status.value}
             for c in view.infos if c.id in before and before[c.id] is not c.status]
-        self.state = dataclasses.replace(self.state, view=view, plan=p, error=error, changes=changes[-50:])
+        self.state = dataclasses.replace(self.state, view=view, plan=p, error=error, changes=changes[-50:],
+                                         _view_summary=_of_view(view))
         counts: dict[Status, int] = {}
         for c in view.infos:
             counts[c.status] = counts.get(c.status, 0) + 1

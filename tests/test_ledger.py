@@ -254,7 +254,7 @@ def test_choosing_a_rollback_and_reporting_read_each_manifest_once(guarded_run, 
     reads = []
     real = store_mod.RunStore.read_manifest
     monkeypatch.setattr(store_mod.RunStore, "read_manifest", lambda self, cid: reads.append(cid) or real(self, cid))
-    target, skipped = mgr.record_rollback()
+    target, skipped = CheckpointManager(copy).record_rollback()  # a fresh manager: no manifest parsed yet
     assert target.step == 20 and [s for _, s, _ in skipped] == [30, 25]
     assert sorted(reads) == ids
     reads.clear()

@@ -258,7 +258,7 @@ def test_choosing_a_rollback_and_reporting_read_each_manifest_once(guarded_run, 
     assert target.step == 20 and [s for _, s, _ in skipped] == [30, 25]
     assert sorted(reads) == ids
     reads.clear()
-    mgr.history_report()
+    CheckpointManager(copy).history_report()
     assert sorted(reads) == ids
     # rollback() on rank 0 restores the target it chose, without listing the run again
     import ddp_train
@@ -271,5 +271,5 @@ def test_choosing_a_rollback_and_reporting_read_each_manifest_once(guarded_run, 
     state = {"model": model, "optim": opt, "sched": sched, "rng": RNGState(), "progress": {"step": 0}}
     mgr.flag(21, reason="again")
     reads.clear()
-    info = mgr.rollback(state)
+    info = CheckpointManager(copy).rollback(state)
     assert info.step == 20 and state["progress"]["step"] == 20 and sorted(reads) == ids

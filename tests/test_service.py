@@ -175,11 +175,12 @@ def test_a_hostile_manifest_in_one_run_leaves_the_service_serving_the_others(tmp
     cid = save(bad, 1)
     (tmp_path / "bad" / "checkpoints" / cid / "manifest.json").write_bytes(b"[" * 100_000)
     os.mkfifo(tmp_path / "bad" / "checkpoints" / "step-0000000009-deadbeef")
-    with service(good, bad) as (client, proc):
+    with service(good, bad, str(tmp_path / "typo")) as (client, proc):
         until(lambda: all(by_service(c) for c in checkpoints(client, good).values()), what="the good run verified")
         runs = {r["url"]: r for r in client.get("/api/runs").json()}
         assert runs[good]["error"] is None and runs[good]["checkpoints"] == {"unverified": 1}
         assert runs[bad]["checkpoints"].get("corrupt", 0) >= 1 or runs[bad]["error"]
+        assert runs[str(tmp_path / "typo")]["error"] == "nothing is stored at this URL yet"
         assert client.get("/").status_code == 200 and proc.poll() is None
 
 

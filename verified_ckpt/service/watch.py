@@ -118,7 +118,9 @@ class Watcher:
                                          last_pass_at=time.time(), reading=None)
 
     def _pass(self, mgr: CheckpointManager) -> None:
-        self._publish(mgr.view(), None)
+        view = mgr.view()
+        # A mistyped URL watches nothing: say so (and keep looking, the job may not have started yet).
+        self._publish(view, None if view.infos or mgr.exists() else "nothing is stored at this URL yet")
         todo = self.state.plan
         queue = (todo.new + todo.due) if todo else []
         # In batches: each verify() reads the run's view once, and the view is read again after each batch,

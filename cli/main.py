@@ -419,6 +419,15 @@ def serve_cmd(runs: tuple[str, ...], discover: tuple[str, ...], storage_options:
     except ServiceError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
         sys.exit(EXIT_USAGE)
+    try:
+        import importlib
+
+        for module in ("starlette", "uvicorn", "prometheus_client"):  # the service extra
+            importlib.import_module(module)
+    except ImportError as e:
+        err.print(f"[red]error:[/] vckpt serve needs {e.name}: pip install 'verified-ckpt\\[service]'", markup=True,
+                  highlight=False)
+        sys.exit(EXIT_USAGE)
     serve(cfg)
 
 

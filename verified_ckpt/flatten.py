@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +26,10 @@ from .errors import InvalidState
 from .jsonx import canonical_json, short_repr
 from .skeleton import DICT, FLOAT, TENSOR, TUPLE, escape, malformed, skeleton_problem
 
-__all__ = ["Flat", "flatten", "is_per_rank", "is_stateful", "unflatten"]
+__all__ = ["OPTIMIZER_STATE", "Flat", "flatten", "is_per_rank", "is_stateful", "unflatten"]
+
+# The name flatten gives an optimizer's per-parameter state tensor: ``<entry>/state/<parameter index>/<key>``.
+OPTIMIZER_STATE = re.compile(r"^([^/]+)/state/(\d+)/")
 
 
 def is_stateful(obj: Any) -> bool:

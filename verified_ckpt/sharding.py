@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -33,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .comm import Communicator
 from .errors import CorruptCheckpoint, InvalidState
+from .flatten import OPTIMIZER_STATE
 from .layout import Chunk, LayoutEntry, chunk_name
 from .tensorspec import dtype_name
 
@@ -163,9 +163,6 @@ def to_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
                               stride=like.stride())
 
 
-_STATE_NAME = re.compile(r"^([^/]+)/state/(\d+)/")
-
-
 def sharded_targets(state: Mapping[str, Any], live: Mapping[str, torch.Tensor],
                     layout: Mapping[str, LayoutEntry]) -> dict[str, DTensor]:
     """The live DTensor each sharded name restores into, so that every rank reads only its own piece.
@@ -181,7 +178,7 @@ def sharded_targets(state: Mapping[str, Any], live: Mapping[str, torch.Tensor],
     out: dict[str, DTensor] = {}
     for n, e in layout.items():
         t = live.get(n)
-        if t is None and (found := _STATE_NAME.match(n)) and found.group(1) in params:
+        if t is None and (found := OPTIMIZER_STATE.match(n)) and found.group(1) in params:
             ps, i = params[found.group(1)], int(found.group(2))
             t = ps[i] if i < len(ps) else None
         if isinstance(t, DTensor) and list(t.shape) == e.shape:

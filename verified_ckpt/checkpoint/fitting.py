@@ -17,14 +17,13 @@ Plain values (dicts, numbers) are replaced, whatever they held.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..errors import InvalidState
-from ..flatten import is_stateful
+from ..flatten import OPTIMIZER_STATE, is_stateful
 from ..manifest import Manifest
 from ..skeleton import TENSOR, TUPLE, tensor_refs
 from ..tensorspec import dtype_name
@@ -118,9 +117,6 @@ def _module_diffs(key: str, module: torch.nn.Module, saved: Any, m: Manifest) ->
     return out
 
 
-_STATE_NAME = re.compile(r"^[^/]+/state/(\d+)/")
-
-
 def _optimizer_diffs(key: str, opt: torch.optim.Optimizer, saved: Any, m: Manifest) -> list[str]:
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not isinstance(groups, list):
@@ -133,12 +129,12 @@ def _optimizer_diffs(key: str, opt: torch.optim.Optimizer, saved: Any, m: Manife
     params = [p for g in opt.param_groups for p in g["params"]]
     out = []
     for name in tensor_refs(saved.get("state", {})):
-        found = _STATE_NAME.match(name)
-        if not found or int(found.group(1)) >= len(params):
+        found = OPTIMIZER_STATE.match(name)
+        if not found or int(found.group(2)) >= len(params):
             continue
-        shape, p = (m.spec(name) or ("?", []))[1], params[int(found.group(1))]
+        shape, p = (m.spec(name) or ("?", []))[1], params[int(found.group(2))]
         if shape and shape != list(p.shape):
-            out.append(f"{name}: saved shape {shape} does not fit parameter {int(found.group(1))} of shape {list(p.shape)}")
+            out.append(f"{name}: saved shape {shape} does not fit parameter {int(found.group(2))} of shape {list(p.shape)}")
     return out
 
 

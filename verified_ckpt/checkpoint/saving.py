@@ -62,9 +62,9 @@ def checked_flat(step: int, state: Mapping[str, Any], rank: int = 0) -> Flat:
         raise InvalidState(f"step must be <= {MAX_STEP}, got {step}")
     own = tuple(k for k, v in state.items() if is_per_rank(v)) if isinstance(state, Mapping) else ()
     flat = flatten({f"{k}@r{rank}" if k in own else k: v for k, v in state.items()} if own else state)
-    if own:
-        flat = Flat(flat.tensors, {k.split("@r")[0] if k.split("@r")[0] in own else k: v
-                                   for k, v in flat.skeleton.items()}, own)
+    if own:  # the tensors keep their rank's names; the skeleton goes back to the state's own keys
+        original = {f"{k}@r{rank}": k for k in own}
+        flat = Flat(flat.tensors, {original.get(k, k): v for k, v in flat.skeleton.items()}, own)
     for name, t in flat.tensors.items():
         if not supported(t.dtype):
             raise InvalidState(f"{name}: dtype {t.dtype} cannot be stored in safetensors; convert it in state_dict()")

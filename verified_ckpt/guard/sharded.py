@@ -160,6 +160,11 @@ class _Call:
     ar_norm: float
 
 
+def _row_width(shards: int, k: int) -> int:
+    """Values per reduce-scatter call in a rank's row (see :class:`ShardedTap`)."""
+    return shards * (k + 1) + 2 * (k + 1)
+
+
 def _split(row: Sequence[float], shards: int, k: int) -> _Call:
     ins = [list(row[j * k:(j + 1) * k]) for j in range(shards)]
     at = shards * k
@@ -171,7 +176,7 @@ def _split(row: Sequence[float], shards: int, k: int) -> _Call:
 def judge_step(step: int, rows: Sequence[Sequence[float]], view: MeshView, modes: Sequence[str | None], k: int,
                eps: float, slack: float, rms_weight: float) -> list[Verdict]:
     """The per-step verdicts over every rank's gathered row (the calls' rows, concatenated)."""
-    width = view.shards * (k + 1) + 2 * (k + 1)
+    width = _row_width(view.shards, k)
     calls = [[_split(r[c * width:(c + 1) * width], view.shards, k) for c in range(len(modes))] for r in rows]
     world = len(rows)
     bad_local = [r for r, cs in enumerate(calls) if not all(math.isfinite(v) for c in cs for p in c.in_proj for v in p)]
@@ -261,7 +266,7 @@ def judge_state(step: int, rows: Sequence[Sequence[int]], view: MeshView, first_
 
 def audit_vector(row: Sequence[float], calls: int, shards: int, k: int) -> tuple[float, list[float], list[float]]:
     """(loss, the local-gradient projections, their norms) of one rank's gathered row (calls' rows, then the loss)."""
-    width = shards * (k + 1) + 2 * (k + 1)
+    width = _row_width(shards, k)
     proj: list[float] = []
     norms: list[float] = []
     for c in range(calls):

@@ -106,13 +106,12 @@ class Watcher:
         except StorageError as e:
             self._failed(f"store unreachable: {e}")
             self.metrics.store_errors.labels(self.key).inc()
-            self._backoff = min(max(self._backoff * 2, self.poll_s), MAX_BACKOFF_S)
         except Exception as e:  # noqa: BLE001 - a hostile or broken run must not stop the service
             self._failed(f"{type(e).__name__}: {e}")
-            self._backoff = min(max(self._backoff * 2, self.poll_s), MAX_BACKOFF_S)
 
     def _failed(self, why: str) -> None:
         log.warning("run %s: %s", self.url, why)
+        self._backoff = min(max(self._backoff * 2, self.poll_s), MAX_BACKOFF_S)
         self.metrics.run_up.labels(self.key).set(0)
         self.state = dataclasses.replace(self.state, error=why.splitlines()[0][:500], passes=self.state.passes + 1,
                                          last_pass_at=time.time(), reading=None)
@@ -141,24 +140,21 @@ class Watcher:
         self.throttle.take(n)
         self.metrics.verified_bytes.labels(self.key).inc(n)
 
-    def _publish(self, view: RunView, error: str | None) -> RunView:
-        target, _ = view.rollback_target()
+    def _publish(self, view: RunView, error: str | None) -> None:
+        summary = _of_view(view)  # the rollback target, counts and incidents, derived once for the API and metrics
+        target = summary["rollback_target"]
         now = time.time()
-        p = plan(view.infos, view.verifications, target.id if target else None, now, self.scrub_interval_s)
+        p = plan(view.infos, view.verifications, target["id"] if target else None, now, self.scrub_interval_s)
         before = {c.id: c.status for c in self.state.view.infos} if self.state.view else {}
         changes = self.state.changes + [
             {"at": now, "checkpoint": c.id, "step": c.step, "from": before[c.id].value, "to": c.status.value}
             for c in view.infos if c.id in before and before[c.id] is not c.status]
         self.state = dataclasses.replace(self.state, view=view, plan=p, error=error, changes=changes[-50:],
-                                         _view_summary=_of_view(view))
-        counts: dict[Status, int] = {}
-        for c in view.infos:
-            counts[c.status] = counts.get(c.status, 0) + 1
-        self.metrics.statuses(self.key, counts)
+                                         _view_summary=summary)
+        self.metrics.statuses(self.key, {Status(k): n for k, n in summary["checkpoints"].items()})
         checked = [c for c in view.infos if last_service_check(view.verifications.get(c.id, [])) is not None]
         newest = max(checked, key=lambda c: (c.created_at, c.step), default=None)
         self.metrics.newest_age.labels(self.key).set(now - epoch(newest.created_at) if newest else -1)
         self.metrics.scrub_lag.labels(self.key).set(p.lag_s)
-        self.metrics.open_incidents.labels(self.key).set(sum(not a for a in view.answered()))
-        return view
+        self.metrics.open_incidents.labels(self.key).set(summary["open_incidents"])
 

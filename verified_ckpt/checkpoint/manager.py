@@ -297,13 +297,14 @@ class CheckpointManager:
             raise InvalidState(f"--grace must be >= 0 seconds, got {grace_s}")
         return self._catalog.gc(grace_s, dry_run)
 
-    def verify(self, step: int | str | Collection[str] | None = None, *, jobs: int = 1, progress: Callable[[int], None]
-               | None = None, verifier: dict[str, str] | None = None) -> builtins.list[VerificationResult]:
+    def verify(self, step: int | str | Collection[str | CheckpointInfo] | None = None, *, jobs: int = 1, progress:
+               Callable[[int], None] | None = None, verifier: dict[str, str] | None = None) -> builtins.list[VerificationResult]:
         """Re-read checkpoints offline, record and return the results (oldest first; see ``verification``); memory
         stays bounded by ``jobs * io_workers`` shards in flight. A mismatch makes a checkpoint ``corrupt`` from then on.
 
         Args:
-            step: only the checkpoints at this step, or with this id, or these ids; ``None`` verifies all.
+            step: the checkpoints at this step, with this id, these ids, or these as just listed (no second listing);
+                ``None``: all.
             jobs, progress: checkpoints verified at the same time; called with byte counts as data is read (from
                 several threads), it may block to pace the reads.
             verifier: who re-reads (recorded with each result; ``vckpt serve`` names its host and version).
@@ -313,8 +314,9 @@ class CheckpointManager:
 
         if not isinstance(jobs, int) or jobs < 1:
             raise InvalidState(f"--jobs must be an int >= 1, got {jobs!r}")
-        wanted = None if step is None else {step} if isinstance(step, (int, str)) else set(step)
-        infos = [i for i in self.list() if wanted is None or i.step in wanted or i.id in wanted]
+        listed = [i for i in step if isinstance(i, CheckpointInfo)] if isinstance(step, Collection) else []
+        wanted = None if step is None else {step} if isinstance(step, (int, str)) else {getattr(i, "id", i) for i in step}
+        infos = listed or [i for i in self.list() if wanted is None or i.step in wanted or i.id in wanted]
         if not infos:
             self.get(step) if isinstance(step, (int, str)) else self.require_run()  # raises a helpful error
         return verify_all(self._catalog, Reader(self._store, self.io_workers), infos, jobs=jobs, progress=progress,
@@ -331,10 +333,7 @@ class CheckpointManager:
 
     def ledger_summary(self) -> dict[str, Any]:
         """What ``vckpt ledger`` prints: counts per check, last unanimous consensus, divergences, audits.
-
-        Raises:
-            LedgerNotFound: the run has no ledger (it was saved without an SDCGuard).
-        """
+        Raises ``LedgerNotFound`` if the run has no ledger (it was saved without an SDCGuard)."""
         return self._catalog.ledger_summary()
 
     def history_report(self) -> dict[str, Any]:

@@ -58,5 +58,5 @@ def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo]
         catalog.append(VERIFICATION, result.to_record())
         return result
 
-    with concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="vckpt-verify") as pool:
+    with reader, concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="vckpt-verify") as pool:
         return list(pool.map(one, infos))

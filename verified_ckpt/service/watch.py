@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import CheckpointManager, RunView, Status, StorageError
 from .metrics import Metrics
-from .scrub import Plan, Throttle, epoch, last_service_check, plan
+from .scrub import Plan, Slots, Throttle, epoch, last_service_check, plan
 
 __all__ = ["RunState", "Watcher", "verifier_identity"]
 
@@ -82,7 +82,7 @@ class Watcher:
     """The loop for one run; ``state`` is what it last saw."""
 
     def __init__(self, key: str, url: str, storage_options: dict[str, Any] | None, metrics: Metrics, throttle: Throttle,
-                 *, poll_s: float, scrub_interval_s: float, verifier: dict[str, str], slots: threading.Semaphore) -> None:
+                 *, poll_s: float, scrub_interval_s: float, verifier: dict[str, str], slots: Slots) -> None:
         self.key, self.url, self.metrics, self.throttle, self.slots = key, url, metrics, throttle, slots
         self.poll_s, self.scrub_interval_s, self.verifier = poll_s, scrub_interval_s, verifier
         self.storage_options = storage_options
@@ -117,23 +117,26 @@ class Watcher:
                                          last_pass_at=time.time(), reading=None)
 
     def _pass(self, mgr: CheckpointManager) -> None:
-        view = mgr.view()
+        with self.slots.looks:
+            view = mgr.view()
         # A mistyped URL watches nothing: say so (and keep looking, the job may not have started yet).
         self._publish(view, None if view.infos or mgr.exists() else "nothing is stored at this URL yet")
         todo = self.state.plan
         queue = (todo.new + todo.due) if todo else []
-        # In batches: each verify() reads the run's view once, and the view is read again after each batch,
-        # so a checkpoint found corrupt moves the rollback target within one batch.
+        # In batches of the infos just listed (verify() lists nothing more); the view is read again after each
+        # batch, so a checkpoint found corrupt moves the rollback target within one batch.
         for at in range(0, len(queue), BATCH):
             if self.stop.is_set():
                 break
             batch = queue[at:at + BATCH]
             self.state = dataclasses.replace(self.state, reading=batch[0].id)
-            with self.slots:  # bounded concurrency across runs: a few runs read at a time, not all of them
-                results = mgr.verify([ck.id for ck in batch], jobs=JOBS, progress=self._read, verifier=self.verifier)
+            with self.slots.reads:  # bounded concurrency across runs: a few runs read at a time, not all of them
+                results = mgr.verify(batch, jobs=JOBS, progress=self._read, verifier=self.verifier)
             self.metrics.verified.labels(self.key).inc(len(results))
             self.metrics.failures.labels(self.key).inc(sum(not r.ok for r in results))
-            self._publish(mgr.view(), None)
+            with self.slots.looks:
+                view = mgr.view()
+            self._publish(view, None)
         self.state = dataclasses.replace(self.state, reading=None, passes=self.state.passes + 1, last_pass_at=time.time())
 
     def _read(self, n: int) -> None:

@@ -14,16 +14,13 @@ import functools
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.markup import escape
 
 from verified_ckpt import (
-    CheckpointManager,
     CheckpointNotRestorable,
     CorruptCheckpoint,
-    Incident,
     InvalidState,
     ManifestError,
     Status,
@@ -32,7 +29,10 @@ from verified_ckpt import (
     render_html,
 )
 
-from .output import Output, human_size, status_text
+from .output import Output, escape, human_size, status_text
+
+if TYPE_CHECKING:  # imported by the command that runs: --help needs no run machinery (tests/test_cli_startup.py)
+    from verified_ckpt import CheckpointManager, Incident
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_STORAGE, EXIT_OPEN_INCIDENT = 0, 1, 2, 3, 4
 SIGNATURE_TEXT = {
@@ -84,6 +84,7 @@ def run_command(fn: Callable[..., int | None]) -> Callable[..., None]:
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
     @functools.wraps(fn)
     def wrapper(run: str, storage_options: tuple[str, ...], as_json: bool, **kwargs: Any) -> None:
+        from verified_ckpt import CheckpointManager  # the catalog, fsspec: only once a command runs
         out = Output(as_json)
         try:
             mgr = CheckpointManager(run, storage_options=parse_storage_options(storage_options))
@@ -361,18 +362,23 @@ def status_cmd(mgr: CheckpointManager, out: Output) -> int:
     return code
 
 
-@main.command("restore")
+@main.command("export")
 @run_command
 @click.option("--step", type=int, default=None, help="Step to export (default: the rollback target).")
 @click.option("--to", "dest", required=True, help="Local folder to write to (new or empty).")
+@click.option("--format", "fmt", type=click.Choice(["native", "hf"]), default="native", show_default=True,
+              help="native: safetensors shards + manifest; hf: model.safetensors + config.json for from_pretrained.")
 @click.option("--allow-unverified", is_flag=True, help="Also accept an unverified checkpoint (never suspect or corrupt).")
-def restore_cmd(mgr: CheckpointManager, out: Output, step: int | None, dest: str, allow_unverified: bool) -> int:
-    """Export a verified checkpoint (safetensors shards + manifest) to a local folder."""
+def export_cmd(mgr: CheckpointManager, out: Output, step: int | None, dest: str, fmt: str, allow_unverified: bool) -> int:
+    """Export a verified checkpoint to a local folder, every byte verified on the way out (`restore` is an alias)."""
     with out.progress(mgr.total_bytes(step) if step is not None else 0, "exporting"):
-        info = mgr.export(dest, step=step, allow_unverified=allow_unverified)
-    data = {"id": info.id, "step": info.step, "status": info.status.value, "to": dest}
-    out.emit(data, lambda c: c.print(f"exported {info.id} (step {info.step}, {info.status.value}) to {dest}"))
+        info = mgr.export(dest, step=step, allow_unverified=allow_unverified, format=fmt)
+    data = {"id": info.id, "step": info.step, "status": info.status.value, "to": dest, "format": fmt}
+    out.emit(data, lambda c: c.print(f"exported {info.id} (step {info.step}, {info.status.value}) to {dest} as {fmt}"))
     return EXIT_OK
+
+
+main.add_command(export_cmd, "restore")  # the name earlier versions used
 
 
 @main.command("gc")
@@ -414,8 +420,7 @@ def serve_cmd(runs: tuple[str, ...], discover: tuple[str, ...], storage_options:
     err = Output(False).err
     try:
         cfg = ServiceConfig(runs=runs, discover=discover, storage_options=parse_storage_options(storage_options) or None,
-                            host=host,
-                            port=port, poll_s=poll_s, scrub_interval_s=scrub_s, bytes_per_s=bytes_per_s)
+                            host=host, port=port, poll_s=poll_s, scrub_interval_s=scrub_s, bytes_per_s=bytes_per_s)
     except ServiceError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
         sys.exit(EXIT_USAGE)

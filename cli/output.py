@@ -11,14 +11,14 @@ import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
-
-from rich import box
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from verified_ckpt import Status
+
+# rich is imported where output is made: ``vckpt --help`` and argument errors never need it.
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 STATUS_STYLE = {
     Status.RESTORABLE.value: "green",
@@ -30,6 +30,8 @@ STATUS_STYLE = {
 
 class Output:
     def __init__(self, as_json: bool) -> None:
+        from rich.console import Console
+
         self.as_json = as_json
         self.out = Console(highlight=False, soft_wrap=True)
         if not self.out.is_terminal:
@@ -45,6 +47,9 @@ class Output:
             human(self.out)
 
     def table(self, title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+        from rich import box
+        from rich.table import Table
+
         t = Table(title=title, box=box.SIMPLE_HEAD, header_style="bold", title_justify="left")
         for i, c in enumerate(columns):
             # Ids are what users copy into the next command: never shorten them.
@@ -64,11 +69,20 @@ class Output:
         if not self.err.is_terminal or total <= 0:
             yield lambda n: None
             return
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
         bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                        TimeRemainingColumn(), console=self.err, transient=True)
         with bar:
             task = bar.add_task(label, total=total)
             yield lambda n: bar.advance(task, n)
+
+
+def escape(text: str) -> str:
+    """``text`` shown verbatim in rich markup (messages quote lists such as ``[0, 1]`` that rich would parse)."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
 
 
 def status_text(value: Any) -> str:

@@ -18,13 +18,16 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .evidence import consensus_claim
 from .fingerprint import lanes_hex
 from .records import Incident
+
+# numpy is imported by the functions that build or scan columns: the checkpoint manager imports this module
+# for ``Event``, and commands that only list a run should not pay for numpy.
+if TYPE_CHECKING:
+    import numpy as np
 
 # Codes are positions in these lists; the ledger stores both lists in its attributes.
 KINDS = ["step", "audit", "consensus", "save", "incident", "restore", "verify", "nonfinite", "checksum", "abft"]  # append only
@@ -70,6 +73,8 @@ class Columns:
 
     @staticmethod
     def of(events: Sequence[Event]) -> Columns:
+        import numpy as np
+
         return Columns(
             step=np.array([e.step for e in events], dtype=np.int64),
             kind=np.array([KINDS.index(e.kind) for e in events], dtype=np.uint8),
@@ -84,6 +89,8 @@ class Columns:
 
 def checks(cols: Columns) -> list[dict[str, Any]]:
     """Group rows into checks: consecutive rows with the same (step, kind), in ledger order."""
+    import numpy as np
+
     n = len(cols)
     if n == 0:
         return []
@@ -167,6 +174,8 @@ def step_series(cols: Columns) -> dict[str, list[Any]]:
     A step replayed after a rollback keeps its red mark: the report must still
     show when the replicas stopped agreeing.
     """
+    import numpy as np
+
     loss: dict[int, float | None] = {}
     agree: dict[int, bool] = {}
     for g in checks(cols):

@@ -17,14 +17,16 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Sequence
-from typing import Any
-
-import numpy as np
-import zarr
+from typing import TYPE_CHECKING, Any
 
 from .errors import CorruptCheckpoint, StorageError
 from .history import KINDS, VERDICTS, Columns, Event
 from .store import RunStore
+
+# zarr (half a second to import) is imported by the functions that open the ledger, so that importing
+# this module, as the checkpoint manager does, costs nothing to commands that never read the ledger.
+if TYPE_CHECKING:
+    import zarr
 
 CHUNK_ROWS = 16384
 MAX_BUFFERED = 65536  # flush early beyond this many rows, bounding rank 0's memory
@@ -55,6 +57,8 @@ class Ledger:
 
     def flush(self) -> None:
         """Write the buffered events; on failure they stay buffered for the next flush."""
+        import zarr
+
         with self._lock:
             if not self._buffer:
                 return
@@ -77,6 +81,8 @@ class Ledger:
 
 
 def _array(group: zarr.Group, name: str) -> zarr.Array[Any]:
+    import zarr
+
     arr = group[name]
     if not isinstance(arr, zarr.Array):
         raise CorruptCheckpoint(f"ledger entry {name!r} is not an array; the ledger cannot be trusted")
@@ -127,6 +133,9 @@ def _outage(e: BaseException) -> bool:
 
 
 def _read(store: RunStore, where: str) -> Columns:
+    import numpy as np
+    import zarr
+
     store.ledger.check_objects(MAX_OBJECT_BYTES)
     with store.guarded("reading the ledger"):
         group = zarr.open_group(store=store.ledger.zarr_store(read_only=True), mode="r", zarr_format=3)

@@ -31,10 +31,6 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import fsspec
-import numpy as np
-import zarr
-import zarr.abc.store
-import zarr.storage
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
@@ -51,8 +47,12 @@ from .errors import (
 from .manifest import MAX_MANIFEST_BYTES, SEGMENT
 from .records import MAX_RECORD_BYTES
 
+# numpy and zarr (most of a second to import) are imported where shard bytes are mapped or the ledger is
+# opened: listing a run, all that most CLI commands do, needs neither.
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+    import zarr.abc.store
 
 MANIFEST = "manifest.json"
 LEDGER = "ledger.zarr"
@@ -108,6 +108,13 @@ def _modified(info: dict[str, Any]) -> float | None:
             with contextlib.suppress(ValueError):
                 return datetime.datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
     return None
+
+
+def _memmap(source: str | BinaryIO, size: int) -> np.memmap:
+    """A read-only mapping of ``size`` bytes of a file (numpy: see the imports above)."""
+    import numpy as np
+
+    return np.memmap(source, dtype=np.uint8, mode="r", shape=(size,))
 
 
 def _mapped(arr: np.memmap) -> torch.Tensor:
@@ -348,7 +355,7 @@ class RunStore:
         path = self._readable(self._shard_path(cid, name))
         with self._io(f"reading shard {name} of {cid}"):
             if isinstance(self.fs, LocalFileSystem) and size > 0:
-                arr = np.memmap(self.fs._strip_protocol(path), dtype=np.uint8, mode="r", shape=(size,))
+                arr = _memmap(self.fs._strip_protocol(path), size)
                 for start in range(0, size, READ_CHUNK):
                     on_chunk(arr[start : start + READ_CHUNK].data)
                 return _mapped(arr)
@@ -381,7 +388,7 @@ class RunStore:
                 got += len(data)
                 del data
             tmp.flush()
-            arr = np.memmap(tmp, dtype=np.uint8, mode="r", shape=(size,))
+            arr = _memmap(tmp, size)
         return _mapped(arr)
 
     def delete_checkpoint(self, cid: str) -> None:
@@ -479,6 +486,8 @@ class LedgerObjects:
 
     def zarr_store(self, read_only: bool) -> zarr.abc.store.Store:
         """The zarr store of ``<run>/ledger.zarr``, on the run's own filesystem and credentials."""
+        import zarr.storage
+
         path = self.run._join(LEDGER)
         if isinstance(self.run.fs, LocalFileSystem):
             self.run._confine(path)
@@ -554,11 +563,12 @@ class ExportFolder:
             raise StorageError(f"{what} failed ({e.strerror or type(e).__name__}); free some space or choose a "
                                "writable folder for --to") from None
 
-    def write(self, name: str, data: bytes | memoryview) -> None:
+    def write(self, name: str, data: bytes | memoryview | Callable[[BinaryIO], object]) -> None:
+        """Write ``data``, or let ``data(f)`` stream into the open file (a large export is never held twice)."""
         path = os.path.join(self.dest, _plain(name, "exported file"))
         self.written.append(path)
         with self._io(f"writing {path}"), self.fs.open(path, "wb") as f:
-            f.write(data)
+            data(f) if callable(data) else f.write(data)
 
     def discard(self) -> None:
         """Remove what was written (a failed export leaves nothing usable behind)."""

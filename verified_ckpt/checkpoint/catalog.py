@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 import uuid
@@ -48,6 +49,8 @@ from ..status import Status
 from ..store import RunStore, utc_now
 
 __all__ = ["Catalog", "RunView", "step_from_id"]
+
+log = logging.getLogger("verified_ckpt")
 
 
 class _Budget:
@@ -231,6 +234,8 @@ class Catalog:
             rb = Rollback(at=utc_now(), to_checkpoint_id=None if target is None else target.id,
                           to_step=0 if target is None else target.step, answers=open_ids)
             self.append(ROLLBACK, rb.to_record())
+            log.info("rollback to %s answering %d open incident(s); later checkpoints start a new lineage",
+                     f"{target.id} (step {target.step})" if target else "a fresh start", len(open_ids))
 
     def _remember(self, key: tuple[str, int, str], raw: dict[str, Any], m: Manifest) -> None:
         """Keep parsed manifests while they stay listed with the same size and stamp, so a reader that looks again

@@ -270,22 +270,22 @@ class CheckpointManager:
             self.guard.prepare_resume()
 
     # ------------------------------------------------------- operator tools
-    def export(self, dest: str, *, step: int | None = None, allow_unverified: bool = False) -> CheckpointInfo:
-        """Copy a verified checkpoint (safetensors shards and manifest) into the local folder ``dest``.
+    def export(self, dest: str, *, step: int | None = None, allow_unverified: bool = False,
+               format: str = "native") -> CheckpointInfo:
+        """Copy a verified checkpoint into the new or empty local folder ``dest``, verifying every byte on the way out
+        (the same refusals as :meth:`restore`). ``format="native"``: its safetensors shards, then its manifest;
+        ``"hf"``: the ``model`` entry as ``model.safetensors`` and ``config.json``, as ``save_pretrained`` writes them.
 
-        The same refusals as :meth:`restore`; every shard is verified before
-        it is written, and the manifest is written last.
-
-        Raises:
-            InvalidState: ``dest`` exists and is not an empty folder.
-            StorageError: ``dest`` cannot be written.
-        """
-        from .export import export_native
+        Raises ``InvalidState`` (``dest`` not a new or empty folder; an unknown format; no ``model`` entry for ``hf``)
+        and ``StorageError`` (``dest`` cannot be written)."""
+        from .export import EXPORTERS
         from .reading import Reader
 
+        if format not in EXPORTERS:
+            raise InvalidState(f"unknown export format {format!r}; choose one of {', '.join(EXPORTERS)}")
         chosen = self._catalog.restorable(step, None, allow_unverified)
         assert chosen.manifest is not None
-        export_native(Reader(self._store, self.io_workers), chosen.manifest, dest)
+        EXPORTERS[format](Reader(self._store, self.io_workers), chosen.manifest, dest)
         return chosen
 
     def gc(self, *, grace_s: float = 3600.0, dry_run: bool = False) -> builtins.list[str]:

@@ -16,6 +16,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 import uuid
 import warnings
@@ -44,6 +45,8 @@ from ..tensorspec import MAX_NDIM, dtype_name
 from .catalog import Catalog, info
 
 __all__ = ["UNGUARDED", "SaveJob", "Saver", "checked_flat"]
+
+log = logging.getLogger("verified_ckpt")
 
 UNGUARDED = "saved without an SDCGuard: no cross-replica consensus or audit evidence"
 
@@ -93,6 +96,7 @@ class SaveJob:
     # ``flat.tensors`` then holds only the replicated tensors, which the ranks share out.
     mine: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     layout: dict[str, LayoutEntry] = dataclasses.field(default_factory=dict)
+    started: float = dataclasses.field(default_factory=time.monotonic)  # when save() was called (the log says how long)
 
 
 class Saver:
@@ -109,6 +113,7 @@ class Saver:
 
     def prepare(self, step: int, flat: Flat, resumed_from: str | None) -> SaveJob:
         """The synchronous part of a save: consensus, status and evidence, and one id for every rank."""
+        started = time.monotonic()
         self.comm.arrive("save")  # fails fast, naming who is missing, when only some ranks save
         flat, own = self._per_rank(flat)
         parts = split(flat.tensors, self.comm)
@@ -127,7 +132,7 @@ class Saver:
         cid = self.comm.broadcast_bytes(f"step-{step:010d}-{uuid.uuid4().hex[:8]}".encode()).decode()
         topology = {"world_size": self.comm.world, "ranks": hosts}
         return SaveJob(cid, step, dataclasses.replace(flat, tensors=parts.replicated), status, reasons, evidence,
-                       topology, resumed_from, parts.mine | own, parts.layout)
+                       topology, resumed_from, parts.mine | own, parts.layout, started)
 
     def _per_rank(self, flat: Flat) -> tuple[Flat, dict[str, torch.Tensor]]:
         """Every rank's value of the per-rank entries in the skeleton (one small all-gather); this rank's tensors
@@ -225,6 +230,12 @@ class Saver:
         manifest = self._manifest(self.catalog.run_id(), job, reports)
         manifest_bytes = canonical_json(self.signer.seal(manifest.to_dict()))
         self.store.commit_manifest(job.cid, manifest_bytes)
+        took, mib = time.monotonic() - job.started, manifest.size_bytes / 2**20
+        if manifest.status is Status.RESTORABLE:
+            log.info("saved %s (step %d, restorable, %.1f MiB, %.2f s)", job.cid, job.step, mib, took)
+        else:  # committed, but a restore will refuse it: say why where people look
+            log.warning("saved %s (step %d, %s, %.1f MiB, %.2f s): %s", job.cid, job.step, manifest.status.value, mib,
+                        took, "; ".join(manifest.reasons) or "no reason recorded")
         self._warn_if_flagged(manifest)
         if self.keep_last is not None:
             self.catalog.apply_retention(self.keep_last)

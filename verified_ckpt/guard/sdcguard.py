@@ -13,6 +13,7 @@ one small all-gather and one device-to-host copy per step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,6 +38,8 @@ from .stats import Projector, StepStats, Verdict, gather_step_stats, step_rows
 from .tap import GradientTap
 
 __all__ = ["TWO_REPLICAS", "SDCGuard"]
+
+log = logging.getLogger("verified_ckpt")
 
 TWO_REPLICAS = ("SDCGuard with two replicas: a failed consensus, checksum or audit shows that one of them is wrong but "
                 "cannot tell which (no majority, no third rank to break a tie), so such incidents name no host. "
@@ -170,16 +173,18 @@ class SDCGuard:
 
     # ------------------------------------------------------------ training
     def backward(self, batch: Any, *, step: int, sync: bool = True) -> torch.Tensor:
-        """Forward and backward one microbatch through the DDP model, recording it for audits.
+        """Forward and backward one microbatch (``batch``: what ``loss_fn`` takes, tensors in a tuple, list or dict)
+        of training step ``step`` through the DDP model, recording it for audits; return the loss, detached.
+        ``sync=False`` for all but the last microbatch of a step (it runs under ``no_sync``)."""
+        self.begin(batch, step=step)
+        ctx = self.model.no_sync() if (not sync and isinstance(self.model, DDP)) else contextlib.nullcontext()
+        with ctx:
+            return self.backward_of(self.loss_fn(self.model, batch), sync=sync)
 
-        Args:
-            batch: what ``loss_fn`` takes (a tensor, or a tuple/list/dict of tensors).
-            step: the training step this microbatch belongs to.
-            sync: ``False`` for all but the last microbatch of a step (runs under ``no_sync``).
-
-        Returns:
-            The loss, detached.
-        """
+    def begin(self, batch: Any, *, step: int) -> None:
+        """For a framework that runs the forward itself (the Lightning integration): call this just before its
+        forward of ``batch`` (the RNG state is recorded here, for audits to replay), then :meth:`backward_of`
+        with the loss it computed. ``loss_fn(model, batch)`` must compute the same loss: audits rerun it."""
         if self._step is not None and step != self._step and self._batches:
             raise GuardUsageError(f"backward for step {step} while step {self._step} has not been closed with step()")
         if self._step != step:
@@ -197,19 +202,24 @@ class SDCGuard:
         if self.world >= 2 and self.batch_for is None:
             batches.encode(batch)  # fails now, naming the leaf, not at the first audit hundreds of steps later
         self._rng.append(self._rng_state())
-        ctx = self.model.no_sync() if (not sync and isinstance(self.model, DDP)) else contextlib.nullcontext()
-        with ctx:
-            loss = self.loss_fn(self.model, batch)
-            if self.abft is not None and self.abft.flop_fraction is None:
-                with FlopCounterMode(display=False) as flops:  # once: the covered share of backward FLOPs
-                    loss.backward()
-                self.abft.measure_flops(flops.get_total_flops())
-            else:
-                loss.backward()
+        self._batches.append(batch)
+
+    def backward_of(self, loss: torch.Tensor, *, sync: bool = True,
+                    backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Backpropagate ``loss`` of the batch given to :meth:`begin`; ``backward(loss)`` runs instead of
+        ``loss.backward()`` (a framework's own, with its hooks). Returns the loss, detached."""
+        if len(self._batches) != len(self._rng) or len(self._losses) >= len(self._batches):
+            raise GuardUsageError("call guard.begin(batch, step=...) before guard.backward_of(loss)")
+        run = backward if backward is not None else torch.Tensor.backward
+        if self.abft is not None and self.abft.flop_fraction is None:
+            with FlopCounterMode(display=False) as flops:  # once: the covered share of backward FLOPs
+                run(loss)
+            self.abft.measure_flops(flops.get_total_flops())
+        else:
+            run(loss)
         if sync and not isinstance(self.model, DDP):
             # One process: where DDP's hook would run, at the end of the step's last backward (before any clipping).
             self.tap.single_process()
-        self._batches.append(batch)
         self._losses.append(loss.detach().to(torch.float64))
         return loss.detach()
 
@@ -318,16 +328,10 @@ class SDCGuard:
     def prepare_resume(self) -> None:
         """State was just restored into this process: match DDP's bucket layout before the next step.
 
-        DDP rebuilds its gradient buckets after its first iteration, and the
-        floating-point order of an all-reduce depends on the bucket layout
-        (with 3+ gloo ranks). A fresh process that restores at step k would
-        reduce step k in the initial layout while the uninterrupted run used
-        the rebuilt one, and results would drift by rounding. So before the
-        first real backward in such a process, one warm-up forward-backward
-        (RNG, buffers and gradients put back afterwards, no checks, no
-        faults) brings DDP to the same rebuilt layout. In-process rollbacks
-        need nothing: the layout is already rebuilt.
-        """
+        DDP rebuilds its gradient buckets after its first iteration, and an all-reduce's rounding depends on the
+        layout (3+ gloo ranks), so a fresh process restored at step k would drift from the uninterrupted run. One
+        warm-up forward-backward before the first real one (RNG, buffers and gradients put back, no checks, no
+        faults) rebuilds the same layout. In-process rollbacks need nothing: the layout is already rebuilt."""
         if isinstance(self.model, DDP) and not self._ran_backward:
             self._warmup_pending = True
 
@@ -372,6 +376,8 @@ class SDCGuard:
         inc = Incident(kind=v.kind, detected_step=step, first_suspect_step=step if v.first_suspect is None else v.first_suspect,
                        ranks=ranks, hosts=[self.host_of(r) for r in ranks], detail=v.detail)
         self.incidents.append(inc)
+        if self.rank == 0:  # every rank raises; one line per incident
+            log.warning("incident: %s", inc.summary())
         for listener in self._listeners:
             listener(inc)
         raise SilentCorruptionDetected(inc)

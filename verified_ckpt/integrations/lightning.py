@@ -1,0 +1,142 @@
+"""PyTorch Lightning with verified checkpoints and the SDC guard: a ``CheckpointIO`` plugin and a ``Callback``.
+
+    io = VerifiedCheckpointIO("s3://bucket/runs/exp42")
+    trainer = Trainer(strategy="ddp", plugins=[io], callbacks=[SDCGuardCallback(GuardConfig(audit_every=100))])
+    trainer.fit(model, ckpt_path=RESUME)   # RESUME: continue from the run (a fresh start when it is empty)
+
+- **Saves** go through Lightning's own checkpointing (``ModelCheckpoint``, ``trainer.save_checkpoint``) into a
+  :class:`~verified_ckpt.CheckpointManager`: the module's ``state_dict`` as the ``model`` entry, the rest of
+  Lightning's checkpoint (optimizer and scheduler states, loops, callbacks) as ``lightning``, and every
+  rank's RNG. Step N is ``trainer.global_step``. Lightning writes checkpoints from rank 0 only; a verified
+  save is collective (the guard's consensus runs first, every rank writes its share of the shards), so the
+  callback makes the strategy hand the checkpoint to the plugin on every rank.
+- **Loads**: ``ckpt_path=RESUME`` continues through ``CheckpointManager.resume`` (the rollback target after an
+  incident, recording the rollback; otherwise the newest restorable checkpoint), verified before Lightning
+  sees a byte. Any other ``ckpt_path`` names a step or checkpoint id of the run, restored as ``restore`` does.
+- **The guard** (:class:`SDCGuardCallback`) wraps the strategy's DDP model when training starts. Lightning's
+  closure still runs ``training_step`` and its backward hooks; the guard records each batch (and the RNG
+  state) before the forward, runs the backward, and the optimizer's ``step`` becomes ``guard.step()``: the
+  checks pass, or the update is withheld and :class:`~verified_ckpt.SilentCorruptionDetected` is raised out of
+  ``fit`` on every rank. Audits recompute a batch with the module's own ``training_step``.
+
+Limits (docs/INTEGRATIONS.md): automatic optimization with one optimizer, ``accumulate_grad_batches=1``, DDP
+or one device, no loss-scaling precision (``16-mixed``). Resuming restarts an interrupted epoch from its
+start in Lightning, so save at epoch ends (``ModelCheckpoint(every_n_epochs=1)``) for a bit-identical resume.
+The plugin and callback reach into ``Strategy`` internals; the supported range is pinned in the
+``lightning`` extra.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from .. import CheckpointManager, GuardConfig, RNGState, SDCGuard
+from ..checkpoint.export import MODEL_ENTRY
+from .stepping import guarded_steps
+
+__all__ = ["RESUME", "SDCGuardCallback", "VerifiedCheckpointIO"]
+
+RESUME = "vckpt:resume"  # ckpt_path that continues from the run
+LIGHTNING_ENTRY = "lightning"  # everything of Lightning's checkpoint but the module's state_dict
+
+
+class VerifiedCheckpointIO(CheckpointIO):
+    """Lightning's checkpoints as verified checkpoints of the run at ``run`` (any fsspec URL).
+
+    Without :class:`SDCGuardCallback` saves still commit, but as ``unverified`` (no consensus evidence).
+    """
+
+    def __init__(self, run: str, *, storage_options: dict[str, Any] | None = None, keep_last: int | None = None) -> None:
+        self.run, self.storage_options, self.keep_last = run, storage_options, keep_last
+        self.manager = CheckpointManager(run, storage_options=storage_options, keep_last=keep_last)
+        self.resumed_from: str | None = None
+
+    def attach(self, guard: SDCGuard) -> None:
+        """Save with ``guard``'s evidence from now on (the callback calls this)."""
+        resumed = self.resumed_from
+        self.manager = CheckpointManager(self.run, storage_options=self.storage_options, keep_last=self.keep_last,
+                                         guard=guard)
+        self.manager.resumed_from = resumed  # the lineage continues from what was restored
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        self.manager.save(int(checkpoint.get("global_step", 0)),
+                          {MODEL_ENTRY: checkpoint["state_dict"], LIGHTNING_ENTRY: rest, "rng": RNGState()})
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        state: dict[str, Any] = {MODEL_ENTRY: {}, LIGHTNING_ENTRY: {}, "rng": RNGState()}
+        ref = str(path)
+        if ref == RESUME:
+            self.manager.resume(state)
+            if self.manager.resumed_from is None:
+                raise FileNotFoundError(f"nothing restorable to resume from in {self.run} (`vckpt list {self.run}` "
+                                        "says why); pass ckpt_path=None to start afresh")
+        else:
+            info = self.manager.restore(state, checkpoint_id=ref) if not ref.isdigit() else \
+                self.manager.restore(state, step=int(ref))
+            self.manager.resumed_from = info.id
+        self.resumed_from = self.manager.resumed_from
+        return {**state[LIGHTNING_ENTRY], "state_dict": state[MODEL_ENTRY]}
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Retention is the manager's (``keep_last``): a checkpoint still needed for a rollback is never removed."""
+
+
+def _loss(out: Any) -> torch.Tensor:
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError("SDCGuardCallback: training_step must return the loss (a tensor, or a dict with 'loss')")
+    return loss
+
+
+class SDCGuardCallback(Callback):
+    """Runs every training step of the strategy's DDP model through an :class:`~verified_ckpt.SDCGuard`."""
+
+    def __init__(self, config: GuardConfig | None = None) -> None:
+        self.config = config or GuardConfig()
+        self.guard: SDCGuard | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        strategy: Any = trainer.strategy
+        io = strategy.checkpoint_io
+        if isinstance(io, VerifiedCheckpointIO):
+            # Lightning saves from rank 0 only; a verified save is collective, so every rank hands it over.
+            strategy.save_checkpoint = lambda checkpoint, filepath, storage_options=None: io.save_checkpoint(
+                checkpoint, filepath, storage_options)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.accumulate_grad_batches != 1 or len(trainer.optimizers) != 1 or not pl_module.automatic_optimization:
+            raise ValueError("SDCGuardCallback supports automatic optimization with one optimizer and "
+                             "accumulate_grad_batches=1")
+        strategy: Any = trainer.strategy
+        model, opt = strategy.model, trainer.optimizers[0]
+
+        def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+            if m is pl_module:  # an audit's recompute, on the plain module
+                return _loss(pl_module.training_step(batch, 0))
+            # Through DDP (a warm-up after a resume), as Lightning itself runs training_step.
+            return _loss(strategy._forward_redirection(m, pl_module, "training_step", batch, 0))
+
+        self.guard = guard = guarded_steps(opt, lambda unguarded: SDCGuard(model, unguarded, loss_fn, self.config))
+        io = strategy.checkpoint_io
+        if isinstance(io, VerifiedCheckpointIO):
+            io.attach(guard)
+            if io.resumed_from is not None:
+                guard.prepare_resume()  # a fresh process: rebuild DDP's bucket layout before the first step
+        # Lightning's closure (run by the guarded step) runs training_step, zero_grad and this backward, then its
+        # own hooks and clipping; the guard records the backward, and the update happens only if its checks pass.
+        backward = strategy.backward
+
+        def guarded_backward(closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            guard.backward_of(closure_loss, backward=lambda loss: backward(loss, optimizer, *args, **kwargs))
+            return closure_loss
+
+        strategy.backward = guarded_backward
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.guard is not None:  # before Lightning's forward of this batch: audits replay it from here
+            self.guard.begin(batch, step=trainer.global_step + 1)

@@ -1,0 +1,192 @@
+"""Hugging Face ``Trainer`` with verified checkpoints and the SDC guard: swap ``Trainer`` for ``VerifiedTrainer``.
+
+What changes against a plain ``Trainer``, and why a subclass rather than a ``TrainerCallback``: a
+callback can neither withhold an optimizer update nor change how a checkpoint is written and read.
+
+- Every backward runs through :class:`~verified_ckpt.SDCGuard` (``training_step``), and the Trainer's
+  ``optimizer.step()`` becomes ``guard.step()``: the checks run first, and the update is applied only if
+  they pass. A failed check raises :class:`~verified_ckpt.SilentCorruptionDetected` out of ``train()``
+  on every rank, with the incident already recorded under the run.
+- Saves (``save_steps`` / ``save_strategy``) go through :class:`~verified_ckpt.CheckpointManager` at the
+  run URL instead of ``output_dir/checkpoint-N``: the model, optimizer, scheduler, every rank's RNG,
+  the Trainer's state and the model's ``config.json``. Step N is the state after N optimizer updates,
+  as in HF's ``checkpoint-N``, so ``vckpt export --format hf`` gives what ``save_pretrained`` would.
+- ``train(resume_from_checkpoint=True)`` continues through ``CheckpointManager.resume``: the rollback
+  target after an incident (recording the rollback), otherwise the newest restorable checkpoint, a
+  fresh start when there is none. Skipping the batches already seen and re-seeding the RNG follow
+  HF's own resume, so a resumed run ends bit-identical to one that never stopped (on deterministic
+  kernels).
+
+Limits (docs/INTEGRATIONS.md): DDP or a single process (not DeepSpeed or FSDP through the Trainer);
+no fp16 ``GradScaler`` (the guard steps the unwrapped optimizer; bf16 autocast is fine). It overrides
+``Trainer`` methods that are not public API, so the supported ``transformers`` range is pinned in the
+``transformers`` extra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+
+from .. import CheckpointManager, GuardConfig, RNGState, SDCGuard
+from ..checkpoint.export import CONFIG_ENTRY, MODEL_ENTRY  # what `vckpt export --format hf` reads
+from .stepping import guarded_steps
+
+__all__ = ["CONFIG_ENTRY", "MODEL_ENTRY", "VerifiedTrainer"]
+
+
+
+class _TrainerState:
+    """The Trainer's own state (global step, epoch, log history, callback states) as one JSON text."""
+
+    def __init__(self, trainer: Trainer | None = None) -> None:
+        self.trainer = trainer
+        self.text = ""
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.trainer is None:
+            return {"json": self.text}
+        t = self.trainer
+        # As Trainer._save_checkpoint does: stateful callbacks (early stopping, ...) resume where they were.
+        callbacks: list[Any] = [*t.callback_handler.callbacks, t.control]
+        states: Any = t.state.stateful_callbacks  # a dict at run time (typed as a list upstream)
+        for cb in [c for c in callbacks if isinstance(c, ExportableState)]:
+            name = type(cb).__name__
+            if isinstance(states.get(name), list):
+                states[name].append(cb.state())
+            else:
+                states[name] = cb.state()
+        return {"json": json.dumps(dataclasses.asdict(t.state), sort_keys=True)}  # what TrainerState.save_to_json writes
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.text = str(sd["json"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resumed:
+    checkpoint_id: str
+    rng: dict[str, Any]  # the restored generators, applied again where HF applies its own
+    folder: str  # holds trainer_state.json for HF's resume bookkeeping (steps, epoch, data skipping)
+
+
+class VerifiedTrainer(Trainer):
+    """A ``transformers.Trainer`` whose saves are verified checkpoints and whose steps are guarded.
+
+    Args:
+        run: the run URL (any fsspec URL) checkpoints are saved to and resumed from.
+        storage_options: fsspec options for ``run``.
+        guard_config: the guard's :class:`~verified_ckpt.GuardConfig` (default: the defaults).
+        keep_last: retention, as for ``CheckpointManager``.
+        *args, **kwargs: what ``Trainer`` takes.
+    """
+
+    def __init__(self, *args: Any, run: str, storage_options: dict[str, Any] | None = None,
+                 guard_config: GuardConfig | None = None, keep_last: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.run_url, self.storage_options, self.keep_last = run, storage_options, keep_last
+        self.guard_config = guard_config or GuardConfig()
+        self.guard: SDCGuard | None = None
+        self.checkpoints: CheckpointManager | None = None
+        self._resumed: _Resumed | None = None
+
+    # ---------------------------------------------------------------- resume
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        """``Trainer.train``; ``resume_from_checkpoint=True`` continues from the run (see the module doc)."""
+        if resume_from_checkpoint not in (None, False, True):
+            raise ValueError("VerifiedTrainer resumes from its run, not from a folder: pass resume_from_checkpoint=True "
+                             "(`vckpt export --format hf` makes a folder HF tools load)")
+        self._resumed = self._resume() if resume_from_checkpoint else None
+        try:
+            return super().train(resume_from_checkpoint=self._resumed.folder if self._resumed else None, **kwargs)
+        finally:
+            if self._resumed is not None:
+                shutil.rmtree(self._resumed.folder, ignore_errors=True)
+
+    def _resume(self) -> _Resumed | None:
+        # resume() restores the whole state at once, so the optimizer and scheduler must exist before train()
+        # would create them; the scheduler is marked as not the Trainer's, or train() would replace it.
+        max_steps = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
+        self.create_optimizer_and_scheduler(num_training_steps=max_steps)
+        self._created_lr_scheduler = False
+        holder = _TrainerState()
+        mgr = CheckpointManager(self.run_url, storage_options=self.storage_options)
+        mgr.resume(self._state(holder))
+        if mgr.resumed_from is None:
+            return None  # nothing to continue from: a fresh start (resume() logged it)
+        folder = tempfile.mkdtemp(prefix="vckpt-hf-resume-")
+        with open(os.path.join(folder, TRAINER_STATE_NAME), "w") as f:
+            f.write(holder.text)
+        return _Resumed(mgr.resumed_from, RNGState().state_dict(), folder)
+
+    # What HF would read from checkpoint-N: already restored, verified, by resume().
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if self._resumed is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self._resumed is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if self._resumed is None:
+            super()._load_scaler(checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if self._resumed is None:
+            super()._load_rng_state(checkpoint)
+        else:  # where HF re-seeds, after skipping the batches already trained on
+            RNGState().load_state_dict(self._resumed.rng)
+
+    # ------------------------------------------------------------- training
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
+        prepare: Any = super()._prepare_for_training  # not typed upstream
+        model, train_dataloader = prepare(max_steps, train_dataloader, resume_from_checkpoint)
+        self._install_guard(model)
+        return model, train_dataloader
+
+    def _install_guard(self, model: torch.nn.Module) -> None:
+        accumulate = self.args.gradient_accumulation_steps
+
+        def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+            # A copy: compute_loss may pop labels, and the guard keeps the batch for audits.
+            loss: Any = self.compute_loss(m, dict(batch))  # a tensor (return_outputs is off)
+            return torch.as_tensor(loss) / accumulate
+
+        # The Trainer's loop calls optimizer.step() after clipping: from now on that is guard.step(), which applies
+        # the Trainer's own step (Accelerate's, and the scheduler's step counter) only if every check passed.
+        self.guard = guard = guarded_steps(self.optimizer, lambda opt: SDCGuard(model, opt, loss_fn, self.guard_config))
+        self.checkpoints = CheckpointManager(self.run_url, storage_options=self.storage_options,
+                                             keep_last=self.keep_last, guard=guard)
+        if self._resumed is not None:
+            self.checkpoints.resumed_from = self._resumed.checkpoint_id  # the lineage continues from it
+            guard.prepare_resume()
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        if self.guard is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        return self.guard.backward(inputs, step=self.state.global_step + 1, sync=self.accelerator.sync_gradients)
+
+    # ---------------------------------------------------------------- saving
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if self.checkpoints is None:
+            super()._save_checkpoint(model, trial)
+            return
+        self.store_flos()
+        self.checkpoints.save(self.state.global_step, self._state(_TrainerState(self)))
+
+    def _state(self, trainer_state: _TrainerState) -> dict[str, Any]:
+        config = getattr(self.model, "config", None)
+        return {MODEL_ENTRY: self.model, "optim": self.optimizer, "sched": self.lr_scheduler, "rng": RNGState(),
+                "trainer_state": trainer_state,
+                CONFIG_ENTRY: config.to_json_string() if config is not None else None}

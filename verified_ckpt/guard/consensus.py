@@ -23,7 +23,7 @@ import torch
 from .. import decisions
 from ..fingerprint import lanes_hex
 from ..history import Event
-from ..lanes import tensor_lanes
+from ..lanes import lanes_on
 from .stats import Verdict
 
 __all__ = ["StateProbe", "judge", "state_lanes", "state_tensors"]
@@ -42,9 +42,29 @@ def state_lanes(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.
     """Exact fingerprint lanes of a replica's state as one ``int64[2]`` on ``device`` (no host sync)."""
     if not tensors:
         return torch.zeros(2, dtype=torch.int64, device=device)
-    lanes = torch.stack([tensor_lanes(t).to(device) for t in tensors])
+    lanes = lanes_on(tensors, device)  # a few kernels for the whole state, not a chain per tensor
     w = torch.arange(len(tensors), device=device, dtype=torch.int64) * 2 + 1
     return (lanes * w[:, None]).sum(0)
+
+
+def nonfinite_count(floats: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """How many of ``floats`` hold a NaN or Inf, as an ``int64`` scalar on ``device`` (no host sync).
+
+    The largest magnitude of a tensor is NaN or Inf exactly when an element is, and it cannot overflow
+    (a sum could), so finite state is never flagged. One fused kernel for the lot (``_foreach_norm`` with
+    ``ord=inf``) where the dtype has it; float8 tensors take the per-tensor path.
+    """
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in floats:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    counts = []
+    for (dtype, _), ts in groups.items():
+        maxima = torch._foreach_norm(ts, float("inf")) if dtype in _FOREACH_DTYPES else [t.float().abs().amax() for t in ts]
+        counts.append((~torch.stack(list(maxima)).isfinite()).sum().to(device))
+    return torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64, device=device)
+
+
+_FOREACH_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
 
 
 class StateProbe:
@@ -57,12 +77,9 @@ class StateProbe:
     def row(self) -> torch.Tensor:
         tensors = state_tensors(self.params, self.optimizer)
         floats = [t for t in tensors + [b.detach() for b in self.buffers] if t.is_floating_point() and t.numel()]
-        # A NaN/Inf anywhere makes the sum non-finite; the exact per-element test runs only then
-        # (finite values whose sum overflows would be flagged: state that large is broken anyway).
-        bad = (~torch.stack([t.sum(dtype=torch.float64) for t in floats]).isfinite()).sum() if floats else \
-            torch.zeros((), dtype=torch.int64, device=self.device)
-        parts = [state_lanes(tensors, self.device)] + [tensor_lanes(b).to(self.device) for b in self.buffers]
-        return torch.cat([*parts, bad.to(torch.int64).to(self.device).view(1)])
+        bad = nonfinite_count(floats, self.device)
+        buffers = lanes_on([b.detach() for b in self.buffers], self.device).reshape(-1)
+        return torch.cat([state_lanes(tensors, self.device), buffers, bad.view(1)])
 
     def split(self, row: Sequence[int]) -> tuple[tuple[int, int], list[tuple[int, int]], int]:
         """(state lanes, lanes per buffer, non-finite tensors) of one gathered row."""

@@ -1,0 +1,99 @@
+"""Fingerprints of a whole state in a few kernels: bitwise the per-tensor format, pinned values, bounded op counts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from verified_ckpt import lanes, state_fingerprint, tensor_fingerprint
+from verified_ckpt.guard.consensus import nonfinite_count, state_lanes
+from verified_ckpt.lanes import batched_lanes, tensor_lanes
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+          torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn]
+
+
+def awkward_tensors(seed: int, n: int = 200) -> list[torch.Tensor]:
+    """Every dtype; sizes at and around row and word boundaries; misaligned and non-contiguous views."""
+    rnd, out = random.Random(seed), []
+    for _ in range(n):
+        dt = rnd.choice(DTYPES)
+        size = rnd.choice([0, 1, 3, 7, 8, 9, 1023, 1024, 1025, 8191, 8192, 8193, 40_000, 300_001])
+        width = torch.empty((), dtype=dt).element_size()
+        g = torch.Generator().manual_seed(rnd.randrange(1 << 30))
+        raw = torch.randint(0, 256, (size * width + 3,), dtype=torch.uint8, generator=g)
+        t = (raw[:size] & 1).bool() if dt == torch.bool else raw[: size * width].view(dt)
+        if size > 2 and rnd.random() < 0.2:
+            t = t[1:]  # a view whose bytes are not 8-byte aligned
+        if size > 4 and rnd.random() < 0.2:
+            t = t[::2]  # not contiguous
+        if t.numel() == 40_000 and rnd.random() < 0.5:
+            t = t.reshape(200, 200)
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("direct_bytes", [0, 8192, 1 << 20, 1 << 40], ids=["all-direct", "8k", "1m", "all-staged"])
+@pytest.mark.parametrize("chunk", [8192, 100_000, 256 << 20], ids=["row-chunks", "small-chunks", "default"])
+def test_batched_lanes_are_bitwise_the_per_tensor_lanes(monkeypatch, direct_bytes, chunk):
+    monkeypatch.setattr(lanes, "_CHUNK_BYTES", chunk)
+    tensors = awkward_tensors(direct_bytes ^ chunk)
+    expected = torch.stack([tensor_lanes(t) for t in tensors])
+    assert torch.equal(batched_lanes(tensors, direct_bytes), expected)
+
+
+def test_pinned_fingerprints_do_not_change():
+    # Values written by the format as stored in manifests and ledgers: a change here breaks every old checkpoint.
+    pinned = {
+        "42500001024000004250000102400000": torch.arange(10, dtype=torch.float32),
+        "523d2812fe937b74a18a735c48836554": (torch.arange(8203) % 251).to(torch.uint8),
+        "b2e5fda5fddbfda4b2e67da67d927d12": torch.linspace(-2, 2, 15).to(torch.bfloat16).reshape(3, 5),
+        "00010001010001010001000301000301": torch.arange(13) % 3 == 0,
+        "0000008040701a000002acacc0d81a00": torch.arange(1025 * 1024 + 7, dtype=torch.int64)[7:],
+        "00000000000000000000000000000000": torch.zeros(0, dtype=torch.float16),
+    }
+    for want, t in pinned.items():
+        assert str(tensor_fingerprint(t)) == want
+    assert [str(lanes.fingerprint_from_lanes(x)) for x in batched_lanes(list(pinned.values())).tolist()] == list(pinned)
+    state = {"a": torch.arange(10, dtype=torch.float32), "b": {"c": (torch.arange(8203) % 251).to(torch.uint8), "n": 3}}
+    assert str(state_fingerprint(state)) == "cbfefea2ae1c3a39838f2e1d9cd9f163"
+
+
+class Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.kernels += not func.is_view  # views describe memory; every other op may launch a kernel
+        return func(*args, **(kwargs or {}))
+
+
+def transformer_state(layers: int = 12, d: int = 16) -> list[torch.Tensor]:
+    """The 12-layer transformer's 592 state tensors (parameters, AdamW step and moments), at a small width."""
+    shapes = [(64, d), (32, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    params = [torch.randn(s) for s in [*shapes, (d,), (d,)]]
+    return params + [x for p in params for x in (torch.tensor(3.0), torch.randn(p.shape), torch.rand(p.shape))]
+
+
+def test_a_whole_state_fingerprint_dispatches_a_bounded_number_of_kernels():
+    tensors = transformer_state()
+    assert len(tensors) == 592
+    for fn in (lambda: batched_lanes(tensors), lambda: state_lanes(tensors, torch.device("cpu")),
+               lambda: nonfinite_count([t for t in tensors if t.is_floating_point()], torch.device("cpu"))):
+        with Ops() as ops:
+            fn()
+        assert ops.kernels <= 100, ops.kernels  # was 6,291 (22 ops per tensor, a third of them views)
+
+
+def test_nonfinite_count_flags_nan_and_inf_in_any_float_dtype_and_never_large_finite_state():
+    ok = [torch.full((5,), 65504.0, dtype=torch.float16), torch.full((3,), 3e38), torch.ones(4, dtype=torch.bfloat16)]
+    assert int(nonfinite_count(ok, torch.device("cpu"))) == 0  # a sum of these would overflow; the check must not
+    bad = [torch.tensor([1.0, float("nan")]), torch.tensor([float("-inf")], dtype=torch.bfloat16),
+           torch.tensor([float("nan")]).to(torch.float8_e4m3fn)]
+    assert int(nonfinite_count(ok + bad, torch.device("cpu"))) == 3

@@ -1,11 +1,19 @@
-"""One short device check: fingerprints on CUDA equal those on CPU, and their GPU throughput.
+"""One device check, one JSON file: fingerprints, consensus, per-step guard cost, saves and restores on a GPU.
 
-    python tools/gpu_check.py --out results.json      (tools/gpu_check.sh runs it on a lent GPU)
+    python tools/gpu_check.py --out gpu_check.json          (tools/gpu_check.sh runs it on a lent GPU, < 4 min)
+    python tools/gpu_check.py --small --out small.json      (CPU, seconds: the test suite runs it so it cannot rot)
 
-Checks, for every supported dtype and awkward sizes (empty, odd, multi-row, misaligned views):
-CUDA ``tensor_fingerprint`` == CPU ``tensor_fingerprint`` of the same bytes. Then measures on a
-1 GiB fp32 tensor: fingerprint vs ``torch.sum`` time and GiB/s, and the guard's block-sum projection.
-Exits 1 if any fingerprint differs. Without CUDA it says so and exits 0 (nothing to check).
+Sections (each timed side by side on the same device, medians of repeats):
+* ``equality``: device fingerprints equal CPU fingerprints for 12 dtypes, odd sizes, misaligned and
+  non-contiguous views, batched and per tensor; single bit flips at bits 0, 7, 22, 23, 30, 31 change them alike;
+* ``throughput``: one big tensor's fingerprint against ``torch.sum`` and a device copy; lanes of ~600 tensors
+  batched against one ``sum()`` per tensor;
+* ``consensus``: the transformer state's consensus lanes (time, and aten ops counted by a dispatch mode);
+* ``step``: plain against guarded training steps of the transformer, interleaved (single process);
+* ``io``: verified save / restore / non-blocking-save blocking time against ``torch.save`` / ``torch.load`` +
+  ``load_state_dict`` and ``dcp.save`` / ``dcp.load``.
+
+Exits 1 if any fingerprint differs between devices. Without CUDA (and without ``--small``) it says so, exits 0.
 """
 
 from __future__ import annotations
@@ -13,70 +21,176 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "bench"), os.path.join(HERE, "..", "examples")]
 
-import torch
+import torch  # noqa: E402
+from bench_state_fingerprint import OpCount, state  # noqa: E402
 
-from verified_ckpt import tensor_fingerprint
+from verified_ckpt import CheckpointManager, GuardConfig, SDCGuard, tensor_fingerprint  # noqa: E402
+from verified_ckpt.fingerprint import lanes_hex  # noqa: E402
+from verified_ckpt.guard.consensus import state_lanes  # noqa: E402
+from verified_ckpt.lanes import batched_lanes, tensor_lanes  # noqa: E402
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
           torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
-SIZES = [0, 1, 7, 1023, 1024 * 8 + 5, 3_000_001]
+SIZES = [0, 1, 7, 1023, 1024 * 8 + 5, 300_001]
+BITS = [0, 7, 22, 23, 30, 31]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    fn()
+    sync(device)
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
 
 
 def sample(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8, generator=g)
-    return (raw[:n] & 1).bool() if dtype == torch.bool else raw.view(dtype)
+    width = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * width + 8,), dtype=torch.uint8, generator=g)
+    return (raw[:n] & 1).bool() if dtype == torch.bool else raw[8 : 8 + n * width].view(dtype)
 
 
-def timed(fn, repeats: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / repeats
+def equality(device: torch.device) -> dict[str, Any]:
+    cases, mismatches = [], []
+    for i, dtype in enumerate(DTYPES):
+        for n in SIZES:
+            t = sample(dtype, n, i * 131 + n % 97)
+            cases += [t, t[1:] if n > 1 else t, t[::2] if n > 2 else t]
+    on_dev = [t.to(device) for t in cases]
+    cpu = [str(tensor_fingerprint(t)) for t in cases]
+    dev_each = [str(tensor_fingerprint(t)) for t in on_dev]
+    dev_batched = [lanes_hex(x) for x in batched_lanes(on_dev).cpu().tolist()]
+    mismatches = [i for i, (a, b, c) in enumerate(zip(cpu, dev_each, dev_batched, strict=True)) if not a == b == c]
+    flips = []
+    base = torch.randn(4097)
+    for bit in BITS:
+        hit = base.clone()
+        hit.view(torch.int32)[1234] ^= 1 << bit
+        a, b = str(tensor_fingerprint(hit)), str(tensor_fingerprint(hit.to(device)))
+        flips.append({"bit": bit, "changed": a != str(tensor_fingerprint(base)), "same_on_both": a == b})
+    return {"cases": len(cases), "mismatches": mismatches, "bit_flips": flips,
+            "ok": not mismatches and all(f["changed"] and f["same_on_both"] for f in flips)}
+
+
+def throughput(device: torch.device, big_numel: int, tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:
+    big = torch.randn(big_numel, device=device)
+    nbytes = big.numel() * 4
+    t_sum, t_fp = timed(big.sum, device, repeats), timed(lambda: tensor_lanes(big), device, repeats)
+    t_copy = timed(big.clone, device, repeats)
+    many_bytes = sum(t.nbytes for t in tensors)
+    t_many = timed(lambda: batched_lanes(tensors), device, repeats)
+    t_sums = timed(lambda: [t.sum() for t in tensors], device, repeats)
+    return {"big_bytes": nbytes, "fingerprint_gb_s": nbytes / t_fp / 1e9, "sum_gb_s": nbytes / t_sum / 1e9,
+            "fingerprint_over_sum": t_fp / t_sum, "copy_gb_s": 2 * nbytes / t_copy / 1e9,
+            "many_tensors": len(tensors), "many_bytes": many_bytes, "many_fingerprint_gb_s": many_bytes / t_many / 1e9,
+            "many_fingerprint_over_sums": t_many / t_sums}
+
+
+def consensus(device: torch.device, tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:
+    with OpCount() as ops:
+        state_lanes(tensors, device)
+    return {"tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors), "aten_ops": ops.all,
+            "aten_ops_not_views": ops.compute, "seconds": timed(lambda: state_lanes(tensors, device), device, repeats)}
+
+
+def step_overhead(device: torch.device, d: int, layers: int, steps: int) -> dict[str, Any]:
+    from models import TinyGPT, lm_loss
+
+    torch.manual_seed(0)
+    plain_model = TinyGPT(vocab=512, d=d, layers=layers, heads=max(d // 64, 1), context=64).to(device)
+    guarded_model = TinyGPT(vocab=512, d=d, layers=layers, heads=max(d // 64, 1), context=64).to(device)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain_model, guarded_model)]
+    guard = SDCGuard(guarded_model, opts[1], lm_loss, GuardConfig(audit_every=None, consensus_every=10**9))
+    batch = torch.randint(0, 512, (8, 65), device=device)
+    times: dict[str, list[float]] = {"plain": [], "guarded": []}
+    for s in range(steps):  # interleaved, so drift in clocks and caches hits both alike
+        for name in ("plain", "guarded"):
+            sync(device)
+            t0 = time.perf_counter()
+            if name == "plain":
+                lm_loss(plain_model, batch).backward()
+                opts[0].step()
+                opts[0].zero_grad()
+            else:
+                guard.backward(batch, step=s)
+                guard.step()
+                opts[1].zero_grad()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    plain, guarded = statistics.median(times["plain"][2:]), statistics.median(times["guarded"][2:])
+    return {"plain_s": plain, "guarded_s": guarded, "overhead": guarded / plain - 1}
+
+
+def io(device: torch.device, tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.ParameterList([torch.nn.Parameter(t.to(device)) for t in tensors])
+    out: dict[str, Any] = {"bytes": sum(t.nbytes for t in tensors)}
+    with tempfile.TemporaryDirectory() as root:
+        path = os.path.join(root, "plain.pt")
+        mgr = CheckpointManager(os.path.join(root, "run"))
+        step = iter(range(10**6))
+        out["torch_save_s"] = timed(lambda: torch.save(model.state_dict(), path), device, repeats)
+        out["verified_save_s"] = timed(lambda: mgr.save(next(step), {"model": model}), device, repeats)
+        out["dcp_save_s"] = timed(lambda: dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(root, "dcp")),
+                                  device, 1)
+        t0 = time.perf_counter()  # what a non-blocking save holds the training loop for
+        mgr.save(next(step), {"model": model}, blocking=False)
+        out["async_blocking_s"] = time.perf_counter() - t0
+        mgr.wait()
+        load = lambda: model.load_state_dict(torch.load(path, map_location=device, weights_only=True))  # noqa: E731
+        out["torch_load_s"] = timed(load, device, repeats)
+        out["verified_restore_s"] = timed(lambda: mgr.restore({"model": model}, allow_unverified=True), device, repeats)
+        out["dcp_load_s"] = timed(lambda: dcp.load({"model": model.state_dict()}, checkpoint_id=os.path.join(root, "dcp")),
+                                  device, 1)
+    out["save_over_torch_save"] = out["verified_save_s"] / out["torch_save_s"]
+    out["restore_over_torch_load"] = out["verified_restore_s"] / out["torch_load_s"]
+    return out
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--small", action="store_true", help="CPU and small sizes: seconds, for the test suite")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
+    if not args.small and not torch.cuda.is_available():
+        print("no CUDA device: nothing to check (use --small for the CPU check)")
         return 0
-    dev = torch.device("cuda")
-    mismatches, checked = [], 0
-    for i, dtype in enumerate(DTYPES):
-        for n in SIZES:
-            cpu = sample(dtype, n, seed=i * 100 + n % 97)
-            views = [cpu, cpu[1:] if n > 1 else cpu]
-            for v in views:
-                checked += 1
-                a, b = str(tensor_fingerprint(v)), str(tensor_fingerprint(v.to(dev)))
-                if a != b:
-                    mismatches.append({"dtype": str(dtype), "n": n, "cpu": a, "cuda": b})
-    big = torch.randn(int(args.gib * (1 << 30)) // 4, device=dev)
-    t_sum = timed(big.sum)
-    t_fp = timed(lambda: tensor_fingerprint(big))
-    gib = big.numel() * 4 / (1 << 30)
-    result = {
-        "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-        "fingerprint_cases": checked, "mismatches": mismatches,
-        "sum_s": t_sum, "fingerprint_s": t_fp, "fingerprint_gib_s": gib / t_fp, "sum_gib_s": gib / t_sum,
-        "fingerprint_over_sum": t_fp / t_sum,
-    }
+    device = torch.device("cpu" if args.small else "cuda")
+    # The issue-18 transformer (12 layers, d=1024, AdamW: 1.7 GiB) on a GPU; a small one for --small.
+    layers, d, vocab, repeats = (2, 32, 64, 2) if args.small else (12, 1024, 8192, 5)
+    tensors = [t.to(device) for t in state(layers, d, vocab, seq=64 if args.small else 1024)]
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                              "torch": torch.__version__, "small": args.small}
+    result["equality"] = equality(device)
+    result["throughput"] = throughput(device, (1 << 16) if args.small else (1 << 30), tensors, repeats)
+    result["consensus"] = consensus(device, tensors, repeats)
+    result["step"] = step_overhead(device, 32 if args.small else 1024, 2 if args.small else 12, 6 if args.small else 40)
+    result["io"] = io(device, tensors, repeats)
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    return 1 if mismatches else 0
+    return 0 if result["equality"]["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from verified_ckpt import CheckpointManager, GuardConfig, SilentCorruptionDetected, state_fingerprint
-from verified_ckpt.integrations.lightning import RESUME, SDCGuardCallback, VerifiedCheckpointIO
+from verified_ckpt.integrations.lightning import SDCGuardCallback, VerifiedCheckpointIO
 
 BATCH, STEPS_PER_EPOCH = 4, 4
 
@@ -53,13 +53,14 @@ def fit(run: str, out: str, epochs: int, faults: list[str], resume: bool) -> MLP
     seed_everything(0, workers=True, verbose=False)
     model = MLP()
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    io = VerifiedCheckpointIO(run)
     trainer = Trainer(strategy="ddp" if world > 1 else "auto", accelerator="cpu", devices=world, max_epochs=epochs,
-                      plugins=[VerifiedCheckpointIO(run)], default_root_dir=out, logger=False,
+                      plugins=[io], default_root_dir=out, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       callbacks=[SDCGuardCallback(GuardConfig(audit_every=2, consensus_every=4, abft=False,
                                                               faults=tuple(faults))),
                                  ModelCheckpoint(dirpath=out, every_n_epochs=1, save_top_k=-1)])
-    trainer.fit(model, ckpt_path=RESUME if resume else None)
+    trainer.fit(model, ckpt_path=io.resume_path() if resume else None)
     return model
 
 

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from verified_ckpt import CheckpointManager
+from verified_ckpt.integrations.lightning import RESUME, VerifiedCheckpointIO
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
@@ -46,3 +47,6 @@ def test_lightning_ddp_saves_verified_catches_a_fault_naming_the_rank_and_resume
     assert s["resumed"] == s["clean"]  # bit-identical to the uninterrupted run
     [inc] = CheckpointManager(os.path.join(root, "faulty")).incidents()
     assert inc.ranks == [1] and [h.host for h in inc.hosts] == [socket.gethostname()]
+    # Every start can pass io.resume_path(): RESUME with something to continue from, None on a fresh run.
+    assert VerifiedCheckpointIO(os.path.join(root, "clean")).resume_path() == RESUME
+    assert VerifiedCheckpointIO(str(tmp_path / "empty")).resume_path() is None

@@ -2,7 +2,7 @@
 
     io = VerifiedCheckpointIO("s3://bucket/runs/exp42")
     trainer = Trainer(strategy="ddp", plugins=[io], callbacks=[SDCGuardCallback(GuardConfig(audit_every=100))])
-    trainer.fit(model, ckpt_path=RESUME)   # RESUME: continue from the run (a fresh start when it is empty)
+    trainer.fit(model, ckpt_path=io.resume_path())   # RESUME to continue from the run, None on a fresh start
 
 - **Saves** go through Lightning's own checkpointing (``ModelCheckpoint``, ``trainer.save_checkpoint``) into a
   :class:`~verified_ckpt.CheckpointManager`: the module's ``state_dict`` as the ``model`` entry, the rest of
@@ -61,6 +61,15 @@ class VerifiedCheckpointIO(CheckpointIO):
         self.manager = CheckpointManager(self.run, storage_options=self.storage_options, keep_last=self.keep_last,
                                          guard=guard)
         self.manager.resumed_from = resumed  # the lineage continues from what was restored
+
+    def resume_path(self) -> str | None:
+        """``RESUME`` when the run holds a checkpoint to continue from, else ``None`` (a fresh start), for
+        ``trainer.fit(model, ckpt_path=io.resume_path())`` on every start. Call it on every rank. A fresh start
+        after an incident with nothing to roll back to is recorded as the rollback that answers it."""
+        if self.manager.rollback_target()[0] is not None:
+            return RESUME
+        self.manager.resume({})  # nothing to restore: records the fresh start if an incident is open
+        return None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}

@@ -70,6 +70,7 @@ class Projector:
         self.cols = _signed(k, LANES, g).to(torch.float32).to(device)  # B, one row per lane, for float32 products
         self.tail = _signed(1, k, g).to(torch.float64).to(device)  # A of the last, partial row
         self._rows: dict[int, torch.Tensor] = {}  # A by number of full rows (a few bucket sizes)
+        self._weights: dict[tuple[int, int], torch.Tensor] = {}  # by (full rows, remainder): a few bucket sizes
 
     def rows(self, m: int) -> torch.Tensor:
         got = self._rows.get(m)
@@ -78,17 +79,26 @@ class Projector:
                 torch.float64).to(self.device)
         return got
 
+    def weights(self, m: int, rem: int) -> torch.Tensor:
+        """float64[k, m + rem]: A of the m full rows, then the remainder's element weights (B times A of the last row)."""
+        got = self._weights.get((m, rem))
+        if got is None:
+            tail = self.cols[:, :rem].to(torch.float64) * self.tail[0][:, None]
+            got = self._weights[(m, rem)] = torch.cat([self.rows(m).T, tail], dim=1).contiguous()
+        return got
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``float64[k]``: per lane, one float32 matrix-vector product over the full rows, then one float64
+        product of its results and the remainder's elements with their weights (four kernels for one lane)."""
         x = x if x.dtype == torch.float32 else x.float()
         m = x.numel() // LANES
-        out = torch.zeros(self.k, dtype=torch.float64, device=x.device)
-        if m:
-            rows, a = x[: m * LANES].view(m, LANES), self.rows(m)
-            out += torch.stack([torch.mv(rows, self.cols[j]).to(torch.float64) @ a[:, j] for j in range(self.k)])
-        rem = x.numel() - m * LANES
-        if rem:
-            out += (self.cols[:, :rem].to(torch.float64) @ x[m * LANES :].to(torch.float64)) * self.tail[0]
-        return out
+        w = self.weights(m, x.numel() - m * LANES)
+        rows, rest = x[: m * LANES].view(m, LANES), x[m * LANES :]
+        if self.k == 1:
+            return (torch.cat([torch.mv(rows, self.cols[0]), rest]).to(torch.float64) @ w[0]).view(1)
+        per_lane = torch.cat([torch.stack([torch.mv(rows, self.cols[j]) for j in range(self.k)]),
+                              rest.expand(self.k, -1)], dim=1)
+        return (per_lane.to(torch.float64) * w).sum(dim=1)
 
 
 def _signed(n: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -100,7 +110,7 @@ def _signed(n: int, k: int, g: torch.Generator) -> torch.Tensor:
 @dataclasses.dataclass
 class BucketStats:
     index: int
-    sumsq: torch.Tensor  # float64 scalar
+    sumsq: torch.Tensor  # scalar, in the bucket's float dtype (made float64 with the step's other figures)
     numel: int
     proj: torch.Tensor  # float64[k], local bucket
     lanes: torch.Tensor | None  # int64[2], exact fingerprint of the local bucket (on scheduled audit steps)
@@ -115,7 +125,7 @@ def local_stats(index: int, buf: torch.Tensor, project: Projector, lanes: bool =
     The exact lanes serve a scheduled audit's bitwise comparison; other steps skip that pass (an audit
     an outlier triggers compares the projections, which the large deviation it looks for moves)."""
     x = buf if buf.dtype in (torch.float32, torch.float64) else buf.float()
-    return BucketStats(index=index, sumsq=torch.dot(x, x).to(torch.float64), numel=buf.numel(), proj=project(x),
+    return BucketStats(index=index, sumsq=torch.dot(x, x), numel=buf.numel(), proj=project(x),
                        lanes=tensor_lanes(buf) if lanes else None,
                        eps=torch.finfo(buf.dtype).eps / 2 if buf.is_floating_point() else 0.0)
 
@@ -145,10 +155,10 @@ def gather_step_stats(comm: Communicator, buckets: Sequence[BucketStats], losses
     """Sum this rank's buckets and losses and gather every rank's sums: the step's one device-to-host copy."""
     bs = sorted(buckets, key=lambda b: b.index)
     dev = bs[0].sumsq.device
-    sumsq = torch.stack([b.sumsq for b in bs]).sum()
+    # One row per bucket (squared norm, projections local and averaged; cat promotes to float64), summed at once.
+    per_bucket = torch.stack([torch.cat([b.sumsq.view(1), b.proj, b.avg_proj if b.avg_proj is not None else b.proj * 0])
+                              for b in bs]).sum(0)
     numel = sum(b.numel for b in bs)
-    proj = torch.stack([b.proj for b in bs]).sum(0)
-    avg = torch.stack([b.avg_proj for b in bs if b.avg_proj is not None]).sum(0)
     known = all(b.lanes is not None for b in bs)
     if known:
         w = torch.tensor([2 * b.index + 1 for b in bs], dtype=torch.int64, device=dev)
@@ -158,7 +168,7 @@ def gather_step_stats(comm: Communicator, buckets: Sequence[BucketStats], losses
     loss = torch.stack(list(losses)).sum().to(dev)
     abft = _worst_abft(bs, dev)
     meta = torch.tensor([float(numel), max(b.eps for b in bs) * (1 if known else -1)], dtype=torch.float64, device=dev)
-    floats = torch.cat([sumsq.view(1), loss.view(1), meta, proj, avg, abft])
+    floats = torch.cat([per_bucket[:1], loss.view(1), meta, per_bucket[1:], abft])
     rows = comm.all_gather_rows(torch.cat([floats.view(torch.int64), lanes]))
     out = []
     for row in rows:

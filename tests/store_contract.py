@@ -31,7 +31,7 @@ class StoreContract:
 
     def test_empty_run_does_not_exist_and_lists_nothing(self, store):
         assert not store.exists()
-        assert store.committed_ids() == []
+        assert list(store.committed()) == []
         assert store.records("verification") == []
 
     def test_only_folders_with_a_manifest_are_committed(self, store, raw):
@@ -41,7 +41,7 @@ class StoreContract:
         with store.open_shard_for_write("ckpt-b", "shard-00000.safetensors") as f:
             f.write(b"y" * 10)
         store.commit_manifest("ckpt-b", b"{}")
-        assert store.committed_ids() == ["ckpt-b"]
+        assert list(store.committed()) == ["ckpt-b"]
         assert fs.cat_file(f"{root}/checkpoints/ckpt-b/manifest.json") == b"{}"
         assert store.exists()
 
@@ -90,7 +90,7 @@ class StoreContract:
             f.write(b"data")
         store.commit_manifest("c1", b"{}")
         store.delete_checkpoint("c1")
-        assert store.committed_ids() == []
+        assert list(store.committed()) == []
         assert not fs.exists(f"{root}/checkpoints/c1/s.safetensors")
 
     @pytest.mark.parametrize("bad", ["../escape", "/abs", "a/b", "s3://bucket/x", "a\\b", "..", ".", "", "~root"])

@@ -265,10 +265,6 @@ class RunStore:
             self.fs.pipe_file(self._join("run.json"), json.dumps(meta, sort_keys=True).encode())
 
     # -- checkpoints -----------------------------------------------------
-    def committed_ids(self) -> list[str]:
-        """Ids of checkpoint folders that hold a manifest (any order)."""
-        return list(self.committed())
-
     def committed(self) -> dict[str, tuple[int, str]]:
         """Checkpoint folders that hold a manifest, with the manifest's size and a change stamp (modification
         time or ETag) as listed (one listing)."""
@@ -284,8 +280,7 @@ class RunStore:
         for p, listed in found.items():
             cid, info = p.rstrip("/").split("/")[-2], listed if isinstance(listed, dict) else {}
             if SEGMENT.match(cid):
-                stamp = next((str(info[k]) for k in ("mtime", "ETag", "LastModified", "created") if info.get(k)), "")
-                out[cid] = (info["size"] if isinstance(info.get("size"), int) else 0, stamp)
+                out[cid] = (info["size"] if isinstance(info.get("size"), int) else 0, _stamp(info))
         return out
 
     def read_manifest(self, cid: str) -> bytes:
@@ -447,30 +442,35 @@ class RunStore:
             self.fs.pipe_file(path, json.dumps(record, sort_keys=True).encode())
         return name
 
-    def records(self, kind: str) -> list[StoredRecord]:
+    def records(self, kind: str, known: Callable[[str, int, str], bool] | None = None) -> list[StoredRecord]:
         """Every object under ``records/<kind>/``, oldest first: its bytes, or why they were not read.
 
-        Nothing found there is dropped: an oversized object, one that is not a
-        regular file, one behind a symlink out of the run, or one whose name this
-        library would not write comes back with ``problem`` set and no bytes.
+        Nothing found there is dropped: an oversized object, one that is not a regular file, one behind a symlink
+        out of the run, or one whose name this library would not write comes back with ``problem`` set and no
+        bytes. One listed with a size and stamp for which ``known(name, size, stamp)`` holds is not read again
+        (no bytes, no problem): the caller holds it already.
         """
         d = self._join("records", _plain(kind, "record kind"))
         with self._io(f"reading {kind} records"):
             self.fs.invalidate_cache()  # records appended by other processes since the last look
             try:
-                paths = sorted(self.fs.ls(d, detail=False))
+                listed = sorted(self.fs.ls(d, detail=True), key=lambda i: str(i["name"]))
             except FileNotFoundError:
                 return []
             out = []
-            for p in paths:
+            for info in listed:
+                p, stamp, size = str(info["name"]), _stamp(info), info.get("size")
                 name = p.rstrip("/").rsplit("/", 1)[-1]
+                if known is not None and stamp and isinstance(size, int) and known(name, size, stamp):
+                    out.append(StoredRecord(name, None, None, size, stamp))
+                    continue
                 try:
                     if not SEGMENT.match(name) or not name.endswith(".json"):
                         raise UnsafePath(f"{name!r} is not a record name this library writes")
                     size = int(self.fs.size(self._readable(p)))
                     if size > MAX_RECORD_BYTES:  # refused before a byte of it is read
                         raise UnsafePath(f"{size} bytes, more than the {MAX_RECORD_BYTES} a record may have")
-                    out.append(StoredRecord(name, self.fs.cat_file(p), None))
+                    out.append(StoredRecord(name, self.fs.cat_file(p), None, size, stamp))
                 except FileNotFoundError:
                     continue  # removed between listing and reading
                 except (UnsafePath, IsADirectoryError) as e:
@@ -531,11 +531,19 @@ class LedgerObjects:
 
 @dataclasses.dataclass(frozen=True)
 class StoredRecord:
-    """One object found under ``records/<kind>/``: its bytes, or why it was not read."""
+    """One object found under ``records/<kind>/``: its bytes, or why it was not read (neither: unchanged since the
+    reader's last look, see ``RunStore.records``), with its size and change stamp as listed."""
 
     name: str
     data: bytes | None
     problem: str | None
+    size: int = 0
+    stamp: str = ""
+
+
+def _stamp(info: dict[str, Any]) -> str:
+    """An object's change stamp as listed: modification time (local) or ETag / LastModified (object stores)."""
+    return next((str(info[k]) for k in ("mtime", "ETag", "LastModified", "created") if info.get(k)), "")
 
 
 class ExportFolder:

@@ -39,6 +39,7 @@ from ..records import (
     VERIFICATION,
     Host,
     Incident,
+    Record,
     Rollback,
     Unreadable,
     VerificationResult,
@@ -46,7 +47,7 @@ from ..records import (
 )
 from ..signing import Signer
 from ..status import Status
-from ..store import RunStore, utc_now
+from ..store import RunStore, StoredRecord, utc_now
 
 __all__ = ["Catalog", "RunView", "step_from_id"]
 
@@ -75,6 +76,7 @@ class _Budget:
 
 _MANIFEST_MEMORY = _Budget(256 << 20)
 PARSED_CACHE_BYTES = 64 << 20  # manifest bytes whose parsed form a catalog keeps (see Catalog._remember)
+SEEN_RECORDS = 200_000  # parsed records a catalog keeps (about 1 KiB each; see Catalog._parsed_record)
 
 
 def step_from_id(cid: str) -> int:
@@ -140,6 +142,8 @@ class Catalog:
         self._parsed: dict[tuple[str, int, str], tuple[dict[str, Any], Manifest]] = {}
         self._parsed_bytes = 0
         self._parsed_lock = threading.Lock()
+        # Records parsed at an earlier look, by (kind, name), with the size and stamp they were listed with.
+        self._seen: dict[tuple[str, str], tuple[int, str, Record | Unreadable | None]] = {}
 
     # ------------------------------------------------------------- run
     def require_run(self) -> None:
@@ -161,8 +165,11 @@ class Catalog:
         """The run's records of ``kinds``, read once, under the one rule for untrusted records (``records.parse``)."""
         got = RunRecords([], [], {}, [])
         for kind in kinds:
-            for stored in self.store.records(kind):
-                rec = parse(kind, stored.name, stored.data, stored.problem, self.signer)
+            def known(name: str, size: int, stamp: str, kind: str = kind) -> bool:
+                return self._seen.get((kind, name), (None, None))[:2] == (size, stamp)
+
+            for stored in self.store.records(kind, known):
+                rec = self._parsed_record(kind, stored)
                 if isinstance(rec, Incident):  # from any kind: an unreadable record under a key is one
                     got.incidents.append(rec)
                 elif isinstance(rec, Rollback):
@@ -173,6 +180,22 @@ class Catalog:
                     got.unreadable.append(str(rec))
         got.incidents.sort(key=lambda r: r.at)
         return got
+
+    def _parsed_record(self, kind: str, stored: StoredRecord) -> Record | Unreadable | None:
+        """``stored`` parsed, or as parsed at an earlier look when the store found it unchanged.
+
+        Records are written once under unique names, so a reader that looks again and again (``vckpt serve``)
+        reads and parses each once while its listed size and stamp stay the same: a look costs a listing, not
+        every record. Unchanged-looking rewrites are the same blind spot as for manifests (docs/SECURITY.md).
+        """
+        if stored.data is None and stored.problem is None:
+            return self._seen[(kind, stored.name)][2]
+        rec = parse(kind, stored.name, stored.data, stored.problem, self.signer)
+        if stored.stamp and stored.problem is None:
+            if len(self._seen) >= SEEN_RECORDS:
+                del self._seen[next(iter(self._seen))]  # the oldest: re-read at the next look if still there
+            self._seen[(kind, stored.name)] = (stored.size, stored.stamp, rec)
+        return rec
 
     def incidents(self) -> list[Incident]:
         """Every incident recorded under the run (by the guard or by hand), oldest first."""

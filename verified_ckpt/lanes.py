@@ -172,17 +172,7 @@ def lanes_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Ten
 
 def lanes_of(tensors: list[torch.Tensor]) -> list[Fingerprint]:
     """Fingerprints of many tensors: a few kernels per device and chunk, and one host transfer per device."""
-    if not tensors:
-        return []
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    out: list[Fingerprint | None] = [None] * len(tensors)
-    for idxs in by_device.values():
-        stacked = batched_lanes([tensors[i] for i in idxs]).cpu().tolist()
-        for i, lanes in zip(idxs, stacked, strict=True):
-            out[i] = fingerprint_from_lanes(lanes)
-    return out  # type: ignore[return-value]
+    return [fingerprint_from_lanes(lanes) for lanes in lanes_on(tensors, torch.device("cpu")).tolist()]
 
 
 def tensor_fingerprint(t: torch.Tensor) -> Fingerprint:

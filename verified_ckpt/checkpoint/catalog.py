@@ -48,6 +48,7 @@ from ..records import (
 from ..signing import Signer
 from ..status import Status
 from ..store import RunStore, StoredRecord, utc_now
+from .kept import Kept
 
 __all__ = ["Catalog", "RunView", "step_from_id"]
 
@@ -75,8 +76,8 @@ class _Budget:
 
 
 _MANIFEST_MEMORY = _Budget(256 << 20)
-PARSED_CACHE_BYTES = 64 << 20  # manifest bytes whose parsed form a catalog keeps (see Catalog._remember)
-SEEN_RECORDS = 200_000  # parsed records a catalog keeps (about 1 KiB each; see Catalog._parsed_record)
+PARSED_CACHE_BYTES = 64 << 20  # manifest bytes whose parsed form a catalog keeps (see ``kept``)
+RECORD_CACHE_BYTES = 64 << 20  # record bytes whose parsed form a catalog keeps
 
 
 def step_from_id(cid: str) -> int:
@@ -139,11 +140,8 @@ class Catalog:
         self.signer = signer
         self.url = store.url
         self.io_workers = io_workers
-        self._parsed: dict[tuple[str, int, str], tuple[dict[str, Any], Manifest]] = {}
-        self._parsed_bytes = 0
-        self._parsed_lock = threading.Lock()
-        # Records parsed at an earlier look, by (kind, name), with the size and stamp they were listed with.
-        self._seen: dict[tuple[str, str], tuple[int, str, Record | Unreadable | None]] = {}
+        self._manifests: Kept[str, tuple[dict[str, Any], Manifest]] = Kept(PARSED_CACHE_BYTES)
+        self._records: Kept[tuple[str, str], Record | Unreadable | None] = Kept(RECORD_CACHE_BYTES)
 
     # ------------------------------------------------------------- run
     def require_run(self) -> None:
@@ -166,10 +164,14 @@ class Catalog:
         got = RunRecords([], [], {}, [])
         for kind in kinds:
             def known(name: str, size: int, stamp: str, kind: str = kind) -> bool:
-                return self._seen.get((kind, name), (None, None))[:2] == (size, stamp)
+                return self._records.get((kind, name), size, stamp)[0]
 
-            for stored in self.store.records(kind, known):
-                rec = self._parsed_record(kind, stored)
+            listed = self.store.records(kind, known)
+            # What the store skipped as known is taken before anything new is kept (keeping may evict).
+            hits = {s.name: self._records.get((kind, s.name), s.size, s.stamp)[1] for s in listed
+                    if s.data is None and s.problem is None}
+            for stored in listed:
+                rec = hits[stored.name] if stored.name in hits else self._parsed_record(kind, stored)
                 if isinstance(rec, Incident):  # from any kind: an unreadable record under a key is one
                     got.incidents.append(rec)
                 elif isinstance(rec, Rollback):
@@ -182,19 +184,10 @@ class Catalog:
         return got
 
     def _parsed_record(self, kind: str, stored: StoredRecord) -> Record | Unreadable | None:
-        """``stored`` parsed, or as parsed at an earlier look when the store found it unchanged.
-
-        Records are written once under unique names, so a reader that looks again and again (``vckpt serve``)
-        reads and parses each once while its listed size and stamp stay the same: a look costs a listing, not
-        every record. Unchanged-looking rewrites are the same blind spot as for manifests (docs/SECURITY.md).
-        """
-        if stored.data is None and stored.problem is None:
-            return self._seen[(kind, stored.name)][2]
+        """``stored`` parsed, and kept while its listing stays the same (``kept``): a look then costs a listing."""
         rec = parse(kind, stored.name, stored.data, stored.problem, self.signer)
-        if stored.stamp and stored.problem is None:
-            if len(self._seen) >= SEEN_RECORDS:
-                del self._seen[next(iter(self._seen))]  # the oldest: re-read at the next look if still there
-            self._seen[(kind, stored.name)] = (stored.size, stored.stamp, rec)
+        if stored.problem is None:
+            self._records.put((kind, stored.name), stored.size, stored.stamp, rec)
         return rec
 
     def incidents(self) -> list[Incident]:
@@ -260,17 +253,6 @@ class Catalog:
             log.info("rollback to %s answering %d open incident(s); later checkpoints start a new lineage",
                      f"{target.id} (step {target.step})" if target else "a fresh start", len(open_ids))
 
-    def _remember(self, key: tuple[str, int, str], raw: dict[str, Any], m: Manifest) -> None:
-        """Keep parsed manifests while they stay listed with the same size and stamp, so a reader that looks again
-        and again (``vckpt serve``) parses each once. Manifests are written once; a replaced one has another stamp."""
-        with self._parsed_lock:
-            self._parsed[key] = (raw, m)
-            self._parsed_bytes += key[1]
-            while self._parsed_bytes > PARSED_CACHE_BYTES and self._parsed:
-                old = next(iter(self._parsed))
-                self._parsed_bytes -= old[1]
-                del self._parsed[old]
-
     # ------------------------------------------------------------- view
     def view(self) -> RunView:
         """One read of the run: checkpoints with derived status, incidents, trusted rollbacks."""
@@ -280,17 +262,17 @@ class Catalog:
 
         def load(cid: str) -> CheckpointInfo:
             size, stamp = listed[cid]
-            key = (cid, size, stamp)
             try:
-                if stamp and key in self._parsed:
-                    raw, m = self._parsed[key]
+                hit, kept = self._manifests.get(cid, size, stamp)
+                if hit and kept is not None:
+                    raw, m = kept
                 else:
                     # Bytes, text and parsed objects of every manifest in flight share one budget, so
                     # parsing many (hostile, large) manifests at once cannot add up past it.
                     with _MANIFEST_MEMORY.hold(min(size, MAX_MANIFEST_BYTES) * 6):
                         raw = Manifest.decode_json(self.store.read_manifest(cid), cid)
                         m = Manifest.from_dict(raw, cid)
-                    self._remember(key, raw, m)
+                    self._manifests.put(cid, size, stamp, (raw, m))
             except CorruptCheckpoint as e:  # malformed, oversized, or behind a symlink out of the run
                 return CheckpointInfo(cid, step_from_id(cid), Status.CORRUPT, "", 0, [str(e)], None)
             sig = self.signer.check(raw)

@@ -11,13 +11,11 @@ rollback target, then writes ``DIR/story.json`` (rank 0) and the final weights o
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import tempfile
 from typing import Any
 
+import story_cli
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, set_seed
 
@@ -82,30 +80,12 @@ def story(root: str, steps: int) -> dict[str, Any]:
 
 def main() -> int:
     torch.set_num_threads(1)
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", help="run URL (checkpoints)")
+    ap = story_cli.parser(__doc__)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--inject", action="append", default=[], help="fault spec SITE:RANK:STEP[:MODE] (testing)")
     ap.add_argument("--audit-every", type=int, default=4)
-    ap.add_argument("--resume", action="store_true", help="continue from the run (the rollback target after an incident)")
-    ap.add_argument("--story", metavar="DIR", help="run the test suite's story into DIR")
     a = ap.parse_args()
-    if a.story:
-        result = story(a.story, a.steps)
-        if int(os.environ.get("RANK", "0")) == 0:
-            with open(os.path.join(a.story, "story.json"), "w") as f:
-                json.dump(result, f)
-        return 0
-    if not a.run:
-        ap.error("--run is required")
-    with tempfile.TemporaryDirectory() as out:
-        t = trainer(a.run, out, a.steps, a.inject, a.audit_every)
-        try:
-            t.train(resume_from_checkpoint=a.resume)
-        except SilentCorruptionDetected as e:
-            print(f"incident: {e}", file=sys.stderr)
-            return 4
-    return 0
+    return story_cli.run(ap, a, lambda root: story(root, a.steps), lambda out: trainer(
+        a.run, out, a.steps, a.inject, a.audit_every).train(resume_from_checkpoint=a.resume))
 
 
 if __name__ == "__main__":

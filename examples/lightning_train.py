@@ -11,14 +11,12 @@ run with a gradient fault at an audit step, and its resume from the rollback tar
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import tempfile
 import warnings
 from typing import Any
 
+import story_cli
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -83,28 +81,11 @@ def story(root: str, epochs: int) -> dict[str, Any]:
 def main() -> int:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", help="run URL (checkpoints)")
+    ap = story_cli.parser(__doc__)
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--inject", action="append", default=[], help="fault spec SITE:RANK:STEP[:MODE] (testing)")
-    ap.add_argument("--resume", action="store_true", help="continue from the run (the rollback target after an incident)")
-    ap.add_argument("--story", metavar="DIR", help="run the test suite's story into DIR")
     a = ap.parse_args()
-    if a.story:
-        result = story(a.story, a.epochs)
-        if int(os.environ.get("RANK", "0")) == 0:
-            with open(os.path.join(a.story, "story.json"), "w") as f:
-                json.dump(result, f)
-        return 0
-    if not a.run:
-        ap.error("--run is required")
-    with tempfile.TemporaryDirectory() as out:
-        try:
-            fit(a.run, out, a.epochs, a.inject, a.resume)
-        except SilentCorruptionDetected as e:
-            print(f"incident: {e}", file=sys.stderr)
-            return 4
-    return 0
+    return story_cli.run(ap, a, lambda root: story(root, a.epochs),
+                         lambda out: fit(a.run, out, a.epochs, a.inject, a.resume))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,14 @@
-"""Small builders shared by tests: a deterministic model, optimizer and scheduler after a few steps."""
+"""Small builders shared by tests: a deterministic model and training state, free ports, torchrun, op counts."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from verified_ckpt import RNGState
 
@@ -52,3 +58,29 @@ def flip_byte(fs, path: str, offset: int) -> None:
     data = bytearray(fs.cat_file(path))
     data[offset] ^= 0xFF
     fs.pipe_file(path, bytes(data))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(script: str, nproc: int, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``script`` under ``torchrun`` with ``nproc`` ranks on loopback, one thread each; output captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), script, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+class Kernels(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it that are not views (views describe memory and launch no kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += not func.is_view
+        return func(*args, **(kwargs or {}))

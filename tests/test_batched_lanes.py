@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import Kernels
 
 from verified_ckpt import lanes, state_fingerprint, tensor_fingerprint
 from verified_ckpt.guard.consensus import nonfinite_count, state_lanes
@@ -62,16 +62,6 @@ def test_pinned_fingerprints_do_not_change():
     assert str(state_fingerprint(state)) == "cbfefea2ae1c3a39838f2e1d9cd9f163"
 
 
-class Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.kernels = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.kernels += not func.is_view  # views describe memory; every other op may launch a kernel
-        return func(*args, **(kwargs or {}))
-
-
 def transformer_state(layers: int = 12, d: int = 16) -> list[torch.Tensor]:
     """The 12-layer transformer's 592 state tensors (parameters, AdamW step and moments), at a small width."""
     shapes = [(64, d), (32, d)]
@@ -86,9 +76,9 @@ def test_a_whole_state_fingerprint_dispatches_a_bounded_number_of_kernels():
     assert len(tensors) == 592
     for fn in (lambda: batched_lanes(tensors), lambda: state_lanes(tensors, torch.device("cpu")),
                lambda: nonfinite_count([t for t in tensors if t.is_floating_point()], torch.device("cpu"))):
-        with Ops() as ops:
+        with Kernels() as ops:
             fn()
-        assert ops.kernels <= 100, ops.kernels  # was 6,291 (22 ops per tensor, a third of them views)
+        assert ops.n <= 100, ops.n  # was 6,291 (22 ops per tensor, a third of them views)
 
 
 def test_nonfinite_count_flags_nan_and_inf_in_any_float_dtype_and_never_large_finite_state():

@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import Kernels
 
 import ddp_train
 from verified_ckpt import GuardConfig, SDCGuard
-
-
-class Kernels(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += not func.is_view  # views describe memory; every other op may launch a kernel
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_per_step_checks_add_at_most_twelve_plus_ten_kernels_per_bucket():

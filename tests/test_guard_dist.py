@@ -14,10 +14,11 @@ import sys
 
 import pytest
 import torch
+from dist_harness import run_ranks
+from helpers import free_port
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_train
-from dist_harness import run_ranks
 from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected, state_fingerprint
 
 pytestmark = pytest.mark.timeout(180)
@@ -164,15 +165,9 @@ def test_single_process_guard_checks_nonfinite_and_reports_cross_checks_unavaila
     assert str(state_fingerprint({"m": model})) == before
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(240)
 def test_torchrun_two_nodes_on_one_machine_audit_across_nodes():
-    port = _free_port()
+    port = free_port()
     script = os.path.join(os.path.dirname(ddp_train.__file__), "ddp_train.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",

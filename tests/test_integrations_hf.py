@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
+import fsspec
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import flip_byte, torchrun
 from safetensors.torch import load_file
 
 from verified_ckpt import CheckpointManager, CorruptCheckpoint, InvalidState
@@ -24,19 +23,10 @@ from verified_ckpt_cli.main import main as cli
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def story(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     root = str(tmp_path_factory.mktemp("hf"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), os.path.join(EXAMPLES, "hf_train.py"), "--story", root]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = torchrun(os.path.join(EXAMPLES, "hf_train.py"), 3, "--story", root, timeout=280)
     assert done.returncode == 0, done.stderr[-4000:]
     with open(os.path.join(root, "story.json")) as f:
         return root, json.load(f)
@@ -101,9 +91,7 @@ def test_hf_export_of_a_plain_module_writes_first_names_and_refuses_what_it_cann
     assert r.exit_code != 0 and "unverified" in r.output and "Traceback" not in r.output
     [info] = [i for i in mgr.list() if i.step == 1]
     shard = tmp_path / "run" / "checkpoints" / info.id / info.manifest.shards[0].path
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0x01
-    shard.write_bytes(bytes(data))
+    flip_byte(fsspec.filesystem("file"), str(shard), info.manifest.shards[0].size - 1)
     with pytest.raises(CorruptCheckpoint):
         mgr.export(str(tmp_path / "e"), step=1, format="hf", allow_unverified=True)
     assert not (tmp_path / "e").exists() or not os.listdir(tmp_path / "e")

@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
+from helpers import torchrun
 
 from verified_ckpt import CheckpointManager
 from verified_ckpt.integrations.lightning import RESUME, VerifiedCheckpointIO
@@ -21,19 +20,10 @@ from verified_ckpt.integrations.lightning import RESUME, VerifiedCheckpointIO
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(300)
 def test_lightning_ddp_saves_verified_catches_a_fault_naming_the_rank_and_resumes_bit_identical(tmp_path):
     root = str(tmp_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), os.path.join(EXAMPLES, "lightning_train.py"), "--story", root]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = torchrun(os.path.join(EXAMPLES, "lightning_train.py"), 3, "--story", root, timeout=280)
     assert done.returncode == 0, done.stderr[-4000:]
     with open(os.path.join(root, "story.json")) as f:
         s = json.load(f)

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import flip_byte
+from helpers import flip_byte, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from verified_ckpt import CheckpointManager
@@ -24,12 +23,6 @@ from verified_ckpt.service import run_key
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "s3cret-token-for-tests"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -1,0 +1,46 @@
+"""What the Hugging Face and Lightning examples share: their common options, the test suite's ``--story DIR``
+mode, and exit code 4 (as ``ddp_train.py``) when the guard stops the job on an incident."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from verified_ckpt import SilentCorruptionDetected
+
+EXIT_INCIDENT = 4
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", help="run URL (checkpoints)")
+    ap.add_argument("--inject", action="append", default=[], help="fault spec SITE:RANK:STEP[:MODE] (testing)")
+    ap.add_argument("--resume", action="store_true", help="continue from the run (the rollback target after an incident)")
+    ap.add_argument("--story", metavar="DIR", help="run the test suite's story into DIR")
+    return ap
+
+
+def run(ap: argparse.ArgumentParser, a: argparse.Namespace, story: Callable[[str], dict[str, Any]],
+        train: Callable[[str], object]) -> int:
+    """``--story DIR``: ``story(DIR)``, written to ``DIR/story.json`` by rank 0. Otherwise ``train(out)`` with a
+    scratch output folder; exit 4 with the incident on stderr when the guard stops it."""
+    if a.story:
+        result = story(a.story)
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(os.path.join(a.story, "story.json"), "w") as f:
+                json.dump(result, f)
+        return 0
+    if not a.run:
+        ap.error("--run is required")
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            train(out)
+        except SilentCorruptionDetected as e:
+            print(f"incident: {e}", file=sys.stderr)
+            return EXIT_INCIDENT
+    return 0

@@ -75,12 +75,14 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float) -> subprocess.
 
 
 class Kernels(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it that are not views (views describe memory and launch no kernel)."""
+    """Counts the aten ops dispatched inside it: ``n`` those that are not views (views describe memory and launch
+    no kernel), ``dispatched`` every one (each costs the host a dispatch)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.n = 0
+        self.n = self.dispatched = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += not func.is_view
+        self.dispatched += 1
         return func(*args, **(kwargs or {}))

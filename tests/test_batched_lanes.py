@@ -13,15 +13,16 @@ from verified_ckpt.guard.consensus import nonfinite_count, state_lanes
 from verified_ckpt.lanes import batched_lanes, tensor_lanes
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-          torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn]
+          torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.complex64, torch.complex128]
 
 
 def awkward_tensors(seed: int, n: int = 200) -> list[torch.Tensor]:
-    """Every dtype; sizes at and around row and word boundaries; misaligned and non-contiguous views."""
+    """Every dtype; sizes at and around row, granule and word boundaries; misaligned and non-contiguous views;
+    0-d tensors."""
     rnd, out = random.Random(seed), []
     for _ in range(n):
         dt = rnd.choice(DTYPES)
-        size = rnd.choice([0, 1, 3, 7, 8, 9, 1023, 1024, 1025, 8191, 8192, 8193, 40_000, 300_001])
+        size = rnd.choice([0, 1, 3, 7, 8, 9, 64, 96, 1023, 1024, 1025, 8191, 8192, 8193, 40_000, 300_001])
         width = torch.empty((), dtype=dt).element_size()
         g = torch.Generator().manual_seed(rnd.randrange(1 << 30))
         raw = torch.randint(0, 256, (size * width + 3,), dtype=torch.uint8, generator=g)
@@ -32,6 +33,8 @@ def awkward_tensors(seed: int, n: int = 200) -> list[torch.Tensor]:
             t = t[::2]  # not contiguous
         if t.numel() == 40_000 and rnd.random() < 0.5:
             t = t.reshape(200, 200)
+        if t.numel() and rnd.random() < 0.1:
+            t = t.reshape(-1)[-1]  # 0-d, as an optimizer's step is
         out.append(t)
     return out
 
@@ -62,23 +65,27 @@ def test_pinned_fingerprints_do_not_change():
     assert str(state_fingerprint(state)) == "cbfefea2ae1c3a39838f2e1d9cd9f163"
 
 
-def transformer_state(layers: int = 12, d: int = 16) -> list[torch.Tensor]:
+def transformer_state(layers: int = 12, d: int = 16, vocab: int = 64) -> list[torch.Tensor]:
     """The 12-layer transformer's 592 state tensors (parameters, AdamW step and moments), at a small width."""
-    shapes = [(64, d), (32, d)]
+    shapes = [(vocab, d), (32, d)]
     for _ in range(layers):
         shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
     params = [torch.randn(s) for s in [*shapes, (d,), (d,)]]
     return params + [x for p in params for x in (torch.tensor(3.0), torch.randn(p.shape), torch.rand(p.shape))]
 
 
-def test_a_whole_state_fingerprint_dispatches_a_bounded_number_of_kernels():
-    tensors = transformer_state()
+@pytest.mark.parametrize("direct_bytes", [lanes.DIRECT_BYTES[1], 4 * 1024 * 64], ids=["all-staged", "embedding-direct"])
+def test_a_whole_state_fingerprint_dispatches_a_bounded_number_of_ops(direct_bytes):
+    # The CPU proxy for GPU launches and host dispatch: every aten op counts, views included. With the CUDA policy
+    # the issue's 1.79 GiB state stages all but its three 32 MiB embedding tensors, as "embedding-direct" does here.
+    tensors = transformer_state(d=64, vocab=1024)
     assert len(tensors) == 592
-    for fn in (lambda: batched_lanes(tensors), lambda: state_lanes(tensors, torch.device("cpu")),
-               lambda: nonfinite_count([t for t in tensors if t.is_floating_point()], torch.device("cpu"))):
+    cpu = torch.device("cpu")
+    for fn in (lambda: batched_lanes(tensors, direct_bytes), lambda: state_lanes(tensors, cpu),
+               lambda: nonfinite_count([t for t in tensors if t.is_floating_point()], cpu)):
         with Kernels() as ops:
             fn()
-        assert ops.n <= 100, ops.n  # was 6,291 (22 ops per tensor, a third of them views)
+        assert ops.dispatched <= 100, ops.dispatched  # was 12,803 (22 ops per tensor; 6,291 not views)
 
 
 def test_nonfinite_count_flags_nan_and_inf_in_any_float_dtype_and_never_large_finite_state():

@@ -20,6 +20,9 @@ from .tensorspec import dtype_name
 __all__ = ["batched_lanes", "lanes_of", "lanes_on", "state_fingerprint", "tensor_fingerprint", "tensor_lanes"]
 
 _ROW = 1024  # int64 words per row: large enough to stream, small enough that row sums are cheap
+# Largest granule, in words, of a staged chunk. Granule sums are 1/64 of the data, so folding them (a few
+# passes) costs little, and a tensor's rows start on a granule boundary when its words are a multiple of it.
+_GRAIN = 64
 # Bytes staged per cat in batched_lanes: bounds the extra memory (one copy of this much at a time), and is
 # large enough that a whole training state takes a handful of chunks (a few kernels each).
 _CHUNK_BYTES = 256 << 20
@@ -70,55 +73,163 @@ def tensor_lanes(t: torch.Tensor) -> torch.Tensor:
 def batched_lanes(tensors: Sequence[torch.Tensor], direct_bytes: int | None = None) -> torch.Tensor:
     """The fingerprint lanes of many tensors on one device, as ``int64[n, 2]``, in a few kernels per chunk.
 
-    Bitwise what :func:`tensor_lanes` gives for each, without a chain of kernels per tensor. Small tensors'
-    bytes, zero-padded to whole rows, are copied into a staging chunk (one ``cat``) and one ``sum(dim=1)``
-    gives all their row sums; a tensor with at least ``direct_bytes`` of whole rows is summed where it lies
-    (one kernel, no copy), and only its last partial row is staged. One weighted ``index_add`` then folds
-    every row into its tensor's two lanes. Padding puts a tensor's tail word (its last ``< 8`` bytes) into
-    the row of its remainder words, where the format gives it a row of its own: the same total (lane a),
-    and lane b short of exactly ``2 * tail word``, which one gather per chunk puts back. Modular addition is
-    associative, so no order of the sums can change a bit. No host synchronisation.
+    Bitwise what :func:`tensor_lanes` gives for each, without a chain of kernels per tensor:
+
+    * a contiguous tensor of at least ``direct_bytes`` is summed where it lies: one row sum over its whole
+      rows, one granule sum over its last partial row;
+    * other tensors are copied into a staging chunk per dtype and granule size by one ``_chunk_cat`` (any
+      shape or strides, no per-tensor view), and one sum gives every granule's sum. A granule is the largest
+      power of two of words, up to 64, that divides every tensor in the chunk, so each tensor, and each of its
+      rows, starts on a granule boundary wherever it lands;
+    * 0-d tensors (optimizer steps) are stacked per dtype;
+    * tensors whose bytes end in a partial word keep the padded path (``_Padded``).
+
+    One weighted ``index_add`` then folds every row or granule sum into its tensor's two lanes, with the
+    weight of the row it lies in. Modular addition is associative, so no order of the sums can change a bit.
+    No host synchronisation.
     """
     if not tensors:
         return torch.zeros(0, 2, dtype=torch.int64)
     device = tensors[0].device
     if direct_bytes is None:
         direct_bytes = DIRECT_BYTES[device.type == "cuda"]
-    fold = _Fold(device)
-    for i, t in enumerate(tensors):
-        b = _byte_view(t)
-        full = b.numel() // (_ROW * 8) * (_ROW * 8)
-        if full >= direct_bytes and b.data_ptr() % 8 == 0:
-            fold.add(b[:full].view(torch.int64).view(-1, _ROW).sum(dim=1), [(i, 0, full // (_ROW * 8))])
-            fold.stage(i, b[full:], full // (_ROW * 8), always=True)
-        else:
-            fold.stage(i, b, 0, always=False)
-        if fold.staged >= _CHUNK_BYTES:
-            fold.flush()
-    fold.flush()
-    return fold.lanes(len(tensors))
+    units = _Units(device)
+    staged, padded = _Staged(units), _Padded(units)
+    scalars: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            nbytes = t.numel() * t.element_size()
+            if not nbytes:
+                continue  # no bytes: both lanes are zero
+            if t.dim() == 0:
+                scalars.setdefault(t.dtype, []).append((i, t))
+            elif nbytes % 8:
+                padded.add(i, t, direct_bytes)
+            elif nbytes >= direct_bytes and t.is_contiguous() and t.data_ptr() % 8 == 0:
+                _direct(units, i, t)
+            else:
+                staged.add(i, t, nbytes)
+        staged.flush_all()
+        padded.flush()
+        for group in scalars.values():
+            _scalars(units, group)
+        out = units.lanes(len(tensors))
+        padded.correct(out)
+    return out
 
 
-class _Fold:
-    """Row sums of many tensors, and which tensor and row each belongs to, folded into lanes at the end."""
+def _grain(words: int) -> int:
+    """Words per granule for a run of ``words``: the largest power of two, up to 64, that divides it."""
+    return min(_GRAIN, words & -words)
+
+
+def _direct(units: _Units, i: int, t: torch.Tensor) -> None:
+    """A contiguous, word-aligned tensor summed where it lies: its whole rows, then its last rows' granules."""
+    words = t.reshape(-1).view(torch.int64)
+    n = words.numel()
+    rows, rem = divmod(n, _ROW)
+    if rows:
+        units.add((words[: rows * _ROW] if rem else words).view(rows, _ROW).sum(dim=1), [(i, 0, rows, 1)])
+    if rem:
+        g = _grain(rem)
+        units.add(words[rows * _ROW :].view(-1, g).sum(dim=1), [(i, rows * _ROW // g, rem // g, _ROW // g)])
+
+
+def _scalars(units: _Units, group: list[tuple[int, torch.Tensor]]) -> None:
+    """0-d tensors of one dtype: one stack. Whole words make the format's row 0; a value shorter than a word
+    is its tail word, alone in row 1."""
+    k, width = len(group), group[0][1].element_size()
+    raw = torch.stack([t for _, t in group]).view(torch.uint8).view(k, width)
+    if width % 8 == 0:
+        units.add(raw.view(torch.int64).sum(dim=1), [(i, 0, 1, 1) for i, _ in group])
+    else:
+        shifts = torch.arange(0, 8 * width, 8, dtype=torch.int64, device=raw.device)
+        units.add((raw.to(torch.int64) << shifts).sum(dim=1), [(i, 1, 1, 1) for i, _ in group])
+
+
+class _Units:
+    """Sums of whole rows or of granules, each knowing its tensor and row, folded into lanes at the end."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pad = torch.zeros(_ROW * 8, dtype=torch.uint8, device=device)
         self.sums: list[torch.Tensor] = []
-        self.owner: list[np.ndarray] = []  # per row: the tensor it belongs to
-        self.local: list[np.ndarray] = []  # per row: its row index within that tensor
+        # (tensor, index of its first unit within that tensor, units, units per row of the format)
+        self.segments: list[tuple[int, int, int, int]] = []
+
+    def add(self, sums: torch.Tensor, segments: list[tuple[int, int, int, int]]) -> None:
+        self.sums.append(sums)
+        self.segments += segments
+
+    def lanes(self, n: int) -> torch.Tensor:
+        """``int64[n, 2]``: one ``index_add`` of every unit, weighted ``2 * row + 1``. The per-unit tensor and row
+        are expanded on the device from one small table of segments (no per-unit array crosses to it)."""
+        out = torch.zeros(n, 2, dtype=torch.int64, device=self.device)
+        if not self.sums:
+            return out
+        vals = torch.cat(self.sums) if len(self.sums) > 1 else self.sums[0]
+        seg = np.array(self.segments, dtype=np.int64)
+        counts = seg[:, 2]
+        table = np.stack([seg[:, 0], seg[:, 1] - (np.cumsum(counts) - counts), seg[:, 3]], axis=1)
+        per = torch.repeat_interleave(torch.from_numpy(table).to(self.device), torch.from_numpy(counts).to(self.device),
+                                      dim=0, output_size=vals.numel())
+        row = (torch.arange(vals.numel(), dtype=torch.int64, device=self.device) + per[:, 1]) // per[:, 2]
+        out.index_add_(0, per[:, 0], torch.stack([vals, vals * (row * 2 + 1)], dim=1))
+        return out
+
+
+class _Staged:
+    """Tensors copied into staging chunks, one per dtype and granule size, each by one ``_chunk_cat``."""
+
+    def __init__(self, units: _Units) -> None:
+        self.units = units
+        self.groups: dict[tuple[torch.dtype, int], list[tuple[int, torch.Tensor]]] = {}
+        self.bytes: dict[tuple[torch.dtype, int], int] = {}
+
+    def add(self, i: int, t: torch.Tensor, nbytes: int) -> None:
+        key = (t.dtype, _grain(nbytes // 8))
+        self.groups.setdefault(key, []).append((i, t))
+        self.bytes[key] = self.bytes.get(key, 0) + nbytes
+        if self.bytes[key] >= _CHUNK_BYTES:
+            self.flush(key)
+
+    def flush(self, key: tuple[torch.dtype, int]) -> None:
+        group, g = self.groups.pop(key), key[1]
+        del self.bytes[key]
+        words = torch._chunk_cat([t for _, t in group], 0, 1).view(torch.int64).view(-1, g)
+        self.units.add(words.sum(dim=1), [(i, 0, t.numel() * t.element_size() // (8 * g), _ROW // g) for i, t in group])
+
+    def flush_all(self) -> None:
+        for key in list(self.groups):
+            self.flush(key)
+
+
+class _Padded:
+    """Tensors whose bytes end in a partial word: their bytes, zero-padded to whole rows, staged by one ``cat``
+    per chunk (a tensor with at least ``direct_bytes`` of whole rows sums those where they lie). Padding puts
+    the tail word (the last ``< 8`` bytes) in the row of the remainder words, where the format gives it a row
+    of its own: the same total (lane a), and lane b short of exactly ``2 * tail word``, which ``correct`` puts
+    back."""
+
+    def __init__(self, units: _Units) -> None:
+        self.units = units
+        self.pad: torch.Tensor | None = None
         self.pieces: list[torch.Tensor] = []
-        self.segments: list[tuple[int, int, int]] = []  # staged: (tensor, first local row, rows)
+        self.segments: list[tuple[int, int, int, int]] = []  # staged: (tensor, first local row, rows, 1)
         self.tails: list[tuple[int, int]] = []  # staged tail words: (tensor, word index in the chunk)
         self.tail_words: list[torch.Tensor] = []
         self.tail_owners: list[int] = []
         self.staged = 0
 
-    def add(self, sums: torch.Tensor, segments: list[tuple[int, int, int]]) -> None:
-        self.sums.append(sums)
-        self.owner += [np.full(n, i, dtype=np.int64) for i, _, n in segments]
-        self.local += [np.arange(first, first + n, dtype=np.int64) for _, first, n in segments]
+    def add(self, i: int, t: torch.Tensor, direct_bytes: int) -> None:
+        b = _byte_view(t)
+        full = b.numel() // (_ROW * 8) * (_ROW * 8)
+        if full >= direct_bytes and b.data_ptr() % 8 == 0:
+            self.units.add(b[:full].view(torch.int64).view(-1, _ROW).sum(dim=1), [(i, 0, full // (_ROW * 8), 1)])
+            self.stage(i, b[full:], full // (_ROW * 8), always=True)
+        else:
+            self.stage(i, b, 0, always=False)
+        if self.staged >= _CHUNK_BYTES:
+            self.flush()
 
     def stage(self, i: int, b: torch.Tensor, first_row: int, *, always: bool) -> None:
         """Stage ``b`` as tensor ``i``'s rows from ``first_row`` on (an empty ``b`` stages a zero row if ``always``:
@@ -127,34 +238,27 @@ class _Fold:
         padded = max(-(-n // (_ROW * 8)), int(always)) * _ROW * 8
         if n % 8:
             self.tails.append((i, self.staged // 8 + n // 8))
-        self.pieces += [b, self.pad[: padded - n]] if padded - n <= _ROW * 8 else [b, self._zeros(padded - n)]
-        self.segments.append((i, first_row, padded // (_ROW * 8)))
+        if self.pad is None:
+            self.pad = torch.zeros(_ROW * 8, dtype=torch.uint8, device=b.device)
+        self.pieces += [b, self.pad[: padded - n] if padded - n <= _ROW * 8 else self.pad.new_zeros(padded - n)]
+        self.segments.append((i, first_row, padded // (_ROW * 8), 1))
         self.staged += padded
-
-    def _zeros(self, n: int) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.uint8, device=self.device)
 
     def flush(self) -> None:
         if not self.pieces:
             return
         words = torch.cat(self.pieces).view(torch.int64)
-        self.add(words.view(-1, _ROW).sum(dim=1), self.segments)
+        self.units.add(words.view(-1, _ROW).sum(dim=1), self.segments)
         if self.tails:
-            at = torch.from_numpy(np.array([w for _, w in self.tails], dtype=np.int64)).to(self.device)
+            at = torch.from_numpy(np.array([w for _, w in self.tails], dtype=np.int64)).to(words.device)
             self.tail_words.append(words.index_select(0, at))
             self.tail_owners += [i for i, _ in self.tails]
         self.pieces, self.segments, self.tails, self.staged = [], [], [], 0
 
-    def lanes(self, n: int) -> torch.Tensor:
-        rows = torch.cat(self.sums)
-        owner = torch.from_numpy(np.concatenate(self.owner)).to(self.device)
-        weight = torch.from_numpy(np.concatenate(self.local) * 2 + 1).to(self.device)
-        out = torch.zeros(n, 2, dtype=torch.int64, device=self.device)
-        out.index_add_(0, owner, torch.stack([rows, rows * weight], dim=1))
+    def correct(self, out: torch.Tensor) -> None:
         if self.tail_owners:
-            owners = torch.from_numpy(np.array(self.tail_owners, dtype=np.int64)).to(self.device)
+            owners = torch.from_numpy(np.array(self.tail_owners, dtype=np.int64)).to(out.device)
             out[:, 1].index_add_(0, owners, torch.cat(self.tail_words) * 2)
-        return out
 
 
 def lanes_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -88,8 +88,17 @@ class Communicator:
         return out
 
     def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """``all_gather`` of a 1-D tensor, stacked into ``(world, n)`` on the host: one device-to-host copy."""
-        return torch.stack(self.all_gather(t.to(self.comm_device))).cpu()
+        """``all_gather`` of a 1-D tensor, stacked into ``(world, n)`` on the host: one device-to-host copy.
+
+        Gathered straight into one tensor where torch has ``all_gather_single`` (no list of per-rank buffers and
+        no stack: a per-step call, so every op counts)."""
+        t = t.to(self.comm_device)
+        gather_single = getattr(dist, "all_gather_single", None)
+        if not self.active or gather_single is None:
+            return torch.stack(self.all_gather(t)).cpu()
+        out = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
+        gather_single(out, t.contiguous(), group=self.group)
+        return out.view(self.world, -1).cpu()
 
     def all_reduce_async(self, buf: torch.Tensor) -> torch.futures.Future[Any]:
         """Start a sum all-reduce of ``buf`` in place; the future's value is ``[buf]``."""

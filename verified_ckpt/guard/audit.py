@@ -30,7 +30,7 @@ from ..comm import Communicator
 from ..history import Event
 from ..lanes import tensor_lanes
 from .config import GuardConfig
-from .stats import Projector, StepStats, Verdict
+from .stats import Projector, StepStats, Verdict, as_rows
 
 __all__ = ["Auditor", "Recomputed"]
 
@@ -181,10 +181,11 @@ class Auditor:
             loss_total = loss_total + loss.detach().to(torch.float64)
         assert acc is not None
         lanes = torch.zeros(2, dtype=torch.int64, device=dev)
-        projs = []
+        parts, sizes = [], []
         for index, members in sorted(layout.items()):
             flat = torch.cat([acc[i].reshape(-1) for i in members])
             lanes += tensor_lanes(flat) * (2 * index + 1)
-            projs.append(self.project(flat))
-        # Summed as the owner's per-bucket projections are (``gather_step_stats``): equal grads, equal bits.
-        return loss_total, torch.stack(projs).sum(0), lanes
+            parts.append(self.project.part(*as_rows(self.project, flat)))
+            sizes.append(flat.numel())
+        # Finished as the owner's per-bucket projections are (``gather_step_stats``): equal grads, equal bits.
+        return loss_total, self.project.total(parts, sizes), lanes

@@ -252,7 +252,7 @@ class SDCGuard:
         """Every check of step ``s`` that must pass before the update (raises on the first that fails)."""
         if not self.tap.buckets:
             raise GuardUsageError("no gradient bucket was reduced this step; the last backward() of a step must have sync=True")
-        self._check_gradients(s, gather_step_stats(self.comm, self.tap.buckets, self._losses, self.cfg.checksum_lanes))
+        self._check_gradients(s, gather_step_stats(self.comm, self.tap.buckets, self._losses, self.project))
 
     def _check_gradients(self, s: int, gathered: list[StepStats]) -> None:
         """The per-step checks before the update (NaN/Inf, checksum, ABFT), then an audit when one is due."""

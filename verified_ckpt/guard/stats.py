@@ -11,9 +11,11 @@ device-to-host copy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..comm import Communicator
@@ -21,7 +23,8 @@ from ..history import NO_RANK, Event
 from ..lanes import tensor_lanes
 
 __all__ = [
-    "BucketStats", "Projector", "StepStats", "Verdict", "failed_rows", "gather_step_stats", "local_stats", "step_rows",
+    "BucketStats", "Projector", "StepStats", "Verdict", "as_rows", "failed_rows", "gather_step_stats", "local_stats",
+    "step_rows",
 ]
 
 LANES = 1024  # projection vector length; buckets are folded onto it row by row
@@ -50,9 +53,10 @@ class Projector:
 
     A bucket of n elements is viewed as rows of 1024; element (i, c) gets the
     weight ``A[i] · B[c]`` (per lane), both drawn from ±[1, 2]: ``P(x) = Aᵀ (X B)``,
-    one matrix-vector product per lane that reads ``x`` once (a product with two
-    columns measured 4x slower than two such passes on CPU), plus a dot product
-    over its small result.
+    one float32 matrix-vector product per lane that reads ``x`` once (a product with
+    two columns measured 4x slower than two such passes on CPU) when the bucket is
+    ready (:meth:`part`), and a float64 product over the small results of every
+    bucket at once when the step ends (:meth:`total`).
     Linear in ``x``, so P(mean of buckets) = mean of P(buckets) up to rounding.
     No weight is near zero, so any single wrong element moves every lane; and
     because every element's weight has its own random sign, rounding errors
@@ -69,8 +73,10 @@ class Projector:
         g = torch.Generator().manual_seed(seed)
         self.cols = _signed(k, LANES, g).to(torch.float32).to(device)  # B, one row per lane, for float32 products
         self.tail = _signed(1, k, g).to(torch.float64).to(device)  # A of the last, partial row
+        self._lanes = list(self.cols.unbind(0))  # B of each lane, as its own tensor (no select op per product)
         self._rows: dict[int, torch.Tensor] = {}  # A by number of full rows (a few bucket sizes)
         self._weights: dict[tuple[int, int], torch.Tensor] = {}  # by (full rows, remainder): a few bucket sizes
+        self._totals: dict[tuple[int, ...], torch.Tensor] = {}  # float64[k, Σ parts] by the buffers' sizes
 
     def rows(self, m: int) -> torch.Tensor:
         got = self._rows.get(m)
@@ -87,18 +93,41 @@ class Projector:
             got = self._weights[(m, rem)] = torch.cat([self.rows(m).T, tail], dim=1).contiguous()
         return got
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``float64[k]``: per lane, one float32 matrix-vector product over the full rows, then one float64
-        product of its results and the remainder's elements with their weights (four kernels for one lane)."""
-        x = x if x.dtype == torch.float32 else x.float()
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A flat float32 ``x`` as its full rows ``[m, 1024]`` and its remainder: two views, which a caller may keep
+        for a buffer that lives on (DDP's buckets do) and reuse every step."""
+        x = x if x.is_contiguous() else x.contiguous()
         m = x.numel() // LANES
-        w = self.weights(m, x.numel() - m * LANES)
-        rows, rest = x[: m * LANES].view(m, LANES), x[m * LANES :]
+        return (x.as_strided((m, LANES), (LANES, 1)),
+                x.as_strided((x.numel() - m * LANES,), (1,), x.storage_offset() + m * LANES))
+
+    def part(self, rows: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+        """What the lanes need from one buffer, in one pass over it: float32 ``[k, m + rem]`` (``[m + rem]`` for one
+        lane), per lane the products of the full rows with B, then a copy of the remainder (the buffer may change
+        afterwards: an all-reduce runs in place). :meth:`total` finishes it."""
         if self.k == 1:
-            return (torch.cat([torch.mv(rows, self.cols[0]), rest]).to(torch.float64) @ w[0]).view(1)
-        per_lane = torch.cat([torch.stack([torch.mv(rows, self.cols[j]) for j in range(self.k)]),
-                              rest.expand(self.k, -1)], dim=1)
-        return (per_lane.to(torch.float64) * w).sum(dim=1)
+            return torch.cat([torch.mv(rows, self._lanes[0]), rest])
+        return torch.cat([torch.stack([torch.mv(rows, c) for c in self._lanes]), rest.expand(self.k, -1)], dim=1)
+
+    def total(self, parts: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
+        """``float64[k]``: the summed projections of the buffers (of ``sizes`` elements) that ``parts`` came from, in
+        one float64 product over all of them (one set of kernels per step, not per bucket)."""
+        key = tuple(sizes)
+        w = self._totals.get(key)
+        if w is None:
+            w = torch.cat([self.weights(n // LANES, n % LANES) for n in sizes], dim=1)
+            if len(self._totals) >= 8:  # a few bucket layouts at most (DDP rebuilds its buckets once)
+                self._totals.clear()
+            self._totals[key] = w
+        flat = (torch.cat(list(parts), dim=-1) if len(parts) > 1 else parts[0]).to(torch.float64)
+        if self.k == 1:
+            return torch.mv(w, flat)
+        return (flat * w).sum(dim=1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``float64[k]``: the projections of one buffer (:meth:`part`, then :meth:`total`)."""
+        x = x if x.dtype == torch.float32 else x.float()
+        return self.total([self.part(*self.split(x.reshape(-1)))], [x.numel()])
 
 
 def _signed(n: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -112,20 +141,28 @@ class BucketStats:
     index: int
     sumsq: torch.Tensor  # scalar, in the bucket's float dtype (made float64 with the step's other figures)
     numel: int
-    proj: torch.Tensor  # float64[k], local bucket
+    part: torch.Tensor  # float32, the local bucket's projection, unfinished (``Projector.part``)
     lanes: torch.Tensor | None  # int64[2], exact fingerprint of the local bucket (on scheduled audit steps)
-    avg_proj: torch.Tensor | None = None  # float64[k], all-reduced bucket
+    avg_part: torch.Tensor | None = None  # float32, the all-reduced bucket's, unfinished
     abft: tuple[torch.Tensor, torch.Tensor] | None = None  # worst ABFT ratio and its parameter index
     eps: float = 2.0**-24  # unit roundoff of the dtype the bucket is reduced in
 
 
-def local_stats(index: int, buf: torch.Tensor, project: Projector, lanes: bool = True) -> BucketStats:
+def as_rows(project: Projector, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``buf`` as the projection's rows and remainder (float32 views of it, or of a float32 copy)."""
+    return project.split(buf if buf.dtype == torch.float32 else buf.float())
+
+
+def local_stats(index: int, buf: torch.Tensor, project: Projector, lanes: bool = True,
+                rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> BucketStats:
     """Passes over a local bucket: squared norm, projections, and (``lanes``) exact lanes. No host sync.
 
-    The exact lanes serve a scheduled audit's bitwise comparison; other steps skip that pass (an audit
-    an outlier triggers compares the projections, which the large deviation it looks for moves)."""
+    ``rows``: ``as_rows(project, buf)``, when the caller keeps them for a buffer that lives on. The exact lanes
+    serve a scheduled audit's bitwise comparison; other steps skip that pass (an audit an outlier triggers
+    compares the projections, which the large deviation it looks for moves)."""
     x = buf if buf.dtype in (torch.float32, torch.float64) else buf.float()
-    return BucketStats(index=index, sumsq=torch.dot(x, x), numel=buf.numel(), proj=project(x),
+    return BucketStats(index=index, sumsq=torch.dot(x, x), numel=buf.numel(),
+                       part=project.part(*(rows if rows is not None else as_rows(project, buf))),
                        lanes=tensor_lanes(buf) if lanes else None,
                        eps=torch.finfo(buf.dtype).eps / 2 if buf.is_floating_point() else 0.0)
 
@@ -151,39 +188,48 @@ class StepStats:
 
 
 def gather_step_stats(comm: Communicator, buckets: Sequence[BucketStats], losses: Sequence[torch.Tensor],
-                      k: int) -> list[StepStats]:
-    """Sum this rank's buckets and losses and gather every rank's sums: the step's one device-to-host copy."""
+                      project: Projector) -> list[StepStats]:
+    """Sum this rank's buckets and losses and gather every rank's sums: the step's one device-to-host copy.
+
+    A fixed handful of ops per step whatever the number of buckets: the projections of every bucket are
+    finished in one product per side (``Projector.total``); the row is parsed on the host."""
     bs = sorted(buckets, key=lambda b: b.index)
     dev = bs[0].sumsq.device
-    # One row per bucket (squared norm, projections local and averaged; cat promotes to float64), summed at once.
-    per_bucket = torch.stack([torch.cat([b.sumsq.view(1), b.proj, b.avg_proj if b.avg_proj is not None else b.proj * 0])
-                              for b in bs]).sum(0)
-    numel = sum(b.numel for b in bs)
+    k = project.k
+    sizes = [b.numel for b in bs]
+    proj = project.total([b.part for b in bs], sizes)
+    avg = project.total([b.avg_part if b.avg_part is not None else torch.zeros_like(b.part) for b in bs], sizes)
+    sumsq = torch.stack([b.sumsq for b in bs]).sum(0, keepdim=True, dtype=torch.float64)
     known = all(b.lanes is not None for b in bs)
     if known:
         w = torch.tensor([2 * b.index + 1 for b in bs], dtype=torch.int64, device=dev)
         lanes = (torch.stack([b.lanes for b in bs if b.lanes is not None]) * w[:, None]).sum(0)
     else:
-        lanes = torch.zeros(2, dtype=torch.int64, device=dev)
-    loss = torch.stack(list(losses)).sum().to(dev)
-    abft = _worst_abft(bs, dev)
-    meta = torch.tensor([float(numel), max(b.eps for b in bs) * (1 if known else -1)], dtype=torch.float64, device=dev)
-    floats = torch.cat([per_bucket[:1], loss.view(1), meta, per_bucket[1:], abft])
-    rows = comm.all_gather_rows(torch.cat([floats.view(torch.int64), lanes]))
+        lanes = _const((0, 0), torch.int64, dev)
+    loss = losses[0].view(1) if len(losses) == 1 else torch.stack(list(losses)).sum(0, keepdim=True)
+    meta = _const((float(sum(sizes)), max(b.eps for b in bs) * (1 if known else -1)), torch.float64, dev)
+    floats = torch.cat([sumsq, loss, meta, proj, avg, _worst_abft(bs, dev)])
+    rows = comm.all_gather_rows(torch.cat([floats.view(torch.int64), lanes])).numpy()
     out = []
     for row in rows:
-        f = row[: 6 + 2 * k].view(torch.float64).tolist()
+        f = row[: 6 + 2 * k].view(np.float64).tolist()
         lane_a, lane_b = row[6 + 2 * k :].tolist()
         out.append(StepStats(f[0], f[2], f[1], f[4 : 4 + k], f[4 + k : 4 + 2 * k], (lane_a, lane_b), f[4 + 2 * k],
                              int(f[5 + 2 * k]), abs(f[3]), f[3] > 0))
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _const(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant tensor, made once (a per-step op or host-to-device copy saved); never written to."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def _worst_abft(buckets: Sequence[BucketStats], dev: torch.device) -> torch.Tensor:
     """float64[2]: the worst ABFT ratio over the buckets and its parameter index ([-1, -1]: nothing covered)."""
     got = [b.abft for b in buckets if b.abft is not None]
     if not got:
-        return torch.full((2,), -1.0, dtype=torch.float64, device=dev)
+        return _const((-1.0, -1.0), torch.float64, dev)
     ratios = torch.stack([r.to(torch.float64) for r, _ in got])
     worst = ratios.argmax()
     return torch.stack([ratios[worst], torch.stack([i.to(torch.float64) for _, i in got])[worst]])

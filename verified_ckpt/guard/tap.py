@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..comm import Communicator
 from ..faults import FaultPlan
 from .abft import GradientChecks
-from .stats import BucketStats, Projector, local_stats
+from .stats import BucketStats, Projector, as_rows, local_stats
 
 __all__ = ["GradientTap"]
 
@@ -50,6 +50,10 @@ class GradientTap:
         self.warming = False  # a warm-up pass: a plain average, no checks, no faults, nothing recorded
         self.buckets: list[BucketStats] = []
         self.layout: dict[int, list[int]] = {}
+        # Per bucket index: its buffer and that buffer's projection rows (two views). DDP keeps a bucket's buffer
+        # for the whole run, so the views are made once, not twice per bucket per step; a rebuilt bucket (a new
+        # buffer; the kept views hold the old one alive, so no new one can reuse its address) is noticed.
+        self._rows: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def reset(self) -> None:
         self.buckets = []
@@ -78,7 +82,8 @@ class GradientTap:
         self.layout[index] = [self._pindex[id(p)] for p in bucket.parameters()]
         if index == 0:
             self.faults.apply("grad", rank, step, buf)
-        stats = local_stats(index, buf, self.project, self.want_lanes())
+        rows = self._rows_of(index, buf)
+        stats = local_stats(index, buf, self.project, self.want_lanes(), rows)
         if self.abft is not None:  # before the all-reduce: the local gradients, as this rank computed them
             stats.abft = self.abft.flat(list(bucket.parameters()), buf, stats.sumsq)
         if self.fixed_order:
@@ -101,11 +106,20 @@ class GradientTap:
                 out = f.value()[0]
             if index == 0:
                 self.faults.apply("allreduce", rank, step, out)
-            stats.avg_proj = self.project(out)
+            stats.avg_part = self.project.part(*self._rows_of(index, out))
             self.buckets.append(stats)
             return out
 
         return fut.then(averaged)
+
+    def _rows_of(self, index: int, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``as_rows`` of bucket ``index``'s buffer, kept while the bucket keeps its float32 buffer."""
+        if buf.dtype != torch.float32 or not buf.is_contiguous():
+            return as_rows(self.project, buf)  # a float32 copy each time: nothing to keep
+        kept = self._rows.get(index)
+        if kept is None or kept[0].data_ptr() != buf.data_ptr() or kept[0].numel() != buf.numel():
+            kept = self._rows[index] = (buf, as_rows(self.project, buf))
+        return kept[1]
 
     def warm_up(self, model: torch.nn.Module, module: torch.nn.Module,
                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], batch: Any) -> None:
@@ -134,10 +148,11 @@ class GradientTap:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
         self.faults.apply("grad", 0, step, flat)
-        stats = local_stats(0, flat, self.project, self.want_lanes())
+        rows = as_rows(self.project, flat)
+        stats = local_stats(0, flat, self.project, self.want_lanes(), rows)
         if self.abft is not None:
             stats.abft = self.abft.flat(self.params, flat, stats.sumsq)
         self.faults.apply("allreduce", 0, step, flat)
-        stats.avg_proj = self.project(flat)
+        stats.avg_part = self.project.part(*rows)
         self.layout = {0: list(range(len(self.params)))}
         self.buckets = [stats]

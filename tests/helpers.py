@@ -76,13 +76,15 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float) -> subprocess.
 
 class Kernels(TorchDispatchMode):
     """Counts the aten ops dispatched inside it: ``n`` those that are not views (views describe memory and launch
-    no kernel), ``dispatched`` every one (each costs the host a dispatch)."""
+    no kernel), ``dispatched`` every one (each costs the host a dispatch), ``syncs`` the reads of a device value
+    into Python (``.item()`` and its kin: on a GPU, each waits for the device)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.n = self.dispatched = 0
+        self.n = self.dispatched = self.syncs = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += not func.is_view
         self.dispatched += 1
+        self.syncs += func is torch.ops.aten._local_scalar_dense.default
         return func(*args, **(kwargs or {}))

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from .stats import StepStats, Verdict, failed_rows
+from .stats import StepStats, Verdict, failed_rows, worst
 
 __all__ = ["GradientChecks", "check"]
 
@@ -45,30 +46,36 @@ _RMS = math.sqrt(7 / 3)  # rms of a weight drawn from ±[1, 2]
 
 @dataclasses.dataclass
 class _Covered:
-    """One covered parameter: its random vectors and this step's accumulators (device scalars)."""
+    """One covered parameter: its random vectors and what this step's hooks recorded for it (device vectors).
+
+    Each backward through a covering module adds one entry ``(x, a, y, b)`` of per-row vectors whose products
+    sum to the expected ``rᵀ G s``: ``Σ_n x_n y_n``, with the spread ``Σ_n a_n² b_n²`` (for a bias, ``x`` and
+    ``a`` are ``None``: ``Σ_n y_n`` and ``Σ_n b_n²``). Nothing is summed per layer: the bucket check sums every
+    entry of every covered parameter at once.
+    """
 
     name: str
     index: int
     r: torch.Tensor  # rows (out), float32
     s: torch.Tensor | None  # columns (in), float32; None for a bias
-    expected: torch.Tensor | None = None  # float64
-    spread: torch.Tensor | None = None  # float64, Σ a_n² b_n²
+    entries: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]] = \
+        dataclasses.field(default_factory=list)
+    base: torch.Tensor | None = None  # float64 rᵀ G s of a gradient left from before the step (not zeroed)
     rows: int = 0
     eps: float = 2.0**-24
 
-    def add(self, expected: torch.Tensor, spread: torch.Tensor, rows: int, eps: float) -> None:
-        self.expected = expected if self.expected is None else self.expected + expected
-        self.spread = spread if self.spread is None else self.spread + spread
-        self.rows += rows
+    def add(self, x: torch.Tensor | None, a: torch.Tensor | None, y: torch.Tensor, b: torch.Tensor, eps: float) -> None:
+        self.entries.append((x, a, y, b))
+        self.rows += y.numel()
         self.eps = max(self.eps, eps)
 
 
 def _rgs(c: _Covered, g: torch.Tensor) -> torch.Tensor:
-    """``rᵀ G s`` (``rᵀ g`` for a bias), from one pass over the gradient; float32 sums, whose rounding the
-    bound's terms cover."""
+    """``rᵀ G s`` (``rᵀ g`` for a bias), float32, from one pass over the gradient; float32 sums, whose rounding
+    the bound's terms cover."""
     if c.s is not None and g.dim() == 2:
-        return torch.dot(torch.mv(g, c.s), c.r).double()
-    return torch.dot(g.reshape(-1), c.r).double()
+        return torch.dot(torch.mv(g, c.s), c.r)
+    return torch.dot(g.reshape(-1), c.r)
 
 
 def _norm(g: torch.Tensor) -> torch.Tensor:
@@ -83,6 +90,44 @@ def _weights(n: int, g: torch.Generator, device: torch.device) -> torch.Tensor:
 
 def _eps(*dtypes: torch.dtype) -> float:
     return max(torch.finfo(d).eps / 2 if d.is_floating_point else 2.0**-24 for d in dtypes)
+
+
+def _sums(covered: Sequence[_Covered]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 expected ``rᵀ G s`` and spread ``Σ a²b²`` of each of ``covered`` (weights, then biases), over all
+    their entries: one ``cat`` per vector kind and one segmented sum per result, however many layers and
+    microbatches. Products in float64 (more exact than the float32 dots they replace)."""
+    weights = [c for c in covered if c.s is not None]
+    biases = [c for c in covered if c.s is None]
+    expected, spread = [], []
+    if weights:
+        entries = [e for c in weights for e in c.entries]
+        lengths = _lengths(tuple(sum(e[2].numel() for e in c.entries) for c in weights), entries[0][2].device)
+        x = torch.cat([e[0] for e in entries if e[0] is not None])
+        ab = torch.cat([e[1] for e in entries if e[1] is not None]) * torch.cat([e[3] for e in entries])
+        y = torch.cat([e[2] for e in entries])
+        expected.append(torch.segment_reduce(x.double() * y.double(), "sum", lengths=lengths))
+        spread.append(torch.segment_reduce(ab.double().square(), "sum", lengths=lengths))
+    if biases:
+        entries = [e for c in biases for e in c.entries]
+        lengths = _lengths(tuple(sum(e[2].numel() for e in c.entries) for c in biases), entries[0][2].device)
+        expected.append(torch.segment_reduce(torch.cat([e[2] for e in entries]).double(), "sum", lengths=lengths))
+        spread.append(torch.segment_reduce(torch.cat([e[3] for e in entries]).double().square(), "sum", lengths=lengths))
+    if len(expected) == 1:
+        return expected[0], spread[0]
+    return torch.cat(expected), torch.cat(spread)
+
+
+@functools.lru_cache(maxsize=256)
+def _lengths(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The segments' lengths as a device tensor, made once per layout (a host-to-device copy saved per step)."""
+    return torch.tensor(lengths, dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def _coefficients(coefs: tuple[tuple[float, float, float], ...], device: torch.device) -> torch.Tensor:
+    """float64[3, n]: the bound's two coefficients and the parameter index of each covered parameter, made once
+    per layout (they are plain numbers, the same every step)."""
+    return torch.tensor(coefs, dtype=torch.float64, device=device).T.contiguous()
 
 
 class GradientChecks:
@@ -127,7 +172,7 @@ class GradientChecks:
 
     def reset(self) -> None:
         for c in self.covered.values():
-            c.expected, c.spread, c.rows, c.eps = None, None, 0, 2.0**-24
+            c.entries, c.base, c.rows, c.eps = [], None, 0, 2.0**-24
 
     @contextlib.contextmanager
     def pausing(self) -> Iterator[None]:
@@ -147,7 +192,7 @@ class GradientChecks:
             c = self.covered.get(id(p))
             if c is None or p.grad is None:
                 continue
-            c.add(_rgs(c, p.grad.detach().float()), torch.zeros((), dtype=torch.float64, device=p.device), 0, 2.0**-24)
+            c.base = _rgs(c, p.grad.detach().float()).double()
 
     # ------------------------------------------------------------ hooks
     def _linear_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
@@ -155,29 +200,29 @@ class GradientChecks:
             return
         w = self.covered.get(id(mod.weight))
         x = args[0] if args else None
-        if w is None or not isinstance(x, torch.Tensor):
+        if w is None or w.s is None or not isinstance(x, torch.Tensor):
             return
-        x2 = x.detach().reshape(-1, x.shape[-1])
         cast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        with torch.autocast(x.device.type, enabled=False):  # the checksums are float32, whatever the layer ran in
-            xs = torch.mv(x2.float(), w.s) if w.s is not None else None
+        # The checksums are float32, whatever the layer ran in; no autograd graph for them.
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1])
+            xs = torch.mv(x2 if x2.dtype == torch.float32 else x2.float(), w.s)
             a = torch.linalg.vector_norm(x2, dim=1, dtype=torch.float32)
         bias = self.covered.get(id(mod.bias)) if getattr(mod, "bias", None) is not None else None
         self._flops(mod, 2 * x2.shape[0] * x2.shape[1] * out.shape[-1])
 
         def on_grad(dy: torch.Tensor) -> None:
-            assert xs is not None
-            dy2 = dy.detach().reshape(-1, dy.shape[-1]).float()
-            dyr = dy2 @ w.r
-            b = torch.linalg.vector_norm(dy2, dim=1)
+            with torch.no_grad():
+                dy2 = dy.reshape(-1, dy.shape[-1])
+                dy2 = dy2 if dy2.dtype == torch.float32 else dy2.float()
+                y = torch.mv(dy2, w.r)
+                b = torch.linalg.vector_norm(dy2, dim=1)
             eps = _eps(cast, dy.dtype)
-            ab = a * b
-            w.add(torch.dot(dyr, xs).double(), torch.dot(ab, ab).double(), x2.shape[0], eps)
+            w.add(xs, a, y, b, eps)
             if bias is not None:
-                bias.add(dyr.sum(dtype=torch.float64), torch.dot(b, b).double(), x2.shape[0], eps)
+                bias.add(None, None, y, b, eps)
 
-        if xs is not None:
-            out.register_hook(on_grad)
+        out.register_hook(on_grad)
 
     def _embedding_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
         if self.paused or not torch.is_grad_enabled() or not isinstance(out, torch.Tensor) or not out.requires_grad:
@@ -187,15 +232,17 @@ class GradientChecks:
         if e is None or e.s is None or not isinstance(idx, torch.Tensor):
             return
         flat = idx.detach().reshape(-1)
+        with torch.no_grad():
+            picked = e.r[flat]  # the rows of r the scatter-add sends each output row's gradient to
+            if mod.padding_idx is not None:  # the padding row's gradient is kept at zero
+                picked = picked * (flat != mod.padding_idx)
+            ones = torch.ones_like(picked)
         s = e.s
-        weights = e.r[flat].double()
-        if mod.padding_idx is not None:  # the padding row's gradient is kept at zero
-            weights = weights * (flat != mod.padding_idx)
 
         def on_grad(dy: torch.Tensor) -> None:
-            dy2 = dy.detach().reshape(-1, dy.shape[-1]).float()
-            b = torch.linalg.vector_norm(dy2, dim=1).double()
-            e.add((weights * (dy2 @ s).double()).sum(), (b**2).sum(), flat.numel(), _eps(dy.dtype))
+            with torch.no_grad():
+                dy2 = dy.reshape(-1, dy.shape[-1]).float()
+                e.add(picked, ones, torch.mv(dy2, s), torch.linalg.vector_norm(dy2, dim=1), _eps(dy.dtype))
 
         out.register_hook(on_grad)
 
@@ -209,7 +256,7 @@ class GradientChecks:
 
     # ------------------------------------------------------------ check
     def flat(self, params: Sequence[torch.Tensor], buf: torch.Tensor,
-             sumsq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+             sumsq: torch.Tensor | None = None) -> torch.Tensor | None:
         """:meth:`bucket` over a flat buffer holding ``params``' gradients one after another (a DDP bucket)."""
         grads, pos = [], 0
         for p in params:
@@ -218,46 +265,42 @@ class GradientChecks:
         return self.bucket(params, grads, sumsq)
 
     def bucket(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-               sumsq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The worst ratio |actual - expected| / bound over the bucket's covered parameters, and that parameter's
-        index (device tensors, no host sync); ``None`` when nothing in the bucket was covered this step.
+               sumsq: torch.Tensor | None = None) -> torch.Tensor | None:
+        """float64[2]: the worst ratio |actual - expected| / bound over the bucket's covered parameters, and that
+        parameter's index (on the device, no host sync); ``None`` when nothing in the bucket was covered this step.
 
-        ``sumsq``: the squared norm of all the gradients together (the tap has it already). Its root bounds
-        every gradient's own norm in the bound, which saves a pass over each gradient; without it, each
-        gradient's norm is computed.
+        One pass over each covered gradient (its ``rᵀ G s``); the expected values and spreads of all of them, over
+        every microbatch, in a fixed handful of ops (``_sums``). ``sumsq``: the squared norm of all the gradients
+        together (the tap has it already). Its root bounds every gradient's own norm in the bound, which saves a
+        pass over each gradient; without it, each gradient's norm is computed.
         """
-        whole = sumsq.to(torch.float64).sqrt() if sumsq is not None else None
-        actual, expected, spread, norms, first, second, which = [], [], [], [], [], [], []
-        for p, grad in zip(params, grads, strict=True):
-            c = self.covered.get(id(p))
-            if c is None or c.expected is None or c.spread is None:
-                continue
-            g = grad if grad.dtype == torch.float32 else grad.float()
-            actual.append(_rgs(c, g))
-            expected.append(c.expected)
-            spread.append(c.spread)
-            norms.append(whole if whole is not None else _norm(g))
-            # The bound's coefficients are plain numbers (shapes, rows, dtype): one tensor of them per bucket.
-            if c.s is not None and g.dim() == 2:
-                k = self.slack * c.eps * _RMS * _RMS
-                first.append(k * (math.sqrt(c.rows) + math.sqrt(g.shape[1]) + math.sqrt(g.shape[0])))
-                second.append(k * (math.sqrt(g.shape[1]) + 1))
-            else:
-                k = self.slack * c.eps * _RMS
-                first.append(k * (math.sqrt(c.rows) + math.sqrt(g.numel())))
-                second.append(k)
-            which.append(c.index)
-        if not actual:
+        got = [(c, g) for p, g in zip(params, grads, strict=True)
+               if (c := self.covered.get(id(p))) is not None and c.entries]
+        if not got:
             return None
-        dev = actual[0].device
-        coef = torch.tensor([first, second, which], dtype=torch.float64, device=dev)
-        bound = coef[0] * torch.stack(spread).sqrt() + coef[1] * torch.stack(norms) + 1e-30
+        got.sort(key=lambda cg: cg[0].s is None)  # weights first, then biases: the order ``_sums`` returns
+        actual = torch.stack([_rgs(c, g if g.dtype == torch.float32 else g.float()) for c, g in got]).double()
+        expected, spread = _sums([c for c, _ in got])
+        if any(c.base is not None for c, _ in got):
+            zero = torch.zeros((), dtype=torch.float64, device=actual.device)
+            expected = expected + torch.stack([c.base if c.base is not None else zero for c, _ in got])
+        norms = sumsq.to(torch.float64).sqrt() if sumsq is not None else torch.stack([_norm(g.float()) for _, g in got])
+        coef = _coefficients(tuple(self._coefficients(c, g) for c, g in got), actual.device)
+        bound = coef[0] * spread.sqrt() + coef[1] * norms + 1e-30
         # Norms are float32 sums of squares: a value past ~1e19 (no real gradient or activation) overflows
         # them, and an infinite bound would pass anything. Such a bound is a failure in itself.
-        ratio = ((torch.stack(actual) - torch.stack(expected)).abs() / bound).nan_to_num(nan=torch.inf)
+        ratio = ((actual - expected).abs() / bound).nan_to_num(nan=torch.inf)
         ratio = torch.where(bound.isfinite(), ratio, torch.inf)
-        worst = ratio.argmax()
-        return ratio[worst], coef[2][worst]
+        return worst(torch.stack([ratio, coef[2]]).T)
+
+    def _coefficients(self, c: _Covered, g: torch.Tensor) -> tuple[float, float, float]:
+        """The bound's coefficients of one parameter (plain numbers: shapes, rows, dtype), and its index."""
+        if c.s is not None and g.dim() == 2:
+            k = self.slack * c.eps * _RMS * _RMS
+            return (k * (math.sqrt(c.rows) + math.sqrt(g.shape[1]) + math.sqrt(g.shape[0])),
+                    k * (math.sqrt(g.shape[1]) + 1), float(c.index))
+        k = self.slack * c.eps * _RMS
+        return k * (math.sqrt(c.rows) + math.sqrt(g.numel())), k, float(c.index)
 
     def name_of(self, index: int) -> str:
         return next((c.name for c in self.covered.values() if c.index == index), f"parameter {index}")

@@ -24,7 +24,7 @@ from ..lanes import tensor_lanes
 
 __all__ = [
     "BucketStats", "Projector", "StepStats", "Verdict", "as_rows", "failed_rows", "gather_step_stats", "local_stats",
-    "step_rows",
+    "step_rows", "worst",
 ]
 
 LANES = 1024  # projection vector length; buckets are folded onto it row by row
@@ -144,7 +144,7 @@ class BucketStats:
     part: torch.Tensor  # float32, the local bucket's projection, unfinished (``Projector.part``)
     lanes: torch.Tensor | None  # int64[2], exact fingerprint of the local bucket (on scheduled audit steps)
     avg_part: torch.Tensor | None = None  # float32, the all-reduced bucket's, unfinished
-    abft: tuple[torch.Tensor, torch.Tensor] | None = None  # worst ABFT ratio and its parameter index
+    abft: torch.Tensor | None = None  # float64[2]: the worst ABFT ratio and its parameter index
     eps: float = 2.0**-24  # unit roundoff of the dtype the bucket is reduced in
 
 
@@ -230,9 +230,13 @@ def _worst_abft(buckets: Sequence[BucketStats], dev: torch.device) -> torch.Tens
     got = [b.abft for b in buckets if b.abft is not None]
     if not got:
         return _const((-1.0, -1.0), torch.float64, dev)
-    ratios = torch.stack([r.to(torch.float64) for r, _ in got])
-    worst = ratios.argmax()
-    return torch.stack([ratios[worst], torch.stack([i.to(torch.float64) for _, i in got])[worst]])
+    return got[0] if len(got) == 1 else worst(torch.stack(got))
+
+
+def worst(pairs: torch.Tensor) -> torch.Tensor:
+    """The row of ``[n, 2]`` (ratio, parameter index) with the largest ratio, as float64[2]. Picked on the device:
+    indexing with the 0-d result of ``argmax`` would copy it to the host (a sync per bucket)."""
+    return pairs.index_select(0, pairs[:, 0].argmax().view(1)).view(2)
 
 
 def failed_rows(step: int, gathered: Sequence[StepStats], kind: str, failed: Sequence[int] | None,

@@ -88,6 +88,7 @@ def _weights(n: int, g: torch.Generator, device: torch.device) -> torch.Tensor:
     return ((torch.rand(n, generator=g) + 1) * signs).to(device)
 
 
+@functools.lru_cache(maxsize=64)
 def _eps(*dtypes: torch.dtype) -> float:
     return max(torch.finfo(d).eps / 2 if d.is_floating_point else 2.0**-24 for d in dtypes)
 
@@ -202,9 +203,11 @@ class GradientChecks:
         x = args[0] if args else None
         if w is None or w.s is None or not isinstance(x, torch.Tensor):
             return
-        cast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        # The checksums are float32, whatever the layer ran in; no autograd graph for them.
-        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        autocast = torch.is_autocast_enabled(x.device.type)
+        cast = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        # The checksums are float32, whatever the layer ran in; no autograd graph for them. (Entering an
+        # autocast context costs more than the two products: only where one is on.)
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
             x2 = x.reshape(-1, x.shape[-1])
             xs = torch.mv(x2 if x2.dtype == torch.float32 else x2.float(), w.s)
             a = torch.linalg.vector_norm(x2, dim=1, dtype=torch.float32)

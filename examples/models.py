@@ -88,3 +88,17 @@ class BNMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+def mlp(width: int, depth: int, out: int = 8) -> nn.Sequential:
+    """``depth`` x (Linear(width, width), GELU), then Linear(width, out), seeded: the guard benchmarks' model."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, out))
+
+
+def mse_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The loss of ``mlp`` on (inputs, targets)."""
+    return nn.functional.mse_loss(model(batch[0]), batch[1])

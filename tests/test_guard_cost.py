@@ -12,6 +12,7 @@ from helpers import Kernels
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_train
+import models
 from verified_ckpt import GuardConfig, SDCGuard
 
 
@@ -25,18 +26,6 @@ def one_rank(tmp_path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def mlp(width: int = 256, depth: int = 4) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 4))
-
-
-def mse(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
 
 
 def measure(build, loss_fn, batch, cfg: GuardConfig) -> tuple[Kernels, Kernels, int]:
@@ -67,8 +56,8 @@ def measure(build, loss_fn, batch, cfg: GuardConfig) -> tuple[Kernels, Kernels, 
 
 
 def test_the_per_step_checks_add_at_most_twelve_plus_ten_ops_per_bucket(one_rank):
-    batch = (torch.randn(32, 256), torch.randn(32, 4))
-    base, checked, buckets = measure(lambda: DDP(mlp(), bucket_cap_mb=0.15), mse, batch,
+    batch = (torch.randn(32, 256), torch.randn(32, 8))
+    base, checked, buckets = measure(lambda: DDP(models.mlp(256, 4), bucket_cap_mb=0.15), models.mse_loss, batch,
                                      GuardConfig(audit_every=None, consensus_every=10**9, abft=False))
     assert buckets >= 3
     # Every dispatched op counts, views included: the squared norm, one product and one copy per bucket on each
@@ -87,8 +76,8 @@ def test_one_process_adds_at_most_twenty_two_kernels():
 
 @pytest.mark.parametrize("abft", [False, True], ids=["abft-off", "abft-on"])
 def test_the_checks_read_no_device_value_into_python_before_the_step_gather(one_rank, abft):
-    batch = (torch.randn(32, 256), torch.randn(32, 4))
-    base, checked, _ = measure(lambda: DDP(mlp(), bucket_cap_mb=0.15), mse, batch,
+    batch = (torch.randn(32, 256), torch.randn(32, 8))
+    base, checked, _ = measure(lambda: DDP(models.mlp(256, 4), bucket_cap_mb=0.15), models.mse_loss, batch,
                                GuardConfig(audit_every=None, consensus_every=10**9, abft=abft))
     # On a GPU each such read waits for the device. The step's one copy to the host is the gathered row, read
     # as a whole; the optimizer's own reads (AdamW's step counts) are in both counts.

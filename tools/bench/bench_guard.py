@@ -17,6 +17,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,21 +32,29 @@ from verified_ckpt import GuardConfig, SDCGuard
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
-    torch.manual_seed(0)
     if args.model == "gpt":
+        torch.manual_seed(0)
         return models.TinyGPT(vocab=1024, d=args.d_model, layers=args.depth, heads=8, context=args.context)
-    width, depth = args.width, args.depth
-    layers: list[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 8))
+    return models.mlp(args.width, args.depth)
 
 
 def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     if y.dim() == 0:  # token ids: a language model
         return models.lm_loss(model, x)
-    return torch.nn.functional.mse_loss(model(x), y)
+    return models.mse_loss(model, batch)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, guard: SDCGuard | None, batch: Any,
+               step: int, loss: Callable[[torch.nn.Module, Any], torch.Tensor] = loss_fn) -> None:
+    """One training step, plain (``guard`` None) or guarded, the way a user's loop takes it."""
+    if guard is None:
+        loss(model, batch).backward()
+        opt.step()
+    else:
+        guard.backward(batch, step=step)
+        guard.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
@@ -77,13 +87,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         for name, (model, opt, guard) in runs.items():
             dist.barrier()
             t0 = time.perf_counter()
-            if guard is None:
-                loss_fn(model, b).backward()
-                opt.step()
-            else:
-                guard.backward(b, step=step)
-                guard.step()
-            opt.zero_grad(set_to_none=True)
+            train_step(model, opt, guard, b, step)
             dist.barrier()
             if step > args.warmup:
                 times[name].append(time.perf_counter() - t0)

@@ -20,22 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_guard import train_step
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
+import models
 from verified_ckpt import GuardConfig, SDCGuard
-
-
-def build(width: int, depth: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 8))
-
-
-def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
 
 
 def top_level_ops(prof: Any) -> collections.Counter[str]:
@@ -61,24 +51,14 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     for name, cfg in [("plain DDP", None),
                       ("ABFT off", GuardConfig(consensus_every=10**9, audit_every=None, abft=False)),
                       ("ABFT on", GuardConfig(consensus_every=10**9, audit_every=None))]:
-        model = DDP(build(args.width, args.depth), bucket_cap_mb=args.bucket_mb)
+        model = DDP(models.mlp(args.width, args.depth), bucket_cap_mb=args.bucket_mb)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        guard = SDCGuard(model, opt, loss_fn, cfg) if cfg is not None else None
-
-        def step(s: int, model: DDP = model, opt: torch.optim.Optimizer = opt, guard: SDCGuard | None = guard) -> None:
-            if guard is None:
-                loss_fn(model, batch).backward()
-                opt.step()
-            else:
-                guard.backward(batch, step=s)
-                guard.step()
-            opt.zero_grad(set_to_none=True)
-
+        guard = SDCGuard(model, opt, models.mse_loss, cfg) if cfg is not None else None
         for s in range(1, 4):  # optimizer state, DDP's rebuilt buckets, cached weights
-            step(s)
+            train_step(model, opt, guard, batch, s, models.mse_loss)
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step(4)
+            train_step(model, opt, guard, batch, 4, models.mse_loss)
         dist.barrier()
         result[name] = dict(top_level_ops(prof))
         buckets = len(model.reducer._get_zeros_like_grad_buckets()) if hasattr(model, "reducer") else None

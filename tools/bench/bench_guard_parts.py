@@ -17,7 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_guard import train_step
 
+import models
 from verified_ckpt import GuardConfig, SDCGuard
 from verified_ckpt.guard import abft, sdcguard, tap
 
@@ -55,28 +57,16 @@ def main() -> None:
                              (tap, "local_stats", "local bucket statistics"),
                              (sdcguard, "gather_step_stats", "step figures and their gather")]:
         setattr(cls, name, timer(totals, label, getattr(cls, name)))
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(args.depth):
-        layers += [torch.nn.Linear(args.width, args.width), torch.nn.GELU()]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(args.width, 8))
+    model = models.mlp(args.width, args.depth)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def loss_fn(m: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(m(b[0]), b[1])
-
-    guard = SDCGuard(model, opt, loss_fn, GuardConfig(consensus_every=10**9, audit_every=None))
+    guard = SDCGuard(model, opt, models.mse_loss, GuardConfig(consensus_every=10**9, audit_every=None))
     batch = (torch.randn(args.batch, args.width), torch.randn(args.batch, 8))
     for step in range(1, 5):
-        guard.backward(batch, step=step)
-        guard.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, guard, batch, step, models.mse_loss)
     totals.clear()
     t0 = time.perf_counter()
     for step in range(5, 5 + args.steps):
-        guard.backward(batch, step=step)
-        guard.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, guard, batch, step, models.mse_loss)
     step_ms = (time.perf_counter() - t0) / args.steps * 1e3
     n = sum(p.numel() for p in model.parameters())
     print(f"MLP {args.depth}x{args.width} ({n / 1e6:.1f} M params), batch {args.batch}, one process, one thread, "

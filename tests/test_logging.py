@@ -50,7 +50,7 @@ def test_a_guarded_job_logs_its_saves_the_incident_the_rollback_and_the_restore(
     assert "check failed at step 6" in incident and "rank 1" in incident
     assert any(lvl == "INFO" and m.startswith("rollback to step-") and "(step 4)" in m for lvl, m in zero)
     assert any(lvl == "INFO" and m.startswith("restored step-") for lvl, m in zero)
-    assert not any(m.startswith(("saved ", "incident: ")) for lines_of in lines[1:] for _, m in lines_of)
+    assert not any(m.startswith(("saved ", "incident: ", "restored ")) for lines_of in lines[1:] for _, m in lines_of)
 
 
 def test_a_save_that_is_not_restorable_is_a_warning_naming_why(tmp_path, caplog):

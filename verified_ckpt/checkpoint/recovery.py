@@ -63,7 +63,8 @@ class Recovery:
     def _loaded(self, chosen: CheckpointInfo) -> CheckpointInfo:
         self.journal.log([Event(chosen.step, "restore", NO_RANK, "none")])
         self.on_restored(chosen)
-        log.info("restored %s (step %d, %s)", chosen.id, chosen.step, chosen.status.value)
+        if self.rank() == 0:  # every rank restores the same checkpoint: one line for the job, as saves have
+            log.info("restored %s (step %d, %s)", chosen.id, chosen.step, chosen.status.value)
         return chosen
 
     def rollback(self, state: Mapping[str, Any], comm: Communicator) -> CheckpointInfo:

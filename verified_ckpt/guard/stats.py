@@ -113,7 +113,7 @@ class Projector:
         """``float64[k]``: the summed projections of the buffers (of ``sizes`` elements) that ``parts`` came from, in
         one float64 product over all of them (one set of kernels per step, not per bucket)."""
         key = tuple(sizes)
-        w = self._totals.get(key)
+        w = self.weights(sizes[0] // LANES, sizes[0] % LANES) if len(sizes) == 1 else self._totals.get(key)
         if w is None:
             w = torch.cat([self.weights(n // LANES, n % LANES) for n in sizes], dim=1)
             if len(self._totals) >= 8:  # a few bucket layouts at most (DDP rebuilds its buckets once)

@@ -122,18 +122,21 @@ class GradientTap:
             return as_rows(self.project, buf)  # a float32 copy each time: nothing to keep
         kept = self._rows.get(index)
         if kept is None or kept[0].data_ptr() != buf.data_ptr() or kept[0].numel() != buf.numel():
+            if kept is not None:  # DDP rebuilt its buckets: let go of every old buffer, not just this one
+                self._rows.clear()
             kept = self._rows[index] = (buf, as_rows(self.project, buf))
         return kept[1]
 
     def _flat_of(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The gradients one after another, in a buffer kept from step to step (as a DDP bucket is): a fresh one
-        each step costs its allocation and, on CPU, a page fault per page (2.5x the copy itself)."""
+        """The gradients one after another. On CPU in a buffer kept from step to step (as a DDP bucket is): a fresh
+        one each step costs a page fault per page (2.5x the copy itself). On a GPU the caching allocator makes a
+        fresh one cheap, and a kept one would hold a gradient's worth of memory through the next forward."""
         if not grads:
             return torch.zeros(0)
         n = sum(g.numel() for g in grads)
         dtype, device = grads[0].dtype, grads[0].device
-        if any(g.dtype != dtype or g.device != device for g in grads):
-            return torch.cat([g.reshape(-1) for g in grads])  # mixed dtypes: the promoted copy, as before
+        if device.type != "cpu" or any(g.dtype != dtype or g.device != device for g in grads):
+            return torch.cat([g.reshape(-1) for g in grads])  # (mixed dtypes: the promoted copy)
         flat = self._flat
         if flat is None or flat.numel() != n or flat.dtype != dtype or flat.device != device:
             flat = self._flat = torch.empty(n, dtype=dtype, device=device)
@@ -166,7 +169,7 @@ class GradientTap:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = self._flat_of(grads)
         self.faults.apply("grad", 0, step, flat)
-        rows = self._rows_of(-1, flat)
+        rows = self._rows_of(-1, flat) if flat is self._flat else as_rows(self.project, flat)  # kept with it
         stats = local_stats(0, flat, self.project, self.want_lanes(), rows)
         if self.abft is not None:
             stats.abft = self.abft.flat(self.params, flat, stats.sumsq)

@@ -120,3 +120,21 @@ def clean_schedule(rank: int, world: int) -> dict:
 def test_a_clean_warmup_cosine_run_raises_nothing():
     got = run_ranks(clean_schedule, 3)
     assert all(r["incidents"] == [] for r in got) and got[0]["checks"]["abft"]["passed"] == 40
+
+
+def test_long_gradient_accumulation_folds_its_rows_and_still_catches_a_wrong_gradient():
+    # Each microbatch leaves per-row vectors on the device until the check; past a few they are summed, so
+    # memory does not grow with the number of microbatches, and the sums are the same.
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = SDCGuard(model, opt, lm_loss, GuardConfig(audit_every=None, consensus_every=1000))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(12):
+        guard.backward(torch.randint(0, 64, (4, 17), generator=g), step=1)
+        assert max(len(c.entries) for c in guard.abft.covered.values()) <= 8
+    guard.step()
+    assert guard.checks["abft"].passed == 1
+    torch.manual_seed(0)
+    guard, incident = run(TinyGPT(), lm_loss, 3, accum=12, faults=("grad:0:2:elem=10@100",))
+    assert incident is not None and (incident.kind, incident.detected_step, incident.ranks) == ("abft", 2, [0])

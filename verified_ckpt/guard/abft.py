@@ -42,6 +42,9 @@ from .stats import StepStats, Verdict, failed_rows, worst
 __all__ = ["GradientChecks", "check"]
 
 _RMS = math.sqrt(7 / 3)  # rms of a weight drawn from ±[1, 2]
+# Entries a covered parameter holds before they are summed: its per-row vectors stay on the device until the
+# bucket check, so with many microbatches per step they are folded (a few ops) instead of piling up.
+_MAX_ENTRIES = 8
 
 
 @dataclasses.dataclass
@@ -60,7 +63,10 @@ class _Covered:
     s: torch.Tensor | None  # columns (in), float32; None for a bias
     entries: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]] = \
         dataclasses.field(default_factory=list)
-    base: torch.Tensor | None = None  # float64 rᵀ G s of a gradient left from before the step (not zeroed)
+    # float64 sums folded in already: a gradient left from before the step (not zeroed), and entries folded to
+    # bound their memory
+    base: torch.Tensor | None = None
+    base_spread: torch.Tensor | None = None
     rows: int = 0
     eps: float = 2.0**-24
 
@@ -68,6 +74,15 @@ class _Covered:
         self.entries.append((x, a, y, b))
         self.rows += y.numel()
         self.eps = max(self.eps, eps)
+        if len(self.entries) > _MAX_ENTRIES:  # long gradient accumulation: hold sums, not every microbatch's rows
+            self.fold()
+
+    def fold(self) -> None:
+        """Sum the entries into ``base`` and ``base_spread`` and let them go."""
+        expected, spread = _sums([self])
+        self.base = expected[0] if self.base is None else self.base + expected[0]
+        self.base_spread = spread[0] if self.base_spread is None else self.base_spread + spread[0]
+        self.entries = []
 
 
 def _rgs(c: _Covered, g: torch.Tensor) -> torch.Tensor:
@@ -173,7 +188,7 @@ class GradientChecks:
 
     def reset(self) -> None:
         for c in self.covered.values():
-            c.entries, c.base, c.rows, c.eps = [], None, 0, 2.0**-24
+            c.entries, c.base, c.base_spread, c.rows, c.eps = [], None, None, 0, 2.0**-24
 
     @contextlib.contextmanager
     def pausing(self) -> Iterator[None]:
@@ -278,15 +293,12 @@ class GradientChecks:
         pass over each gradient; without it, each gradient's norm is computed.
         """
         got = [(c, g) for p, g in zip(params, grads, strict=True)
-               if (c := self.covered.get(id(p))) is not None and c.entries]
+               if (c := self.covered.get(id(p))) is not None and c.rows]
         if not got:
             return None
         got.sort(key=lambda cg: cg[0].s is None)  # weights first, then biases: the order ``_sums`` returns
         actual = torch.stack([_rgs(c, g if g.dtype == torch.float32 else g.float()) for c, g in got]).double()
-        expected, spread = _sums([c for c, _ in got])
-        if any(c.base is not None for c, _ in got):
-            zero = torch.zeros((), dtype=torch.float64, device=actual.device)
-            expected = expected + torch.stack([c.base if c.base is not None else zero for c, _ in got])
+        expected, spread = self._expected([c for c, _ in got])
         norms = sumsq.to(torch.float64).sqrt() if sumsq is not None else torch.stack([_norm(g.float()) for _, g in got])
         coef = _coefficients(tuple(self._coefficients(c, g) for c, g in got), actual.device)
         bound = coef[0] * spread.sqrt() + coef[1] * norms + 1e-30
@@ -295,6 +307,32 @@ class GradientChecks:
         ratio = ((actual - expected).abs() / bound).nan_to_num(nan=torch.inf)
         ratio = torch.where(bound.isfinite(), ratio, torch.inf)
         return worst(torch.stack([ratio, coef[2]]).T)
+
+    @staticmethod
+    def _expected(covered: list[_Covered]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expected ``rᵀ G s`` and spread of each of ``covered`` (weights first): one batch of sums over every
+        entry; parameters that folded entries during a long accumulation take their folded sums."""
+        for c in covered:
+            if c.base_spread is not None and c.entries:
+                c.fold()
+        fresh = [c for c in covered if c.base_spread is None]
+        expected, spread = _sums(fresh) if fresh else (None, None)
+        if len(fresh) == len(covered) and not any(c.base is not None for c in covered):
+            assert expected is not None and spread is not None
+            return expected, spread
+        # Rare: a gradient left from before the step, or folded entries. One scalar per parameter, in order.
+        exp, spr, k = [], [], 0
+        for c in covered:
+            if c.base_spread is not None:
+                assert c.base is not None
+                exp.append(c.base)
+                spr.append(c.base_spread)
+                continue
+            assert expected is not None and spread is not None
+            exp.append(expected[k] if c.base is None else expected[k] + c.base)
+            spr.append(spread[k])
+            k += 1
+        return torch.stack(exp), torch.stack(spr)
 
     def _coefficients(self, c: _Covered, g: torch.Tensor) -> tuple[float, float, float]:
         """The bound's coefficients of one parameter (plain numbers: shapes, rows, dtype), and its index."""

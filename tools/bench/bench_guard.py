@@ -98,6 +98,16 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     dist.destroy_process_group()
 
 
+def spawn_ranks(worker: Callable[..., None], args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``worker(rank, world, init_url, args, out_path)`` on ``args.world_size`` gloo ranks; rank 0's JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.spawn(worker, args=(args.world_size, f"file://{tmp}/store", args, out), nprocs=args.world_size)
+        with open(out) as f:
+            res: dict[str, Any] = json.load(f)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=3)
@@ -111,11 +121,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        mp.spawn(worker, args=(args.world_size, f"file://{tmp}/store", args, out), nprocs=args.world_size)
-        with open(out) as f:
-            res = json.load(f)
+    res = spawn_ranks(worker, args)
     s = res["step_s"]
     base, checks = s["plain DDP"], s["per-step checks"]
     ratios = {

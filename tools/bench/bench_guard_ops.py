@@ -13,14 +13,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import tempfile
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from bench_guard import train_step
+from bench_guard import spawn_ranks, train_step
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
@@ -77,11 +74,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket_cap_mb (several buckets per step)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        mp.spawn(worker, args=(args.world_size, f"file://{tmp}/store", args, out), nprocs=args.world_size)
-        with open(out) as f:
-            res = json.load(f)
+    res = spawn_ranks(worker, args)
     base = collections.Counter(res["plain DDP"])
     buckets = res["buckets"]
     print(f"{args.world_size} gloo ranks, MLP {args.depth}x{args.width}, {buckets} buckets, ops of rank 0's step 4")

@@ -30,7 +30,7 @@ from ..comm import Communicator
 from ..history import Event
 from ..lanes import tensor_lanes
 from .config import GuardConfig
-from .stats import Projector, StepStats, Verdict, as_rows
+from .stats import Projector, StepStats, Verdict
 
 __all__ = ["Auditor", "Recomputed"]
 
@@ -185,7 +185,7 @@ class Auditor:
         for index, members in sorted(layout.items()):
             flat = torch.cat([acc[i].reshape(-1) for i in members])
             lanes += tensor_lanes(flat) * (2 * index + 1)
-            parts.append(self.project.part(*as_rows(self.project, flat)))
+            parts.append(self.project.part(*self.project.split(flat)))
             sizes.append(flat.numel())
         # Finished as the owner's per-bucket projections are (``gather_step_stats``): equal grads, equal bits.
         return loss_total, self.project.total(parts, sizes), lanes

@@ -23,7 +23,7 @@ from ..history import NO_RANK, Event
 from ..lanes import tensor_lanes
 
 __all__ = [
-    "BucketStats", "Projector", "StepStats", "Verdict", "as_rows", "failed_rows", "gather_step_stats", "local_stats",
+    "BucketStats", "Projector", "StepStats", "Verdict", "failed_rows", "gather_step_stats", "local_stats",
     "step_rows", "worst",
 ]
 
@@ -94,9 +94,10 @@ class Projector:
         return got
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A flat float32 ``x`` as its full rows ``[m, 1024]`` and its remainder: two views, which a caller may keep
-        for a buffer that lives on (DDP's buckets do) and reuse every step."""
-        x = x if x.is_contiguous() else x.contiguous()
+        """``x``'s elements as full rows ``[m, 1024]`` and a remainder: two float32 views of a contiguous float32
+        ``x`` (which a caller may keep for a buffer that lives on, as DDP's buckets do), else of a float32 copy."""
+        x = x if x.dtype == torch.float32 else x.float()
+        x = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
         m = x.numel() // LANES
         return (x.as_strided((m, LANES), (LANES, 1)),
                 x.as_strided((x.numel() - m * LANES,), (1,), x.storage_offset() + m * LANES))
@@ -126,8 +127,7 @@ class Projector:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``float64[k]``: the projections of one buffer (:meth:`part`, then :meth:`total`)."""
-        x = x if x.dtype == torch.float32 else x.float()
-        return self.total([self.part(*self.split(x.reshape(-1)))], [x.numel()])
+        return self.total([self.part(*self.split(x))], [x.numel()])
 
 
 def _signed(n: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -148,21 +148,16 @@ class BucketStats:
     eps: float = 2.0**-24  # unit roundoff of the dtype the bucket is reduced in
 
 
-def as_rows(project: Projector, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``buf`` as the projection's rows and remainder (float32 views of it, or of a float32 copy)."""
-    return project.split(buf if buf.dtype == torch.float32 else buf.float())
-
-
 def local_stats(index: int, buf: torch.Tensor, project: Projector, lanes: bool = True,
                 rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> BucketStats:
     """Passes over a local bucket: squared norm, projections, and (``lanes``) exact lanes. No host sync.
 
-    ``rows``: ``as_rows(project, buf)``, when the caller keeps them for a buffer that lives on. The exact lanes
+    ``rows``: ``project.split(buf)``, when the caller keeps them for a buffer that lives on. The exact lanes
     serve a scheduled audit's bitwise comparison; other steps skip that pass (an audit an outlier triggers
     compares the projections, which the large deviation it looks for moves)."""
     x = buf if buf.dtype in (torch.float32, torch.float64) else buf.float()
     return BucketStats(index=index, sumsq=torch.dot(x, x), numel=buf.numel(),
-                       part=project.part(*(rows if rows is not None else as_rows(project, buf))),
+                       part=project.part(*(rows if rows is not None else project.split(buf))),
                        lanes=tensor_lanes(buf) if lanes else None,
                        eps=torch.finfo(buf.dtype).eps / 2 if buf.is_floating_point() else 0.0)
 

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..comm import Communicator
 from ..faults import FaultPlan
 from .abft import GradientChecks
-from .stats import BucketStats, Projector, as_rows, local_stats
+from .stats import BucketStats, Projector, local_stats
 
 __all__ = ["GradientTap"]
 
@@ -117,14 +117,14 @@ class GradientTap:
         return fut.then(averaged)
 
     def _rows_of(self, index: int, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``as_rows`` of bucket ``index``'s buffer, kept while the bucket keeps its float32 buffer."""
+        """``Projector.split`` of bucket ``index``'s buffer, kept while the bucket keeps its float32 buffer."""
         if buf.dtype != torch.float32 or not buf.is_contiguous():
-            return as_rows(self.project, buf)  # a float32 copy each time: nothing to keep
+            return self.project.split(buf)  # a float32 copy each time: nothing to keep
         kept = self._rows.get(index)
         if kept is None or kept[0].data_ptr() != buf.data_ptr() or kept[0].numel() != buf.numel():
             if kept is not None:  # DDP rebuilt its buckets: let go of every old buffer, not just this one
                 self._rows.clear()
-            kept = self._rows[index] = (buf, as_rows(self.project, buf))
+            kept = self._rows[index] = (buf, self.project.split(buf))
         return kept[1]
 
     def _flat_of(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -169,7 +169,7 @@ class GradientTap:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = self._flat_of(grads)
         self.faults.apply("grad", 0, step, flat)
-        rows = self._rows_of(-1, flat) if flat is self._flat else as_rows(self.project, flat)  # kept with it
+        rows = self._rows_of(-1, flat) if flat is self._flat else self.project.split(flat)  # kept with it
         stats = local_stats(0, flat, self.project, self.want_lanes(), rows)
         if self.abft is not None:
             stats.abft = self.abft.flat(self.params, flat, stats.sumsq)

@@ -26,9 +26,9 @@ _GRAIN = 64
 # Bytes staged per cat in batched_lanes: bounds the extra memory (one copy of this much at a time), and is
 # large enough that a whole training state takes a handful of chunks (a few kernels each).
 _CHUNK_BYTES = 256 << 20
-# From how many bytes of whole rows a tensor is summed where it lies rather than copied into the staging
-# chunk, on CPU and on CUDA. On CPU a copy costs far more than a kernel's dispatch (staging everything
-# measured 3.3x one flat fingerprint, tools/bench/bench_state_fingerprint.py); on a GPU a launch costs
+# From how many bytes a contiguous tensor is summed where it lies rather than copied into a staging chunk, on
+# CPU and on CUDA. On CPU a copy costs far more than the few ops of an in-place sum (staging everything
+# measured 10.7x one flat fingerprint, tools/bench/bench_state_fingerprint.py); on a GPU a launch costs
 # about what copying 16-32 MiB does at its bandwidth (an estimate: not measured, no GPU lent so far).
 DIRECT_BYTES = (256 << 10, 32 << 20)
 
@@ -224,7 +224,7 @@ class _Padded:
         b = _byte_view(t)
         full = b.numel() // (_ROW * 8) * (_ROW * 8)
         if full >= direct_bytes and b.data_ptr() % 8 == 0:
-            self.units.add(b[:full].view(torch.int64).view(-1, _ROW).sum(dim=1), [(i, 0, full // (_ROW * 8), 1)])
+            _direct(self.units, i, b[:full])  # whole rows only: no partial row for it to sum
             self.stage(i, b[full:], full // (_ROW * 8), always=True)
         else:
             self.stage(i, b, 0, always=False)

@@ -138,3 +138,27 @@ def test_long_gradient_accumulation_folds_its_rows_and_still_catches_a_wrong_gra
     torch.manual_seed(0)
     guard, incident = run(TinyGPT(), lm_loss, 3, accum=12, faults=("grad:0:2:elem=10@100",))
     assert incident is not None and (incident.kind, incident.detected_step, incident.ranks) == ("abft", 2, [0])
+
+
+@pytest.mark.parametrize("spec", [None, "grad:0:3:elem=10@100"], ids=["clean", "fault"])
+def test_gradients_left_from_the_step_before_are_where_the_check_starts(spec):
+    # Without zero_grad the step reduces the old gradient plus the new one: the check starts from the old one.
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = SDCGuard(model, opt, lm_loss, GuardConfig(audit_every=None, consensus_every=1000,
+                                                      faults=(spec,) if spec else ()))
+    g = torch.Generator().manual_seed(0)
+    incident = None
+    for step in range(1, 5):
+        for _ in range(2):
+            guard.backward(torch.randint(0, 64, (4, 17), generator=g), step=step)
+        try:
+            guard.step()
+        except SilentCorruptionDetected as e:
+            incident = e.incident
+            break
+    if spec is None:
+        assert incident is None and guard.checks["abft"].passed == 4
+    else:
+        assert incident is not None and (incident.kind, incident.detected_step) == ("abft", 3)

@@ -63,8 +63,8 @@ class _Covered:
     s: torch.Tensor | None  # columns (in), float32; None for a bias
     entries: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]] = \
         dataclasses.field(default_factory=list)
-    # float64 sums folded in already: a gradient left from before the step (not zeroed), and entries folded to
-    # bound their memory
+    # float64 sums taken before the check: a gradient left from before the step (not zeroed; no spread), and
+    # entries folded to bound their memory
     base: torch.Tensor | None = None
     base_spread: torch.Tensor | None = None
     rows: int = 0
@@ -311,27 +311,27 @@ class GradientChecks:
     @staticmethod
     def _expected(covered: list[_Covered]) -> tuple[torch.Tensor, torch.Tensor]:
         """Expected ``rᵀ G s`` and spread of each of ``covered`` (weights first): one batch of sums over every
-        entry; parameters that folded entries during a long accumulation take their folded sums."""
+        entry. A parameter that holds sums already (a gradient left from before the step, or entries folded during
+        a long accumulation) folds the rest of its entries into them and gives those."""
         for c in covered:
-            if c.base_spread is not None and c.entries:
+            if c.base is not None and c.entries:
                 c.fold()
-        fresh = [c for c in covered if c.base_spread is None]
+        fresh = [c for c in covered if c.base is None]
         expected, spread = _sums(fresh) if fresh else (None, None)
-        if len(fresh) == len(covered) and not any(c.base is not None for c in covered):
+        if len(fresh) == len(covered):
             assert expected is not None and spread is not None
             return expected, spread
-        # Rare: a gradient left from before the step, or folded entries. One scalar per parameter, in order.
-        exp, spr, k = [], [], 0
+        at = {id(c): k for k, c in enumerate(fresh)}
+        exp, spr = [], []
         for c in covered:
-            if c.base_spread is not None:
-                assert c.base is not None
+            if c.base is not None:
+                assert c.base_spread is not None  # it had entries this step (it is checked), all folded now
                 exp.append(c.base)
                 spr.append(c.base_spread)
-                continue
-            assert expected is not None and spread is not None
-            exp.append(expected[k] if c.base is None else expected[k] + c.base)
-            spr.append(spread[k])
-            k += 1
+            else:
+                assert expected is not None and spread is not None
+                exp.append(expected[at[id(c)]])
+                spr.append(spread[at[id(c)]])
         return torch.stack(exp), torch.stack(spr)
 
     def _coefficients(self, c: _Covered, g: torch.Tensor) -> tuple[float, float, float]:

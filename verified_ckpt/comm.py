@@ -100,6 +100,13 @@ class Communicator:
         gather_single(out, t.contiguous(), group=self.group)
         return out.view(self.world, -1).cpu()
 
+    def any_of(self, mask: list[bool]) -> list[bool]:
+        """Element-wise: whether any rank's ``mask`` marks it (one decision for every rank)."""
+        if not self.active or not mask:
+            return mask
+        rows = self.all_gather_rows(torch.tensor(mask, dtype=torch.int64, device=self.device))
+        return [bool(v) for v in rows.to("cpu").bool().any(0).tolist()]
+
     def all_reduce_async(self, buf: torch.Tensor) -> torch.futures.Future[Any]:
         """Start a sum all-reduce of ``buf`` in place; the future's value is ``[buf]``."""
         work = dist.all_reduce(buf, group=self.group, async_op=True)

@@ -84,3 +84,17 @@ class RanksDidNotArrive(VerifiedCkptError, TimeoutError):
 
 class GuardUsageError(VerifiedCkptError, RuntimeError):
     """The guard was driven in an order it cannot check (for example step() without backward())."""
+
+
+class GuardConfigurationError(VerifiedCkptError, RuntimeError):
+    """A check failed alike on every rank the first time it ran: the model's or the framework's structure, not a
+    faulty host. No incident is recorded and no host is named; the message says what to change.
+
+    Attributes:
+        kind: the check (``abft``, ``nonfinite_local``, ...).
+        step: the step it failed at.
+    """
+
+    def __init__(self, message: str, *, kind: str, step: int) -> None:
+        super().__init__(message)
+        self.kind, self.step = kind, step

@@ -19,8 +19,27 @@ from typing import Any
 from .status import MAX_STEP, Status
 
 __all__ = [
-    "CheckCounts", "ConsensusClaim", "Evidence", "EvidenceTracker", "consensus_claim", "evidence_problem", "save_status",
+    "NO_AUDIT", "SINGLE_REPLICA", "CheckCounts", "ConsensusClaim", "Evidence", "EvidenceTracker", "consensus_claim",
+    "evidence_problem", "remedies", "save_status",
 ]
+
+SINGLE_REPLICA = "a single replica: no cross-replica consensus or audit is possible"
+NO_AUDIT = "no recompute audit has passed since the previous restorable checkpoint"
+FAILED = "checks failed since the previous checkpoint: "
+# What to change, for each reason a save is not restorable (logged with it; the manifest keeps the reason).
+_REMEDIES = {
+    FAILED: "roll back: resume(state) on the restart, or `vckpt rollback RUN`",
+    SINGLE_REPLICA: "train with 2 or more data-parallel replicas (3 or more to have suspects named)",
+    NO_AUDIT: "keep GuardConfig(audit_before_save=True) (the default), which audits before such a save, or set "
+              "audit_every to at most the save interval; a save before the first training step has nothing to audit",
+    "saved without an SDCGuard": "pass guard=SDCGuard(...) to CheckpointManager (the Lightning and Hugging Face "
+                                 "integrations do when their guard is installed)",
+}
+
+
+def remedies(reasons: Sequence[str]) -> list[str]:
+    """The next step for each reason a save is not restorable (those this module knows)."""
+    return [fix for r in reasons for prefix, fix in _REMEDIES.items() if r.startswith(prefix)]
 
 _RANK = re.compile(r"(0|[1-9][0-9]{0,8})\Z")
 
@@ -32,9 +51,13 @@ class CheckCounts:
     passed: int = 0
     failed: int = 0
     last_pass: int | None = None
+    coverage: float | None = None  # the share of backward FLOPs the check verifies each step (ABFT), once measured
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "failed": self.failed, "last_pass": self.last_pass}
+        d: dict[str, Any] = {"passed": self.passed, "failed": self.failed, "last_pass": self.last_pass}
+        if self.coverage is not None:
+            d["coverage"] = self.coverage
+        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +106,15 @@ class EvidenceTracker:
         self._baseline = {k: dataclasses.replace(c) for k, c in counters.items()}
         self._audits_at_restorable = self._baseline.get("audit", CheckCounts()).passed
 
+    def needs_audit(self, counters: Mapping[str, CheckCounts], audits_enabled: bool) -> bool:
+        """Whether a save now would lack a recompute audit since the previous restorable checkpoint."""
+        return audits_enabled and counters.get("audit", CheckCounts()).passed - self._audits_at_restorable < 1
+
     def for_save(self, step: int, fingerprints: Sequence[str], counters: Mapping[str, CheckCounts], *, world: int,
                  audits_enabled: bool) -> tuple[Evidence, Status, list[str]]:
         """The evidence, status and reasons of a save whose consensus gave ``fingerprints``; advances the baselines."""
         since = {k: CheckCounts(c.passed - self._baseline.get(k, CheckCounts()).passed,
-                                c.failed - self._baseline.get(k, CheckCounts()).failed, c.last_pass)
+                                c.failed - self._baseline.get(k, CheckCounts()).failed, c.last_pass, c.coverage)
                  for k, c in counters.items()}
         audits = counters.get("audit", CheckCounts()).passed - self._audits_at_restorable
         status, reasons = save_status(world, {k: c.failed for k, c in since.items()}, audits_enabled, audits)
@@ -111,12 +138,11 @@ def save_status(
     """
     failed = {k: n for k, n in failed_since_previous.items() if n}
     if failed:
-        return Status.SUSPECT, ["checks failed since the previous checkpoint: "
-                                + ", ".join(f"{k} x{n}" for k, n in sorted(failed.items()))]
+        return Status.SUSPECT, [FAILED + ", ".join(f"{k} x{n}" for k, n in sorted(failed.items()))]
     if world < 2:
-        return Status.UNVERIFIED, ["a single replica: no cross-replica consensus or audit is possible"]
+        return Status.UNVERIFIED, [SINGLE_REPLICA]
     if audits_enabled and audits_since_restorable < 1:
-        return Status.UNVERIFIED, ["no recompute audit has passed since the previous restorable checkpoint"]
+        return Status.UNVERIFIED, [NO_AUDIT]
     return Status.RESTORABLE, []
 
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -165,3 +166,20 @@ class FaultPlan:
 
     def has_site(self, site: str) -> bool:
         return any(f.site == site for f in self.faults)
+
+    def hook_compute(self, module: torch.nn.Module, rank: int, step: Callable[[], int | None],
+                     skip: Callable[[], bool] = lambda: False) -> None:
+        """The ``compute`` site: ``module``'s forward output on ``rank``, also when it recomputes for an audit
+        (not while ``skip()``: a warm-up pass)."""
+        if not self.has_site("compute"):
+            return
+
+        def hook(mod: torch.nn.Module, args: Any, output: Any) -> Any:
+            s = step()
+            if skip() or not isinstance(output, torch.Tensor) or not self.firing("compute", rank, s):
+                return None
+            output = output.clone()
+            self.apply("compute", rank, s, output)
+            return output
+
+        module.register_forward_hook(hook)

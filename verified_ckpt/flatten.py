@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from .errors import InvalidState
 from .jsonx import canonical_json, short_repr
 from .skeleton import DICT, FLOAT, TENSOR, TUPLE, escape, malformed, skeleton_problem
 
-__all__ = ["OPTIMIZER_STATE", "Flat", "flatten", "is_per_rank", "is_stateful", "unflatten"]
+__all__ = ["OPTIMIZER_STATE", "Flat", "bookkeeping", "flatten", "is_per_rank", "is_stateful", "unflatten"]
 
 # The name flatten gives an optimizer's per-parameter state tensor: ``<entry>/state/<parameter index>/<key>``.
 OPTIMIZER_STATE = re.compile(r"^([^/]+)/state/(\d+)/")
@@ -49,6 +49,7 @@ class Flat:
     tensors: dict[str, torch.Tensor]
     skeleton: dict[str, Any]
     per_rank: tuple[str, ...] = ()  # top-level entries whose value is this rank's own (see is_per_rank)
+    bookkeeping: tuple[str, ...] = ()  # floating tensors that are not training state (see ``bookkeeping``)
 
     def skeleton_json(self) -> bytes:
         return canonical_json(self.skeleton)
@@ -59,6 +60,17 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
     if local is not None:
         return ("dtensor", *_alias_key(local))
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def bookkeeping(tensors: Mapping[str, torch.Tensor], live: Sequence[torch.Tensor]) -> tuple[str, ...]:
+    """The floating tensors of a flattened state that alias none of ``live`` (the parameters, buffers and optimizer
+    state that training updates): bookkeeping, such as a callback's best score, which may hold ±inf by design and
+    is no sign of a poisoned state. Empty without ``live``: with nothing to tell training state apart, every tensor
+    counts as training state."""
+    if not live:
+        return ()
+    keys = {_alias_key(t) for t in live}
+    return tuple(n for n, t in tensors.items() if t.is_floating_point() and _alias_key(t) not in keys)
 
 
 def flatten(state: Mapping[str, Any]) -> Flat:

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 # Codes are positions in these lists; the ledger stores both lists in its attributes.
-KINDS = ["step", "audit", "consensus", "save", "incident", "restore", "verify", "nonfinite", "checksum", "abft"]  # append only
+KINDS = ["step", "audit", "consensus", "save", "incident", "restore", "verify", "nonfinite", "checksum", "abft",
+         "coverage"]  # append only
 VERDICTS = ["pass", "fail", "none"]
 NO_RANK = -1  # a job-wide row (a save, a restore, or a per-step summary of a large job)
 

@@ -76,6 +76,9 @@ class Manifest:
     # Sharded tensors (FSDP2/HSDP): logical name -> global shape and the stored chunks that tile it.
     # Written only when non-empty, so replicated (DDP) manifests are what they always were.
     layout: dict[str, LayoutEntry] = dataclasses.field(default_factory=dict)
+    # Floating tensors that are not training state (a callback's best score): NaN/Inf in them is no finding.
+    # Written only when non-empty; a manifest without it counts every tensor as training state.
+    bookkeeping: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def size_bytes(self) -> int:
@@ -105,6 +108,8 @@ class Manifest:
         d["status"] = self.status.value
         if not self.layout:
             del d["layout"]
+        if not self.bookkeeping:
+            del d["bookkeeping"]
         return d
 
     def to_json(self) -> bytes:
@@ -152,11 +157,15 @@ class Manifest:
         tensors = _tensors(d["tensors"], {sh.path: sh for sh in shards}, bad)
         layout = parse_layout(d.get("layout", {}), tensors, bad)
         _check_state(d["state"], tensors.keys() | layout.keys(), bad)
+        kept = d.get("bookkeeping", [])
+        if not (isinstance(kept, list) and all(isinstance(n, str) and n in tensors for n in kept)
+                and len(set(kept)) == len(kept)):
+            raise bad("bookkeeping must list distinct names of the manifest's tensors")
         return cls(
             run_id=d["run_id"], checkpoint_id=d["checkpoint_id"], step=d["step"], created_at=d["created_at"],
             topology=d["topology"], shards=shards, tensors=tensors, state_fingerprint=d["state_fingerprint"],
             state=d["state"], evidence=d["evidence"], status=status, reasons=list(d["reasons"]),
-            resumed_from=d.get("resumed_from"), layout=layout,
+            resumed_from=d.get("resumed_from"), layout=layout, bookkeeping=list(kept),
         )
 
 

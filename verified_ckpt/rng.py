@@ -46,3 +46,10 @@ class RNGState:
         )
         if "cuda" in sd and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.to(torch.uint8) for s in sd["cuda"]])
+
+
+def microbatch_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The default generators' state a microbatch starts from (what dropout draws on CPU and on ``device``): what
+    an audit replays to draw the owner's masks."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda

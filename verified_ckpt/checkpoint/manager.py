@@ -122,10 +122,10 @@ class CheckpointManager:
             StorageError: the store could not be written; nothing is committed.
             SilentCorruptionDetected: the replicas disagree; nothing is written.
         """
-        from .saving import checked_flat
+        from .saving import checked_flat, training_tensors
 
         self.wait()
-        saver, job = self._prepare(step, checked_flat(step, state, self.comm.rank))
+        saver, job = self._prepare(step, checked_flat(step, state, self.comm.rank, training_tensors(state, self.guard)))
         if blocking:
             return saver.finish(job, collective=True)
         self._pending = saver.start(job)

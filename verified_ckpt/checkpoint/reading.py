@@ -33,7 +33,7 @@ class ReadMode:
     """What a read is for.
 
     Args:
-        scan_nonfinite: also report floating tensors holding NaN/Inf (offline verification).
+        scan_nonfinite: also report training-state tensors holding NaN/Inf (offline verification).
         fail_fast: stop at the first problem (a restore needs everything or nothing).
         keep: return the tensors; otherwise each shard is dropped once checked (bounded memory).
     """
@@ -139,8 +139,9 @@ class Reader:
         for n, fp in zip(order, lanes_of([tensors[n] for n in order]), strict=True):
             if str(fp) != m.tensors[n].fingerprint:
                 probs.append(Problem("fingerprint", f"{where}: {n} fingerprint {fp} != manifest {m.tensors[n].fingerprint}"))
-        if mode.scan_nonfinite:
-            floats = [n for n in order if tensors[n].is_floating_point() and tensors[n].numel()]
+        if mode.scan_nonfinite:  # training state only: bookkeeping (a callback's best score) may be ±inf by design
+            skip = set(m.bookkeeping)
+            floats = [n for n in order if tensors[n].is_floating_point() and tensors[n].numel() and n not in skip]
             if floats:
                 ok = finite_flags([tensors[n] for n in floats])
                 probs += [Problem("nonfinite", f"{where}: {n} holds NaN or Inf")

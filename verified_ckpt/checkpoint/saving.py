@@ -20,16 +20,16 @@ import logging
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..comm import Communicator, describe_device
 from ..errors import InvalidState, StorageError
-from ..evidence import EvidenceTracker
+from ..evidence import EvidenceTracker, remedies
 from ..fingerprint import Fingerprint, combine
-from ..flatten import Flat, flatten, is_per_rank
+from ..flatten import Flat, bookkeeping, flatten, is_per_rank
 from ..guard import SDCGuard
 from ..jsonx import canonical_json
 from ..lanes import lanes_of
@@ -51,10 +51,25 @@ log = logging.getLogger("verified_ckpt")
 UNGUARDED = "saved without an SDCGuard: no cross-replica consensus or audit evidence"
 
 
-def checked_flat(step: int, state: Mapping[str, Any], rank: int = 0) -> Flat:
+def training_tensors(state: Mapping[str, Any], guard: SDCGuard | None) -> list[torch.Tensor]:
+    """The live tensors training updates: parameters and buffers of the modules, and optimizer state, found in
+    ``state`` and held by ``guard``. What a save tells apart from bookkeeping (``flatten.bookkeeping``)."""
+    objects = [*state.values(), *((guard.module, guard.optimizer) if guard is not None else ())]
+    out: list[torch.Tensor] = []
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            out += [*obj.parameters(), *obj.buffers()]
+        elif isinstance(getattr(obj, "state", None), Mapping) and hasattr(obj, "param_groups"):  # an optimizer
+            out += [v for per in obj.state.values() if isinstance(per, Mapping) for v in per.values()
+                    if isinstance(v, torch.Tensor)]
+    return out
+
+
+def checked_flat(step: int, state: Mapping[str, Any], rank: int = 0, live: Sequence[torch.Tensor] = ()) -> Flat:
     """Flatten ``state`` for saving, refusing (before anything is written) what the reader would refuse.
 
     Per-rank entries (``is_per_rank``) get tensor names of their own on every rank (``key@r<rank>/...``).
+    ``live``: the training state (``training_tensors``); the other floating tensors are recorded as bookkeeping.
 
     Raises:
         InvalidState: naming the offending entry and what to do.
@@ -77,7 +92,7 @@ def checked_flat(step: int, state: Mapping[str, Any], rank: int = 0) -> Flat:
         problem = skeleton_problem(entry["value"])
         if problem:
             raise InvalidState(f"state[{key!r}] cannot be saved: {problem}; flatten it into fewer levels")
-    return flat
+    return dataclasses.replace(flat, bookkeeping=bookkeeping(flat.tensors, live))
 
 
 @dataclasses.dataclass
@@ -121,6 +136,8 @@ class Saver:
         if g is None:
             status, reasons, evidence = Status.UNVERIFIED, [UNGUARDED], {}
         else:
+            if g.cfg.audit_before_save and self.tracker.needs_audit(g.counters(), g.audits_enabled):
+                g.audit_now()  # this save would be unverified for want of an audit: one now (raises on a mismatch)
             fingerprints = g.consensus(step)  # raises on disagreement: nothing is written
             ev, status, reasons = self.tracker.for_save(step, fingerprints, g.counters(), world=g.replicas,
                                                         audits_enabled=g.audits_enabled)
@@ -233,9 +250,11 @@ class Saver:
         took, mib = time.monotonic() - job.started, manifest.size_bytes / 2**20
         if manifest.status is Status.RESTORABLE:
             log.info("saved %s (step %d, restorable, %.1f MiB, %.2f s)", job.cid, job.step, mib, took)
-        else:  # committed, but a restore will refuse it: say why where people look
-            log.warning("saved %s (step %d, %s, %.1f MiB, %.2f s): %s", job.cid, job.step, manifest.status.value, mib,
-                        took, "; ".join(manifest.reasons) or "no reason recorded")
+        else:  # committed, but a restore will refuse it: say why, and what to change, where people look
+            fixes = remedies(manifest.reasons)
+            log.warning("saved %s (step %d, %s, %.1f MiB, %.2f s): %s%s", job.cid, job.step, manifest.status.value, mib,
+                        took, "; ".join(manifest.reasons) or "no reason recorded",
+                        f" - to make saves restorable: {'; '.join(fixes)}" if fixes else "")
         self._warn_if_flagged(manifest)
         if self.keep_last is not None:
             self.catalog.apply_retention(self.keep_last)
@@ -306,7 +325,7 @@ class Saver:
             run_id=run_id, checkpoint_id=job.cid, step=job.step, created_at=utc_now(), topology=job.topology,
             shards=shards, tensors=tensors, state_fingerprint=str(state_fp), state=job.flat.skeleton,
             evidence=job.evidence, status=job.status, reasons=job.reasons, resumed_from=job.resumed_from,
-            layout=job.layout,
+            layout=job.layout, bookkeeping=sorted(n for n in job.flat.bookkeeping if n in tensors),
         )
 
     def _collect_reports(self, cid: str) -> list[dict[str, Any]]:

@@ -2,8 +2,8 @@
 
 ``nonfinite``, ``checksum``, ``audit`` and ``consensus`` each return a
 :class:`~verified_ckpt.guard.stats.Verdict` and record nothing; ``tap`` takes
-the per-bucket statistics inside DDP's communication hook; ``sdcguard`` holds
-the loop, the bookkeeping and the incidents.
+the per-bucket statistics inside DDP's communication hook; ``judge`` counts the
+verdicts and turns failed ones into incidents; ``sdcguard`` holds the loop.
 """
 
 from .config import GuardConfig

@@ -32,7 +32,17 @@ from ..lanes import tensor_lanes
 from .config import GuardConfig
 from .stats import Projector, StepStats, Verdict
 
-__all__ = ["Auditor", "Recomputed"]
+__all__ = ["Auditor", "Recomputed", "exchange_batches"]
+
+
+def exchange_batches(comm: Communicator, step: int, mine: list[tuple[Any, Any]],
+                     batch_for: Callable[[int, int], Sequence[Any]] | None) -> list[list[Any]]:
+    """Every rank's ``(microbatch, rng state)`` pairs of ``step`` from this rank's ``mine`` (collective); with
+    ``batch_for``, only the random states travel and each rank's microbatches are rebuilt locally."""
+    if batch_for is None:
+        return comm.exchange_batches(mine)
+    rngs = comm.exchange_batches([rng for _, rng in mine])
+    return [list(zip(list(batch_for(r, step))[: len(rngs[r])], rngs[r], strict=True)) for r in range(comm.world)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +108,23 @@ class Auditor:
                 for b, before in zip(self.module.buffers(), saved, strict=True):
                     b.copy_(before)
 
+    def run_fresh(self, step: int, jobs: dict[int, int], *, batches: list[list[Any]], first_suspect: int) -> Verdict:
+        """Like :meth:`run`, against each owner's own recomputation now instead of what it recorded while training
+        (the weights have changed since): every rank recomputes its own microbatches, then its target's."""
+        saved = [b.detach().clone() for b in self.module.buffers()]
+        layout = {0: list(range(len(self.params)))}
+        try:
+            mine = self._round({r: r for r in range(self.comm.world)}, batches, layout)
+            return self._run(step, [], jobs, batches, layout, first_suspect, [mine[r] for r in range(self.comm.world)])
+        finally:
+            with torch.no_grad():
+                for b, before in zip(self.module.buffers(), saved, strict=True):
+                    b.copy_(before)
+
     def _run(self, step: int, gathered: Sequence[StepStats], jobs: dict[int, int], batches: list[list[Any]],
-             layout: dict[int, list[int]], first_suspect: int) -> Verdict:
+             layout: dict[int, list[int]], first_suspect: int, recorded: list[Recomputed] | None = None) -> Verdict:
         results = self._round(jobs, batches, layout)
-        recorded = [Recomputed.recorded(x) for x in gathered]
+        recorded = recorded if recorded is not None else [Recomputed.recorded(x) for x in gathered]
         disputes = [(a, t) for a, t in jobs.items() if not self._same(results[a], recorded[t])]
 
         def rows(disputed: set[int]) -> Callable[[], list[Event]]:

@@ -35,8 +35,14 @@ class GuardConfig:
             plus rows for the ranks a failed check names, so the ledger grows with steps, not ranks.
         check_nonfinite: NaN/Inf checks of local and averaged gradients every step.
         check_checksum: the all-reduce checksum every step.
-        abft: per-step verification of ``nn.Linear`` and ``nn.Embedding`` gradient computation.
-        abft_slack: safety factor on the ABFT rounding bound.
+        abft: per-step verification of the gradients Linear-like layers (``nn.Linear``, Hugging Face's
+            ``Conv1D``) and ``nn.Embedding`` compute: weight, bias and input gradients.
+        abft_slack: safety factor on the ABFT rounding bounds.
+        abft_exclude: ``fnmatch`` patterns of parameter names ABFT leaves out (a weight the model changes where
+            ABFT's hooks cannot see it; audits and consensus still cover it).
+        audit_before_save: a save that would be ``unverified`` only for lack of a recompute audit since the
+            previous restorable checkpoint runs one first (``SDCGuard.audit_now``: one forward-backward of the
+            last step's first microbatch per rank, twice), so saves are ``restorable`` whatever ``audit_every``.
         arrival_timeout_s: how long a save, consensus or audit waits for every rank to arrive
             before failing with an error naming the missing ranks (a save called on rank 0 only).
         faults: fault-injection specs ``SITE:RANK:STEP[:MODE]`` (testing only).
@@ -56,6 +62,8 @@ class GuardConfig:
     check_checksum: bool = True
     abft: bool = True
     abft_slack: float = 8.0
+    abft_exclude: tuple[str, ...] = ()
+    audit_before_save: bool = True
     arrival_timeout_s: float = 300.0
     faults: tuple[str, ...] = ()
 
@@ -76,6 +84,9 @@ class GuardConfig:
             raise ValueError(f"outlier_factor must be > 1, got {self.outlier_factor!r}")
         if not self.abft_slack >= 1:
             raise ValueError(f"abft_slack must be >= 1, got {self.abft_slack!r}")
+        patterns: object = self.abft_exclude  # a bare string would be taken as one pattern per character
+        if not isinstance(patterns, tuple) or not all(isinstance(p, str) for p in patterns):
+            raise ValueError(f"abft_exclude must be a tuple of parameter-name patterns, got {self.abft_exclude!r}")
         if not self.arrival_timeout_s > 0:
             raise ValueError(f"arrival_timeout_s must be > 0, got {self.arrival_timeout_s!r}")
         FaultPlan(self.faults)  # raises ValueError naming a bad spec

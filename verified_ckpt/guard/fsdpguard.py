@@ -22,7 +22,10 @@ from ..comm import Communicator
 from ..errors import GuardUsageError
 from ..faults import FaultPlan
 from ..history import NO_RANK, Event
+from ..rng import microbatch_state
+from .audit import exchange_batches
 from .config import GuardConfig
+from .judge import Judge
 from .sdcguard import SDCGuard
 from .sharded import ShardedTap, audit_vector, judge_audit, judge_state, judge_step, mesh_view, state_row
 from .stats import Projector
@@ -61,9 +64,8 @@ class FSDPGuard(SDCGuard):
                                   f"process group {self.world}; give the guard the group the mesh spans")
         self.faults = FaultPlan(self.cfg.faults)
         self.project = Projector(self.cfg.checksum_lanes, self.cfg.seed, self.device)
-        self.abft = None
-        self.checks, self.margins, self.incidents = {}, {}, []
-        self._listeners, self._event_listeners = [], []
+        self.abft, self.ddp, self._kept = None, None, None
+        self.judge = Judge(self.world, self.host_of, self.rank)
         self._ran_backward, self._audit_requested = False, False
         self._step: int | None = None
         self._start: int | None = None
@@ -76,8 +78,7 @@ class FSDPGuard(SDCGuard):
             if isinstance(m, FSDPModule):
                 m.set_custom_reduce_scatter(self.rs_tap)  # type: ignore[arg-type]  # the ReduceScatter protocol
                 m.set_all_reduce_hook(self.rs_tap.after_all_reduce)
-        if self.faults.has_site("compute"):
-            model.register_forward_hook(self._compute_fault)
+        self.faults.hook_compute(model, self.rank, lambda: self._step)
         if self.rank == 0 and self.view.replicas < 3:
             warnings.warn(ONE_REPLICA if self.view.replicas == 1 else TWO_GROUPS, stacklevel=3)
 
@@ -113,7 +114,7 @@ class FSDPGuard(SDCGuard):
         self._ran_backward = True
         if self.audits_enabled and self.batch_for is None:
             batches.encode(batch)  # fails now, naming the leaf, not at the first audit hundreds of steps later
-        self._rng.append(self._rng_state())
+        self._rng.append(microbatch_state(self.device))
         loss = self._forward_backward(batch, sync)
         self._batches.append(batch)
         self._losses.append(loss.to(torch.float64))
@@ -137,8 +138,8 @@ class FSDPGuard(SDCGuard):
                     if (v.kind == "checksum" and self.cfg.check_checksum)
                     or (v.kind != "checksum" and self.cfg.check_nonfinite)]
         for v in verdicts:
-            self._judge(s, v)
-        self._emit(lambda: [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
+            self.judge.judge(s, v)
+        self.judge.emit(lambda: [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
         if self.audits_enabled and (self._audit_requested or s % (self.cfg.audit_every or 1) == 0):
             self._audit(s, rows)
 
@@ -153,7 +154,7 @@ class FSDPGuard(SDCGuard):
         rows = self.comm.all_gather_rows(state_row(self.params, self.optimizer, self.device)).tolist()
         verdicts, fps = judge_state(step, rows, self.view, self._last_pass("consensus") + 1)
         for v in verdicts:
-            self._judge(step, v)
+            self.judge.judge(step, v)
         return fps if self.view.replicas > 1 else []
 
     def state_lanes(self) -> torch.Tensor:
@@ -163,14 +164,6 @@ class FSDPGuard(SDCGuard):
         self._losses, self._batches, self._rng = [], [], []
         self.rs_tap.reset()
 
-    def _compute_fault(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        """The ``compute`` site: this rank's forward output, also when it recomputes for an audit."""
-        if isinstance(output, torch.Tensor) and self.faults.firing("compute", self.rank, self._step):
-            output = output.clone()
-            self.faults.apply("compute", self.rank, self._step, output)
-            return output
-        return None
-
     # ------------------------------------------------------------ audits
     def _audit(self, s: int, rows: list[list[float]]) -> None:
         """Every rank recomputes the microbatches of the rank before it in the audit ring (another replica group's
@@ -179,7 +172,7 @@ class FSDPGuard(SDCGuard):
         self.comm.arrive("audit")
         self._audit_requested = False
         calls, shape = len(self.rs_tap.modes), (self.view.shards, self.project.k)
-        everyone = self._gather_batches(s)
+        everyone = exchange_batches(self.comm, s, list(zip(self._batches, self._rng, strict=True)), self.batch_for)
         owner = [audit_vector(r, calls, *shape) for r in rows]
         first = [audit_vector(r, calls, *shape) for r in self._recompute_for(everyone, 1)]
         verdict, differ = judge_audit(s, owner, first, None, self.view, exact=self.cfg.mode == "exact",
@@ -194,7 +187,7 @@ class FSDPGuard(SDCGuard):
             # A wrong weight shard makes its whole replica group compute wrongly (the group all-gathers it),
             # so compare the shards first: that names the one rank holding it, not its healthy peers.
             self.consensus(s)
-        self._judge(s, verdict)
+        self.judge.judge(s, verdict)
 
     def _recompute_for(self, everyone: list[list[Any]], back: int) -> list[list[float]]:
         """Recompute, on every rank at once, the microbatches of the rank ``back`` places before it in the audit

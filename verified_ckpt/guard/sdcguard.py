@@ -20,20 +20,21 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.flop_counter import FlopCounterMode
 
 from .. import batches, decisions
 from ..comm import Communicator
-from ..errors import GuardUsageError, SilentCorruptionDetected
+from ..errors import GuardConfigurationError, GuardUsageError, SilentCorruptionDetected
 from ..evidence import CheckCounts
 from ..faults import FaultPlan
 from ..history import NO_RANK, Event
 from ..records import Host, Incident
+from ..rng import microbatch_state
 from . import abft, checksum, consensus, nonfinite
-from .abft import GradientChecks
-from .audit import Auditor
+from .abft import Coverage, GradientChecks
+from .audit import Auditor, exchange_batches
 from .config import GuardConfig
 from .consensus import StateProbe
+from .judge import Judge
 from .stats import Projector, StepStats, Verdict, gather_step_stats, step_rows
 from .tap import GradientTap
 
@@ -90,7 +91,11 @@ class SDCGuard:
     ) -> None:
         self.cfg = config or GuardConfig()
         self.model = model
-        self.module = model.module if isinstance(model, DDP) else model
+        # torch.compile wraps the module it compiles (Hugging Face's torch_compile compiles the DDP wrapper): the
+        # forward runs through the compiled model, the hooks and the bucket layout belong to what it wraps.
+        inner = getattr(model, "_orig_mod", model)
+        self.ddp: DDP | None = inner if isinstance(inner, DDP) else None
+        self.module = inner.module if isinstance(inner, DDP) else inner
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.batch_for = batch_for
@@ -98,8 +103,9 @@ class SDCGuard:
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.comm = Communicator(process_group, device=self.device, arrival_timeout_s=self.cfg.arrival_timeout_s)
         self.rank, self.world = self.comm.rank, self.comm.world
-        if self.world > 1 and not isinstance(model, DDP):
-            raise GuardUsageError("with more than one process the model must be wrapped in DistributedDataParallel")
+        if self.world > 1 and self.ddp is None:
+            raise GuardUsageError(f"with more than one process the model must be wrapped in DistributedDataParallel, got "
+                                  f"{type(inner).__name__}")
         self.faults = FaultPlan(self.cfg.faults)
         self.project = Projector(self.cfg.checksum_lanes, self.cfg.seed, self.device)
         named_buffers = list(self.module.named_buffers())
@@ -111,11 +117,7 @@ class SDCGuard:
                                node_of=self.comm.node_of())
         if self.world == 2 and self.rank == 0:
             warnings.warn(TWO_REPLICAS, stacklevel=2)
-        self.checks: dict[str, CheckCounts] = {}
-        self.margins: dict[str, float] = {}  # per bounded check: the largest deviation / bound that passed
-        self.incidents: list[Incident] = []
-        self._listeners: list[Callable[[Incident], None]] = []
-        self._event_listeners: list[Callable[[list[Event]], None]] = []
+        self.judge = Judge(self.world, self.host_of, self.rank)
         self._ran_backward = False
         self._warmup_pending = False
         self._audit_requested = False
@@ -124,14 +126,15 @@ class SDCGuard:
         self._batches: list[Any] = []
         self._rng: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._losses: list[torch.Tensor] = []
-        self.abft = GradientChecks(self.module, self.params, self.cfg.seed, self.cfg.abft_slack) if self.cfg.abft else None
+        self._kept: tuple[int, list[Any]] | None = None  # the last step and its first microbatch (save audits)
+        self.abft = GradientChecks(self.module, self.params, self.cfg.seed, self.cfg.abft_slack,
+                                   self.cfg.abft_exclude) if self.cfg.abft else None
         self.tap = GradientTap(self.params, self.comm, project=self.project, faults=self.faults, step=lambda: self._step,
                                fixed_order=bool(self.cfg.fixed_order_reduce), abft=self.abft,
                                want_lanes=self._audit_scheduled)
-        if isinstance(model, DDP):
-            self.tap.install(model)
-        if self.faults.has_site("compute"):
-            self.module.register_forward_hook(self._compute_fault)
+        if self.ddp is not None:
+            self.tap.install(self.ddp)
+        self.faults.hook_compute(self.module, self.rank, lambda: self._step, lambda: self.tap.warming)
 
     # ------------------------------------------------------------ who is where
     @property
@@ -177,7 +180,7 @@ class SDCGuard:
         of training step ``step`` through the DDP model, recording it for audits; return the loss, detached.
         ``sync=False`` for all but the last microbatch of a step (it runs under ``no_sync``)."""
         self.begin(batch, step=step)
-        ctx = self.model.no_sync() if (not sync and isinstance(self.model, DDP)) else contextlib.nullcontext()
+        ctx = self.ddp.no_sync() if (not sync and self.ddp is not None) else contextlib.nullcontext()
         with ctx:
             return self.backward_of(self.loss_fn(self.model, batch), sync=sync)
 
@@ -189,8 +192,6 @@ class SDCGuard:
             raise GuardUsageError(f"backward for step {step} while step {self._step} has not been closed with step()")
         if self._step != step:
             self._reset_step()
-            if self.abft is not None:
-                self.abft.start_step(self.params)
         self._step = step
         if self._start is None:
             self._start = step
@@ -201,7 +202,7 @@ class SDCGuard:
         self._ran_backward = True
         if self.world >= 2 and self.batch_for is None:
             batches.encode(batch)  # fails now, naming the leaf, not at the first audit hundreds of steps later
-        self._rng.append(self._rng_state())
+        self._rng.append(microbatch_state(self.device))
         self._batches.append(batch)
 
     def backward_of(self, loss: torch.Tensor, *, sync: bool = True,
@@ -211,13 +212,15 @@ class SDCGuard:
         if len(self._batches) != len(self._rng) or len(self._losses) >= len(self._batches):
             raise GuardUsageError("call guard.begin(batch, step=...) before guard.backward_of(loss)")
         run = backward if backward is not None else torch.Tensor.backward
-        if self.abft is not None and self.abft.flop_fraction is None:
-            with FlopCounterMode(display=False) as flops:  # once: the covered share of backward FLOPs
-                run(loss)
-            self.abft.measure_flops(flops.get_total_flops())
+        if self.abft is not None and not self._losses:
+            # Where ABFT starts from: what the gradients hold as the step's backward begins (a framework may zero
+            # them after begin(), between its forward and its backward, as Lightning's closure does).
+            self.abft.begin_backward(self.params)
+        if self.abft is not None and self.abft.probing:
+            self._report_coverage(self.abft.first_backward(loss, run, self.comm.any_of))
         else:
             run(loss)
-        if sync and not isinstance(self.model, DDP):
+        if sync and self.ddp is None:
             # One process: where DDP's hook would run, at the end of the step's last backward (before any clipping).
             self.tap.single_process()
         self._losses.append(loss.detach().to(torch.float64))
@@ -240,9 +243,12 @@ class SDCGuard:
             self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
             if s % self.cfg.consensus_every == 0:
                 self.consensus(s)
-        except SilentCorruptionDetected:
+        except (SilentCorruptionDetected, GuardConfigurationError):
             self.optimizer.zero_grad(set_to_none=True)
             raise
+        else:
+            if self.cfg.audit_before_save and self.audits_enabled:
+                self._kept = (s, [(self._batches[0], self._rng[0])])
         finally:
             self.faults.step_done(s)
             self._reset_step()
@@ -252,7 +258,8 @@ class SDCGuard:
         """Every check of step ``s`` that must pass before the update (raises on the first that fails)."""
         if not self.tap.buckets:
             raise GuardUsageError("no gradient bucket was reduced this step; the last backward() of a step must have sync=True")
-        self._check_gradients(s, gather_step_stats(self.comm, self.tap.buckets, self._losses, self.project))
+        inputs = self.abft.inputs_worst() if self.abft is not None else None
+        self._check_gradients(s, gather_step_stats(self.comm, self.tap.buckets, self._losses, self.project, inputs))
 
     def _check_gradients(self, s: int, gathered: list[StepStats]) -> None:
         """The per-step checks before the update (NaN/Inf, checksum, ABFT), then an audit when one is due."""
@@ -264,24 +271,42 @@ class SDCGuard:
             verdicts.append(abft.check(s, gathered, self.abft.name_of, rows))
         for v in verdicts:
             if v is not None:
-                self._judge(s, v)
-        self._emit(lambda: step_rows(s, gathered, [], rows) + [Event(s, v.kind.split("_")[0], NO_RANK, "pass")
+                self.judge.judge(s, v)
+        self.judge.emit(lambda: step_rows(s, gathered, [], rows) + [Event(s, v.kind.split("_")[0], NO_RANK, "pass")
                                                                for v in verdicts if v is not None])
         norms = [x.norm for x in gathered]
-        suspects = decisions.outliers(norms, self.cfg.outlier_factor)
-        if decisions.diverged_pair(norms, self.cfg.outlier_factor):
-            suspects = [0, 1]
+        suspects = [0, 1] if decisions.diverged_pair(norms, self.cfg.outlier_factor) else \
+            decisions.outliers(norms, self.cfg.outlier_factor)
         scheduled = self.cfg.audit_every is not None and s % self.cfg.audit_every == 0
         if self.world >= 2 and (scheduled or suspects or self._audit_requested):
-            only = None if (scheduled or self._audit_requested) else suspects
-            self.comm.arrive("audit")
-            batches = self._gather_batches(s)
-            jobs = self.auditor.plan(only)
-            with self._abft_paused():  # recomputation is not this step's gradient computation
-                verdict = self.auditor.run(s, gathered, jobs, batches=batches, layout=self.tap.layout,
-                                           first_suspect=self._last_pass("audit") + 1)
-            self._judge(s, verdict)
+            jobs = self.auditor.plan(None if (scheduled or self._audit_requested) else suspects)
+            first = self._last_pass("audit") + 1
+            self._run_audit(s, list(zip(self._batches, self._rng, strict=True)), lambda b: self.auditor.run(
+                s, gathered, jobs, batches=b, layout=self.tap.layout, first_suspect=first))
             self._audit_requested = False
+
+    def _run_audit(self, s: int, mine: list[tuple[Any, Any]], run: Callable[[list[list[Any]]], Verdict]) -> None:
+        """Every rank's microbatches of step ``s`` (from this rank's ``mine``), ``run`` on them, judged (collective)."""
+        self.comm.arrive("audit")
+        everyone = exchange_batches(self.comm, s, mine, self.batch_for)
+        with self._abft_paused():  # recomputation is not this step's gradient computation
+            verdict = run(everyone)
+        self.judge.judge(s, verdict)
+
+    def audit_now(self) -> bool:
+        """Audit the last step's first microbatch again, now, with the current weights: every rank recomputes its own
+        and its audit target's (a save that needs an audit to be restorable runs this: ``audit_before_save``).
+        Collective. ``False`` when there is nothing to audit (no step completed yet, or audits disabled).
+
+        Raises:
+            SilentCorruptionDetected: the recomputations disagree (a third rank breaks the tie, as in any audit).
+        """
+        if self._kept is None or not self.audits_enabled:
+            return False
+        s, mine = self._kept
+        first = self._last_pass("audit") + 1
+        self._run_audit(s, mine, lambda b: self.auditor.run_fresh(s, self.auditor.plan(None), batches=b, first_suspect=first))
+        return True
 
     def consensus(self, step: int) -> list[str]:
         """Compare every replica's weight and optimizer-state fingerprint now.
@@ -299,29 +324,15 @@ class SDCGuard:
         verdicts, fps, self._replicated = consensus.judge(step, rows, self.probe, self._replicated, self._buffer_names,
                                                           self._last_pass("consensus") + 1)
         for v in verdicts:
-            self._judge(step, v)
+            self.judge.judge(step, v)
         return fps
 
     def state_lanes(self) -> torch.Tensor:
         """Exact fingerprint lanes of this replica's parameters and optimizer state, on device."""
         return consensus.state_lanes(consensus.state_tensors(self.params, self.optimizer), self.device)
 
-    def _gather_batches(self, s: int) -> list[list[Any]]:
-        """Every rank's microbatches of step ``s``, each with the random state it started from."""
-        if self.batch_for is not None:
-            rngs = self.comm.exchange_batches(self._rng)
-            return [list(zip(self.batch_for(r, s), rngs[r], strict=True)) for r in range(self.world)]
-        return self.comm.exchange_batches(list(zip(self._batches, self._rng, strict=True)))
-
-    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The default generators' state a microbatch starts from (what dropout draws), for audits to replay."""
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return torch.get_rng_state(), cuda
-
     def _reset_step(self) -> None:
-        self._batches = []
-        self._rng = []
-        self._losses = []
+        self._batches, self._rng, self._losses = [], [], []
         self.tap.reset()
 
     # ------------------------------------------------------------ resume
@@ -332,67 +343,58 @@ class SDCGuard:
         layout (3+ gloo ranks), so a fresh process restored at step k would drift from the uninterrupted run. One
         warm-up forward-backward before the first real one (RNG, buffers and gradients put back, no checks, no
         faults) rebuilds the same layout. In-process rollbacks need nothing: the layout is already rebuilt."""
-        if isinstance(self.model, DDP) and not self._ran_backward:
+        if self.ddp is not None and not self._ran_backward:
             self._warmup_pending = True
 
     def _abft_paused(self) -> contextlib.AbstractContextManager[None]:
         return self.abft.pausing() if self.abft is not None else contextlib.nullcontext()
 
-    def _compute_fault(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        if self.tap.warming:
-            return None
-        if isinstance(output, torch.Tensor) and self.faults.firing("compute", self.rank, self._step):
-            output = output.clone()
-            self.faults.apply("compute", self.rank, self._step, output)
-            return output
-        return None
+    # ------------------------------------------------------- coverage
+    def _report_coverage(self, left_out: list[str]) -> None:
+        """What each check covers, once, at the first step: the log, and a ledger row."""
+        cov = self.coverage()
+        assert cov is not None
+        if self.rank == 0:
+            log.info("SDCGuard: %s", cov.summary())
+            if left_out:
+                log.warning("SDCGuard: ABFT leaves out %s: %s; its gradient is checked by audits and consensus only "
+                            "(docs/GUARD.md, 'What ABFT covers')", ", ".join(left_out), abft.OUTSIDE)
+        self.judge.emit(lambda: [Event(self._step or 0, "coverage", NO_RANK, "pass", (0, 0), cov.param_fraction,
+                                  cov.flop_fraction or 0.0)])
+
+    def coverage(self) -> Coverage | None:
+        """What ABFT checks each step (measured at the first step: complete after it); ``None`` with ABFT off."""
+        return self.abft.coverage() if self.abft is not None else None
 
     # ------------------------------------------------------- bookkeeping
+    @property
+    def checks(self) -> dict[str, CheckCounts]:
+        return self.judge.checks
+
+    @property
+    def margins(self) -> dict[str, float]:
+        return self.judge.margins
+
+    @property
+    def incidents(self) -> list[Incident]:
+        return self.judge.incidents
+
     def counters(self) -> dict[str, CheckCounts]:
-        """A snapshot of every check's pass/fail counts and last passing step."""
-        return {k: CheckCounts(c.passed, c.failed, c.last_pass) for k, c in self.checks.items()}
+        """A snapshot of every check's pass/fail counts and last passing step; ABFT's also says what share of the
+        backward FLOPs it checks (``coverage``, once measured)."""
+        counts = self.judge.counters()
+        if "abft" in counts and self.abft is not None:
+            counts["abft"].coverage = self.abft.flop_fraction
+        return counts
 
     def _last_pass(self, kind: str) -> int:
-        c = self.checks.get(kind)
-        if c and c.last_pass is not None:
-            return c.last_pass
-        return (self._start if self._start is not None else 0) - 1
-
-    def _judge(self, step: int, v: Verdict) -> None:
-        """Count a verdict; on failure, log its rows, tell the listeners and raise the incident."""
-        c = self.checks.setdefault(v.kind, CheckCounts())
-        if v.margin is not None:
-            self.margins[v.kind] = max(self.margins.get(v.kind, 0.0), v.margin)
-        if v.ok:
-            if v.rows is not None:
-                self._emit(v.rows)
-            c.passed += 1
-            c.last_pass = step
-            return
-        c.failed += 1
-        if v.rows is not None:
-            self._emit(v.rows)  # the failed check's own rows reach the ledger before the incident
-        ranks = sorted(v.ranks)
-        inc = Incident(kind=v.kind, detected_step=step, first_suspect_step=step if v.first_suspect is None else v.first_suspect,
-                       ranks=ranks, hosts=[self.host_of(r) for r in ranks], detail=v.detail)
-        self.incidents.append(inc)
-        if self.rank == 0:  # every rank raises; one line per incident
-            log.warning("incident: %s", inc.summary())
-        for listener in self._listeners:
-            listener(inc)
-        raise SilentCorruptionDetected(inc)
+        return self.judge.last_pass(kind, self._start)
 
     def add_incident_listener(self, fn: Callable[[Incident], None]) -> None:
         """Call ``fn(incident)`` on every rank whenever a check fails (before raising)."""
-        self._listeners.append(fn)
+        self.judge.listeners.append(fn)
 
     def add_event_listener(self, fn: Callable[[list[Event]], None]) -> None:
         """Call ``fn(events)`` with the ledger rows of every check this rank runs."""
-        self._event_listeners.append(fn)
+        self.judge.event_listeners.append(fn)
 
-    def _emit(self, build: Callable[[], list[Event]]) -> None:
-        if not self._event_listeners:
-            return  # ranks without a ledger build no rows
-        events = build()
-        for fn in self._event_listeners:
-            fn(events)

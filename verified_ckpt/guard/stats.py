@@ -183,11 +183,12 @@ class StepStats:
 
 
 def gather_step_stats(comm: Communicator, buckets: Sequence[BucketStats], losses: Sequence[torch.Tensor],
-                      project: Projector) -> list[StepStats]:
+                      project: Projector, abft: torch.Tensor | None = None) -> list[StepStats]:
     """Sum this rank's buckets and losses and gather every rank's sums: the step's one device-to-host copy.
 
     A fixed handful of ops per step whatever the number of buckets: the projections of every bucket are
-    finished in one product per side (``Projector.total``); the row is parsed on the host."""
+    finished in one product per side (``Projector.total``); the row is parsed on the host. ``abft``: a worst
+    ABFT (ratio, index) pair checked outside the buckets (input gradients), weighed with the buckets' own."""
     bs = sorted(buckets, key=lambda b: b.index)
     dev = bs[0].sumsq.device
     k = project.k
@@ -203,7 +204,7 @@ def gather_step_stats(comm: Communicator, buckets: Sequence[BucketStats], losses
         lanes = _const((0, 0), torch.int64, dev)
     loss = losses[0].view(1) if len(losses) == 1 else torch.stack(list(losses)).sum(0, keepdim=True)
     meta = _const((float(sum(sizes)), max(b.eps for b in bs) * (1 if known else -1)), torch.float64, dev)
-    floats = torch.cat([sumsq, loss, meta, proj, avg, _worst_abft(bs, dev)])
+    floats = torch.cat([sumsq, loss, meta, proj, avg, _worst_abft(bs, dev, abft)])
     rows = comm.all_gather_rows(torch.cat([floats.view(torch.int64), lanes])).numpy()
     out = []
     for row in rows:
@@ -220,9 +221,9 @@ def _const(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) 
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _worst_abft(buckets: Sequence[BucketStats], dev: torch.device) -> torch.Tensor:
-    """float64[2]: the worst ABFT ratio over the buckets and its parameter index ([-1, -1]: nothing covered)."""
-    got = [b.abft for b in buckets if b.abft is not None]
+def _worst_abft(buckets: Sequence[BucketStats], dev: torch.device, extra: torch.Tensor | None) -> torch.Tensor:
+    """float64[2]: the worst ABFT ratio over the buckets (and ``extra``) and its index ([-1, -1]: nothing covered)."""
+    got = [b.abft for b in buckets if b.abft is not None] + ([extra] if extra is not None else [])
     if not got:
         return _const((-1.0, -1.0), torch.float64, dev)
     return got[0] if len(got) == 1 else worst(torch.stack(got))

@@ -1,0 +1,389 @@
+"""The ABFT checker: the hooks that record each step's products, and the check of every covered gradient."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import fnmatch
+import functools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..stats import StepStats, Verdict, failed_rows, worst
+from .layers import OUTSIDE, Coverage, InputCheck, InputTap, Layer, gradient_paths, layer_kind
+from .sums import RMS, Covered, coefficients_on, matmul_eps, norm, rgs, signed_weights, sums
+
+__all__ = ["GradientChecks", "check"]
+
+
+class GradientChecks:
+    """Installs the hooks on a module's Linear-like and ``nn.Embedding`` layers and checks their gradients.
+
+    Args:
+        module: the replica's module.
+        params: its parameters, in the order the guard indexes them.
+        seed: seed of the random vectors.
+        slack: safety factor on the rounding bounds.
+        exclude: ``fnmatch`` patterns of parameter names to leave out.
+    """
+
+    def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor], seed: int, slack: float,
+                 exclude: Sequence[str] = ()) -> None:
+        self.slack = slack
+        self.paused = False  # audit recomputation and warm-up passes are not this step's gradients
+        self.covered: dict[int, Covered] = {}
+        self.layers: dict[int, Layer] = {}  # by id of the module
+        self.left_out: list[tuple[str, str]] = []
+        self._n = len(params)
+        self._sizes = {id(p): p.numel() for p in params}
+        index = {id(p): i for i, p in enumerate(params)}
+        names = {id(p): n for n, p in module.named_parameters()}
+        g = torch.Generator().manual_seed(seed + 7919)
+        checked: set[int] = set()  # ids of the parameters some covering module holds
+        for name, mod in module.named_modules():
+            kind = layer_kind(mod)
+            if kind is None:
+                continue
+            w: torch.Tensor = mod.weight
+            b = getattr(mod, "bias", None)
+            b = b if isinstance(b, torch.Tensor) else None
+            if kind == "Embedding":
+                feats = (w.shape[0], w.shape[1])
+            elif kind == "Conv1D":
+                feats = (w.shape[1], w.shape[0])
+            else:
+                feats = (w.shape[0], w.shape[1])
+            layer = Layer(name, len(self.layers), kind, w, b, feats)
+            self.layers[id(mod)] = layer
+            checked |= {id(w)} | ({id(b)} if b is not None else set())
+            if id(w) not in index:
+                continue
+            cw = self._cover(w, names, index, g)
+            # The layer's vectors over its output and input features, from the weight's per-dimension ones.
+            layer.r, layer.s = (cw.v1, cw.v0) if kind == "Conv1D" else (cw.v0, cw.v1)
+            if b is not None and layer.r is not None and id(b) in index and id(b) not in self.covered:
+                self.covered[id(b)] = Covered(names.get(id(b), "?"), index[id(b)], layer.r, None)
+            if kind == "Embedding":
+                mod.register_forward_hook(self._embedding_forward)
+            else:
+                mod.register_forward_pre_hook(self._linear_pre)
+                mod.register_forward_hook(self._linear_forward)
+        self.order = list(self.covered)  # the same on every rank: construction order
+        for pid in list(self.covered):
+            if any(fnmatch.fnmatchcase(self.covered[pid].name, pat) for pat in exclude):
+                self._leave_out(pid, "excluded by GuardConfig(abft_exclude=...)")
+        self._uncovered = collections.Counter(
+            type(m).__name__ for m in module.modules()
+            if any(id(p) not in checked for p in m.parameters(recurse=False)))
+        self.flop_fraction: float | None = None  # measured at the first step (``measure_flops``)
+        self.linear_flop_fraction: float | None = None
+        self._flops: dict[str, int] = collections.Counter()
+        self._tag = 0
+        self._open: dict[int, InputCheck] = {}  # by id of the module: a forward between its two hooks
+        self._inputs: list[tuple[torch.Tensor, int]] = []  # this step's input-gradient ratios, and their layer
+
+    def _cover(self, p: torch.Tensor, names: dict[int, str], index: dict[int, int], g: torch.Generator) -> Covered:
+        c = self.covered.get(id(p))
+        if c is None:  # a tied weight keeps the vectors it was first given
+            c = self.covered[id(p)] = Covered(names.get(id(p), "?"), index[id(p)], signed_weights(p.shape[0], g, p.device),
+                                               signed_weights(p.shape[1], g, p.device))
+        return c
+
+    @property
+    def param_fraction(self) -> float:
+        total = sum(self._sizes.values())
+        return sum(self._sizes[pid] for pid in self.covered) / total if total else 0.0
+
+    @property
+    def probing(self) -> bool:
+        """The first step: uses are counted and FLOPs measured."""
+        return self.flop_fraction is None
+
+    def coverage(self) -> Coverage:
+        kinds = collections.Counter(layer.kind for layer in self.layers.values() if id(layer.weight) in self.covered)
+        return Coverage(dict(kinds), self.param_fraction, self.flop_fraction, self.linear_flop_fraction,
+                        list(self.left_out), dict(self._uncovered))
+
+    def _leave_out(self, pid: int, why: str) -> None:
+        c = self.covered.pop(pid, None)
+        if c is not None:
+            self.left_out.append((c.name, why))
+
+    def outside_uses(self, loss: torch.Tensor) -> list[bool]:
+        """Per covered parameter (``order``): whether the graph of ``loss`` sends it gradient from more places than
+        its covering modules' forwards recorded (at the first step, before its backward)."""
+        paths = gradient_paths(loss)
+        return [pid in self.covered and paths[pid] > self.covered[pid].uses for pid in self.order]
+
+    def first_backward(self, loss: torch.Tensor, run: Callable[[torch.Tensor], None],
+                       agree: Callable[[list[bool]], list[bool]]) -> list[str]:
+        """The first step's backward (``run(loss)``): leave out what the covering modules cannot explain (``agree``
+        makes it one decision for every rank), and measure the covered share of the backward FLOPs. Returns the
+        names of the parameters left out."""
+        left = self.leave_out(agree(self.outside_uses(loss)))
+        with FlopCounterMode(display=False) as counted:
+            run(loss)
+        total, covered, linear = counted.get_total_flops(), self._flops["covered"], self._flops["linear"]
+        self.flop_fraction = min(covered / total, 1.0) if total else 0.0
+        self.linear_flop_fraction = min(covered / linear, 1.0) if linear else 0.0
+        return left
+
+    def leave_out(self, mask: Sequence[bool], why: str = OUTSIDE) -> list[str]:
+        """Stop checking the parameters ``mask`` marks (over ``order``); returns their names."""
+        names = []
+        for pid, out in zip(self.order, mask, strict=True):
+            if out and pid in self.covered:
+                names.append(self.covered[pid].name)
+                self._leave_out(pid, why)
+        return names
+
+    def reset(self) -> None:
+        for c in self.covered.values():
+            c.entries, c.base, c.base_spread, c.rows, c.eps = [], None, None, 0, 2.0**-24
+        self._inputs = []
+        self._open = {}
+        self._tag += 1  # a new step: the weights may have changed
+
+    @contextlib.contextmanager
+    def pausing(self) -> Iterator[None]:
+        """No checks inside: for forward-backward passes that are not the step's own (audits, warm-up)."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
+    def begin_backward(self, params: Sequence[torch.Tensor]) -> None:
+        """The step's first backward is about to run: gradients held now (not zeroed, or left by a framework
+        that zeroes only after its forward) are part of what the step reduces, so the check starts from them.
+
+        ``zero_grad()`` sets gradients to ``None`` by default, and then this costs nothing.
+        """
+        for p in params:
+            c = self.covered.get(id(p))
+            if c is not None and p.grad is not None:
+                c.base = rgs(c, p.grad.detach().float()).double()
+
+    # ------------------------------------------------------------ hooks
+    def _active(self, out: Any) -> bool:
+        return not self.paused and torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
+
+    def _linear_pre(self, mod: torch.nn.Module, args: Any) -> Any:
+        x = args[0] if args else None
+        layer = self.layers.get(id(mod))
+        # The input gradient is checked even where the weight's is left out: it depends on the layer's forward only.
+        if layer is None or layer.s is None or not self._active(x) or not isinstance(x, torch.Tensor):
+            return None
+        check = self._open[id(mod)] = InputCheck(layer)
+        if layer.tag != self._tag:
+            with torch.no_grad():
+                w = layer.weight.detach().float()
+                layer.ws = torch.mv(w.T, layer.s) if layer.kind == "Conv1D" else torch.mv(w, layer.s)
+                layer.wnorm = torch.linalg.vector_norm(w)
+            layer.tag = self._tag
+        tapped: torch.Tensor = InputTap.apply(x, check, self._input_grad)  # type: ignore[no-untyped-call]
+        return (tapped, *args[1:])
+
+    def _linear_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
+        check = self._open.pop(id(mod), None)
+        layer = self.layers.get(id(mod))
+        x = args[0] if args else None
+        if layer is None or not self._active(out) or not isinstance(x, torch.Tensor):
+            return
+        w = self.covered.get(id(layer.weight))
+        probing = self.probing
+        if probing and w is not None:
+            w.uses += 1
+        if (w is None and check is None and not probing) or layer.r is None or layer.s is None:
+            return
+        autocast = torch.is_autocast_enabled(x.device.type)
+        cast = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        xs = a = None
+        if w is not None:
+            # The checksums are float32, whatever the layer ran in; no autograd graph for them. (Entering an
+            # autocast context costs more than the two products: only where one is on.)
+            with torch.no_grad(), torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
+                x2 = x.reshape(-1, x.shape[-1])
+                xs = torch.mv(x2 if x2.dtype == torch.float32 else x2.float(), layer.s)
+                a = torch.linalg.vector_norm(x2, dim=1, dtype=torch.float32)
+        bias = self.covered.get(id(layer.bias)) if layer.bias is not None and w is not None else None
+        if bias is not None and self.probing:
+            bias.uses += 1
+        r, device_type = layer.r, x.device.type
+
+        weight_grad, input_grad = layer.weight.requires_grad, x.requires_grad
+
+        def on_grad(dy: torch.Tensor) -> None:
+            if probing:  # backward FLOPs, counted where the backward really runs (not in a checkpoint's recompute)
+                gemm = 2 * (dy.numel() // max(dy.shape[-1], 1)) * layer.features[0] * layer.features[1]
+                self._flops["linear"] += gemm * (int(weight_grad) + int(input_grad))
+                self._flops["covered"] += gemm * (int(w is not None and weight_grad) + int(check is not None))
+            if w is None and check is None:
+                return
+            with torch.no_grad():
+                dy2 = dy.reshape(-1, dy.shape[-1])
+                dy2 = dy2 if dy2.dtype == torch.float32 else dy2.float()
+                b = torch.linalg.vector_norm(dy2, dim=1)
+                eps = matmul_eps(device_type, cast, dy.dtype)
+                if check is not None and layer.ws is not None:
+                    check.z, check.b, check.eps = torch.mv(dy2, layer.ws), b, eps
+                if w is None:
+                    return
+                y = torch.mv(dy2, r)
+            w.add(xs, a, y, b, eps)
+            if bias is not None:
+                bias.add(None, None, y, b, eps)
+
+        out.register_hook(on_grad)
+
+    def _input_grad(self, check: InputCheck, g: torch.Tensor) -> None:
+        """The layer's share of its input's gradient, row by row against ``dY (W s)`` (see the module doc)."""
+        layer = check.layer
+        if self.paused or check.z is None or check.b is None or layer.s is None or layer.wnorm is None:
+            return  # the output's gradient never came (the layer's output did not reach the loss)
+        out_f, in_f = layer.features
+        with torch.no_grad():
+            g2 = g.reshape(-1, g.shape[-1])
+            u = torch.mv(g2 if g2.dtype == torch.float32 else g2.float(), layer.s)
+            eps = max(check.eps, matmul_eps(g.device.type, g.dtype))
+            coef = self.slack * eps * RMS * (math.sqrt(out_f) + math.sqrt(in_f) + 2)
+            bound = check.b * (layer.wnorm * coef) + 1e-30
+            self._inputs.append((((u - check.z).abs() / bound).nan_to_num(nan=torch.inf).max(), layer.number))
+
+    def _embedding_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
+        layer = self.layers.get(id(mod))
+        idx = args[0] if args else None
+        if layer is None or not self._active(out) or not isinstance(idx, torch.Tensor):
+            return
+        e = self.covered.get(id(layer.weight))
+        if e is None or layer.r is None or layer.s is None:
+            return
+        if self.probing:
+            e.uses += 1
+        flat = idx.detach().reshape(-1)
+        with torch.no_grad():
+            picked = layer.r[flat]  # the rows of r the scatter-add sends each output row's gradient to
+            padding = getattr(mod, "padding_idx", None)
+            if padding is not None:  # the padding row's gradient is kept at zero
+                picked = picked * (flat != padding)
+            ones = torch.ones_like(picked)
+        s, device_type = layer.s, out.device.type
+
+        def on_grad(dy: torch.Tensor) -> None:
+            with torch.no_grad():
+                dy2 = dy.reshape(-1, dy.shape[-1]).float()
+                e.add(picked, ones, torch.mv(dy2, s), torch.linalg.vector_norm(dy2, dim=1), matmul_eps(device_type, dy.dtype))
+
+        out.register_hook(on_grad)
+
+    # ------------------------------------------------------------ check
+    def flat(self, params: Sequence[torch.Tensor], buf: torch.Tensor,
+             sumsq: torch.Tensor | None = None) -> torch.Tensor | None:
+        """:meth:`bucket` over a flat buffer holding ``params``' gradients one after another (a DDP bucket)."""
+        grads, pos = [], 0
+        for p in params:
+            grads.append(buf[pos : pos + p.numel()].view(p.shape))
+            pos += p.numel()
+        return self.bucket(params, grads, sumsq)
+
+    def bucket(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+               sumsq: torch.Tensor | None = None) -> torch.Tensor | None:
+        """float64[2]: the worst ratio |actual - expected| / bound over the bucket's covered parameters, and that
+        parameter's index (on the device, no host sync); ``None`` when nothing in the bucket was covered this step.
+
+        One pass over each covered gradient (its ``v0ᵀ G v1``); the expected values and spreads of all of them, over
+        every microbatch, in a fixed handful of ops (``_sums``). ``sumsq``: the squared norm of all the gradients
+        together (the tap has it already). Its root bounds every gradient's own norm in the bound, which saves a
+        pass over each gradient; without it, each gradient's norm is computed.
+        """
+        got = [(c, g) for p, g in zip(params, grads, strict=True)
+               if (c := self.covered.get(id(p))) is not None and c.rows]
+        if not got:
+            return None
+        got.sort(key=lambda cg: cg[0].v1 is None)  # weights first, then biases: the order ``_sums`` returns
+        actual = torch.stack([rgs(c, g if g.dtype == torch.float32 else g.float()) for c, g in got]).double()
+        expected, spread = self._expected([c for c, _ in got])
+        norms = sumsq.to(torch.float64).sqrt() if sumsq is not None else torch.stack([norm(g.float()) for _, g in got])
+        coef = coefficients_on(tuple(self._coefficients(c, g) for c, g in got), actual.device)
+        bound = coef[0] * spread.sqrt() + coef[1] * norms + 1e-30
+        # Norms are float32 sums of squares: a value past ~1e19 (no real gradient or activation) overflows
+        # them, and an infinite bound would pass anything. Such a bound is a failure in itself.
+        ratio = ((actual - expected).abs() / bound).nan_to_num(nan=torch.inf)
+        ratio = torch.where(bound.isfinite(), ratio, torch.inf)
+        return worst(torch.stack([ratio, coef[2]]).T)
+
+    def inputs_worst(self) -> torch.Tensor | None:
+        """float64[2]: the worst input-gradient ratio of this step and ``n_params + layer`` naming its layer (on the
+        device); ``None`` when no input gradient was checked."""
+        if not self._inputs:
+            return None
+        ratios = torch.stack([r for r, _ in self._inputs]).double()
+        which = layer_codes(tuple(self._n + number for _, number in self._inputs), ratios.device)
+        return worst(torch.stack([ratios, which]).T)
+
+    @staticmethod
+    def _expected(covered: list[Covered]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expected ``v0ᵀ G v1`` and spread of each of ``covered`` (weights first): one batch of sums over every
+        entry. A parameter that holds sums already (a gradient left from before the step, or entries folded during
+        a long accumulation) folds the rest of its entries into them and gives those."""
+        for c in covered:
+            if c.base is not None and c.entries:
+                c.fold()
+        fresh = [c for c in covered if c.base is None]
+        expected, spread = sums(fresh) if fresh else (None, None)
+        if len(fresh) == len(covered):
+            assert expected is not None and spread is not None
+            return expected, spread
+        at = {id(c): k for k, c in enumerate(fresh)}
+        exp, spr = [], []
+        for c in covered:
+            if c.base is not None:
+                assert c.base_spread is not None  # it had entries this step (it is checked), all folded now
+                exp.append(c.base)
+                spr.append(c.base_spread)
+            else:
+                assert expected is not None and spread is not None
+                exp.append(expected[at[id(c)]])
+                spr.append(spread[at[id(c)]])
+        return torch.stack(exp), torch.stack(spr)
+
+    def _coefficients(self, c: Covered, g: torch.Tensor) -> tuple[float, float, float]:
+        """The bound's coefficients of one parameter (plain numbers: shapes, rows, dtype), and its index."""
+        if c.v1 is not None and g.dim() == 2:
+            k = self.slack * c.eps * RMS * RMS
+            return (k * (math.sqrt(c.rows) + math.sqrt(g.shape[1]) + math.sqrt(g.shape[0])),
+                    k * (math.sqrt(g.shape[1]) + 1), float(c.index))
+        k = self.slack * c.eps * RMS
+        return k * (math.sqrt(c.rows) + math.sqrt(g.numel())), k, float(c.index)
+
+    def name_of(self, index: int) -> str:
+        """What a failed check's index names: a parameter's gradient, or a layer's input gradient."""
+        if index >= self._n:
+            layer = next((x for x in self.layers.values() if x.number == index - self._n), None)
+            return f"the input gradient computed by {layer.name or 'the model'}" if layer else f"input gradient {index}"
+        name = next((c.name for c in self.covered.values() if c.index == index), f"parameter {index}")
+        return f"the gradient of {name}"
+
+
+@functools.lru_cache(maxsize=256)
+def layer_codes(codes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(codes, dtype=torch.float64, device=device)
+
+
+def check(step: int, gathered: Sequence[StepStats], name_of: Callable[[int], str], rank_rows: int) -> Verdict | None:
+    """The ABFT verdict: ranks whose worst covered gradient is off by more than its rounding bound.
+
+    ``None`` when no rank had a covered gradient this step (nothing was checked).
+    """
+    if all(x.abft_ratio < 0 for x in gathered):
+        return None
+    bad = [r for r, x in enumerate(gathered) if x.abft_ratio > 1.0]
+    if not bad:
+        return Verdict("abft", True, margin=max(x.abft_ratio for x in gathered))
+    detail = "; ".join(f"rank {r}: {name_of(gathered[r].abft_index)} does not match its ABFT checksum "
+                       f"({gathered[r].abft_ratio:.3g} x the rounding bound)" for r in bad)
+    return Verdict("abft", False, bad, detail, rows=lambda: failed_rows(step, gathered, "abft", bad, rank_rows))

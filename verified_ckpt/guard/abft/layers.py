@@ -1,0 +1,126 @@
+"""What ABFT covers: the layer kinds it checks, one covering module's vectors, the input-gradient tap, the graph
+walk that finds parameters used outside their covering modules, and the coverage report."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["OUTSIDE", "Coverage", "InputCheck", "InputTap", "Layer", "gradient_paths", "layer_kind"]
+
+OUTSIDE = "used outside the modules that cover it (a weight tied functionally, F.linear(x, w)?)"
+
+
+def layer_kind(mod: torch.nn.Module) -> str | None:
+    """What ABFT checks of ``mod``: ``"Linear"``, ``"Conv1D"`` (Hugging Face's transposed Linear), ``"Embedding"``,
+    or ``None``. Only the classes' own ``forward``: a subclass with a forward of its own (LoRA, quantised layers)
+    may compute something else from its weight, and a check that cannot explain it would blame a healthy host."""
+    t = type(mod)
+    if isinstance(mod, torch.nn.Linear) and t.forward is torch.nn.Linear.forward:
+        return "Linear"
+    weight = getattr(mod, "weight", None)
+    if (t.__name__ == "Conv1D" and t.__module__ == "transformers.pytorch_utils" and isinstance(weight, torch.Tensor)
+            and weight.dim() == 2 and weight.shape[1] == getattr(mod, "nf", None)):
+        return "Conv1D"
+    if (isinstance(mod, torch.nn.Embedding) and t.forward is torch.nn.Embedding.forward and not mod.sparse
+            and mod.max_norm is None and not mod.scale_grad_by_freq):
+        return "Embedding"
+    return None
+
+
+@dataclasses.dataclass
+class Layer:
+    """One covering module: which parameters it covers and its vectors, in its own orientation."""
+
+    name: str
+    number: int  # among the covering modules, in module order (names the input-gradient check)
+    kind: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    features: tuple[int, int]  # (out, in)
+    r: torch.Tensor | None = None  # over the output features
+    s: torch.Tensor | None = None  # over the input features
+    # Per step (weights do not change within one): W contracted with s over its input features, and ‖W‖_F.
+    ws: torch.Tensor | None = None
+    wnorm: torch.Tensor | None = None
+    tag: int = -1
+
+
+@dataclasses.dataclass
+class InputCheck:
+    """What one forward's input-gradient check needs from the output's gradient hook (filled in backward)."""
+
+    layer: Layer
+    z: torch.Tensor | None = None  # dY (W s), per row
+    b: torch.Tensor | None = None  # ‖dY_n‖
+    eps: float = 2.0**-24
+
+
+class InputTap(torch.autograd.Function):
+    """Identity in front of a covered layer: its backward sees that layer's own share of the input's gradient
+    (the input may feed other layers too; their shares reach the input through their own nodes)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, check: InputCheck, sink: Callable[[InputCheck, torch.Tensor], None]) -> Any:
+        ctx.check, ctx.sink = check, sink
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        ctx.sink(ctx.check, g)
+        return g, None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+    """What ABFT checks each step (measured at the first step).
+
+    ``flop_fraction`` is the share of all backward FLOPs it verifies (weight and input gradients of the covered
+    Linear-like layers), ``linear_flop_fraction`` the share of the Linear-like layers' own backward FLOPs.
+    """
+
+    modules: dict[str, int]  # covered module class -> count
+    param_fraction: float
+    flop_fraction: float | None
+    linear_flop_fraction: float | None
+    left_out: list[tuple[str, str]]  # (parameter, why)
+    uncovered: dict[str, int]  # module classes holding parameters ABFT does not check -> count
+
+    def summary(self) -> str:
+        mods = ", ".join(f"{n} {k}" for k, n in sorted(self.modules.items())) or "no layer"
+        flops = "" if self.flop_fraction is None else (
+            f", {self.flop_fraction:.0%} of backward FLOPs ({self.linear_flop_fraction or 0:.0%} of the Linear-like "
+            "layers')")
+        line = f"ABFT checks the gradients of {mods}: {self.param_fraction:.0%} of parameters{flops}"
+        if self.uncovered:
+            line += "; not covered: " + ", ".join(f"{n} {k}" for k, n in sorted(self.uncovered.items()))
+        if self.left_out:
+            line += "; left out: " + ", ".join(f"{p} ({why})" for p, why in self.left_out[:8])
+            line += f" and {len(self.left_out) - 8} more" if len(self.left_out) > 8 else ""
+        return line + ". Parameters ABFT does not check are verified by audits and consensus only (docs/GUARD.md)."
+
+
+def gradient_paths(loss: torch.Tensor) -> collections.Counter[int]:
+    """How many edges of ``loss``'s autograd graph lead into each leaf's gradient accumulator (by ``id`` of the
+    leaf): one per use of the leaf in the forward."""
+    paths: collections.Counter[int] = collections.Counter()
+    seen: set[Any] = set()
+    todo = [loss.grad_fn] if loss.grad_fn is not None else []
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            leaf = getattr(nxt, "variable", None)
+            if leaf is not None:
+                paths[id(leaf)] += 1
+            elif nxt not in seen:
+                todo.append(nxt)
+    return paths

@@ -1,0 +1,128 @@
+"""ABFT's arithmetic: the per-parameter record of what the hooks saw, its sums, and the rounding bounds' parts."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["MAX_ENTRIES", "RMS", "Covered", "coefficients_on", "lengths_on", "matmul_eps", "norm", "rgs",
+           "signed_weights", "sums"]
+
+RMS = math.sqrt(7 / 3)  # rms of a weight drawn from ±[1, 2]
+# Entries a covered parameter holds before they are summed: its per-row vectors stay on the device until the
+# bucket check, so with many microbatches per step they are folded (a few ops) instead of piling up.
+MAX_ENTRIES = 8
+MATMUL_EPS = {"highest": 2.0**-24, "high": 2.0**-11, "medium": 2.0**-8}  # float32 matmuls on CUDA: full, TF32, bf16
+
+
+@dataclasses.dataclass
+class Covered:
+    """One covered parameter: its random vectors and what this step's hooks recorded for it (device vectors).
+
+    ``v0`` and ``v1`` weight the parameter's two dimensions (``v1`` is ``None`` for a bias): the check compares
+    ``v0ᵀ G v1``, whichever way a module stores the weight, so a weight that modules use in both orientations
+    (an embedding tied to a ``Conv1D``) has one pair of vectors. Each backward through a covering module adds
+    one entry ``(x, a, y, b)`` of per-row vectors whose products sum to the expected value: ``Σ_n x_n y_n``,
+    with the spread ``Σ_n a_n² b_n²`` (for a bias, ``x`` and ``a`` are ``None``: ``Σ_n y_n`` and ``Σ_n b_n²``).
+    Nothing is summed per layer: the bucket check sums every entry of every covered parameter at once.
+    """
+
+    name: str
+    index: int
+    v0: torch.Tensor  # dim 0, float32
+    v1: torch.Tensor | None  # dim 1, float32; None for a bias
+    entries: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]] = \
+        dataclasses.field(default_factory=list)
+    # float64 sums taken before the check: a gradient left from before the step (not zeroed; no spread), and
+    # entries folded to bound their memory
+    base: torch.Tensor | None = None
+    base_spread: torch.Tensor | None = None
+    rows: int = 0
+    eps: float = 2.0**-24
+    uses: int = 0  # forwards of covering modules at the first step (what the graph walk compares with)
+
+    def add(self, x: torch.Tensor | None, a: torch.Tensor | None, y: torch.Tensor, b: torch.Tensor, eps: float) -> None:
+        self.entries.append((x, a, y, b))
+        self.rows += y.numel()
+        self.eps = max(self.eps, eps)
+        if len(self.entries) > MAX_ENTRIES:  # long gradient accumulation: hold sums, not every microbatch's rows
+            self.fold()
+
+    def fold(self) -> None:
+        """Sum the entries into ``base`` and ``base_spread`` and let them go."""
+        expected, spread = sums([self])
+        self.base = expected[0] if self.base is None else self.base + expected[0]
+        self.base_spread = spread[0] if self.base_spread is None else self.base_spread + spread[0]
+        self.entries = []
+
+
+def rgs(c: Covered, g: torch.Tensor) -> torch.Tensor:
+    """``v0ᵀ G v1`` (``v0ᵀ g`` for a bias), float32, from one pass over the gradient; float32 sums, whose rounding
+    the bound's terms cover."""
+    if c.v1 is not None and g.dim() == 2:
+        return torch.dot(torch.mv(g, c.v1), c.v0)
+    return torch.dot(g.reshape(-1), c.v0)
+
+
+def norm(g: torch.Tensor) -> torch.Tensor:
+    norm: torch.Tensor = torch.linalg.vector_norm(g)
+    return norm.to(torch.float64)
+
+
+def signed_weights(n: int, g: torch.Generator, device: torch.device) -> torch.Tensor:
+    signs = torch.randint(0, 2, (n,), generator=g) * 2 - 1
+    return ((torch.rand(n, generator=g) + 1) * signs).to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def matmul_eps(device_type: str, *dtypes: torch.dtype) -> float:
+    """The unit roundoff of a matmul over ``dtypes`` (float32 on CUDA: as its matmul precision setting makes it)."""
+    def one(d: torch.dtype) -> float:
+        if not d.is_floating_point:
+            return 2.0**-24
+        if d == torch.float32 and device_type == "cuda":
+            return MATMUL_EPS.get(torch.get_float32_matmul_precision(), 2.0**-8)
+        return torch.finfo(d).eps / 2
+    return max(one(d) for d in dtypes)
+
+
+def sums(covered: Sequence[Covered]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 expected ``v0ᵀ G v1`` and spread ``Σ a²b²`` of each of ``covered`` (weights, then biases), over all
+    their entries: one ``cat`` per vector kind and one segmented sum per result, however many layers and
+    microbatches. Products in float64 (more exact than the float32 dots they replace)."""
+    weights = [c for c in covered if c.v1 is not None]
+    biases = [c for c in covered if c.v1 is None]
+    expected, spread = [], []
+    if weights:
+        entries = [e for c in weights for e in c.entries]
+        lengths = lengths_on(tuple(sum(e[2].numel() for e in c.entries) for c in weights), entries[0][2].device)
+        x = torch.cat([e[0] for e in entries if e[0] is not None])
+        ab = torch.cat([e[1] for e in entries if e[1] is not None]) * torch.cat([e[3] for e in entries])
+        y = torch.cat([e[2] for e in entries])
+        expected.append(torch.segment_reduce(x.double() * y.double(), "sum", lengths=lengths))
+        spread.append(torch.segment_reduce(ab.double().square(), "sum", lengths=lengths))
+    if biases:
+        entries = [e for c in biases for e in c.entries]
+        lengths = lengths_on(tuple(sum(e[2].numel() for e in c.entries) for c in biases), entries[0][2].device)
+        expected.append(torch.segment_reduce(torch.cat([e[2] for e in entries]).double(), "sum", lengths=lengths))
+        spread.append(torch.segment_reduce(torch.cat([e[3] for e in entries]).double().square(), "sum", lengths=lengths))
+    if len(expected) == 1:
+        return expected[0], spread[0]
+    return torch.cat(expected), torch.cat(spread)
+
+
+@functools.lru_cache(maxsize=256)
+def lengths_on(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The segments' lengths as a device tensor, made once per layout (a host-to-device copy saved per step)."""
+    return torch.tensor(lengths, dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def coefficients_on(coefs: tuple[tuple[float, float, float], ...], device: torch.device) -> torch.Tensor:
+    """float64[3, n]: the bound's two coefficients and the parameter index of each covered parameter, made once
+    per layout (they are plain numbers, the same every step)."""
+    return torch.tensor(coefs, dtype=torch.float64, device=device).T.contiguous()

@@ -1,16 +1,20 @@
-"""A Lightning DDP job with verified checkpoints and the SDC guard: an MLP with dropout on random data.
+"""A Lightning DDP job with verified checkpoints and the SDC guard at its defaults: an MLP with dropout on random data.
 
     torchrun --nproc-per-node 3 examples/lightning_train.py --run /tmp/pl-run            # 3 epochs, a save per epoch
     torchrun --nproc-per-node 3 examples/lightning_train.py --run /tmp/pl-run --resume   # continue from the run
 
-``--inject SPEC`` injects a fault (``grad:1:6:scale=10``); the guard raises, the incident is recorded, and
-the job exits 4. ``--story DIR`` runs what the test suite checks in one launch: an uninterrupted run, a
-run with a gradient fault at an audit step, and its resume from the rollback target; rank 0 writes
-``DIR/story.json``.
+``--grad-fault RANK:STEP:FACTOR`` multiplies one rank's gradient of the first layer's weight at one step, once, the
+way a faulty GPU would hand back a wrong result (a hook on the parameter, not the guard's own injection); the guard
+raises, the incident is recorded, and the job exits 4. ``--accumulate N`` and ``--schedule`` (linear warm-up, then
+cosine decay, stepped every optimizer step) are Lightning's own options. ``--story DIR`` runs what the test suite
+checks in one launch: a 200-step clean run with gradient accumulation and the schedule, then an uninterrupted run,
+a run with a gradient fault at a step that is not an audit step, and its resume from the rollback target; rank 0
+writes ``DIR/story.json``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -21,57 +25,91 @@ import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from verified_ckpt import CheckpointManager, GuardConfig, SilentCorruptionDetected, state_fingerprint
+from verified_ckpt import CheckpointManager, SilentCorruptionDetected, state_fingerprint
 from verified_ckpt.integrations.lightning import SDCGuardCallback, VerifiedCheckpointIO
 
-BATCH, STEPS_PER_EPOCH = 4, 4
+BATCH = 4
 
 
 class MLP(LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, batches_per_epoch: int = 4, schedule: bool = False, fault: str | None = None) -> None:
         super().__init__()
+        self.batches_per_epoch, self.schedule = batches_per_epoch, schedule
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                        torch.nn.Linear(32, 4))
+        if fault:
+            rank, step, factor = fault.split(":")
+            self._arm(int(rank), int(step), float(factor))
+
+    def _arm(self, rank: int, step: int, factor: float) -> None:
+        fired = []
+
+        def wrong(g: torch.Tensor) -> torch.Tensor:
+            if fired or int(os.environ.get("RANK", "0")) != rank or self.trainer.global_step + 1 != step:
+                return g
+            fired.append(step)  # a transient fault: this step's first gradient only, never its recomputation
+            return g * factor
+
+        self.net[0].weight.register_hook(wrong)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         return torch.nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        if not self.schedule:
+            return opt
+        total, warmup = self.trainer.estimated_stepping_batches, 10
+
+        def factor(step: int) -> float:
+            return (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / total))
+
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, factor),
+                                                   "interval": "step"}}
 
     def train_dataloader(self) -> Any:
         g = torch.Generator().manual_seed(0)
-        n = BATCH * STEPS_PER_EPOCH * int(os.environ.get("WORLD_SIZE", "1"))
+        n = BATCH * self.batches_per_epoch * int(os.environ.get("WORLD_SIZE", "1"))
         data = torch.utils.data.TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g))
         return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
 
 
-def fit(run: str, out: str, epochs: int, faults: list[str], resume: bool) -> MLP:
+def fit(run: str, out: str, epochs: int, resume: bool, *, fault: str | None = None, accumulate: int = 1,
+        batches_per_epoch: int = 4, schedule: bool = False) -> MLP:
     seed_everything(0, workers=True, verbose=False)
-    model = MLP()
+    model = MLP(batches_per_epoch, schedule, fault)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     io = VerifiedCheckpointIO(run)
     trainer = Trainer(strategy="ddp" if world > 1 else "auto", accelerator="cpu", devices=world, max_epochs=epochs,
-                      plugins=[io], default_root_dir=out, logger=False,
+                      plugins=[io], default_root_dir=out, logger=False, accumulate_grad_batches=accumulate,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      callbacks=[SDCGuardCallback(GuardConfig(audit_every=2, consensus_every=4, abft=False,
-                                                              faults=tuple(faults))),
-                                 ModelCheckpoint(dirpath=out, every_n_epochs=1, save_top_k=-1)])
+                      callbacks=[SDCGuardCallback(), ModelCheckpoint(dirpath=out, every_n_epochs=1, save_top_k=-1)])
     trainer.fit(model, ckpt_path=io.resume_path() if resume else None)
     return model
 
 
+def caught(e: SilentCorruptionDetected) -> dict[str, Any]:
+    return {"kind": e.incident.kind, "ranks": list(e.incident.ranks), "step": e.incident.detected_step}
+
+
 def story(root: str, epochs: int) -> dict[str, Any]:
-    clean = fit(os.path.join(root, "clean"), os.path.join(root, "out-clean"), epochs, [], False)
-    out: dict[str, Any] = {"clean": str(state_fingerprint({"model": clean}))}
+    out: dict[str, Any] = {}
+    try:  # 200 optimizer steps of 2 accumulated batches each, with warm-up and cosine decay: nothing to find
+        fit(os.path.join(root, "long"), os.path.join(root, "out-long"), 4, False, accumulate=2, batches_per_epoch=100,
+            schedule=True)
+        out["long"] = None
+    except SilentCorruptionDetected as e:
+        out["long"] = caught(e)
+    clean = fit(os.path.join(root, "clean"), os.path.join(root, "out-clean"), epochs, False)
+    out["clean"] = str(state_fingerprint({"model": clean}))
     faulty = os.path.join(root, "faulty")
     try:
-        fit(faulty, os.path.join(root, "out-faulty"), epochs, ["grad:1:6:scale=10"], False)
+        fit(faulty, os.path.join(root, "out-faulty"), epochs, False, fault="1:6:10")
         out["caught"] = None
     except SilentCorruptionDetected as e:
-        out["caught"] = {"kind": e.incident.kind, "ranks": list(e.incident.ranks), "step": e.incident.detected_step}
-    resumed = fit(faulty, os.path.join(root, "out-resumed"), epochs, [], True)
+        out["caught"] = caught(e)
+    resumed = fit(faulty, os.path.join(root, "out-resumed"), epochs, True)
     out["resumed"] = str(state_fingerprint({"model": resumed}))
     out["checkpoints"] = [(c.step, c.status.value, c.manifest.resumed_from if c.manifest else None)
                           for c in CheckpointManager(faulty).list()]
@@ -83,9 +121,14 @@ def main() -> int:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     ap = story_cli.parser(__doc__)
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--grad-fault", metavar="RANK:STEP:FACTOR", help="one rank's wrong gradient at one step")
+    ap.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    ap.add_argument("--schedule", action="store_true", help="linear warm-up, then cosine decay")
     a = ap.parse_args()
-    return story_cli.run(ap, a, lambda root: story(root, a.epochs),
-                         lambda out: fit(a.run, out, a.epochs, a.inject, a.resume))
+    if a.inject:
+        ap.error("--inject is the other examples' guard-side injection; this one takes --grad-fault RANK:STEP:FACTOR")
+    return story_cli.run(ap, a, lambda root: story(root, a.epochs), lambda out: fit(
+        a.run, out, a.epochs, a.resume, fault=a.grad_fault, accumulate=a.accumulate, schedule=a.schedule))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""The Lightning integration on 3 gloo ranks under torchrun: Trainer(strategy="ddp", devices=3, accelerator="cpu").
+"""The Lightning integration on 3 gloo ranks under torchrun, as the README sets it up: Trainer(strategy="ddp",
+devices=3, accelerator="cpu") with VerifiedCheckpointIO and SDCGuardCallback() at the guard's defaults (ABFT on).
 
-One launch runs the story (examples/lightning_train.py --story): an uninterrupted run, a run with a
-gradient fault at an audit step (ABFT off, so the cross-rank audit is what catches it), and its resume
-from the rollback target.
+One launch runs the story (examples/lightning_train.py --story): a 200-step clean run with dropout, gradient
+accumulation and a warm-up + cosine schedule; an uninterrupted run; a run whose rank 1 computes a wrong gradient
+(x10, a hook on the parameter) at a step that is not an audit step; and its resume from the rollback target.
 """
 
 from __future__ import annotations
@@ -12,26 +13,46 @@ import os
 import socket
 
 import pytest
+from click.testing import CliRunner
 from helpers import torchrun
+from test_service import by_service, checkpoints, service, until
 
 from verified_ckpt import CheckpointManager
 from verified_ckpt.integrations.lightning import RESUME, VerifiedCheckpointIO
+from verified_ckpt_cli.main import main as cli
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
 
-@pytest.mark.timeout(300)
-def test_lightning_ddp_saves_verified_catches_a_fault_naming_the_rank_and_resumes_bit_identical(tmp_path):
-    root = str(tmp_path)
+@pytest.fixture(scope="module")
+def story(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    root = str(tmp_path_factory.mktemp("pl"))
     done = torchrun(os.path.join(EXAMPLES, "lightning_train.py"), 3, "--story", root, timeout=280)
     assert done.returncode == 0, done.stderr[-4000:]
     with open(os.path.join(root, "story.json")) as f:
-        s = json.load(f)
+        return root, json.load(f)
+
+
+@pytest.mark.timeout(300)
+def test_lightning_defaults_raise_nothing_in_200_clean_steps_with_accumulation_and_a_schedule(story):
+    root, s = story
+    assert s["long"] is None
+    long = CheckpointManager(os.path.join(root, "long"))
+    assert [(c.step, c.status.value) for c in long.list()] == [(50, "restorable"), (100, "restorable"),
+                                                               (150, "restorable"), (200, "restorable")]
+    counts = long.ledger_summary()["counts"]
+    assert counts["abft"] == {"checks": 200, "failed": 0} and counts["checksum"]["failed"] == 0
+    assert long.incidents() == []
+
+
+@pytest.mark.timeout(300)
+def test_lightning_catches_a_wrong_gradient_at_its_step_naming_the_rank_and_resumes_bit_identical(story):
+    root, s = story
     clean = CheckpointManager(os.path.join(root, "clean")).list()
     assert [(c.step, c.status.value) for c in clean] == [(4, "restorable"), (8, "restorable"), (12, "restorable")]
-    assert s["caught"] == {"kind": "audit", "ranks": [1], "step": 6}
+    assert s["caught"] == {"kind": "abft", "ranks": [1], "step": 6}  # step 6 is no audit step (audit_every=500)
     first, *after = s["checkpoints"]
-    assert first[:2] == [4, "restorable"]  # saved before the fault, covered by the audit at step 4
+    assert first[:2] == [4, "restorable"]  # saved before the fault, audited before its save
     assert [c[:2] for c in after] == [[8, "restorable"], [12, "restorable"]]
     assert all(c[2] is not None and c[2].startswith("step-0000000004-") for c in after)  # resumed from step 4
     assert s["resumed"] == s["clean"]  # bit-identical to the uninterrupted run
@@ -39,4 +60,20 @@ def test_lightning_ddp_saves_verified_catches_a_fault_naming_the_rank_and_resume
     assert inc.ranks == [1] and [h.host for h in inc.hosts] == [socket.gethostname()]
     # Every start can pass io.resume_path(): RESUME with something to continue from, None on a fresh run.
     assert VerifiedCheckpointIO(os.path.join(root, "clean")).resume_path() == RESUME
+
+
+@pytest.mark.timeout(120)
+def test_verify_and_the_service_leave_every_clean_lightning_checkpoint_restorable(story, tmp_path):
+    # ModelCheckpoint stores kth_value = inf when it monitors nothing: bookkeeping, not training state.
+    root, _ = story
+    run = os.path.join(root, "long")
+    r = CliRunner().invoke(cli, ["verify", run, "--all"])
+    assert r.exit_code == 0, r.output
+    assert {c.status.value for c in CheckpointManager(run).list()} == {"restorable"}
+    clean = os.path.join(root, "clean")
+    with service(clean) as (client, _):
+        got = until(lambda: (c := checkpoints(client, clean)) and len(c) == 3 and all(by_service(x) for x in c.values())
+                    and c, what="the service to verify the clean run")
+        assert {c["status"] for c in got.values()} == {"restorable"}
+    assert {c.status.value for c in CheckpointManager(clean).list()} == {"restorable"}
     assert VerifiedCheckpointIO(str(tmp_path / "empty")).resume_path() is None

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 from .. import decisions, history
@@ -361,10 +361,10 @@ class Catalog:
         return history.summarize(cols)
 
     # --------------------------------------------------- retention, gc
-    def apply_retention(self, keep_last: int) -> None:
+    def apply_retention(self, keep_last: int, pinned: Collection[str] = ()) -> None:
         infos = self.view().infos
         target = decisions.newest(infos, {Status.RESTORABLE})
-        for cid in decisions.to_delete(infos, keep_last, {target.id} if target else set()):
+        for cid in decisions.to_delete(infos, keep_last, ({target.id} if target else set()) | set(pinned)):
             self.store.delete_checkpoint(cid)
 
     def gc(self, grace_s: float, dry_run: bool) -> list[str]:

@@ -78,6 +78,7 @@ class CheckpointManager:
         self._saver: Saver | None = None
         self._pending: concurrent.futures.Future[CheckpointInfo] | None = None
         self.resumed_from: str | None = None
+        self.pinned: set[str] = set()  # ids retention keeps, as it keeps the rollback target (a Trainer's best model)
         # Evidence counts checks from now on: failures before the first save make it suspect.
         self._tracker = EvidenceTracker(guard.counters() if guard is not None else {})
         # Rank 0 of a guarded job keeps the run's ledger of check events (docs/LEDGER.md).
@@ -137,7 +138,7 @@ class CheckpointManager:
 
         self._saver = self._saver or Saver(self._store, self._signer, self.comm, self.guard, self._tracker,
                                            self._catalog, keep_last=self.keep_last, shard_bytes=self.shard_bytes,
-                                           io_workers=self.io_workers, report_timeout_s=self.report_timeout_s)
+                                           io_workers=self.io_workers, report_timeout_s=self.report_timeout_s, pinned=self.pinned)
         job = self._saver.prepare(step, flat, self.resumed_from)
         # Before any manifest can claim this save's consensus, the ledger holds it.
         self._journal.log([Event(step, "save", NO_RANK, "pass" if job.status is Status.RESTORABLE else "none")])

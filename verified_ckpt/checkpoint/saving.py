@@ -119,9 +119,9 @@ class Saver:
 
     def __init__(self, store: RunStore, signer: Signer, comm: Communicator, guard: SDCGuard | None,
                  tracker: EvidenceTracker, catalog: Catalog, *, keep_last: int | None, shard_bytes: int, io_workers: int,
-                 report_timeout_s: float) -> None:
+                 report_timeout_s: float, pinned: set[str] | None = None) -> None:
         self.store, self.signer, self.comm, self.guard, self.tracker = store, signer, comm, guard, tracker
-        self.catalog, self.keep_last = catalog, keep_last
+        self.catalog, self.keep_last, self.pinned = catalog, keep_last, pinned if pinned is not None else set()
         self._warned_open = False
         self.shard_bytes, self.io_workers, self.report_timeout_s = shard_bytes, io_workers, report_timeout_s
         self._host_copies: dict[str, torch.Tensor] = {}  # reused by non-blocking saves
@@ -164,7 +164,8 @@ class Saver:
                            "value": {str(r): theirs[k]["value"] for r, theirs in enumerate(everyone)}}
         names = set().union(*(tensor_refs(mine[k]["value"]) for k in flat.per_rank))
         own = {n: t for n, t in flat.tensors.items() if n in names}
-        return Flat({n: t for n, t in flat.tensors.items() if n not in names}, skeleton, flat.per_rank), own
+        return dataclasses.replace(flat, tensors={n: t for n, t in flat.tensors.items() if n not in names},
+                                   skeleton=skeleton), own
 
     def snapshot(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy ``tensors`` to host buffers kept from the previous non-blocking save.
@@ -257,7 +258,7 @@ class Saver:
                         f" - to make saves restorable: {'; '.join(fixes)}" if fixes else "")
         self._warn_if_flagged(manifest)
         if self.keep_last is not None:
-            self.catalog.apply_retention(self.keep_last)
+            self.catalog.apply_retention(self.keep_last, self.pinned)
         return manifest_bytes
 
     def write(self, cid: str, tensors: dict[str, torch.Tensor], pattern: str) -> dict[str, Any]:

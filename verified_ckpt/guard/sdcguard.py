@@ -127,8 +127,8 @@ class SDCGuard:
         self._rng: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._losses: list[torch.Tensor] = []
         self._kept: tuple[int, list[Any]] | None = None  # the last step and its first microbatch (save audits)
-        self.abft = GradientChecks(self.module, self.params, self.cfg.seed, self.cfg.abft_slack,
-                                   self.cfg.abft_exclude) if self.cfg.abft else None
+        self.abft = GradientChecks(self.module, self.params, self.cfg.seed, self.cfg.abft_slack, self.cfg.abft_exclude,
+                                   compiled=inner is not model) if self.cfg.abft else None
         self.tap = GradientTap(self.params, self.comm, project=self.project, faults=self.faults, step=lambda: self._step,
                                fixed_order=bool(self.cfg.fixed_order_reduce), abft=self.abft,
                                want_lanes=self._audit_scheduled)
@@ -217,7 +217,8 @@ class SDCGuard:
             # them after begin(), between its forward and its backward, as Lightning's closure does).
             self.abft.begin_backward(self.params)
         if self.abft is not None and self.abft.probing:
-            self._report_coverage(self.abft.first_backward(loss, run, self.comm.any_of))
+            self.abft.first_backward(loss, run, self.comm.any_of)
+            self._report_coverage(self.abft.coverage())
         else:
             run(loss)
         if sync and self.ddp is None:
@@ -350,15 +351,13 @@ class SDCGuard:
         return self.abft.pausing() if self.abft is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------- coverage
-    def _report_coverage(self, left_out: list[str]) -> None:
+    def _report_coverage(self, cov: Coverage) -> None:
         """What each check covers, once, at the first step: the log, and a ledger row."""
-        cov = self.coverage()
-        assert cov is not None
         if self.rank == 0:
             log.info("SDCGuard: %s", cov.summary())
-            if left_out:
-                log.warning("SDCGuard: ABFT leaves out %s: %s; its gradient is checked by audits and consensus only "
-                            "(docs/GUARD.md, 'What ABFT covers')", ", ".join(left_out), abft.OUTSIDE)
+            if cov.left_out:
+                log.warning("SDCGuard: ABFT leaves out %s; their gradients are checked by audits and consensus only "
+                            "(docs/GUARD.md, 'What ABFT covers')", cov.left_out_summary())
         self.judge.emit(lambda: [Event(self._step or 0, "coverage", NO_RANK, "pass", (0, 0), cov.param_fraction,
                                   cov.flop_fraction or 0.0)])
 

@@ -1,7 +1,7 @@
 """PyTorch Lightning with verified checkpoints and the SDC guard: a ``CheckpointIO`` plugin and a ``Callback``.
 
     io = VerifiedCheckpointIO("s3://bucket/runs/exp42")
-    trainer = Trainer(strategy="ddp", plugins=[io], callbacks=[SDCGuardCallback(GuardConfig(audit_every=100))])
+    trainer = Trainer(strategy="ddp", plugins=[io], callbacks=[SDCGuardCallback()])
     trainer.fit(model, ckpt_path=io.resume_path())   # RESUME to continue from the run, None on a fresh start
 
 - **Saves** go through Lightning's own checkpointing (``ModelCheckpoint``, ``trainer.save_checkpoint``) into a
@@ -19,9 +19,10 @@
   checks pass, or the update is withheld and :class:`~verified_ckpt.SilentCorruptionDetected` is raised out of
   ``fit`` on every rank. Audits recompute a batch with the module's own ``training_step``.
 
-Limits (docs/INTEGRATIONS.md): automatic optimization with one optimizer, ``accumulate_grad_batches=1``, DDP
-or one device, no loss-scaling precision (``16-mixed``). Resuming restarts an interrupted epoch from its
-start in Lightning, so save at epoch ends (``ModelCheckpoint(every_n_epochs=1)``) for a bit-identical resume.
+Limits (docs/INTEGRATIONS.md): automatic optimization with one optimizer, DDP or one device, no loss-scaling
+precision (``16-mixed``); each is refused when training starts, with what to use instead. Gradient accumulation
+(``accumulate_grad_batches``) is supported. Resuming restarts an interrupted epoch from its start in Lightning,
+so save at epoch ends (``ModelCheckpoint(every_n_epochs=1)``) for a bit-identical resume.
 The plugin and callback reach into ``Strategy`` internals; the supported range is pinned in the
 ``lightning`` extra.
 """
@@ -95,6 +96,23 @@ class VerifiedCheckpointIO(CheckpointIO):
         """Retention is the manager's (``keep_last``): a checkpoint still needed for a rollback is never removed."""
 
 
+def _unsupported(trainer: Trainer, pl_module: LightningModule) -> str | None:
+    """Why the guard cannot run this trainer's steps (``None``: it can): it steps one optimizer automatically, on
+    DDP or one device, without a loss scaler (whose skipped overflow steps it would see as NaN/Inf)."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    if not pl_module.automatic_optimization:
+        return "manual optimization is not supported: the guard must run each optimizer step"
+    if len(trainer.optimizers) != 1:
+        return f"{len(trainer.optimizers)} optimizers; the guard steps exactly one"
+    if not isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy)):
+        return f"strategy {type(trainer.strategy).__name__} is not supported; use strategy='ddp' (or one device)"
+    if str(trainer.precision).startswith("16"):
+        return (f"precision={trainer.precision!r} scales the loss and skips overflow steps, which the guard would see as "
+                "NaN/Inf; use precision='bf16-mixed' or '32-true'")
+    return None
+
+
 def _loss(out: Any) -> torch.Tensor:
     loss = out.get("loss") if isinstance(out, dict) else out
     if not isinstance(loss, torch.Tensor):
@@ -118,17 +136,19 @@ class SDCGuardCallback(Callback):
                 checkpoint, filepath, storage_options)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.accumulate_grad_batches != 1 or len(trainer.optimizers) != 1 or not pl_module.automatic_optimization:
-            raise ValueError("SDCGuardCallback supports automatic optimization with one optimizer and "
-                             "accumulate_grad_batches=1")
+        problem = _unsupported(trainer, pl_module)
+        if problem:
+            raise ValueError(f"SDCGuardCallback: {problem} (docs/INTEGRATIONS.md, 'Lightning')")
         strategy: Any = trainer.strategy
         model, opt = strategy.model, trainer.optimizers[0]
+        accumulate = trainer.accumulate_grad_batches
 
         def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+            # What Lightning backpropagates: training_step's loss divided by accumulate_grad_batches.
             if m is pl_module:  # an audit's recompute, on the plain module
-                return _loss(pl_module.training_step(batch, 0))
+                return _loss(pl_module.training_step(batch, 0)) / accumulate
             # Through DDP (a warm-up after a resume), as Lightning itself runs training_step.
-            return _loss(strategy._forward_redirection(m, pl_module, "training_step", batch, 0))
+            return _loss(strategy._forward_redirection(m, pl_module, "training_step", batch, 0)) / accumulate
 
         self.guard = guard = guarded_steps(opt, lambda unguarded: SDCGuard(model, unguarded, loss_fn, self.config))
         io = strategy.checkpoint_io
@@ -138,10 +158,12 @@ class SDCGuardCallback(Callback):
                 guard.prepare_resume()  # a fresh process: rebuild DDP's bucket layout before the first step
         # Lightning's closure (run by the guarded step) runs training_step, zero_grad and this backward, then its
         # own hooks and clipping; the guard records the backward, and the update happens only if its checks pass.
+        # A batch that only accumulates runs its closure directly, under DDP's no_sync: not the step's last.
         backward = strategy.backward
 
         def guarded_backward(closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-            guard.backward_of(closure_loss, backward=lambda loss: backward(loss, optimizer, *args, **kwargs))
+            guard.backward_of(closure_loss, sync=not trainer.fit_loop._should_accumulate(),
+                              backward=lambda loss: backward(loss, optimizer, *args, **kwargs))
             return closure_loss
 
         strategy.backward = guarded_backward

@@ -17,16 +17,27 @@ callback can neither withhold an optimizer update nor change how a checkpoint is
   HF's own resume, so a resumed run ends bit-identical to one that never stopped (on deterministic
   kernels).
 
-Limits (docs/INTEGRATIONS.md): DDP or a single process (not DeepSpeed or FSDP through the Trainer);
-no fp16 ``GradScaler`` (the guard steps the unwrapped optimizer; bf16 autocast is fine). It overrides
-``Trainer`` methods that are not public API, so the supported ``transformers`` range is pinned in the
-``transformers`` extra.
+What keeps it a drop-in: the loss and gradients are the Trainer's own (``compute_loss`` with
+``num_items_in_batch``, the same scaling for gradient accumulation, ``accelerator.backward``), so a clean run
+ends with the weights plain ``Trainer`` gives; ``save_total_limit`` is retention (``keep_last``), which never
+deletes the best checkpoint or the rollback target; ``load_best_model_at_end`` restores the best *restorable*
+checkpoint (never an unverified or suspect one); ``torch_compile`` compiles the DDP model as usual, and the
+guard hooks what it wraps.
+
+Refused at construction, with what to use instead (docs/INTEGRATIONS.md): DeepSpeed and FSDP through the
+Trainer, ``fp16`` (a ``GradScaler`` skips overflow steps, which the guard would see as NaN/Inf: use ``bf16``),
+DataParallel (several GPUs in one process), LOMO optimizers (the update happens inside the backward, where no
+check can withhold it), ``past_index`` (audits would overwrite the Trainer's cached memories), ``push_to_hub``
+(nothing is written to ``output_dir/checkpoint-N``: push a ``vckpt export --format hf`` folder) and
+``save_only_model`` (a verified checkpoint is for resuming). It overrides ``Trainer`` methods that are not public
+API, so the supported ``transformers`` range is pinned in the ``transformers`` extra.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -37,9 +48,11 @@ from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 
-from .. import CheckpointManager, GuardConfig, RNGState, SDCGuard
+from .. import CheckpointManager, CheckpointNotRestorable, GuardConfig, RNGState, SDCGuard
 from ..checkpoint.export import CONFIG_ENTRY, MODEL_ENTRY  # what `vckpt export --format hf` reads
 from .stepping import guarded_steps
+
+log = logging.getLogger("verified_ckpt")
 
 __all__ = ["CONFIG_ENTRY", "MODEL_ENTRY", "VerifiedTrainer"]
 
@@ -92,7 +105,15 @@ class VerifiedTrainer(Trainer):
     def __init__(self, *args: Any, run: str, storage_options: dict[str, Any] | None = None,
                  guard_config: GuardConfig | None = None, keep_last: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.run_url, self.storage_options, self.keep_last = run, storage_options, keep_last
+        problem = _unsupported(self)
+        if problem:
+            raise ValueError(f"VerifiedTrainer: {problem} (docs/INTEGRATIONS.md, 'Hugging Face Trainer')")
+        limit = self.args.save_total_limit
+        if keep_last is not None and limit is not None and keep_last != limit:
+            raise ValueError(f"VerifiedTrainer: keep_last={keep_last} and save_total_limit={limit} disagree; "
+                             "give one of them (save_total_limit is the run's retention)")
+        self.run_url, self.storage_options = run, storage_options
+        self.keep_last = keep_last if keep_last is not None else limit
         self.guard_config = guard_config or GuardConfig()
         self.guard: SDCGuard | None = None
         self.checkpoints: CheckpointManager | None = None
@@ -154,28 +175,51 @@ class VerifiedTrainer(Trainer):
         return model, train_dataloader
 
     def _install_guard(self, model: torch.nn.Module) -> None:
-        accumulate = self.args.gradient_accumulation_steps
-
-        def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
-            # A copy: compute_loss may pop labels, and the guard keeps the batch for audits.
-            loss: Any = self.compute_loss(m, dict(batch))  # a tensor (return_outputs is off)
-            return torch.as_tensor(loss) / accumulate
-
         # The Trainer's loop calls optimizer.step() after clipping: from now on that is guard.step(), which applies
         # the Trainer's own step (Accelerate's, and the scheduler's step counter) only if every check passed.
-        self.guard = guard = guarded_steps(self.optimizer, lambda opt: SDCGuard(model, opt, loss_fn, self.guard_config))
+        self.guard = guard = guarded_steps(self.optimizer, lambda opt: SDCGuard(model, opt, self._loss_of,
+                                                                                 self.guard_config))
         self.checkpoints = CheckpointManager(self.run_url, storage_options=self.storage_options,
                                              keep_last=self.keep_last, guard=guard)
         if self._resumed is not None:
             self.checkpoints.resumed_from = self._resumed.checkpoint_id  # the lineage continues from it
             guard.prepare_resume()
 
+    def _loss_of(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """The loss ``Trainer.training_step`` backpropagates, from what ``training_step`` recorded: the same call of
+        ``compute_loss`` (with ``num_items_in_batch``) and the same scaling for gradient accumulation. Audits
+        recompute it on other ranks from the owner's record, so it must depend on nothing else."""
+        n = batch["num_items_in_batch"]
+        with self.compute_loss_context_manager():
+            # A copy: compute_loss may pop labels, and the guard keeps the batch for audits.
+            loss: Any = self.compute_loss(model, dict(batch["inputs"]), num_items_in_batch=n)
+        if self.args.n_gpu > 1:
+            loss = loss.mean()
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and n is not None) or self.compute_loss_func is not None
+        return torch.as_tensor(loss if scaled else loss / self.current_gradient_accumulation_steps)
+
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """``Trainer.training_step`` through the guard: the batch is recorded for audits before the forward, and the
+        backward is the Accelerator's, inside the guard."""
         if self.guard is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        model.train()
-        inputs = self._prepare_inputs(inputs)
-        return self.guard.backward(inputs, step=self.state.global_step + 1, sync=self.accelerator.sync_gradients)
+        cp_context, inputs = self._prepare_context_parallel_inputs(model, inputs)
+        with cp_context():
+            model.train()
+            train = getattr(self.optimizer, "train", None)
+            if callable(train):  # schedule-free optimizers switch modes
+                train()
+            batch = {"inputs": self._prepare_inputs(inputs), "num_items_in_batch": num_items_in_batch}
+            self.guard.begin(batch, step=self.state.global_step + 1)
+            loss = self._loss_of(model, batch)
+            every = self.args.torch_empty_cache_steps
+            if every is not None and self.state.global_step % every == 0:
+                from accelerate.utils.memory import clear_device_cache
+
+                clear_device_cache()
+            return self.guard.backward_of(loss, sync=self.accelerator.sync_gradients, backward=self.accelerator.backward)
 
     # ---------------------------------------------------------------- saving
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -184,9 +228,51 @@ class VerifiedTrainer(Trainer):
             return
         self.store_flos()
         self.checkpoints.save(self.state.global_step, self._state(_TrainerState(self)))
+        best = self.state.best_global_step
+        if best:  # what HF's best-model bookkeeping points at: the best step's checkpoint, kept by retention
+            self.state.best_model_checkpoint = f"{self.run_url} (step {best})"
+            info = next((c for c in reversed(self.checkpoints.list()) if c.step == best), None)
+            if info is not None:
+                self.checkpoints.pinned.add(info.id)
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the model's weights from the best step's checkpoint, if it is restorable."""
+        if self.checkpoints is None or not self.state.best_global_step:
+            super()._load_best_model()
+            return
+        step = self.state.best_global_step
+        try:
+            self.checkpoints.restore({MODEL_ENTRY: self.model}, step=step)
+        except CheckpointNotRestorable as e:
+            log.warning("load_best_model_at_end: the best checkpoint (step %d) is not restorable (%s); the model "
+                        "stays as trained to the end", step, e)
 
     def _state(self, trainer_state: _TrainerState) -> dict[str, Any]:
         config = getattr(self.model, "config", None)
         return {MODEL_ENTRY: self.model, "optim": self.optimizer, "sched": self.lr_scheduler, "rng": RNGState(),
                 "trainer_state": trainer_state,
                 CONFIG_ENTRY: config.to_json_string() if config is not None else None}
+
+
+def _unsupported(t: Trainer) -> str | None:
+    """Why ``t``'s arguments ask for something the guard or the verified checkpoints cannot honour (``None``: all
+    fine); every option is either honoured or refused here, never silently ignored."""
+    a = t.args
+    if a.deepspeed or getattr(t, "is_deepspeed_enabled", False):
+        return "DeepSpeed is not supported (the guard steps the optimizer itself); train with DDP"
+    if a.fsdp or getattr(t, "is_fsdp_enabled", False):
+        return "FSDP through the Trainer is not supported yet; train with DDP, or with SDCGuard on fully_shard directly"
+    if a.fp16:
+        return "fp16=True scales the loss and skips overflow steps, which the guard would see as NaN/Inf; use bf16=True"
+    if a.n_gpu > 1:
+        return f"DataParallel over {a.n_gpu} GPUs in one process is not supported; launch one process per GPU (torchrun)"
+    if str(a.optim) in ("lomo", "adalomo", "OptimizerNames.LOMO", "OptimizerNames.ADALOMO"):
+        return f"optim={a.optim} updates the weights inside the backward, where no check can withhold the update"
+    if getattr(a, "past_index", -1) >= 0:
+        return "past_index keeps the model's memories on the Trainer, which an audit's recomputation would overwrite"
+    if a.push_to_hub:
+        return ("push_to_hub pushes output_dir/checkpoint-N folders, which verified saves do not write; push a "
+                "`vckpt export RUN --format hf --to DIR` folder instead")
+    if a.save_only_model:
+        return "save_only_model=True: a verified checkpoint is for resuming; export weights with `vckpt export --format hf`"
+    return None

@@ -14,8 +14,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..stats import StepStats, Verdict, failed_rows, worst
-from .layers import OUTSIDE, Coverage, InputCheck, InputTap, Layer, gradient_paths, layer_kind
-from .sums import RMS, Covered, coefficients_on, matmul_eps, norm, rgs, signed_weights, sums
+from .layers import COMPILED, OUTSIDE, Coverage, InputCheck, InputTap, Layer, gradient_paths, layer_kind
+from .sums import RMS, Covered, matmul_eps, rgs, signed_weights, worst_ratio
 
 __all__ = ["GradientChecks", "check"]
 
@@ -32,7 +32,7 @@ class GradientChecks:
     """
 
     def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor], seed: int, slack: float,
-                 exclude: Sequence[str] = ()) -> None:
+                 exclude: Sequence[str] = (), compiled: bool = False) -> None:
         self.slack = slack
         self.paused = False  # audit recomputation and warm-up passes are not this step's gradients
         self.covered: dict[int, Covered] = {}
@@ -44,34 +44,19 @@ class GradientChecks:
         names = {id(p): n for n, p in module.named_parameters()}
         g = torch.Generator().manual_seed(seed + 7919)
         checked: set[int] = set()  # ids of the parameters some covering module holds
+        # torch.compile would trace the hooks into its graphs (recompiling them at every new shape), or break the
+        # graph at every layer if they were kept out: layers it compiles are left out, and say so.
+        roots = [module] if compiled else [m for m in module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+        in_compiled = {id(m) for root in roots for m in root.modules()}
         for name, mod in module.named_modules():
             kind = layer_kind(mod)
             if kind is None:
                 continue
-            w: torch.Tensor = mod.weight
-            b = getattr(mod, "bias", None)
-            b = b if isinstance(b, torch.Tensor) else None
-            if kind == "Embedding":
-                feats = (w.shape[0], w.shape[1])
-            elif kind == "Conv1D":
-                feats = (w.shape[1], w.shape[0])
-            else:
-                feats = (w.shape[0], w.shape[1])
-            layer = Layer(name, len(self.layers), kind, w, b, feats)
-            self.layers[id(mod)] = layer
-            checked |= {id(w)} | ({id(b)} if b is not None else set())
-            if id(w) not in index:
+            if id(mod) in in_compiled:
+                self.left_out += [(names[id(p)], COMPILED) for p in mod.parameters(recurse=False) if id(p) in names]
                 continue
-            cw = self._cover(w, names, index, g)
-            # The layer's vectors over its output and input features, from the weight's per-dimension ones.
-            layer.r, layer.s = (cw.v1, cw.v0) if kind == "Conv1D" else (cw.v0, cw.v1)
-            if b is not None and layer.r is not None and id(b) in index and id(b) not in self.covered:
-                self.covered[id(b)] = Covered(names.get(id(b), "?"), index[id(b)], layer.r, None)
-            if kind == "Embedding":
-                mod.register_forward_hook(self._embedding_forward)
-            else:
-                mod.register_forward_pre_hook(self._linear_pre)
-                mod.register_forward_hook(self._linear_forward)
+            layer = self._install(name, mod, kind, names, index, g)
+            checked |= {id(layer.weight)} | ({id(layer.bias)} if layer.bias is not None else set())
         self.order = list(self.covered)  # the same on every rank: construction order
         for pid in list(self.covered):
             if any(fnmatch.fnmatchcase(self.covered[pid].name, pat) for pat in exclude):
@@ -85,6 +70,29 @@ class GradientChecks:
         self._tag = 0
         self._open: dict[int, InputCheck] = {}  # by id of the module: a forward between its two hooks
         self._inputs: list[tuple[torch.Tensor, int]] = []  # this step's input-gradient ratios, and their layer
+
+    def _install(self, name: str, mod: torch.nn.Module, kind: str, names: dict[int, str], index: dict[int, int],
+                 g: torch.Generator) -> Layer:
+        """One covering module: its layer record, its parameters covered, its hooks registered."""
+        w = mod.weight
+        assert isinstance(w, torch.Tensor)
+        b = getattr(mod, "bias", None)
+        b = b if isinstance(b, torch.Tensor) else None
+        feats = (w.shape[1], w.shape[0]) if kind == "Conv1D" else (w.shape[0], w.shape[1])  # (out, in); Embedding: rows
+        layer = self.layers[id(mod)] = Layer(name, len(self.layers), kind, w, b, feats)
+        if id(w) not in index:
+            return layer
+        cw = self._cover(w, names, index, g)
+        # The layer's vectors over its output and input features, from the weight's per-dimension ones.
+        layer.r, layer.s = (cw.v1, cw.v0) if kind == "Conv1D" else (cw.v0, cw.v1)
+        if b is not None and layer.r is not None and id(b) in index and id(b) not in self.covered:
+            self.covered[id(b)] = Covered(names.get(id(b), "?"), index[id(b)], layer.r, None)
+        if kind == "Embedding":
+            mod.register_forward_hook(self._embedding_forward)
+        else:
+            mod.register_forward_pre_hook(self._linear_pre)
+            mod.register_forward_hook(self._linear_forward)
+        return layer
 
     def _cover(self, p: torch.Tensor, names: dict[int, str], index: dict[int, int], g: torch.Generator) -> Covered:
         c = self.covered.get(id(p))
@@ -304,17 +312,7 @@ class GradientChecks:
                if (c := self.covered.get(id(p))) is not None and c.rows]
         if not got:
             return None
-        got.sort(key=lambda cg: cg[0].v1 is None)  # weights first, then biases: the order ``_sums`` returns
-        actual = torch.stack([rgs(c, g if g.dtype == torch.float32 else g.float()) for c, g in got]).double()
-        expected, spread = self._expected([c for c, _ in got])
-        norms = sumsq.to(torch.float64).sqrt() if sumsq is not None else torch.stack([norm(g.float()) for _, g in got])
-        coef = coefficients_on(tuple(self._coefficients(c, g) for c, g in got), actual.device)
-        bound = coef[0] * spread.sqrt() + coef[1] * norms + 1e-30
-        # Norms are float32 sums of squares: a value past ~1e19 (no real gradient or activation) overflows
-        # them, and an infinite bound would pass anything. Such a bound is a failure in itself.
-        ratio = ((actual - expected).abs() / bound).nan_to_num(nan=torch.inf)
-        ratio = torch.where(bound.isfinite(), ratio, torch.inf)
-        return worst(torch.stack([ratio, coef[2]]).T)
+        return worst_ratio(got, sumsq, self.slack)
 
     def inputs_worst(self) -> torch.Tensor | None:
         """float64[2]: the worst input-gradient ratio of this step and ``n_params + layer`` naming its layer (on the
@@ -324,41 +322,6 @@ class GradientChecks:
         ratios = torch.stack([r for r, _ in self._inputs]).double()
         which = layer_codes(tuple(self._n + number for _, number in self._inputs), ratios.device)
         return worst(torch.stack([ratios, which]).T)
-
-    @staticmethod
-    def _expected(covered: list[Covered]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expected ``v0ᵀ G v1`` and spread of each of ``covered`` (weights first): one batch of sums over every
-        entry. A parameter that holds sums already (a gradient left from before the step, or entries folded during
-        a long accumulation) folds the rest of its entries into them and gives those."""
-        for c in covered:
-            if c.base is not None and c.entries:
-                c.fold()
-        fresh = [c for c in covered if c.base is None]
-        expected, spread = sums(fresh) if fresh else (None, None)
-        if len(fresh) == len(covered):
-            assert expected is not None and spread is not None
-            return expected, spread
-        at = {id(c): k for k, c in enumerate(fresh)}
-        exp, spr = [], []
-        for c in covered:
-            if c.base is not None:
-                assert c.base_spread is not None  # it had entries this step (it is checked), all folded now
-                exp.append(c.base)
-                spr.append(c.base_spread)
-            else:
-                assert expected is not None and spread is not None
-                exp.append(expected[at[id(c)]])
-                spr.append(spread[at[id(c)]])
-        return torch.stack(exp), torch.stack(spr)
-
-    def _coefficients(self, c: Covered, g: torch.Tensor) -> tuple[float, float, float]:
-        """The bound's coefficients of one parameter (plain numbers: shapes, rows, dtype), and its index."""
-        if c.v1 is not None and g.dim() == 2:
-            k = self.slack * c.eps * RMS * RMS
-            return (k * (math.sqrt(c.rows) + math.sqrt(g.shape[1]) + math.sqrt(g.shape[0])),
-                    k * (math.sqrt(g.shape[1]) + 1), float(c.index))
-        k = self.slack * c.eps * RMS
-        return k * (math.sqrt(c.rows) + math.sqrt(g.numel())), k, float(c.index)
 
     def name_of(self, index: int) -> str:
         """What a failed check's index names: a parameter's gradient, or a layer's input gradient."""

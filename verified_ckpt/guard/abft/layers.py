@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["OUTSIDE", "Coverage", "InputCheck", "InputTap", "Layer", "gradient_paths", "layer_kind"]
+__all__ = ["COMPILED", "OUTSIDE", "Coverage", "InputCheck", "InputTap", "Layer", "gradient_paths", "layer_kind"]
 
 OUTSIDE = "used outside the modules that cover it (a weight tied functionally, F.linear(x, w)?)"
+COMPILED = "inside a torch.compile'd module, where ABFT's hooks cannot run"
 
 
 def layer_kind(mod: torch.nn.Module) -> str | None:
@@ -91,6 +92,7 @@ class Coverage:
     uncovered: dict[str, int]  # module classes holding parameters ABFT does not check -> count
 
     def summary(self) -> str:
+        """One line: what ABFT checks, and what it does not."""
         mods = ", ".join(f"{n} {k}" for k, n in sorted(self.modules.items())) or "no layer"
         flops = "" if self.flop_fraction is None else (
             f", {self.flop_fraction:.0%} of backward FLOPs ({self.linear_flop_fraction or 0:.0%} of the Linear-like "
@@ -99,9 +101,16 @@ class Coverage:
         if self.uncovered:
             line += "; not covered: " + ", ".join(f"{n} {k}" for k, n in sorted(self.uncovered.items()))
         if self.left_out:
-            line += "; left out: " + ", ".join(f"{p} ({why})" for p, why in self.left_out[:8])
-            line += f" and {len(self.left_out) - 8} more" if len(self.left_out) > 8 else ""
+            line += f"; left out: {self.left_out_summary()}"
         return line + ". Parameters ABFT does not check are verified by audits and consensus only (docs/GUARD.md)."
+
+    def left_out_summary(self) -> str:
+        """The parameters left out, grouped by why (a few names each)."""
+        why: dict[str, list[str]] = {}
+        for name, reason in self.left_out:
+            why.setdefault(reason, []).append(name)
+        return "; ".join(f"{', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}: {reason}"
+                         for reason, names in why.items())
 
 
 def gradient_paths(loss: torch.Tensor) -> collections.Counter[int]:

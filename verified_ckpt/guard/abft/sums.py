@@ -9,8 +9,10 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["MAX_ENTRIES", "RMS", "Covered", "coefficients_on", "lengths_on", "matmul_eps", "norm", "rgs",
-           "signed_weights", "sums"]
+from ..stats import worst
+
+__all__ = ["MAX_ENTRIES", "RMS", "Covered", "bound_coefficients", "coefficients_on", "expected_sums", "lengths_on",
+           "matmul_eps", "norm", "rgs", "signed_weights", "sums", "worst_ratio"]
 
 RMS = math.sqrt(7 / 3)  # rms of a weight drawn from ±[1, 2]
 # Entries a covered parameter holds before they are summed: its per-row vectors stay on the device until the
@@ -126,3 +128,61 @@ def coefficients_on(coefs: tuple[tuple[float, float, float], ...], device: torch
     """float64[3, n]: the bound's two coefficients and the parameter index of each covered parameter, made once
     per layout (they are plain numbers, the same every step)."""
     return torch.tensor(coefs, dtype=torch.float64, device=device).T.contiguous()
+
+
+def worst_ratio(got: list[tuple[Covered, torch.Tensor]], sumsq: torch.Tensor | None, slack: float) -> torch.Tensor:
+    """float64[2]: the worst ratio |actual - expected| / bound over ``got`` (covered parameters and their gradients)
+    and that parameter's index, on the device (no host sync).
+
+    One pass over each covered gradient (its ``v0ᵀ G v1``); the expected values and spreads of all of them, over
+    every microbatch, in a fixed handful of ops (``sums``). ``sumsq``: the squared norm of all the gradients
+    together (the tap has it already). Its root bounds every gradient's own norm in the bound, which saves a
+    pass over each gradient; without it, each gradient's norm is computed.
+    """
+    got = sorted(got, key=lambda cg: cg[0].v1 is None)  # weights first, then biases: the order ``sums`` returns
+    actual = torch.stack([rgs(c, g if g.dtype == torch.float32 else g.float()) for c, g in got]).double()
+    expected, spread = expected_sums([c for c, _ in got])
+    norms = sumsq.to(torch.float64).sqrt() if sumsq is not None else torch.stack([norm(g.float()) for _, g in got])
+    coef = coefficients_on(tuple(bound_coefficients(c, g, slack) for c, g in got), actual.device)
+    bound = coef[0] * spread.sqrt() + coef[1] * norms + 1e-30
+    # Norms are float32 sums of squares: a value past ~1e19 (no real gradient or activation) overflows
+    # them, and an infinite bound would pass anything. Such a bound is a failure in itself.
+    ratio = ((actual - expected).abs() / bound).nan_to_num(nan=torch.inf)
+    ratio = torch.where(bound.isfinite(), ratio, torch.inf)
+    return worst(torch.stack([ratio, coef[2]]).T)
+
+
+def expected_sums(covered: list[Covered]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expected ``v0ᵀ G v1`` and spread of each of ``covered`` (weights first): one batch of sums over every
+    entry. A parameter that holds sums already (a gradient left from before the step, or entries folded during
+    a long accumulation) folds the rest of its entries into them and gives those."""
+    for c in covered:
+        if c.base is not None and c.entries:
+            c.fold()
+    fresh = [c for c in covered if c.base is None]
+    expected, spread = sums(fresh) if fresh else (None, None)
+    if len(fresh) == len(covered):
+        assert expected is not None and spread is not None
+        return expected, spread
+    at = {id(c): k for k, c in enumerate(fresh)}
+    exp, spr = [], []
+    for c in covered:
+        if c.base is not None:
+            assert c.base_spread is not None  # it had entries this step (it is checked), all folded now
+            exp.append(c.base)
+            spr.append(c.base_spread)
+        else:
+            assert expected is not None and spread is not None
+            exp.append(expected[at[id(c)]])
+            spr.append(spread[at[id(c)]])
+    return torch.stack(exp), torch.stack(spr)
+
+
+def bound_coefficients(c: Covered, g: torch.Tensor, slack: float) -> tuple[float, float, float]:
+    """The bound's coefficients of one parameter (plain numbers: shapes, rows, dtype), and its index."""
+    if c.v1 is not None and g.dim() == 2:
+        k = slack * c.eps * RMS * RMS
+        return (k * (math.sqrt(c.rows) + math.sqrt(g.shape[1]) + math.sqrt(g.shape[0])),
+                k * (math.sqrt(g.shape[1]) + 1), float(c.index))
+    k = slack * c.eps * RMS
+    return k * (math.sqrt(c.rows) + math.sqrt(g.numel())), k, float(c.index)

@@ -198,6 +198,9 @@ def ledger_cmd(mgr: CheckpointManager, out: Output) -> int:
         console.print(f"{summary['rows']} events" + (f", steps {span[0]}..{span[1]}" if span else ""))
         console.print(out.table("checks", ["kind", "checks", "failed"],
                                 [[k, c["checks"], c["failed"]] for k, c in summary["counts"].items()]))
+        for c in summary["coverage"][-1:]:
+            console.print(f"ABFT coverage (step {c['step']}): {c['params']:.0%} of parameters, "
+                          f"{c['flops']:.0%} of backward FLOPs")
         last = summary["last_unanimous_consensus"]
         console.print(f"last unanimous consensus: {'step ' + str(last) if last is not None else 'none'}")
         if summary["divergence"]:

@@ -77,3 +77,21 @@ def test_verify_and_the_service_leave_every_clean_lightning_checkpoint_restorabl
         assert {c["status"] for c in got.values()} == {"restorable"}
     assert {c.status.value for c in CheckpointManager(clean).list()} == {"restorable"}
     assert VerifiedCheckpointIO(str(tmp_path / "empty")).resume_path() is None
+
+
+@pytest.mark.timeout(120)
+def test_set_ups_the_guard_cannot_step_are_refused_when_training_starts_with_what_to_use(tmp_path):
+    import lightning_train
+    from lightning.pytorch import Trainer
+
+    from verified_ckpt.integrations.lightning import SDCGuardCallback
+
+    class Manual(lightning_train.MLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, default_root_dir=str(tmp_path), callbacks=[SDCGuardCallback()])
+    with pytest.raises(ValueError, match="manual optimization"):
+        trainer.fit(Manual())

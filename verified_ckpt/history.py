@@ -122,6 +122,7 @@ def summarize(cols: Columns) -> dict[str, Any]:
         c["checks"] += 1
         c["failed"] += int(g["failed"])
     unanimous = [g["step"] for g in groups if g["kind"] == "consensus" and not g["failed"]]
+    covered = [i for i in range(len(cols)) if KINDS[int(cols.kind[i])] == "coverage"] if "coverage" in counts else []
     return {
         "rows": len(cols),
         "steps": [int(cols.step.min()), int(cols.step.max())] if len(cols) else None,
@@ -131,6 +132,9 @@ def summarize(cols: Columns) -> dict[str, Any]:
                        for g in groups if g["failed"] and g["kind"] != "incident"],
         "audits": [{"step": g["step"], "audited_ranks": sorted(set(g["ranks"])), "failed": g["failed"],
                     "disputed_ranks": g["failed_ranks"]} for g in groups if g["kind"] == "audit"],
+        # What ABFT checked, as measured at each (re)start's first step: shares of parameters and of backward FLOPs.
+        "coverage": [{"step": int(cols.step[i]), "params": float(cols.loss[i]), "flops": float(cols.grad_norm[i])}
+                     for i in covered],
     }
 
 

@@ -104,10 +104,11 @@ class VerifiedTrainer(Trainer):
 
     def __init__(self, *args: Any, run: str, storage_options: dict[str, Any] | None = None,
                  guard_config: GuardConfig | None = None, keep_last: int | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        problem = _unsupported(self)
-        if problem:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        problem = _unsupported(training_args) if training_args is not None else None
+        if problem:  # before Trainer's own set-up (which may already reach the Hub, or build DeepSpeed)
             raise ValueError(f"VerifiedTrainer: {problem} (docs/INTEGRATIONS.md, 'Hugging Face Trainer')")
+        super().__init__(*args, **kwargs)
         limit = self.args.save_total_limit
         if keep_last is not None and limit is not None and keep_last != limit:
             raise ValueError(f"VerifiedTrainer: keep_last={keep_last} and save_total_limit={limit} disagree; "
@@ -118,6 +119,7 @@ class VerifiedTrainer(Trainer):
         self.guard: SDCGuard | None = None
         self.checkpoints: CheckpointManager | None = None
         self._resumed: _Resumed | None = None
+        self._best: str | None = None  # the checkpoint id of the best step, pinned against retention
 
     # ---------------------------------------------------------------- resume
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
@@ -232,8 +234,10 @@ class VerifiedTrainer(Trainer):
         if best:  # what HF's best-model bookkeeping points at: the best step's checkpoint, kept by retention
             self.state.best_model_checkpoint = f"{self.run_url} (step {best})"
             info = next((c for c in reversed(self.checkpoints.list()) if c.step == best), None)
-            if info is not None:
+            if info is not None and info.id != self._best:
+                self.checkpoints.pinned.discard(self._best or "")  # no longer the best: retention may take it
                 self.checkpoints.pinned.add(info.id)
+                self._best = info.id
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the model's weights from the best step's checkpoint, if it is restorable."""
@@ -254,19 +258,18 @@ class VerifiedTrainer(Trainer):
                 CONFIG_ENTRY: config.to_json_string() if config is not None else None}
 
 
-def _unsupported(t: Trainer) -> str | None:
-    """Why ``t``'s arguments ask for something the guard or the verified checkpoints cannot honour (``None``: all
-    fine); every option is either honoured or refused here, never silently ignored."""
-    a = t.args
-    if a.deepspeed or getattr(t, "is_deepspeed_enabled", False):
+def _unsupported(a: Any) -> str | None:
+    """Why the ``TrainingArguments`` ``a`` ask for something the guard or the verified checkpoints cannot honour
+    (``None``: all fine); every option is either honoured or refused here, never silently ignored."""
+    if a.deepspeed:
         return "DeepSpeed is not supported (the guard steps the optimizer itself); train with DDP"
-    if a.fsdp or getattr(t, "is_fsdp_enabled", False):
+    if a.fsdp:
         return "FSDP through the Trainer is not supported yet; train with DDP, or with SDCGuard on fully_shard directly"
     if a.fp16:
         return "fp16=True scales the loss and skips overflow steps, which the guard would see as NaN/Inf; use bf16=True"
     if a.n_gpu > 1:
         return f"DataParallel over {a.n_gpu} GPUs in one process is not supported; launch one process per GPU (torchrun)"
-    if str(a.optim) in ("lomo", "adalomo", "OptimizerNames.LOMO", "OptimizerNames.ADALOMO"):
+    if str(getattr(a.optim, "value", a.optim)) in ("lomo", "adalomo"):
         return f"optim={a.optim} updates the weights inside the backward, where no check can withhold the update"
     if getattr(a, "past_index", -1) >= 0:
         return "past_index keeps the model's memories on the Trainer, which an audit's recomputation would overwrite"

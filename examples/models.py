@@ -49,18 +49,23 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """GPT-2 in miniature (see the module docstring). ``forward(ids) -> logits``."""
+    """GPT-2 in miniature (see the module docstring). ``forward(ids) -> logits``.
+
+    ``functional_head=True`` ties the output head as many codebases do, with no head module:
+    ``F.linear(x, self.tok.weight)``."""
 
     def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, heads: int = 4, context: int = 16,
-                 dropout: float = 0.1) -> None:
+                 dropout: float = 0.1, functional_head: bool = False) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(context, d)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d, heads, dropout, context) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok.weight  # tied, as in GPT-2
+        self.head: nn.Linear | None = None
+        if not functional_head:
+            self.head = nn.Linear(d, vocab, bias=False)
+            self.head.weight = self.tok.weight  # tied, as in GPT-2
         self.vocab = vocab
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -68,7 +73,8 @@ class TinyGPT(nn.Module):
         x = self.drop(self.tok(ids) + self.pos(torch.arange(t, device=ids.device)))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln(x))
+        x = self.ln(x)
+        return self.head(x) if self.head is not None else nn.functional.linear(x, self.tok.weight)
 
 
 def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:

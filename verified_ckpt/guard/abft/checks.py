@@ -202,11 +202,15 @@ class GradientChecks:
         x = args[0] if args else None
         if layer is None or not self._active(out) or not isinstance(x, torch.Tensor):
             return
+        # The weight and the bias are left out (or kept) one by one: a bias is checked even where its weight is not.
         w = self.covered.get(id(layer.weight))
+        bias = self.covered.get(id(layer.bias)) if layer.bias is not None else None
         probing = self.probing
-        if probing and w is not None:
-            w.uses += 1
-        if (w is None and check is None and not probing) or layer.r is None or layer.s is None:
+        if probing:
+            for c in (w, bias):
+                if c is not None:
+                    c.uses += 1
+        if (w is None and bias is None and check is None and not probing) or layer.r is None or layer.s is None:
             return
         autocast = torch.is_autocast_enabled(x.device.type)
         cast = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
@@ -218,11 +222,7 @@ class GradientChecks:
                 x2 = x.reshape(-1, x.shape[-1])
                 xs = torch.mv(x2 if x2.dtype == torch.float32 else x2.float(), layer.s)
                 a = torch.linalg.vector_norm(x2, dim=1, dtype=torch.float32)
-        bias = self.covered.get(id(layer.bias)) if layer.bias is not None and w is not None else None
-        if bias is not None and self.probing:
-            bias.uses += 1
         r, device_type = layer.r, x.device.type
-
         weight_grad, input_grad = layer.weight.requires_grad, x.requires_grad
 
         def on_grad(dy: torch.Tensor) -> None:
@@ -230,7 +230,7 @@ class GradientChecks:
                 gemm = 2 * (dy.numel() // max(dy.shape[-1], 1)) * layer.features[0] * layer.features[1]
                 self._flops["linear"] += gemm * (int(weight_grad) + int(input_grad))
                 self._flops["covered"] += gemm * (int(w is not None and weight_grad) + int(check is not None))
-            if w is None and check is None:
+            if w is None and bias is None and check is None:
                 return
             with torch.no_grad():
                 dy2 = dy.reshape(-1, dy.shape[-1])
@@ -239,11 +239,10 @@ class GradientChecks:
                 eps = matmul_eps(device_type, cast, dy.dtype)
                 if check is not None and layer.ws is not None:
                     check.z, check.b, check.eps = torch.mv(dy2, layer.ws), b, eps
-                if w is None:
-                    return
-                y = torch.mv(dy2, r)
-            w.add(xs, a, y, b, eps)
-            if bias is not None:
+                y = torch.mv(dy2, r) if w is not None or bias is not None else None
+            if w is not None and y is not None:
+                w.add(xs, a, y, b, eps)
+            if bias is not None and y is not None:
                 bias.add(None, None, y, b, eps)
 
         out.register_hook(on_grad)

@@ -1,0 +1,116 @@
+"""The guard never blames hosts for the model's or the framework's own structure: what a covering module cannot
+explain is left out with one warning naming it, and a check that fails alike on every rank names no host (the
+first time it runs, it is a configuration error saying what to change). Real gloo ranks, default GuardConfig()."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dist_harness import run_ranks
+from models import TinyGPT, lm_loss
+from verified_ckpt import GuardConfig, GuardConfigurationError, SDCGuard, SilentCorruptionDetected
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def train(rank: int, world: int, steps: int, *, model: torch.nn.Module, cfg: GuardConfig | None = None,
+          hook: str | None = None, hook_from: int = 1) -> dict:
+    """``steps`` guarded steps of ``model`` on this rank's random tokens; ``hook``: a parameter whose gradient a hook
+    doubles on every rank alike from step ``hook_from`` (a set-up ABFT cannot explain)."""
+    captured = Captured()
+    logging.getLogger("verified_ckpt").addHandler(captured)
+    try:
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        guard = SDCGuard(ddp, opt, lm_loss, cfg or GuardConfig())
+        now = [0]
+        if hook:
+            dict(model.named_parameters())[hook].register_hook(lambda g: g * 2 if now[0] >= hook_from else g)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(1, steps + 1):
+            now[0] = step
+            guard.backward(torch.randint(0, 64, (4, 17), generator=g), step=step)
+            try:
+                guard.step()
+            except SilentCorruptionDetected as e:
+                return {"incident": {"ranks": e.ranks, "hosts": len(e.hosts), "step": e.detected_step, "detail": e.detail},
+                        "warnings": captured.lines}
+            except GuardConfigurationError as e:
+                return {"configuration": str(e), "step": e.step, "incidents": len(guard.incidents),
+                        "warnings": captured.lines}
+            opt.zero_grad()
+        return {"incident": None, "abft": guard.checks["abft"].passed, "warnings": captured.lines,
+                "left_out": guard.coverage().left_out}
+    finally:
+        logging.getLogger("verified_ckpt").removeHandler(captured)
+
+
+def tied(rank: int, world: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    return train(rank, world, steps, model=TinyGPT(functional_head=True))
+
+
+def test_a_functionally_tied_head_is_left_out_with_one_warning_and_200_clean_steps_raise_nothing():
+    got = run_ranks(tied, 3, 200)
+    assert all(r["incident"] is None and r["abft"] == 200 for r in got)
+    assert [name for name, _ in got[0]["left_out"]] == ["tok.weight"]
+    [warning] = [w for w in got[0]["warnings"] if "leaves out" in w]  # one line, on rank 0 only
+    assert "tok.weight" in warning and "audits and consensus" in warning
+    assert all(not [w for w in r["warnings"] if "leaves out" in w] for r in got[1:])
+
+
+def hooked(rank: int, world: int, hook_from: int, exclude: bool) -> dict:
+    torch.manual_seed(0)
+    name = "blocks.0.mlp.0.weight"
+    return train(rank, world, 8, model=TinyGPT(), hook=name, hook_from=hook_from,
+                 cfg=GuardConfig(abft_exclude=(name,)) if exclude else None)
+
+
+def test_a_gradient_hook_on_every_rank_is_a_configuration_error_naming_no_host_with_what_to_change():
+    got = run_ranks(hooked, 3, 1, False)
+    for r in got:
+        assert r["step"] == 1 and r["incidents"] == 0, r  # no incident: nothing recorded against any host
+        assert "every rank" in r["configuration"] and "no host is named" in r["configuration"]
+        assert "abft_exclude" in r["configuration"] and "blocks.0.mlp.0.weight" in r["configuration"]
+    # What the message says to change works: the parameter left out, the same set-up trains clean.
+    got = run_ranks(hooked, 3, 1, True)
+    assert all(r["incident"] is None for r in got)
+    assert got[0]["left_out"] == [["blocks.0.mlp.0.weight", "excluded by GuardConfig(abft_exclude=...)"]]
+
+
+def test_a_check_failing_alike_on_every_rank_later_names_no_host():
+    got = run_ranks(hooked, 3, 5, False)  # passes for four steps, then every rank changes alike
+    for r in got:
+        inc = r["incident"]
+        assert inc["step"] == 5 and inc["ranks"] == [] and inc["hosts"] == 0 and "every rank failed alike" in inc["detail"]
+
+
+class Shared(TinyGPT):
+    """A weight shared by two modules (the first MLP layer of both blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[1].mlp[0].weight = self.blocks[0].mlp[0].weight
+
+
+def shared(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    return train(rank, world, 30, model=Shared())
+
+
+def test_a_weight_shared_by_two_modules_stays_covered_and_raises_nothing():
+    got = run_ranks(shared, 3)
+    assert all(r["incident"] is None and r["abft"] == 30 and r["left_out"] == [] for r in got)

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..stats import StepStats, Verdict, failed_rows, worst
 from .layers import COMPILED, OUTSIDE, Coverage, InputCheck, InputTap, Layer, gradient_paths, layer_kind
-from .sums import RMS, Covered, matmul_eps, rgs, signed_weights, worst_ratio
+from .sums import EPS32, RMS, Covered, matmul_eps, rgs, signed_weights, unit_roundoff, worst_ratio
 
 __all__ = ["GradientChecks", "check"]
 
@@ -151,7 +151,7 @@ class GradientChecks:
 
     def reset(self) -> None:
         for c in self.covered.values():
-            c.entries, c.base, c.base_spread, c.rows, c.eps = [], None, None, 0, 2.0**-24
+            c.entries, c.base, c.base_spread, c.rows, c.eps_in, c.eps_out = [], None, None, 0, EPS32, EPS32
         self._inputs = []
         self._open = {}
         self._tag += 1  # a new step: the weights may have changed
@@ -236,7 +236,7 @@ class GradientChecks:
                 dy2 = dy.reshape(-1, dy.shape[-1])
                 dy2 = dy2 if dy2.dtype == torch.float32 else dy2.float()
                 b = torch.linalg.vector_norm(dy2, dim=1)
-                eps = matmul_eps(device_type, cast, dy.dtype)
+                eps = (matmul_eps(device_type, cast), unit_roundoff(dy.dtype))
                 if check is not None and layer.ws is not None:
                     check.z, check.b, check.eps = torch.mv(dy2, layer.ws), b, eps
                 y = torch.mv(dy2, r) if w is not None or bias is not None else None
@@ -256,8 +256,9 @@ class GradientChecks:
         with torch.no_grad():
             g2 = g.reshape(-1, g.shape[-1])
             u = torch.mv(g2 if g2.dtype == torch.float32 else g2.float(), layer.s)
-            eps = max(check.eps, matmul_eps(g.device.type, g.dtype))
-            coef = self.slack * eps * RMS * (math.sqrt(out_f) + math.sqrt(in_f) + 2)
+            # W rounded to the GEMM's dtype, dX rounded to its own, float32 accumulation and projections.
+            eps_in, eps_out = check.eps[0], max(check.eps[1], unit_roundoff(g.dtype))
+            coef = self.slack * RMS * (eps_in + eps_out + EPS32 * (math.sqrt(out_f) + math.sqrt(in_f) + 2))
             bound = check.b * (layer.wnorm * coef) + 1e-30
             self._inputs.append((((u - check.z).abs() / bound).nan_to_num(nan=torch.inf).max(), layer.number))
 
@@ -278,12 +279,13 @@ class GradientChecks:
             if padding is not None:  # the padding row's gradient is kept at zero
                 picked = picked * (flat != padding)
             ones = torch.ones_like(picked)
-        s, device_type = layer.s, out.device.type
+        s = layer.s
 
         def on_grad(dy: torch.Tensor) -> None:
             with torch.no_grad():
                 dy2 = dy.reshape(-1, dy.shape[-1]).float()
-                e.add(picked, ones, torch.mv(dy2, s), torch.linalg.vector_norm(dy2, dim=1), matmul_eps(device_type, dy.dtype))
+                e.add(picked, ones, torch.mv(dy2, s), torch.linalg.vector_norm(dy2, dim=1),
+                      (EPS32, unit_roundoff(dy.dtype)))
 
         out.register_hook(on_grad)
 

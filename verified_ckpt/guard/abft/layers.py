@@ -58,7 +58,7 @@ class InputCheck:
     layer: Layer
     z: torch.Tensor | None = None  # dY (W s), per row
     b: torch.Tensor | None = None  # ‖dY_n‖
-    eps: float = 2.0**-24
+    eps: tuple[float, float] = (2.0**-24, 2.0**-24)  # of the GEMM's inputs, of its output
 
 
 class InputTap(torch.autograd.Function):

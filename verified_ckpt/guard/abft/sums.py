@@ -11,13 +11,15 @@ import torch
 
 from ..stats import worst
 
-__all__ = ["MAX_ENTRIES", "RMS", "Covered", "bound_coefficients", "coefficients_on", "expected_sums", "lengths_on",
-           "matmul_eps", "norm", "rgs", "signed_weights", "sums", "worst_ratio"]
+__all__ = ["EPS32", "MAX_ENTRIES", "RMS", "Covered", "bound_coefficients", "coefficients_on", "expected_sums", "lengths_on",
+           "matmul_eps", "norm", "rgs", "signed_weights", "sums", "unit_roundoff", "worst_ratio"]
 
 RMS = math.sqrt(7 / 3)  # rms of a weight drawn from ±[1, 2]
 # Entries a covered parameter holds before they are summed: its per-row vectors stay on the device until the
 # bucket check, so with many microbatches per step they are folded (a few ops) instead of piling up.
 MAX_ENTRIES = 8
+EPS32 = 2.0**-24
+_SQRT3 = math.sqrt(3)
 MATMUL_EPS = {"highest": 2.0**-24, "high": 2.0**-11, "medium": 2.0**-8}  # float32 matmuls on CUDA: full, TF32, bf16
 
 
@@ -44,13 +46,17 @@ class Covered:
     base: torch.Tensor | None = None
     base_spread: torch.Tensor | None = None
     rows: int = 0
-    eps: float = 2.0**-24
+    # Unit roundoffs the bound needs (the largest over the entries): of the GEMM's inputs (bf16 under autocast,
+    # TF32 where CUDA matmuls use it) and of the gradient it produced (bf16 under autocast, then cast to float32).
+    eps_in: float = EPS32
+    eps_out: float = EPS32
     uses: int = 0  # forwards of covering modules at the first step (what the graph walk compares with)
 
-    def add(self, x: torch.Tensor | None, a: torch.Tensor | None, y: torch.Tensor, b: torch.Tensor, eps: float) -> None:
+    def add(self, x: torch.Tensor | None, a: torch.Tensor | None, y: torch.Tensor, b: torch.Tensor,
+            eps: tuple[float, float]) -> None:
         self.entries.append((x, a, y, b))
         self.rows += y.numel()
-        self.eps = max(self.eps, eps)
+        self.eps_in, self.eps_out = max(self.eps_in, eps[0]), max(self.eps_out, eps[1])
         if len(self.entries) > MAX_ENTRIES:  # long gradient accumulation: hold sums, not every microbatch's rows
             self.fold()
 
@@ -81,15 +87,19 @@ def signed_weights(n: int, g: torch.Generator, device: torch.device) -> torch.Te
 
 
 @functools.lru_cache(maxsize=64)
-def matmul_eps(device_type: str, *dtypes: torch.dtype) -> float:
-    """The unit roundoff of a matmul over ``dtypes`` (float32 on CUDA: as its matmul precision setting makes it)."""
-    def one(d: torch.dtype) -> float:
-        if not d.is_floating_point:
-            return 2.0**-24
-        if d == torch.float32 and device_type == "cuda":
-            return MATMUL_EPS.get(torch.get_float32_matmul_precision(), 2.0**-8)
-        return torch.finfo(d).eps / 2
-    return max(one(d) for d in dtypes)
+def matmul_eps(device_type: str, dtype: torch.dtype) -> float:
+    """The unit roundoff a matmul's inputs get in ``dtype`` (float32 on CUDA: as its matmul precision setting makes
+    it: TF32 or bf16 inputs)."""
+    if not dtype.is_floating_point:
+        return EPS32
+    if dtype == torch.float32 and device_type == "cuda":
+        return MATMUL_EPS.get(torch.get_float32_matmul_precision(), 2.0**-8)
+    return unit_roundoff(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2 if dtype.is_floating_point else EPS32
 
 
 def sums(covered: Sequence[Covered]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,12 +147,16 @@ def worst_ratio(got: list[tuple[Covered, torch.Tensor]], sumsq: torch.Tensor | N
     One pass over each covered gradient (its ``v0ᵀ G v1``); the expected values and spreads of all of them, over
     every microbatch, in a fixed handful of ops (``sums``). ``sumsq``: the squared norm of all the gradients
     together (the tap has it already). Its root bounds every gradient's own norm in the bound, which saves a
-    pass over each gradient; without it, each gradient's norm is computed.
+    pass over each gradient; without it (or where gradients were rounded to bf16), each gradient's norm is computed.
     """
     got = sorted(got, key=lambda cg: cg[0].v1 is None)  # weights first, then biases: the order ``sums`` returns
     actual = torch.stack([rgs(c, g if g.dtype == torch.float32 else g.float()) for c, g in got]).double()
     expected, spread = expected_sums([c for c, _ in got])
-    norms = sumsq.to(torch.float64).sqrt() if sumsq is not None else torch.stack([norm(g.float()) for _, g in got])
+    # The bucket's norm bounds each gradient's own; where a gradient was rounded to bf16 (autocast) its own norm
+    # matters to the bound, and a pass over each such gradient buys the detection back.
+    low = any(c.eps_out > EPS32 for c, _ in got)
+    norms = sumsq.to(torch.float64).sqrt() if sumsq is not None and not low else \
+        torch.stack([norm(g.float()) for _, g in got])
     coef = coefficients_on(tuple(bound_coefficients(c, g, slack) for c, g in got), actual.device)
     bound = coef[0] * spread.sqrt() + coef[1] * norms + 1e-30
     # Norms are float32 sums of squares: a value past ~1e19 (no real gradient or activation) overflows
@@ -179,10 +193,20 @@ def expected_sums(covered: list[Covered]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bound_coefficients(c: Covered, g: torch.Tensor, slack: float) -> tuple[float, float, float]:
-    """The bound's coefficients of one parameter (plain numbers: shapes, rows, dtype), and its index."""
+    """The bound's coefficients of one parameter (plain numbers: shapes, rows, dtypes), and its index.
+
+    Each term is one source of rounding, in units of ``rms(v0) rms(v1) ‖a∘b‖`` and ``… ‖G‖`` (random signs make
+    each add like a random walk): the GEMM's inputs rounded to its dtype (``eps_in``, twice: X and dY), its float32
+    accumulation over ``rows`` and the float32 projections over ``in`` and ``out`` (``√rows + √in + √out``), the
+    gradient rounded to its own dtype before the cast to float32 (``eps_out``, of its norm, or of ``‖a∘b‖`` when
+    microbatches cancel), and the float32 ``G v1`` of the check itself (``√in + 1``). Under bf16 autocast the
+    roundings are bf16 only where the data is: accumulation and projections stay float32.
+    """
+    once_in, once_out = c.eps_in / _SQRT3, c.eps_out / _SQRT3  # one rounding of each element: std u/√3
     if c.v1 is not None and g.dim() == 2:
-        k = slack * c.eps * RMS * RMS
-        return (k * (math.sqrt(c.rows) + math.sqrt(g.shape[1]) + math.sqrt(g.shape[0])),
-                k * (math.sqrt(g.shape[1]) + 1), float(c.index))
-    k = slack * c.eps * RMS
-    return k * (math.sqrt(c.rows) + math.sqrt(g.numel())), k, float(c.index)
+        k = slack * RMS * RMS
+        spread = 2 * once_in + once_out + EPS32 * (math.sqrt(c.rows) + math.sqrt(g.shape[1]) + math.sqrt(g.shape[0]))
+        return k * spread, k * (once_out + EPS32 * (math.sqrt(g.shape[1]) + 1)), float(c.index)
+    k = slack * RMS
+    return (k * (once_in + once_out + EPS32 * (math.sqrt(c.rows) + math.sqrt(g.numel()))), k * (once_out + EPS32),
+            float(c.index))

@@ -280,24 +280,30 @@ def incidents_cmd(mgr: CheckpointManager, out: Output) -> int:
     """List incidents and the hosts to exclude from scheduling."""
     mgr.require_run()
     view = mgr.view()
-    rows = [_incident_row(r) for r in view.incidents]
+    rows = [dict(_incident_row(r), answered=a) for r, a in zip(view.incidents, view.answered(), strict=True)]
     _warn_unreadable(out, view.unreadable)
 
     def human(console: Any) -> None:
         if not rows:
             console.print("no incidents")
             return
-        console.print(out.table(f"incidents in {mgr.url}", ["id", "kind", "detected", "suspect from", "ranks", "hosts", "reason"],
+        console.print(out.table(f"incidents in {mgr.url}", ["id", "kind", "detected", "suspect from", "ranks", "hosts",
+                                                             "answered", "reason"],
                                 [[r["id"], r["kind"], r["detected_step"], r["first_suspect_step"],
                                   ",".join(map(str, r["ranks"])) or "-", ",".join(r["hosts"]) or "-",
-                                  r["reason"]] for r in rows]))
+                                  "yes" if r["answered"] else "no", r["reason"]] for r in rows]))
         for r in rows:
             if r["signature"] in ("missing", "invalid"):
                 console.print(f"[bold red]incident {escape(str(r['id']))}: signature {r['signature']}[/] - not trusted "
                               "(edited, or unreadable where a signed record belongs); it covers the whole run until it is "
                               "removed (docs/SECURITY.md)")
-        hosts = sorted({h for r in rows for h in r["hosts"]})
-        console.print("exclude from scheduling: " + (" ".join(hosts) if hosts else "no host could be named"))
+        hosts = view.exclude_hosts()  # the open incidents' hosts: what `vckpt status`, the report and the service say
+        if hosts:
+            console.print("exclude from scheduling: " + " ".join(hosts))
+        elif all(r["answered"] for r in rows):
+            console.print("exclude from scheduling: none (every incident is answered by a rollback)")
+        else:
+            console.print("exclude from scheduling: none (no open incident could name a host)")
 
     out.emit(rows, human)
     return EXIT_OK
@@ -341,7 +347,7 @@ def status_cmd(mgr: CheckpointManager, out: Output) -> int:
     target, _ = view.rollback_target()
     open_incidents = view.open_incidents()
     restorable = [i for i in view.infos if i.status is Status.RESTORABLE]
-    hosts = sorted({h for i in open_incidents for h in i.exclude_hosts})
+    hosts = view.exclude_hosts()
     data = {"run": mgr.url, "open_incidents": [_incident_row(i) for i in open_incidents], "exclude_hosts": hosts,
             "rollback_target": None if target is None else {"id": target.id, "step": target.step},
             "newest_restorable_step": restorable[-1].step if restorable else None, "checkpoints": len(view.infos),
@@ -436,7 +442,7 @@ def serve_cmd(runs: tuple[str, ...], discover: tuple[str, ...], storage_options:
         err.print(f"[red]error:[/] vckpt serve needs {e.name}: pip install 'verified-ckpt\\[service]'", markup=True,
                   highlight=False)
         sys.exit(EXIT_USAGE)
-    serve(cfg)
+    serve(cfg, log_to_stderr=True)
 
 
 if __name__ == "__main__":

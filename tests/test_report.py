@@ -20,6 +20,7 @@ from png import read_png
 from verified_ckpt.report import render_html
 
 SHADE, ROLLBACK, GREEN, RED = (244, 166, 166), (106, 27, 154), (46, 157, 74), (214, 39, 40)
+RECOVERED, HEADLINE_OK = (0, 131, 143), (27, 94, 32)
 
 
 def realistic(**overrides: Any) -> dict[str, Any]:
@@ -281,15 +282,15 @@ def test_png_decoder_rejects_what_it_does_not_support(tmp_path, problem):
         read_png(path)
 
 
-@pytest.mark.timeout(120)
-def test_chromium_paints_the_incident_band_right_of_the_rollback_marker(tmp_path):
+def shoot(tmp_path, data: dict[str, Any]) -> np.ndarray:
+    """The report of ``data`` as headless Chromium paints it (RGB, 1000 x 1300)."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         if os.environ.get("VCKPT_REQUIRE_CHROMIUM") == "1":
             pytest.fail("chromium not installed, and VCKPT_REQUIRE_CHROMIUM=1 forbids skipping")
         pytest.skip("chromium not installed (apt-get install chromium); VCKPT_REQUIRE_CHROMIUM=1 makes this fail")
     page, shot = tmp_path / "report.html", tmp_path / "shot.png"
-    page.write_text(render_html(realistic()), encoding="utf-8")
+    page.write_text(render_html(data), encoding="utf-8")
     command = [
         browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1300,1000",
         # Pin scale and colour profile so a pixel of #f4a6a6 reads back as exactly (244, 166, 166).
@@ -301,6 +302,12 @@ def test_chromium_paints_the_incident_band_right_of_the_rollback_marker(tmp_path
     assert shot.exists(), f"no screenshot (rc {proc.returncode}): {proc.stderr[-2000:]}"
     img = read_png(shot)[:, :, :3]
     assert img.shape[:2] == (1000, 1300), f"{img.shape} after {time.monotonic() - started:.1f}s"
+    return img
+
+
+@pytest.mark.timeout(120)
+def test_chromium_paints_the_incident_band_right_of_the_rollback_marker(tmp_path):
+    img = shoot(tmp_path, realistic())
 
     def where(rgb: tuple[int, int, int]) -> np.ndarray:
         return np.all(img == np.array(rgb, np.uint8), axis=2)
@@ -331,3 +338,36 @@ def test_chromium_paints_the_incident_band_right_of_the_rollback_marker(tmp_path
     assert max(longest_run(r)[0] for r in green) >= 200, "no agreement strip"
     red = np.flatnonzero(where(RED)[top : top + height].any(axis=0))
     assert len(red) and red.min() >= columns.min(), "disagreement should lie inside the incident band"
+
+
+def recovered() -> dict[str, Any]:
+    """The realistic run after its recovery: the incident answered by a rollback to step 50, training went on."""
+    data = realistic(exclude_hosts=[], recovery={"detected_step": 63, "rolled_back_to": 50},
+                     rollback_target={"id": "ckpt-000090", "step": 90})
+    data["incidents"][0]["answered"] = True
+    return data
+
+
+def test_a_recovered_run_says_so_in_its_headline_and_draws_the_rollback():
+    page = render_html(recovered())
+    verdict = re.search(r'<p class="verdict ok" data-testid="verdict">([^<]*)</p>', page)
+    assert verdict and "recovered at step 63 (rolled back to step 50)" in verdict.group(1)
+    assert "roll back to" not in verdict.group(1)
+    drawn = _Elements(page).attrs("rollback-drawn")
+    assert (drawn["data-from"], drawn["data-to"]) == ("63", "50")
+    assert '<li class="empty">none</li>' in page  # no host to exclude once the incident is answered
+    assert 'class="verdict bad"' in render_html(realistic())  # still open: the call to act stays red
+
+
+@pytest.mark.timeout(120)
+def test_chromium_paints_the_recovered_headline_and_the_rollback_jump_from_the_detection_back_to_the_target(tmp_path):
+    img = shoot(tmp_path, recovered())
+    teal = np.all(img == np.array(RECOVERED, np.uint8), axis=2)
+    ys, xs = np.flatnonzero(teal.any(axis=1)), np.flatnonzero(teal.any(axis=0))
+    assert teal.sum() >= 150, f"{teal.sum()} pixels of the drawn rollback"
+    # The jump spans the steps 50..63 of the timeline (about 10 px per step at this width), above the loss.
+    plot = teal[:, 60:1100]
+    span = np.flatnonzero(plot.any(axis=0))
+    assert span.max() - span.min() >= 100, (span.min(), span.max())
+    green_text = np.all(img == np.array(HEADLINE_OK, np.uint8), axis=2)[:140]
+    assert green_text.sum() >= 30 and ys.min() > 0 and len(xs)  # the headline in the "recovered" colour

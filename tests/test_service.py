@@ -250,3 +250,27 @@ def test_discovered_runs_are_watched_including_new_ones_and_two_services_share_a
             until(lambda c=client: (x := checkpoints(c, str(root / "a"))) and by_service(x[a]), what="run a verified")
     view = CheckpointManager(str(root / "a")).view()
     assert view.unreadable == [] and all(r.ok for r in view.verifications[a])  # two writers, no damaged records
+
+
+def test_one_run_spelt_three_ways_is_one_run_and_the_log_and_dashboard_say_what_changed_and_why(tmp_path):
+    run = str(tmp_path / "svc" / "run")
+    cid = save(run, 1)
+    relative = os.path.relpath(run)
+    assert run_key(run) == run_key(relative) == run_key(f"file://{run}") == run_key(run + "/")
+    with service(relative, run, f"file://{run}") as (client, proc):
+        assert len(client.get("/api/runs").json()) == 1
+        until(lambda: by_service(checkpoints(client, run)[cid]), what="the checkpoint verified")
+        shard = next(p for p in (tmp_path / "svc" / "run" / "checkpoints" / cid).iterdir() if p.suffix == ".safetensors")
+        flip_byte(fsspec.filesystem("file"), str(shard), shard.stat().st_size - 3)
+        client.post(f"/api/runs/{run_key(run)}/flag", json={"from_step": 1, "reason": "check"},
+                    headers={"Authorization": f"Bearer {TOKEN}"})  # a write, then a pass: the change shows
+        until(lambda: checkpoints(client, run)[cid]["status"] != "unverified", what="the status to change")
+        page = client.get("/").text
+        [change] = [line for line in page.split("<li") if 'data-testid="change"' in line]
+        assert relative in change and cid in change and "unverified" in change
+        assert "flagged interval" in change or "digest" in change  # why, not only what
+        proc.terminate()
+        proc.wait(10)
+        log = proc.stderr.read()
+    assert "vckpt serve on http://127.0.0.1:" in log and "watching 1 run(s)" in log
+    assert f"checkpoint {cid} (step 1) unverified ->" in log and "pass 1: verified 1 checkpoint(s)" in log

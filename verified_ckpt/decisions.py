@@ -247,6 +247,24 @@ def answered_at(incident: Incident, rollbacks: Sequence[Rollback]) -> str | None
     return times[0] if times else None
 
 
+def exclude_hosts(incidents: Sequence[Incident], rollbacks: Sequence[Rollback]) -> list[str]:
+    """The hosts to keep jobs off: those the incidents no rollback has answered yet name. One answer for
+    ``vckpt status``, ``vckpt incidents``, the report and the service."""
+    return sorted({h for i in incidents if answered_at(i, rollbacks) is None for h in i.exclude_hosts})
+
+
+def recovery(incidents: Sequence[Incident], rollbacks: Sequence[Rollback]) -> tuple[int, int] | None:
+    """``(detected step, rolled back to step)`` of the latest recovery once every incident is answered, else None."""
+    if not incidents or any(answered_at(i, rollbacks) is None for i in incidents):
+        return None
+    last = max(rollbacks, key=lambda r: r.at)
+    answered = [i.detected_step for i in incidents if answered_at(i, rollbacks) == last.at]
+    if not answered:  # the latest rollback answered nothing (a rollback by hand, later): the one before it did
+        answered = [max(incidents, key=lambda i: i.at).detected_step]
+        last = next(r for r in sorted(rollbacks, key=lambda r: r.at) if r.at > max(i.at for i in incidents))
+    return max(answered), last.to_step
+
+
 def incident_reasons(step: int, created_at: str, incidents: Sequence[Incident],
                      rollbacks: Sequence[Rollback]) -> list[str]:
     """Why a checkpoint is suspect: its step lies in a flagged interval and it was written

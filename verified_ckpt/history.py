@@ -211,10 +211,11 @@ def redact_url(url: str) -> str:
 
 
 def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: Sequence[dict[str, Any]],
-                incidents: Sequence[Incident], answered: Sequence[bool],
-                target: dict[str, Any] | None) -> dict[str, Any]:
+                incidents: Sequence[Incident], answered: Sequence[bool], target: dict[str, Any] | None,
+                exclude_hosts: Sequence[str] = (), recovery: tuple[int, int] | None = None) -> dict[str, Any]:
     """The input of ``report.render_html``: the ledger's per-step series and votes, checkpoints
-    with their derived status, incidents' flagged intervals, and the rollback target."""
+    with their derived status, incidents' flagged intervals, the rollback target, the hosts the open
+    incidents name, and the recovery (detected step, rolled back to) once every incident is answered."""
     cols = cols if cols is not None else Columns.of([])
     return {
         "run": redact_url(run),
@@ -231,6 +232,6 @@ def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: 
             "detail": i.reason or i.detail, "answered": bool(a),
         } for i, a in zip(incidents, answered, strict=True)],
         "rollback_target": target,
-        # A rollback answers an incident for the checkpoints, not for the hardware.
-        "exclude_hosts": sorted({h for i in incidents for h in i.exclude_hosts}),
+        "exclude_hosts": list(exclude_hosts),
+        "recovery": {"detected_step": recovery[0], "rolled_back_to": recovery[1]} if recovery else None,
     }

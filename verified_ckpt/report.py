@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["render_html"]
 
 GREEN, RED, GREY, ORANGE = "#2e9d4a", "#d62728", "#9e9e9e", "#ff9800"
-SHADE, ROLLBACK, LOSS = "#f4a6a6", "#6a1b9a", "#1f77b4"
+SHADE, ROLLBACK, LOSS, RECOVERED = "#f4a6a6", "#6a1b9a", "#1f77b4", "#00838f"
 STATUS_COLOURS = {"restorable": GREEN, "unverified": GREY, "suspect": ORANGE, "corrupt": RED}
 
 # Fixed pixel geometry so that screenshots of two runs are comparable (and tests can find pixels).
@@ -40,13 +40,14 @@ LEGEND = [
     ("circle", RED, "checkpoint corrupt"),
     ("triangle", RED, "incident detected"),
     ("vline", ROLLBACK, "rollback target"),
+    ("line", RECOVERED, "rolled back (recovered)"),
 ]
 
 CSS = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 12px 20px; color: #212121; background: #fff; }
 h1 { font-size: 20px; margin: 0 0 2px; } h2 { font-size: 16px; margin: 18px 0 6px; }
 .meta { color: #616161; margin: 0; } .verdict { font-weight: 600; margin: 4px 0 8px; }
-.verdict.bad { color: #b71c1c; } .empty { color: #616161; font-style: italic; }
+.verdict.bad { color: #b71c1c; } .verdict.ok { color: #1b5e20; } .empty { color: #616161; font-style: italic; }
 svg { display: block; font: 11px system-ui, sans-serif; }
 table { border-collapse: collapse; } th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; }
 th { background: #f5f5f5; }
@@ -184,18 +185,8 @@ def _timeline(data: dict[str, Any], lo: int, hi: int) -> str:
             f'stroke="#424242"/><text x="{x(t):.2f}" y="{BOTTOM + 19}" text-anchor="middle">{t}</text></g>'
         )
     out.append(f'<text x="{RIGHT}" y="{BOTTOM + 34}" text-anchor="end" fill="#616161">training step</text>')
-    target = data["rollback_target"]
-    if target is not None:
-        # An odd stroke width centred on a half pixel covers whole pixels: the colour stays exact on screen.
-        rx = round(x(int(target["step"]))) + 0.5
-        tx = min(max(rx, LEFT + 50), RIGHT - 50)
-        out.append(
-            f'<g data-testid="rollback-marker" data-step="{int(target["step"])}">'
-            f'<title>rollback target {_e(target["id"])}</title>'
-            f'<line x1="{rx}" y1="{TOP}" x2="{rx}" y2="{BOTTOM}" stroke="{ROLLBACK}" stroke-width="3"/>'
-            f'<text x="{tx}" y="{TOP - 8}" text-anchor="middle" fill="{ROLLBACK}" font-weight="600">'
-            "rollback target</text></g>"
-        )
+    out += _target_marker(data["rollback_target"], x)
+    out += _recovery(data.get("recovery"), x)
     for n, (kind, colour, label) in enumerate(LEGEND):
         lx, ly = LEFT + (n % 6) * 168, BOTTOM + 56 + (n // 6) * 22
         out.append(_mark(kind, lx + 6, ly - 4, colour, r=5) + f'<text x="{lx + 18}" y="{ly}">{label}</text>')
@@ -204,6 +195,37 @@ def _timeline(data: dict[str, Any], lo: int, hi: int) -> str:
         f'aria-label="training timeline" data-step-lo="{lo}" data-step-hi="{hi}" data-plot-left="{LEFT}" '
         f'data-plot-width="{RIGHT - LEFT}">' + "\n".join(out) + "</svg>"
     )
+
+
+def _target_marker(target: dict[str, Any] | None, x: Callable[[float], float]) -> list[str]:
+    """The rollback target: a full-height line at its step."""
+    if target is None:
+        return []
+    # An odd stroke width centred on a half pixel covers whole pixels: the colour stays exact on screen.
+    rx = round(x(int(target["step"]))) + 0.5
+    tx = min(max(rx, LEFT + 50), RIGHT - 50)
+    return [
+        f'<g data-testid="rollback-marker" data-step="{int(target["step"])}">'
+        f'<title>rollback target {_e(target["id"])}</title>'
+        f'<line x1="{rx}" y1="{TOP}" x2="{rx}" y2="{BOTTOM}" stroke="{ROLLBACK}" stroke-width="3"/>'
+        f'<text x="{tx}" y="{TOP - 8}" text-anchor="middle" fill="{ROLLBACK}" font-weight="600">'
+        "rollback target</text></g>"
+    ]
+
+
+def _recovery(recovered: dict[str, Any] | None, x: Callable[[float], float]) -> list[str]:
+    """The rollback drawn as a jump back: from the step the fault was caught to the step training resumed from."""
+    if recovered is None:
+        return []
+    start, end = int(recovered["detected_step"]), int(recovered["rolled_back_to"])
+    x0, x1, y0 = round(x(start)) + 0.5, round(x(end)) + 0.5, LOSS_TOP + 14
+    return [
+        f'<g data-testid="rollback-drawn" data-from="{start}" data-to="{end}"><title>recovered: rolled back from step '
+        f'{start} to step {end}</title><path d="M {x0} {y0} C {x0} {y0 - 30}, {x1} {y0 - 30}, {x1} {y0}" fill="none" '
+        f'stroke="{RECOVERED}" stroke-width="3"/><path d="M {x1 - 6} {y0 - 8} L {x1} {y0} L {x1 + 6} {y0 - 8}" '
+        f'fill="none" stroke="{RECOVERED}" stroke-width="3"/><text x="{(x0 + x1) / 2}" y="{y0 - 26}" '
+        f'text-anchor="middle" fill="{RECOVERED}" font-weight="600">rolled back</text></g>'
+    ]
 
 
 def _table(testid: str, head: Sequence[str], rows: list[tuple[str, list[str]]]) -> str:
@@ -217,14 +239,18 @@ def _table(testid: str, head: Sequence[str], rows: list[tuple[str, list[str]]]) 
 
 def render_html(data: dict[str, Any]) -> str:
     """The complete HTML5 page for one run; ``data`` follows the schema built from the run's store."""
-    incidents, target = data["incidents"], data["rollback_target"]
+    incidents, target, recovered = data["incidents"], data["rollback_target"], data.get("recovery")
     open_ = sum(1 for i in incidents if not i["answered"])
     verdict = f"{len(incidents)} incident{'s' if len(incidents) != 1 else ''}" if incidents else "no incidents"
     verdict += f" ({open_} unanswered)" if open_ else ""
-    if target is not None:
+    if recovered is not None and not open_:  # answered: the story ends with the recovery, not with a call to act
+        verdict += (f"; recovered at step {int(recovered['detected_step'])} "
+                    f"(rolled back to step {int(recovered['rolled_back_to'])})")
+    elif target is not None:
         verdict += f"; roll back to {_e(target['id'])} (step {int(target['step'])})"
     elif incidents:
         verdict += "; no checkpoint to roll back to"
+    state = " bad" if open_ else " ok" if recovered is not None else ""
     span = _step_range(data)
     chart = _timeline(data, *span) if span else '<p class="empty" data-testid="no-history">no history recorded</p>'
     dot = '<span class="dot" style="background:{}"></span>'
@@ -253,13 +279,13 @@ def render_html(data: dict[str, Any]) -> str:
 <body>
 <h1>verified-ckpt run <span data-testid="run">{_e(data['run'])}</span></h1>
 <p class="meta">generated {_e(data['generated_at'])}</p>
-<p class="verdict{' bad' if incidents else ''}" data-testid="verdict">{verdict}</p>
+<p class="verdict{state}" data-testid="verdict">{verdict}</p>
 {chart}
 <h2>Checkpoints</h2>
 {_table("checkpoints", ["id", "step", "status"], ckpts)}
 <h2>Incidents</h2>
 {_table("incidents", ["kind", "interval", "detected at", "ranks", "hosts", "answered", "detail"], incs)}
-<h2>Hosts to exclude from scheduling</h2>
+<h2>Hosts to exclude from scheduling (named by open incidents)</h2>
 <ul data-testid="exclude-hosts">{hosts}</ul>
 </body></html>
 """

@@ -86,6 +86,18 @@ def discover_runs(prefix: str, storage_options: dict[str, Any] | None = None) ->
     return [f"{prefix.rstrip('/')}/{n}" for n in names if SEGMENT.match(n)]
 
 
+def canonical_url(url: str, storage_options: dict[str, Any] | None = None) -> str:
+    """One spelling of the place ``url`` names: ``svc/run``, its absolute path and its ``file://`` URL are one run
+    (``file:///abs/svc/run``), and so are ``s3://b/p`` and ``s3://b/p/``. A URL fsspec cannot open is its own."""
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        if isinstance(fs, LocalFileSystem):
+            root = os.path.realpath(root)  # "..", and links to the same folder
+        return str(fs.unstrip_protocol(root.rstrip("/") or root))
+    except Exception:  # noqa: BLE001 - any URL gets a spelling; opening it fails later, with its own message
+        return url
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
 

@@ -119,12 +119,21 @@ class RunView:
     def open_incidents(self) -> list[Incident]:
         return [i for i, done in zip(self.incidents, self.answered(), strict=True) if not done]
 
+    def exclude_hosts(self) -> list[str]:
+        """The hosts the open incidents name (``decisions.exclude_hosts``): what every reader reports."""
+        return decisions.exclude_hosts(self.incidents, self.rollbacks)
+
+    def recovery(self) -> tuple[int, int] | None:
+        """``(detected step, rolled back to step)`` once every incident is answered (``decisions.recovery``)."""
+        return decisions.recovery(self.incidents, self.rollbacks)
+
     def report_data(self, ledger: Columns | None) -> dict[str, Any]:
         """Everything ``vckpt report`` draws, as plain data (see ``history.report_data``)."""
         target, _ = self.rollback_target()
         return history.report_data(
             self.url, utc_now(), ledger, [{"id": i.id, "step": i.step, "status": i.status.value} for i in self.infos],
-            self.incidents, self.answered(), {"id": target.id, "step": target.step} if target is not None else None)
+            self.incidents, self.answered(), {"id": target.id, "step": target.step} if target is not None else None,
+            self.exclude_hosts(), self.recovery())
 
     def flagged_by(self, incident: Incident) -> list[CheckpointInfo]:
         """The checkpoints ``incident`` makes suspect."""

@@ -94,9 +94,12 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def run_key(url: str) -> str:
-    """A short stable name for a run in URLs and metric labels."""
-    return hashlib.blake2b(url.encode(), digest_size=6).hexdigest()
+def run_key(url: str, storage_options: dict[str, Any] | None = None) -> str:
+    """A short stable name for a run in URLs and metric labels: the same however the URL is spelled (a relative
+    path, its absolute path, its ``file://`` URL; a trailing slash)."""
+    from ..store import canonical_url
+
+    return hashlib.blake2b(canonical_url(url, storage_options).encode(), digest_size=6).hexdigest()
 
 
 def _warm_up() -> None:
@@ -110,9 +113,17 @@ def _warm_up() -> None:
     torch.zeros(64, 1024, dtype=torch.int64).sum(dim=1)
 
 
-def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None) -> None:
-    """Watch ``cfg.runs`` and serve HTTP until interrupted (SIGINT/SIGTERM)."""
+def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None, log_to_stderr: bool = False) -> None:
+    """Watch ``cfg.runs`` and serve HTTP until interrupted (SIGINT/SIGTERM). ``log_to_stderr``: what the service
+    does goes to stderr (``vckpt serve``): its address at start, each pass that read something, each status change."""
     import uvicorn
+
+    if log_to_stderr:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
     from .. import VerifiedCkptError, discover_runs
     from .app import build_app
@@ -129,8 +140,8 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None) -> None:
 
     def watch(urls: list[str]) -> None:
         for u in urls:
-            if run_key(u) not in watchers:
-                w = Watcher(run_key(u), u, cfg.storage_options, metrics, throttle, poll_s=cfg.poll_s,
+            if run_key(u, cfg.storage_options) not in watchers:
+                w = Watcher(run_key(u, cfg.storage_options), u, cfg.storage_options, metrics, throttle, poll_s=cfg.poll_s,
                             scrub_interval_s=cfg.scrub_interval_s, verifier=who, slots=slots)
                 watchers[w.key] = w
                 threads.append(threading.Thread(target=w.run, name=f"vckpt-watch-{w.key}", daemon=True))
@@ -150,6 +161,9 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None) -> None:
         threading.Thread(target=discover, name="vckpt-discover", daemon=True).start()
     server = uvicorn.Server(uvicorn.Config(build_app(watchers, metrics, cfg.resolved_token()), host=cfg.host,
                                            port=cfg.port, log_level="warning", lifespan="off"))
+    log.info("vckpt serve on http://%s:%d: dashboard /, API /api/runs, metrics /metrics, health /healthz; watching %d "
+             "run(s)%s; a pass every %gs, a scrub of each checkpoint every %gs", cfg.host, cfg.port, len(watchers),
+             f" and runs under {', '.join(cfg.discover)}" if cfg.discover else "", cfg.poll_s, cfg.scrub_interval_s)
     try:
         server.run()
     finally:

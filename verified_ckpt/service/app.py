@@ -131,8 +131,10 @@ def _dashboard(runs: list[dict[str, Any]], changes: list[tuple[str, dict[str, An
         rows.append(f"<tr><td><a href=\"/runs/{e(r['key'])}/report\">{e(r['url'])}</a></td><td>{badges}</td>"
                     f"<td>{'step ' + str(target['step']) if target else 'none'}</td><td>{r['open_incidents']}</td>"
                     f"<td>{e(', '.join(r['exclude_hosts']))}</td><td class=\"err\">{e(r['error'] or '')}</td></tr>")
-    recent = "".join(f"<li>{e(time.strftime('%H:%M:%S', time.gmtime(c['at'])))} {e(key)}: {e(c['checkpoint'])} "
-                     f"{e(c['from'])} → {e(c['to'])}</li>" for key, c in sorted(changes, key=lambda x: -x[1]["at"])[:20])
+    recent = "".join(f"<li data-testid=\"change\">{e(time.strftime('%H:%M:%S', time.gmtime(c['at'])))} "
+                     f"<b>{e(c.get('run', key))}</b>: {e(c['checkpoint'])} (step {int(c['step'])}) {e(c['from'])} → "
+                     f"<span class=\"b\" style=\"background:{_COLOURS.get(c['to'], '#555')}\">{e(c['to'])}</span> "
+                     f"{e(c.get('reason', ''))}</li>" for key, c in sorted(changes, key=lambda x: -x[1]["at"])[:20])
     return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'">
 <title>vckpt serve</title><style>body{{font:14px sans-serif;margin:2em}}table{{border-collapse:collapse}}

@@ -75,7 +75,7 @@ def _of_view(view: RunView | None) -> dict[str, Any]:
         incidents = [dict(i.to_dict(), answered=a) for i, a in zip(view.incidents, view.answered(), strict=True)]
     return {"checkpoints": counts, "rollback_target": target,
             "open_incidents": sum(not i["answered"] for i in incidents),
-            "exclude_hosts": sorted({h for i in incidents if not i["answered"] for h in i.get("exclude_hosts", [])})}
+            "exclude_hosts": view.exclude_hosts() if view is not None else []}
 
 
 class Watcher:
@@ -138,6 +138,10 @@ class Watcher:
                 view = mgr.view()
             self._publish(view, None)
         self.state = dataclasses.replace(self.state, reading=None, passes=self.state.passes + 1, last_pass_at=time.time())
+        counts = ", ".join(f"{k} {n}" for k, n in sorted(self.state.summary()["checkpoints"].items())) or "none"
+        # A pass that read something is news; an idle look (every poll) is not.
+        log.log(logging.INFO if queue else logging.DEBUG, "run %s: pass %d: verified %d checkpoint(s); checkpoints: %s",
+                self.url, self.state.passes, len(queue), counts)
 
     def _read(self, n: int) -> None:
         self.throttle.take(n)
@@ -149,9 +153,14 @@ class Watcher:
         now = time.time()
         p = plan(view.infos, view.verifications, target["id"] if target else None, now, self.scrub_interval_s)
         before = {c.id: c.status for c in self.state.view.infos} if self.state.view else {}
-        changes = self.state.changes + [
-            {"at": now, "checkpoint": c.id, "step": c.step, "from": before[c.id].value, "to": c.status.value}
-            for c in view.infos if c.id in before and before[c.id] is not c.status]
+        changed = [{"at": now, "run": self.url, "checkpoint": c.id, "step": c.step, "from": before[c.id].value,
+                    "to": c.status.value, "reason": "; ".join(c.reasons) or "verified"}
+                   for c in view.infos if c.id in before and before[c.id] is not c.status]
+        for c in changed:
+            bad = c["to"] in (Status.CORRUPT.value, Status.SUSPECT.value)
+            log.log(logging.WARNING if bad else logging.INFO, "run %s: checkpoint %s (step %d) %s -> %s: %s", self.url,
+                    c["checkpoint"], c["step"], c["from"], c["to"], c["reason"])
+        changes = self.state.changes + changed
         self.state = dataclasses.replace(self.state, view=view, plan=p, error=error, changes=changes[-50:],
                                          _view_summary=summary)
         self.metrics.statuses(self.key, {Status(k): n for k, n in summary["checkpoints"].items()})

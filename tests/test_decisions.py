@@ -8,14 +8,16 @@ from verified_ckpt import Status
 from verified_ckpt.decisions import (
     answered_at,
     derive_status,
+    exclude_hosts,
     incident_reasons,
     newest,
+    recovery,
     rollback_target,
     to_delete,
 )
 from verified_ckpt.evidence import save_status
 from verified_ckpt.manifest import CheckpointInfo
-from verified_ckpt.records import Incident, Problem, Rollback, VerificationResult
+from verified_ckpt.records import Host, Incident, Problem, Rollback, VerificationResult
 
 R, U, S, C = Status.RESTORABLE, Status.UNVERIFIED, Status.SUSPECT, Status.CORRUPT
 
@@ -146,3 +148,18 @@ def test_node_local_store_warning_only_for_multi_host_jobs():
     assert node_local_warning(True, ["a", "a"]) is None
     assert node_local_warning(False, ["a", "b"]) is None
     assert "2 hosts" in node_local_warning(True, ["a", "b", "a"])
+
+
+def test_hosts_to_exclude_are_the_open_incidents_and_a_recovery_is_told_once_every_incident_is_answered():
+    def named(host, at, detected):
+        return Incident(kind="abft", first_suspect_step=detected, to_step=None, at=at, id=f"i{at}",
+                        detected_step=detected, ranks=[1], hosts=[Host(1, host, "cpu")], detail="x")
+
+    first, second = named("gpu-3", "t010", 12), named("gpu-7", "t030", 31)
+    back = Rollback(at="t020", to_checkpoint_id="c1", to_step=10, answers=["it010"])
+    assert exclude_hosts([first, second], [back]) == ["gpu-7"]  # the first is answered, the second is open
+    assert recovery([first, second], [back]) is None  # one is still open: no recovery to tell yet
+    again = Rollback(at="t040", to_checkpoint_id="c2", to_step=30, answers=["it030"])
+    assert exclude_hosts([first, second], [back, again]) == []
+    assert recovery([first, second], [back, again]) == (31, 30)
+    assert recovery([], []) is None and recovery([first], [back]) == (12, 10)

@@ -76,7 +76,7 @@ def test_lanes_hex_matches_the_guards_spelling_for_negative_int64():
     assert lanes_hex((-1, 1)) == "f" * 16 + "0" * 15 + "1"
 
 
-def test_report_data_closes_answered_intervals_and_lists_hosts():
+def test_report_data_closes_answered_intervals_and_lists_the_hosts_it_is_given():
     incidents = [
         Incident(kind="audit", first_suspect_step=21, to_step=None, detected_step=23, ranks=[1],
                  hosts=[Host(1, "gpu-7", "x")], detail="d"),
@@ -84,11 +84,12 @@ def test_report_data_closes_answered_intervals_and_lists_hosts():
                  hosts=[], detail="", reason="bad <loss>"),
     ]
     data = report_data("s3://u:secret@bucket/run", "t", Columns.of(run_events()),
-                       [{"id": "a", "step": 3, "status": "restorable"}], incidents, [True, False], {"id": "a", "step": 3})
+                       [{"id": "a", "step": 3, "status": "restorable"}], incidents, [True, False], {"id": "a", "step": 3},
+                       ["gpu-7"], None)
     assert data["run"] == "s3://***@bucket/run"
     assert data["incidents"][0]["to_step"] == 23  # answered: the abandoned stretch ends where it was detected
     assert data["incidents"][1]["to_step"] is None and data["incidents"][1]["detail"] == "bad <loss>"
-    assert data["exclude_hosts"] == ["gpu-7"]
+    assert data["exclude_hosts"] == ["gpu-7"] and data["recovery"] is None  # decided by decisions.exclude_hosts
     assert data["consensus"] == [{"step": 3, "unanimous": True, "suspects": []},
                                  {"step": 6, "unanimous": False, "suspects": [0]}]
 

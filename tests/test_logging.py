@@ -58,3 +58,22 @@ def test_a_save_that_is_not_restorable_is_a_warning_naming_why(tmp_path, caplog)
         CheckpointManager(str(tmp_path / "run")).save(3, {"w": torch.ones(4)})
     [(level, message)] = [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith("saved ")]
     assert level == "WARNING" and "(step 3, unverified," in message and "without an SDCGuard" in message
+    assert "to make saves restorable: pass guard=SDCGuard(...)" in message  # and what to change
+
+
+def test_the_guard_logs_what_abft_covers_once_at_the_first_step(caplog):
+    from models import TinyGPT, lm_loss
+    from verified_ckpt import SDCGuard
+
+    torch.manual_seed(0)
+    model = TinyGPT(functional_head=True)
+    guard = SDCGuard(model, torch.optim.SGD(model.parameters(), lr=0.01), lm_loss)
+    with caplog.at_level(logging.INFO, logger="verified_ckpt"):
+        for step in (1, 2, 3):
+            guard.backward(torch.randint(0, 64, (2, 9)), step=step)
+            guard.step()
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("SDCGuard: ABFT checks")]
+    assert "of parameters" in line and "of backward FLOPs" in line and "not covered: 5 LayerNorm" in line
+    [left] = [r for r in caplog.records if "leaves out" in r.getMessage()]
+    assert left.levelname == "WARNING" and "tok.weight" in left.getMessage()
+    assert guard.counters()["abft"].coverage == guard.coverage().flop_fraction > 0.5

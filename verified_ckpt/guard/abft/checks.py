@@ -64,7 +64,7 @@ class GradientChecks:
         self._uncovered = collections.Counter(
             type(m).__name__ for m in module.modules()
             if any(id(p) not in checked for p in m.parameters(recurse=False)))
-        self.flop_fraction: float | None = None  # measured at the first step (``measure_flops``)
+        self.flop_fraction: float | None = None  # measured at the first step (``first_backward``)
         self.linear_flop_fraction: float | None = None
         self._flops: dict[str, int] = collections.Counter()
         self._tag = 0
@@ -112,6 +112,7 @@ class GradientChecks:
         return self.flop_fraction is None
 
     def coverage(self) -> Coverage:
+        """What is checked, what is not, and what was left out (FLOP shares once the first step has run)."""
         kinds = collections.Counter(layer.kind for layer in self.layers.values() if id(layer.weight) in self.covered)
         return Coverage(dict(kinds), self.param_fraction, self.flop_fraction, self.linear_flop_fraction,
                         list(self.left_out), dict(self._uncovered))

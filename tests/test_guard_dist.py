@@ -193,3 +193,34 @@ def test_fixed_order_reduce_still_catches_an_allreduce_fault():
     cfg = {"audit_every": 5, "consensus_every": 5, "fixed_order_reduce": True, "faults": ("allreduce:1:7:bitflip=27",)}
     got = one(run_ranks(guarded, 3, cfg, 12))
     assert (got["kind"], got["ranks"], got["detected"]) == ("checksum", [1], 7)
+
+
+def saving(rank: int, world: int, run: str, faults: tuple[str, ...], use_batch_for: bool) -> dict:
+    """Default GuardConfig (audits every 500 steps), a save every 5 steps: each save audits first."""
+    from verified_ckpt import CheckpointManager
+
+    model = DDP(ddp_train.build_model(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batch_for = (lambda r, s: [ddp_train.make_batch(0, s, r)]) if use_batch_for else None
+    guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig(faults=faults), batch_for=batch_for)
+    mgr = CheckpointManager(run, guard=guard)
+    try:
+        for step in range(1, 11):
+            guard.backward(ddp_train.make_batch(0, step, rank), step=step)
+            guard.step()
+            opt.zero_grad()
+            if step % 5 == 0:
+                mgr.save(step, {"model": model.module, "optim": opt})
+    except SilentCorruptionDetected as e:
+        return {"kind": e.kind, "ranks": e.ranks, "step": e.detected_step, "audits": guard.checks["audit"].passed}
+    return {"kind": None, "statuses": [c.status.value for c in mgr.list()], "audits": guard.checks["audit"].passed}
+
+
+@pytest.mark.parametrize("use_batch_for", [False, True], ids=["batches-travel", "batch_for"])
+def test_a_save_that_needs_an_audit_runs_one_and_a_persistent_compute_fault_is_caught_there(tmp_path, use_batch_for):
+    clean = run_ranks(saving, 3, str(tmp_path / "clean"), (), use_batch_for)
+    assert all(r["kind"] is None and r["statuses"] == ["restorable", "restorable"] and r["audits"] == 2 for r in clean)
+    # A rank that computes wrongly from step 3 on, every time (its recomputations too): the save at step 5 audits
+    # the last step's microbatch again on every rank and finds it; no scheduled audit falls in these steps.
+    faulty = run_ranks(saving, 3, str(tmp_path / "faulty"), ("compute:1:3-:scale=1.001",), use_batch_for)
+    assert all(r["kind"] == "audit" and r["ranks"] == [1] and r["step"] == 5 for r in faulty), faulty

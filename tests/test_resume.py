@@ -152,3 +152,31 @@ def test_status_exit_codes(local_url):
     data = json.loads(r.stdout)
     assert r.exit_code == 4 and data["health"] == "open-incident" and len(data["open_incidents"]) == 1
     assert CliRunner().invoke(vckpt, ["status", local_url + "-missing"]).exit_code == 2
+
+
+def test_resume_says_loudly_when_it_does_not_continue_from_the_newest_checkpoint(tmp_path, caplog):
+    import logging
+
+    run = str(tmp_path / "run")
+    mgr = CheckpointManager(run)
+    model = torch.nn.Linear(4, 4)
+    for step in (1, 2):
+        mgr.save(step, {"m": model})
+    newest = mgr.list()[-1]
+    shard = os.path.join(run, "checkpoints", newest.id, newest.manifest.shards[0].path)
+    data = bytearray(open(shard, "rb").read())
+    data[-1] ^= 0xFF
+    open(shard, "wb").write(bytes(data))
+    mgr.verify()  # the newest is corrupt now; the first stays unverified
+    with caplog.at_level(logging.INFO, logger="verified_ckpt"):
+        assert mgr.resume({"m": model}, allow_unverified=True) == 2  # continues from step 1
+    [line] = [r for r in caplog.records if "not from the newer" in r.getMessage()]
+    assert line.levelname == "WARNING" and newest.id in line.getMessage() and "corrupt" in line.getMessage()
+    caplog.clear()
+    other = str(tmp_path / "other")
+    CheckpointManager(other).save(1, {"m": model})
+    CheckpointManager(other).flag(0, reason="bad node")
+    fresh = CheckpointManager(other)
+    with caplog.at_level(logging.INFO, logger="verified_ckpt"):
+        assert fresh.resume({"m": model}, start=7) == 7
+    assert any(r.levelname == "WARNING" and "none is restorable" in r.getMessage() for r in caplog.records)

@@ -170,7 +170,8 @@ class FaultPlan:
     def hook_compute(self, module: torch.nn.Module, rank: int, step: Callable[[], int | None],
                      skip: Callable[[], bool] = lambda: False) -> None:
         """The ``compute`` site: ``module``'s forward output on ``rank``, also when it recomputes for an audit
-        (not while ``skip()``: a warm-up pass)."""
+        (not while ``skip()``: a warm-up pass). ``step()`` is the step in progress or, between steps (a save's
+        audit), the last one: a persistent fault is still there then."""
         if not self.has_site("compute"):
             return
 

@@ -101,6 +101,10 @@ class Recovery:
             if not failed:
                 if comm.rank == 0 and choice["answer"]:
                     self.catalog.answer_incidents(self.catalog.view(), chosen)
+                if comm.rank == 0 and choice["newer"] and not choice["answer"]:
+                    log.warning("resume: continuing from %s (step %d), not from the newer checkpoint(s) %s, which are "
+                                "not restorable (`vckpt list %s` says why)", chosen.id, chosen.step,
+                                "; ".join(choice["newer"][:5]), self.catalog.url)
                 comm.barrier()
                 self._loaded(chosen)
                 return chosen.step + 1
@@ -117,22 +121,28 @@ class Recovery:
             target, _ = view.rollback_target()
             usable = [target] if target is not None and target.id not in skipped else []
         unverified = sum(i.status is Status.UNVERIFIED for i in view.infos)
-        return json.dumps({"id": usable[-1].id if usable else None, "answer": answer, "unverified": unverified,
-                           "any": bool(view.infos)})
+        chosen = usable[-1] if usable else None
+        newer = [f"{i.id} ({i.status.value})" for i in view.infos
+                 if chosen is not None and (i.step, i.created_at) > (chosen.step, chosen.created_at) and i.status not in allowed]
+        return json.dumps({"id": chosen.id if chosen else None, "answer": answer, "unverified": unverified,
+                           "any": bool(view.infos), "newer": newer})
 
     def _fresh(self, choice: dict[str, Any], skipped: list[str], start: int) -> int:
         if skipped:
             raise CheckpointNotRestorable(
                 f"no checkpoint of {self.catalog.url} could be restored: {', '.join(skipped)} failed verification "
                 "while restoring; `vckpt list` shows why - restore an export, or start afresh on purpose")
+        if choice["answer"]:
+            self.catalog.answer_incidents(self.catalog.view(), None)  # a fresh start is a new lineage too
         if choice["unverified"] and not choice["answer"]:
             warnings.warn(f"resume: {choice['unverified']} unverified checkpoint(s) in {self.catalog.url} and none "
                           "restorable; starting afresh - pass allow_unverified=True to continue from the newest",
                           stacklevel=3)
-        if choice["answer"]:
-            self.catalog.answer_incidents(self.catalog.view(), None)  # a fresh start is a new lineage too
-        log.info("resume: %s - fresh start at step %d", "no checkpoint to continue from" if not choice["any"]
-                 else "nothing restorable", start)
+        elif choice["any"]:  # checkpoints exist and none is taken: days of training may be lost, say so loudly
+            log.warning("resume: %s holds checkpoints but none is restorable (`vckpt list %s` says why) - fresh start at "
+                        "step %d", self.catalog.url, self.catalog.url, start)
+        else:
+            log.info("resume: no checkpoint to continue from - fresh start at step %d", start)
         return start
 
     def _skip(self, chosen: CheckpointInfo, failed: list[tuple[int, str]], recorder: bool) -> None:

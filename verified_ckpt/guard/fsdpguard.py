@@ -64,7 +64,7 @@ class FSDPGuard(SDCGuard):
                                   f"process group {self.world}; give the guard the group the mesh spans")
         self.faults = FaultPlan(self.cfg.faults)
         self.project = Projector(self.cfg.checksum_lanes, self.cfg.seed, self.device)
-        self.abft, self.ddp, self._kept = None, None, None
+        self.abft, self.ddp, self._kept = None, None, (None, [])
         self.judge = Judge(self.world, self.host_of, self.rank)
         self._ran_backward, self._audit_requested = False, False
         self._step: int | None = None

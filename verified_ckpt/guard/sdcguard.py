@@ -126,7 +126,7 @@ class SDCGuard:
         self._batches: list[Any] = []
         self._rng: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._losses: list[torch.Tensor] = []
-        self._kept: tuple[int, list[Any]] | None = None  # the last step and its first microbatch (save audits)
+        self._kept: tuple[int | None, list[Any]] = (None, [])  # the last step and its first microbatch (save audits)
         self.abft = GradientChecks(self.module, self.params, self.cfg.seed, self.cfg.abft_slack, self.cfg.abft_exclude,
                                    compiled=inner is not model) if self.cfg.abft else None
         self.tap = GradientTap(self.params, self.comm, project=self.project, faults=self.faults, step=lambda: self._step,
@@ -134,7 +134,8 @@ class SDCGuard:
                                want_lanes=self._audit_scheduled)
         if self.ddp is not None:
             self.tap.install(self.ddp)
-        self.faults.hook_compute(self.module, self.rank, lambda: self._step, lambda: self.tap.warming)
+        self.faults.hook_compute(self.module, self.rank, lambda: self._kept[0] if self._step is None else self._step,
+                                 lambda: self.tap.warming)
 
     # ------------------------------------------------------------ who is where
     @property
@@ -302,9 +303,9 @@ class SDCGuard:
         Raises:
             SilentCorruptionDetected: the recomputations disagree (a third rank breaks the tie, as in any audit).
         """
-        if self._kept is None or not self.audits_enabled:
-            return False
         s, mine = self._kept
+        if s is None or not self.audits_enabled:
+            return False
         first = self._last_pass("audit") + 1
         self._run_audit(s, mine, lambda b: self.auditor.run_fresh(s, self.auditor.plan(None), batches=b, first_suspect=first))
         return True

@@ -27,71 +27,93 @@ from .reading import RESTORE, Reader
 __all__ = ["apply", "check_after", "restore_into"]
 
 
-def restore_into(reader: Reader, state: Mapping[str, Any], m: Manifest, url: str) -> None:
-    """Check that ``state`` fits, read what it needs through the checked path, then load it.
+def restore_into(reader: Reader, state: Mapping[str, Any], m: Manifest, url: str,
+                 agree: Callable[[BaseException | None], None] | None = None) -> None:
+    """Check that ``state`` fits, read what it needs through the checked path, then load it, all or nothing.
+
+    ``agree(error_or_None)`` is called exactly once, after this rank has read, checked and staged everything and
+    before anything that cannot be put back is applied; it raises when any rank of the restore failed
+    (``opening.agree``). Then this rank's applied entries are put back and the error is raised.
 
     Raises:
         InvalidState: ``state`` does not fit the checkpoint (nothing was touched).
         CorruptCheckpoint: stored bytes do not match the manifest (nothing was touched).
     """
-    needed = check_fits(state, m)
-    sharded = needed & m.layout.keys()
-    targets = sharded_targets(state, flatten(state).tensors, m.layout) if sharded else {}
-    shapes = {n: e.shape for n, e in m.tensors.items()}
-    boxes = {n: box_of(targets[n]) if n in targets else None for n in sharded}
-    names = needed - sharded
-    for n in sharded:  # only the stored chunks this rank's pieces overlap
-        names.update(chunks_for(m.layout[n], boxes[n], shapes))
-    loaded, problems = reader.read(m, RESTORE, names=names)
-    if problems:
-        p = problems[0]
-        raise CorruptCheckpoint(
-            f"checkpoint {m.checkpoint_id} (step {m.step}) failed its {p.kind} check: {p.detail}; "
-            f"run `vckpt verify {url} --step {m.step}` and restore an earlier checkpoint"
-        )
-    for n in sharded:
-        piece = assemble(n, m.layout[n], boxes[n], shapes, loaded)
-        loaded[n] = to_dtensor(piece, targets[n]) if n in targets else piece
-    apply(state, m, loaded)
+    agree = agree or _alone
+    try:
+        needed = check_fits(state, m)
+        sharded = needed & m.layout.keys()
+        targets = sharded_targets(state, flatten(state).tensors, m.layout) if sharded else {}
+        shapes = {n: e.shape for n, e in m.tensors.items()}
+        boxes = {n: box_of(targets[n]) if n in targets else None for n in sharded}
+        names = needed - sharded
+        for n in sharded:  # only the stored chunks this rank's pieces overlap
+            names.update(chunks_for(m.layout[n], boxes[n], shapes))
+        loaded, problems = reader.read(m, RESTORE, names=names)
+        if problems:
+            p = problems[0]
+            raise CorruptCheckpoint(
+                f"checkpoint {m.checkpoint_id} (step {m.step}) failed its {p.kind} check: {p.detail}; "
+                f"run `vckpt verify {url} --step {m.step}` and restore an earlier checkpoint"
+            )
+        for n in sharded:
+            piece = assemble(n, m.layout[n], boxes[n], shapes, loaded)
+            loaded[n] = to_dtensor(piece, targets[n]) if n in targets else piece
+    except Exception as e:  # every rank learns of it before anything is applied anywhere
+        agree(e)
+        raise
+    apply(state, m, loaded, agree)
 
 
-def apply(state: Any, m: Manifest, loaded: dict[str, torch.Tensor]) -> None:
-    """Load ``loaded`` into ``state`` in place, all or nothing.
+def _alone(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
 
-    Every entry is rebuilt before any is touched, then entries load in the
-    order that keeps failures undoable at no memory cost:
 
-    1. objects that may keep the tensors they are given (optimizers, schedulers,
-       RNG state): each one's previous ``state_dict`` is kept by reference and
-       loaded back on failure (their ``load_state_dict`` replaces state rather than
-       writing into it);
-    2. modules whose loading runs code of their own (load hooks, an overridden
-       ``_load_from_state_dict``), which could fail part-way: their tensors are
-       copied aside first;
-    3. what cannot fail once ``fitting`` has matched keys, shapes and dtypes:
-       modules of torch's own, tensors (a copy into them), plain values. No
-       second copy of the model is made for these.
+def apply(state: Any, m: Manifest, loaded: dict[str, torch.Tensor],
+          agree: Callable[[BaseException | None], None] | None = None) -> None:
+    """Load ``loaded`` into ``state`` in place, all or nothing (and, with ``agree``, on every rank or on none).
 
-    If anything raises, everything applied is put back and the error is raised.
+    Every entry is rebuilt before any is touched, then entries load in two parts:
 
+    1. what could fail or alter values, each undoable: objects that may keep the tensors they are given
+       (optimizers, schedulers, RNG state; each one's previous ``state_dict`` is kept by reference and loaded
+       back on failure), and modules whose loading runs code of their own (load hooks, an overridden
+       ``_load_from_state_dict`` or ``set_extra_state``; their tensors are copied aside first). Their live
+       fingerprints are then checked against the checkpoint;
+    2. ``agree`` (the ranks' one collective), then what cannot fail once ``fitting`` has matched keys, shapes
+       and dtypes: modules of torch's own, tensors (a copy into them), plain values. No second copy of the
+       model is made for these.
+
+    If anything in part 1 fails on any rank, everything applied is put back and the error is raised.
     """
+    agree = agree or _alone
     values = {key: unflatten(m.state[key]["value"], loaded) for key in list(state)}
 
-    def phase(key: str) -> int:
+    def undoable(key: str) -> bool:
         target = state[key]
         if isinstance(target, torch.nn.Module):
-            return 1 if _custom_loading(target) else 2
-        return 0 if is_stateful(target) else 2
+            return _custom_loading(target)
+        return is_stateful(target) and not isinstance(target, torch.Tensor)
 
+    first = sorted((k for k in values if undoable(k)), key=lambda k: isinstance(state[k], torch.nn.Module))
     undo: list[Callable[[], None]] = []
+    error: BaseException | None = None
     try:
-        for key in sorted(values, key=phase):
+        for key in first:
             undo.append(_load_one(state, key, m.state[key]["stateful"], values[key]))
-        check_after(state, m)
+        check_after({k: state[k] for k in first}, m)
+    except Exception as e:  # noqa: BLE001 - put back below, once every rank knows
+        error = e
+    try:
+        agree(error)
     except BaseException:
         for put_back in reversed(undo):
             put_back()
         raise
+    for key, value in values.items():
+        if key not in first:  # cannot fail (see above): nothing after it needs undoing
+            _load_one(state, key, m.state[key]["stateful"], value)
 
 
 def _load_one(state: Any, key: str, stateful: bool, value: Any) -> Callable[[], None]:
@@ -127,8 +149,11 @@ def _custom_loading(module: torch.nn.Module) -> bool:
     for sub in module.modules():
         if sub._load_state_dict_pre_hooks or getattr(sub, "_load_state_dict_post_hooks", None):
             return True
-        own = type(sub)._load_from_state_dict
-        if own is not torch.nn.Module._load_from_state_dict and not type(sub).__module__.startswith("torch.nn"):
+        cls = type(sub)
+        if cls.__module__.startswith("torch.nn"):
+            continue
+        if (cls._load_from_state_dict is not torch.nn.Module._load_from_state_dict
+                or cls.set_extra_state is not torch.nn.Module.set_extra_state):
             return True
     return False
 

@@ -256,12 +256,12 @@ class CheckpointManager:
             CorruptCheckpoint: stored bytes do not match the manifest.
             InvalidState: ``state`` does not fit the checkpoint.
         """
-        view = self.view()
-        chosen = self._catalog.restorable(step, checkpoint_id, allow_unverified, view)
-        warning = open_incident_warning(view) if step is None and checkpoint_id is None else None
-        if warning:
-            warnings.warn(warning, stacklevel=2)
-        return self._recovery.restore(state, chosen)
+        def choose() -> tuple[CheckpointInfo, dict[str, Any]]:  # on rank 0 only: one decision for every rank
+            view = self.view()
+            chosen = self._catalog.restorable(step, checkpoint_id, allow_unverified, view)
+            return chosen, {"warning": open_incident_warning(view) if step is None and checkpoint_id is None else None}
+
+        return self._recovery.restore(state, self.comm, choose)
 
     def _restored(self, chosen: CheckpointInfo) -> None:
         """What a restore changes in this job: the lineage, the evidence baseline, the guard's DDP layout."""

@@ -5,25 +5,23 @@ through the checked read path into live objects (``loading``), then tells the
 job what it now holds (``on_restored``: the manager's lineage, evidence
 baseline and the guard's resume preparation).
 
-:meth:`Recovery.resume` is what a (re)starting job calls. Rank 0 chooses: the
-rollback target when an incident is open (recording the rollback that
-answers it, once every rank holds the target), else the newest restorable
-checkpoint, else a fresh start. Every rank restores the choice; if any rank
-finds its bytes wrong, the failure is recorded (the checkpoint becomes
-``corrupt``), a warning names it, and every rank falls back to the next
-candidate. An auto-restarting job therefore never loops on one bad checkpoint.
+:meth:`Recovery.resume` is what a (re)starting job calls. Rank 0 chooses (``opening.decide``: the other
+ranks get the manifest's bytes and never list the run): the rollback target when an incident is open
+(recording the rollback that answers it, once every rank holds the target), else the newest restorable
+checkpoint, else a fresh start. Every rank restores the choice, all or nothing on every rank; if any rank
+finds its bytes wrong, the failure is recorded (the checkpoint becomes ``corrupt``), a warning names it, and
+every rank falls back to the next candidate. An auto-restarting job therefore never loops on one bad
+checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointNotRestorable, CorruptCheckpoint, VerifiedCkptError
+from ..errors import CheckpointNotRestorable, CorruptCheckpoint
 from ..history import NO_RANK, Event
 from ..manifest import CheckpointInfo
 from ..records import Problem, VerificationResult
@@ -31,6 +29,7 @@ from ..status import Status
 from ..store import RunStore, utc_now
 from .catalog import Catalog, RunView
 from .journal import Journal
+from .opening import agree, decide
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -48,17 +47,24 @@ class Recovery:
         self.store, self.catalog, self.journal, self.io_workers = store, catalog, journal, io_workers
         self.on_restored, self.rank = on_restored, rank
 
-    def restore(self, state: Mapping[str, Any], chosen: CheckpointInfo) -> CheckpointInfo:
-        """Load ``chosen`` (its status already checked) into ``state``."""
-        self._load(state, chosen)
+    def restore(self, state: Mapping[str, Any], comm: Communicator,
+                choose: Callable[[], tuple[CheckpointInfo | None, dict[str, Any]]]) -> CheckpointInfo:
+        """Rank 0 runs ``choose``; every rank loads that checkpoint (from the manifest bytes rank 0 read), all or
+        nothing on every rank. Collective."""
+        chosen, facts = decide(comm, self.store, choose)
+        if facts.get("warning"):
+            warnings.warn(facts["warning"], stacklevel=3)
+        assert chosen is not None
+        self._load(state, chosen, comm)
         return self._loaded(chosen)
 
-    def _load(self, state: Mapping[str, Any], chosen: CheckpointInfo) -> None:
+    def _load(self, state: Mapping[str, Any], chosen: CheckpointInfo, comm: Communicator) -> None:
         from .loading import restore_into
         from .reading import Reader
 
         assert chosen.manifest is not None
-        restore_into(Reader(self.store, self.io_workers), state, chosen.manifest.for_rank(self.rank()), self.store.url)
+        restore_into(Reader(self.store, self.io_workers), state, chosen.manifest.for_rank(self.rank()), self.store.url,
+                     agree=lambda error: agree(comm, error))
 
     def _loaded(self, chosen: CheckpointInfo) -> CheckpointInfo:
         self.journal.log([Event(chosen.step, "restore", NO_RANK, "none")])
@@ -69,16 +75,7 @@ class Recovery:
 
     def rollback(self, state: Mapping[str, Any], comm: Communicator) -> CheckpointInfo:
         """Rank 0 chooses and records the rollback; every rank restores the same checkpoint."""
-        chosen, target = "", None
-        if comm.rank == 0:
-            with contextlib.suppress(VerifiedCkptError):  # re-raised below on every rank alike
-                target = self.catalog.record_rollback(dry_run=False)[0]
-                chosen = target.id
-        chosen = comm.broadcast_bytes(chosen.encode()).decode()
-        if not chosen:
-            self.catalog.record_rollback(dry_run=True)  # raises the explanation on every rank
-        # Rank 0 already holds the target (a rollback record cannot change its status); the others look it up.
-        restored = self.restore(state, target if target is not None else self.catalog.restorable(None, chosen, False))
+        restored = self.restore(state, comm, lambda: (self.catalog.record_rollback(dry_run=False)[0], {}))
         comm.barrier()
         return restored
 
@@ -86,33 +83,27 @@ class Recovery:
         """Restore the checkpoint to continue from on every rank; return the next step (``start`` on a fresh start)."""
         skipped: list[str] = []
         while True:
-            plan = comm.broadcast_bytes(self._plan(skipped, allow_unverified).encode() if comm.rank == 0 else b"")
-            choice = json.loads(plan)
-            if choice["id"] is None:
+            chosen, choice = decide(comm, self.store, lambda: self._plan(skipped, allow_unverified), "resume")
+            if chosen is None:
                 return self._fresh(choice, skipped, start)
-            chosen = self.catalog.restorable(None, choice["id"], allow_unverified)
-            error = ""
             try:
-                self._load(state, chosen)
-            except CorruptCheckpoint as e:  # bytes read and found wrong; an unreachable store is raised as is
-                error = str(e)
-            errors = [e.decode() for e in comm.gather_bytes(error.encode())]
-            failed = [(r, e) for r, e in enumerate(errors) if e]
-            if not failed:
-                if comm.rank == 0 and choice["answer"]:
-                    self.catalog.answer_incidents(self.catalog.view(), chosen)
-                if comm.rank == 0 and choice["newer"] and not choice["answer"]:
-                    log.warning("resume: continuing from %s (step %d), not from the newer checkpoint(s) %s, which are "
-                                "not restorable (`vckpt list %s` says why)", chosen.id, chosen.step,
-                                "; ".join(choice["newer"][:5]), self.catalog.url)
-                comm.barrier()
-                self._loaded(chosen)
-                return chosen.step + 1
-            self._skip(chosen, failed, comm.rank == 0)
-            skipped.append(chosen.id)
+                self._load(state, chosen, comm)
+            except CorruptCheckpoint as e:  # some rank's bytes were wrong (every rank raises it alike)
+                self._skip(chosen, str(e), comm.rank == 0)
+                skipped.append(chosen.id)
+                continue
+            if comm.rank == 0 and choice["answer"]:
+                self.catalog.answer_incidents(self.catalog.view(), chosen)
+            if comm.rank == 0 and choice["newer"] and not choice["answer"]:
+                log.warning("resume: continuing from %s (step %d), not from the newer checkpoint(s) %s, which are "
+                            "not restorable (`vckpt list %s` says why)", chosen.id, chosen.step,
+                            "; ".join(choice["newer"][:5]), self.catalog.url)
+            comm.barrier()
+            self._loaded(chosen)
+            return chosen.step + 1
 
-    def _plan(self, skipped: list[str], allow_unverified: bool) -> str:
-        """Rank 0's choice as JSON: the checkpoint id (``None``: none), whether it answers open incidents."""
+    def _plan(self, skipped: list[str], allow_unverified: bool) -> tuple[CheckpointInfo | None, dict[str, Any]]:
+        """Rank 0's choice: the checkpoint (``None``: none), whether it answers open incidents, what it passes over."""
         view = self.catalog.view()
         allowed = {Status.RESTORABLE} | ({Status.UNVERIFIED} if allow_unverified else set())
         usable = [i for i in view.infos if i.status in allowed and i.id not in skipped]
@@ -124,8 +115,7 @@ class Recovery:
         chosen = usable[-1] if usable else None
         newer = [f"{i.id} ({i.status.value})" for i in view.infos
                  if chosen is not None and (i.step, i.created_at) > (chosen.step, chosen.created_at) and i.status not in allowed]
-        return json.dumps({"id": chosen.id if chosen else None, "answer": answer, "unverified": unverified,
-                           "any": bool(view.infos), "newer": newer})
+        return chosen, {"answer": answer, "unverified": unverified, "any": bool(view.infos), "newer": newer}
 
     def _fresh(self, choice: dict[str, Any], skipped: list[str], start: int) -> int:
         if skipped:
@@ -145,9 +135,9 @@ class Recovery:
             log.info("resume: no checkpoint to continue from - fresh start at step %d", start)
         return start
 
-    def _skip(self, chosen: CheckpointInfo, failed: list[tuple[int, str]], recorder: bool) -> None:
+    def _skip(self, chosen: CheckpointInfo, failure: str, recorder: bool) -> None:
         """Record that ``chosen`` failed verification while restoring (it becomes corrupt) and say so."""
-        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)[:2000]
+        detail = failure[:2000]
         if recorder:
             self.catalog.record_verification(
                 VerificationResult(chosen.id, chosen.step, False, [Problem("read", detail)], utc_now()))

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ..checkpoint.catalog import info
+from ..checkpoint.opening import agree, decide
 from ..errors import CorruptCheckpoint, InvalidState
 from ..flatten import Flat, flatten, unflatten
 from ..layout import Chunk, LayoutEntry, chunk_name
@@ -167,7 +168,9 @@ class VerifiedStorageReader(StorageReader):
         return False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        self.info = self.manager._catalog.restorable(*self.choice)
+        # DCP calls this on every rank: one decision (rank 0's) for all of them, from the same manifest bytes.
+        self.info, _ = decide(self.manager.comm, self.manager._store,
+                              lambda: (self.manager._catalog.restorable(*self.choice), {}))
         m = self.manager_manifest()
         sd_md: dict[str, Any] = {}
         storage: dict[MetadataIndex, str] = {}
@@ -213,13 +216,11 @@ class VerifiedStorageReader(StorageReader):
             if item.type == LoadItemType.TENSOR:
                 by_chunk[chunk_name(item.storage_index.fqn, tuple(item.storage_index.offset or ()))].append(item)
         loaded, problems = Reader(self.manager._store, self.manager.io_workers).read(m, RESTORE, names=set(by_chunk))
-        error = ""
+        error = None
         if problems:
-            error = (f"checkpoint {m.checkpoint_id} (step {m.step}) failed its {problems[0].kind} check: "
-                     f"{problems[0].detail}; nothing was loaded - restore an earlier checkpoint")
-        failed = [e.decode() for e in self.manager.comm.gather_bytes(error.encode()) if e]
-        if failed:
-            raise CorruptCheckpoint(failed[0])
+            error = CorruptCheckpoint(f"checkpoint {m.checkpoint_id} (step {m.step}) failed its {problems[0].kind} "
+                                      f"check: {problems[0].detail}; nothing was loaded - restore an earlier checkpoint")
+        agree(self.manager.comm, error)  # every rank raises alike, before any copies a value
         values = self._values(m)
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:

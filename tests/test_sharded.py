@@ -139,7 +139,7 @@ def dcp_roundtrip(rank: int, world: int, run: str, flip: bool) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from verified_ckpt.integrations.dcp import VerifiedStorageReader, VerifiedStorageWriter
+    from verified_ckpt.integrations.dcp import VerifiedStorageReader, VerifiedStorageWriter, load
 
     model, opt = build((3, 2))
     train(model, opt, range(2), rank)
@@ -164,7 +164,7 @@ def dcp_roundtrip(rank: int, world: int, run: str, flip: bool) -> dict:
     before = consolidated(fresh, fopt)
     msd, osd = get_state_dict(fresh, fopt)
     try:
-        dcp.load({"model": msd, "optim": osd}, storage_reader=VerifiedStorageReader(mgr, allow_unverified=True))
+        load({"model": msd, "optim": osd}, VerifiedStorageReader(mgr, allow_unverified=True))
     except BaseException as e:
         after = consolidated(fresh, fopt)
         return {"error": type(e).__name__ + ": " + str(e),
@@ -186,6 +186,8 @@ def test_dcp_save_and_load_through_the_verified_storage_round_trip_on_hsdp(tmp_p
 def test_dcp_load_of_a_flipped_chunk_fails_on_every_rank_before_a_parameter_is_touched(tmp_path):
     results = run_ranks(dcp_roundtrip, 6, str(tmp_path / "run"), True)
     assert all(r["error"] and "digest" in r["error"] and r["untouched"] for r in results), results
+    # The library's own error, the same on every rank (DCP would wrap it in its CheckpointException).
+    assert len({r["error"] for r in results}) == 1 and results[0]["error"].startswith("CorruptCheckpoint: ")
 
 
 def test_the_cli_lists_shows_verifies_and_exports_a_sharded_checkpoint(hsdp_run, tmp_path):

@@ -5,6 +5,10 @@ A team already on DCP changes one argument::
     dcp.save(state, storage_writer=VerifiedStorageWriter(manager, step))
     dcp.load(state, storage_reader=VerifiedStorageReader(manager))
 
+DCP wraps every failure in its own ``CheckpointException``; :func:`save` and :func:`load` are the same calls
+with the failure raised as the library's own error (``CorruptCheckpoint``, ``CheckpointNotRestorable``, ...), the
+same on every rank.
+
 DCP keeps doing what it does well: planning who writes which chunk (replicas
 deduplicated) and the resharding arithmetic of a load. The storage is
 verified-ckpt's: every rank writes safetensors shards through the run's store,
@@ -26,6 +30,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -40,7 +45,7 @@ from torch.futures import Future
 
 from ..checkpoint.catalog import info
 from ..checkpoint.opening import agree, decide
-from ..errors import CorruptCheckpoint, InvalidState
+from ..errors import CorruptCheckpoint, InvalidState, StorageError, VerifiedCkptError
 from ..flatten import Flat, flatten, unflatten
 from ..layout import Chunk, LayoutEntry, chunk_name
 from ..manifest import CheckpointInfo, Manifest
@@ -159,6 +164,7 @@ class VerifiedStorageReader(StorageReader):
         self.manager = manager
         self.choice = (step, checkpoint_id, allow_unverified)
         self.info: CheckpointInfo | None = None
+        self.error: VerifiedCkptError | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.info = None
@@ -169,8 +175,12 @@ class VerifiedStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP calls this on every rank: one decision (rank 0's) for all of them, from the same manifest bytes.
-        self.info, _ = decide(self.manager.comm, self.manager._store,
-                              lambda: (self.manager._catalog.restorable(*self.choice), {}))
+        try:
+            self.info, _ = decide(self.manager.comm, self.manager._store,
+                                  lambda: (self.manager._catalog.restorable(*self.choice), {}))
+        except VerifiedCkptError as refused:
+            self.error = refused  # DCP catches this one and fails with "metadata is None": ``load`` raises it instead
+            raise
         m = self.manager_manifest()
         sd_md: dict[str, Any] = {}
         storage: dict[MetadataIndex, str] = {}
@@ -252,3 +262,33 @@ def _set_value(planner: LoadPlanner, fqn: str, value: Any) -> None:
     else:
         raise InvalidState(f"{fqn}: this load planner cannot take a non-tensor value without unpickling it; "
                            "use DefaultLoadPlanner")
+
+
+def save(state_dict: dict[str, Any], writer: VerifiedStorageWriter, **kwargs: Any) -> None:
+    """``dcp.save(state_dict, storage_writer=writer, ...)``, its failure raised as a ``VerifiedCkptError``."""
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    try:
+        dcp_save(state_dict, storage_writer=writer, **kwargs)
+    except CheckpointException as e:
+        raise _ours(e) from None
+
+
+def load(state_dict: dict[str, Any], reader: VerifiedStorageReader, **kwargs: Any) -> None:
+    """``dcp.load(state_dict, storage_reader=reader, ...)``, its failure raised as a ``VerifiedCkptError``."""
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    try:
+        dcp_load(state_dict, storage_reader=reader, **kwargs)
+    except CheckpointException as e:
+        raise _ours(e, reader.error) from None
+
+
+def _ours(e: CheckpointException, hidden: BaseException | None = None) -> VerifiedCkptError:
+    """The first failing rank's error, as the library's (DCP swallows what ``read_metadata`` raises: ``hidden``)."""
+    failures = [exc for _, (exc, _trace) in sorted(e.failures.items())]
+    for exc in [*failures, *([hidden] if hidden is not None else [])]:
+        if isinstance(exc, VerifiedCkptError):
+            return exc
+    first = failures[0] if failures else e
+    return StorageError(f"torch.distributed.checkpoint failed: {type(first).__name__}: {str(first).splitlines()[0][:300]}")

@@ -67,9 +67,9 @@ class StoreContract:
             store.read_manifest("nope")
 
     def test_records_are_append_only_and_oldest_first(self, store):
-        first = store.append_record("verification", {"n": 1})
-        second = store.append_record("verification", {"n": 1})
-        third = store.append_record("verification", {"n": 2})
+        first = store.append_record("verification", b'{"n":1}')
+        second = store.append_record("verification", b'{"n":1}')
+        third = store.append_record("verification", b'{"n":2}')
         got = store.records("verification")
         assert [r.name for r in got] == [first, second, third]
         assert [json.loads(r.data)["n"] for r in got] == [1, 1, 2] and all(r.problem is None for r in got)
@@ -77,7 +77,7 @@ class StoreContract:
 
     def test_objects_that_are_not_records_are_reported_not_dropped(self, store, raw):
         fs, root = raw
-        store.append_record("incident", {"n": 1})
+        store.append_record("incident", b'{"n":1}')
         fs.pipe_file(f"{root}/records/incident/notes.txt", b"hello")  # a name this library never writes
         got = store.records("incident")
         assert len(got) == 2

@@ -25,14 +25,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .errors import ManifestError
-from .jsonx import JSONBudgetError, Limits, decode_object, short_repr
+from .errors import InvalidState, ManifestError
+from .jsonx import JSONBudgetError, Limits, canonical_json, decode_object, short_repr
 from .manifest import MAX_STEP, SEGMENT
 from .signing import Signature, Signer
 
 __all__ = [
     "INCIDENT", "KINDS", "MAX_RECORD_BYTES", "ROLLBACK", "UNANSWERABLE", "VERIFICATION", "Host", "Incident",
-    "Problem", "Rollback", "VerificationResult", "parse",
+    "InvalidRecord", "Problem", "Rollback", "VerificationResult", "encoded", "parse",
 ]
 
 INCIDENT, ROLLBACK, VERIFICATION = "incident", "rollback", "verification"
@@ -47,6 +47,10 @@ _MAX_ITEMS = 100_000
 
 class RecordError(ManifestError):
     """A record is malformed: wrong types, out-of-range values, or not a record of its kind."""
+
+
+class InvalidRecord(InvalidState, ValueError):
+    """A record the reader would refuse was about to be written; nothing was stored (the message names the field)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +220,27 @@ Record = Incident | Rollback | VerificationResult
 _PARSERS: dict[str, Callable[..., Record]] = {
     INCIDENT: Incident.from_record, ROLLBACK: Rollback.from_record, VERIFICATION: VerificationResult.from_record,
 }
+
+
+def encoded(kind: str, record: dict[str, Any]) -> bytes:
+    """The bytes ``record`` is stored as, if the reader would take it: the same decoder, limits and typed parser
+    (``from_record``) as :func:`parse`. Writers are exactly as strict as readers: a value the reader would refuse
+    (a rank of -1, a step past the largest, a float where an int belongs, a lone surrogate, a reason past its
+    length, too deep, too large) is refused here, before anything is stored.
+
+    Raises:
+        InvalidRecord: naming the field and the value.
+    """
+    try:
+        data = canonical_json(record)
+    except (ValueError, TypeError, UnicodeEncodeError, RecursionError) as e:
+        raise InvalidRecord(f"this {kind} record cannot be stored as JSON ({short_repr(str(e))[1:-1]}); nothing was "
+                            "written") from None
+    try:
+        _PARSERS[kind](decode_object(data, _LIMITS))
+    except (JSONBudgetError, RecordError) as e:
+        raise InvalidRecord(f"this {kind} record would not read back ({e}); nothing was written") from None
+    return data
 
 
 def parse(kind: str, name: str, raw: bytes | None, problem: str | None, signer: Signer) -> Record | Unreadable | None:

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 MANIFEST = "manifest.json"
 LEDGER = "ledger.zarr"
+STAGING = ".staging"  # local disks: records written here first, then renamed into place
 READ_CHUNK = 64 << 20  # bytes per digest step while mapping a local shard
 UPLOAD_PART_BYTES = 8 << 20  # multipart part size; matches shards.WRITE_CHUNK
 MAX_PARTS = 10_000  # S3's limit on parts per multipart upload
@@ -445,14 +446,35 @@ class RunStore:
             self.fs.rm_file(self._shard_path(cid, name))
 
     # -- records ---------------------------------------------------------
-    def append_record(self, kind: str, record: dict[str, Any]) -> str:
-        """Store one immutable record; its name is unique, so nothing is ever overwritten."""
+    def append_record(self, kind: str, data: bytes) -> str:
+        """Store one immutable record (its bytes, already checked: ``records.encoded``); its name is unique, so nothing
+        is ever overwritten. Published whole or not at all (``_publish``)."""
         name = f"{utc_now().replace(':', '').replace('+', 'Z')}-{uuid.uuid4().hex[:12]}.json"
         path = self._join("records", _plain(kind, "record kind"), name)
         with self._io(f"writing a {kind} record", writing=True):
             self._mkdir(self._join("records", kind), exist_ok=True)
-            self.fs.pipe_file(path, json.dumps(record, sort_keys=True).encode())
+            self._publish(path, data)
         return name
+
+    def _publish(self, path: str, data: bytes) -> None:
+        """``data`` at ``path``, whole or not at all. On a local disk: a temporary file under the run's ``.staging``
+        folder (which no reader lists), flushed to disk, then renamed over ``path``: a crash at any write leaves at
+        most the temporary. On an object store: one PUT, which a reader sees whole or not at all."""
+        if not isinstance(self.fs, LocalFileSystem):
+            self.fs.pipe_file(path, data)
+            return
+        staging = self._confine(self._join(STAGING))
+        os.makedirs(staging, exist_ok=True)
+        tmp = os.path.join(staging, f"{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._confine(path))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
     def records(self, kind: str, known: Callable[[str, int, str], bool] | None = None) -> list[StoredRecord]:
         """Every object under ``records/<kind>/``, oldest first: its bytes, or why they were not read.

@@ -18,6 +18,7 @@ import time
 import torch
 
 from verified_ckpt import CheckpointManager, VerificationResult
+from verified_ckpt.records import encoded
 from verified_ckpt.store import RunStore, utc_now
 
 
@@ -31,7 +32,8 @@ def main() -> None:
         info = CheckpointManager(root).save(1, {"w": torch.ones(4)})
         store = RunStore(root)
         for _ in range(args.records):
-            store.append_record("verification", VerificationResult(info.id, 1, True, [], utc_now(), None).to_record())
+            store.append_record("verification", encoded("verification", VerificationResult(info.id, 1, True, [], utc_now(),
+                                                                                          None).to_record()))
         fresh, again = [], []
         for _ in range(args.repeats):
             mgr = CheckpointManager(root)

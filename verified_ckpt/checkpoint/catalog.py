@@ -43,6 +43,7 @@ from ..records import (
     Rollback,
     Unreadable,
     VerificationResult,
+    encoded,
     parse,
 )
 from ..signing import Signer
@@ -212,9 +213,14 @@ class Catalog:
         self.append(VERIFICATION, result.to_record())
 
     def append(self, kind: str, record: dict[str, object]) -> dict[str, object]:
-        """Seal and store one record; returns what was stored."""
+        """Check, seal and store one record (atomically); returns what was stored.
+
+        Raises:
+            InvalidRecord: the reader would refuse it (``records.encoded``); nothing is stored.
+        """
+        encoded(kind, record)  # before sealing: the seal itself hashes the JSON, which a bad value breaks
         sealed = self.signer.seal(record)
-        self.store.append_record(kind, sealed)
+        self.store.append_record(kind, encoded(kind, sealed))
         return sealed
 
     def record_incident(self, inc: Incident, source: str) -> Incident:

@@ -8,15 +8,17 @@ logical tensor back together: its dtype, global shape, and every chunk's
 offsets and stored name. A chunk's sizes are its stored tensor's shape.
 
 Plain data and strict checks, so readers of manifests need no torch. The
-checks here are the ones that keep a restore's arithmetic in bounds (every
-chunk inside the tensor, element counts that add up); whether the chunks
-overlap is checked exactly, element by element, when a restore assembles
-them (``sharding.assemble``), where it costs one pass it does anyway.
+checks here are every one a restore relies on: every chunk inside the tensor,
+element counts that add up, and the chunks tiling the tensor exactly once
+(no overlap, hence no gap). They run wherever a manifest is parsed, so
+``vckpt verify`` refuses exactly what a restore would (``sharding.assemble``
+checks the tiling once more, element by element, as it copies).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,6 +28,7 @@ from .tensorspec import ITEMSIZE, MAX_NDIM, MAX_TENSORS, bounded_numel
 __all__ = ["Chunk", "LayoutEntry", "chunk_name", "parse_layout"]
 
 MAX_CHUNKS = 65_536  # chunks per tensor: far more ranks than any mesh holds
+MAX_CELLS = 1 << 20  # pieces the chunks' edges may cut one tensor into (a mesh's grid: about one per chunk)
 
 
 def chunk_name(name: str, offsets: tuple[int, ...] | list[int]) -> str:
@@ -80,8 +83,37 @@ def parse_layout(raw: Any, tensors: Mapping[str, Any], bad: Callable[[str], Exce
         if total != bounded_numel(shape):
             raise bad(f"{what}: its chunks hold {total} elements, the shape {short_repr(shape)} needs "
                       f"{bounded_numel(shape)}")
+        why = _tiling_problem([(c.offsets, list(tensors[c.tensor].shape)) for c in chunks])
+        if why:
+            raise bad(f"{what}: {why}")
         out[name] = LayoutEntry(e["dtype"], list(shape), chunks)
     return out
+
+
+def _tiling_problem(boxes: list[tuple[list[int], list[int]]]) -> str | None:
+    """Why ``boxes`` (offsets, sizes) do not tile their tensor exactly once, or ``None``. With the element counts
+    already equal to the tensor's, no overlap means no gap. Exact, in the grid the boxes' own edges cut: each box
+    covers whole cells of it, and no cell may be covered twice (a few cells per chunk for the grids meshes make)."""
+    boxes = [(o, sz) for o, sz in boxes if all(sz)]  # empty chunks cover nothing
+    if len(boxes) < 2:
+        return None
+    ndim = len(boxes[0][0])
+    edges = [sorted({o[d] for o, _ in boxes} | {o[d] + sz[d] for o, sz in boxes}) for d in range(ndim)]
+    index = [{e: i for i, e in enumerate(dim)} for dim in edges]
+    cells = 1
+    for dim in edges:
+        cells *= max(len(dim) - 1, 1)
+    if cells > MAX_CELLS:
+        return f"its {len(boxes)} chunks cut it into more than {MAX_CELLS} pieces; this layout is not one a mesh makes"
+    seen: set[tuple[int, ...]] = set()
+    for o, sz in boxes:
+        spans = [range(index[d][o[d]], index[d][o[d] + sz[d]]) for d in range(ndim)]
+        for cell in itertools.product(*spans):
+            if cell in seen:
+                return (f"two chunks overlap at {short_repr([edges[d][cell[d]] for d in range(ndim)])} (and so leave a "
+                        "gap): the chunks do not cover it exactly once")
+            seen.add(cell)
+    return None
 
 
 def _chunk(c: Any, name: str, dtype: str, shape: list[int], tensors: Mapping[str, Any], what: str,

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 CHUNK_ROWS = 16384
 MAX_BUFFERED = 65536  # flush early beyond this many rows, bounding rank 0's memory
 MAX_ROWS = 1 << 24  # ~750 MB of columns when read whole: 100k steps x 64 ranks is 6.4M rows
+MAX_ROWS_PER_STORED_BYTE = 4  # a row decodes to 54 bytes: at most ~200x what is stored (real ledgers: < 10x)
 MAX_OBJECT_BYTES = 4 << 20  # a chunk holds at most 16384 rows x 16 bytes; documents are small
 SCHEMA = 1
 _FIELDS = [f.name for f in dataclasses.fields(Columns)]
@@ -136,7 +137,7 @@ def _read(store: RunStore, where: str) -> Columns:
     import numpy as np
     import zarr
 
-    store.ledger.check_objects(MAX_OBJECT_BYTES)
+    stored = store.ledger.check_objects(MAX_OBJECT_BYTES)
     with store.guarded("reading the ledger"):
         group = zarr.open_group(store=store.ledger.zarr_store(read_only=True), mode="r", zarr_format=3)
         rows = group.attrs.get("rows")
@@ -155,9 +156,12 @@ def _read(store: RunStore, where: str) -> Columns:
                 raise CorruptCheckpoint(f"{where}: array {name!r} is missing or not laid out as written; "
                                         "the ledger cannot be trusted - move it aside to keep using the run")
         n = min([rows] + [_array(group, name).shape[0] for name in _FIELDS])
-        if n > MAX_ROWS or -(-n // CHUNK_ROWS) > store.ledger.chunks("step"):
-            raise CorruptCheckpoint(f"{where} declares {n} rows that its stored chunks do not hold (or more than "
-                                    f"{MAX_ROWS}); the ledger cannot be trusted - move it aside to keep using the run")
+        # What a read may decode is bounded by the bytes actually stored, not by what the metadata declares: a
+        # real row keeps at least a few bytes after compression (its loss, norm and lanes are noise), while copied
+        # chunks of constants would otherwise expand ten-thousandfold.
+        if n > MAX_ROWS or -(-n // CHUNK_ROWS) > store.ledger.chunks("step") or n > MAX_ROWS_PER_STORED_BYTE * stored:
+            raise CorruptCheckpoint(f"{where} declares {n} rows that its {stored} stored bytes do not hold (or more "
+                                    f"than {MAX_ROWS}); the ledger cannot be trusted - move it aside to keep using the run")
         cols = Columns(**{name: np.asarray(_array(group, name)[:n]) for name in _FIELDS})
     if n and (int(cols.kind.max()) >= len(KINDS) or int(cols.verdict.max()) >= len(VERDICTS)):
         raise CorruptCheckpoint(f"{where} holds unknown kind or verdict codes; the ledger cannot be trusted")

@@ -21,7 +21,6 @@ from .. import errors
 from ..errors import VerifiedCkptError
 from ..manifest import CheckpointInfo, Manifest
 from ..status import Status
-from ..store import RunStore
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -35,12 +34,12 @@ _KNOWN: dict[str, type[VerifiedCkptError]] = {
                             errors.RunNotFound, errors.InvalidRunURL, errors.LedgerNotFound)}
 
 
-def decide(comm: Communicator, store: RunStore, choose: Callable[[], tuple[CheckpointInfo | None, dict[str, Any]]],
+def decide(comm: Communicator, choose: Callable[[], tuple[CheckpointInfo | None, dict[str, Any]]],
            what: str = "restore") -> tuple[CheckpointInfo | None, dict[str, Any]]:
     """Rank 0's ``choose()`` (a checkpoint, or ``None``, and plain facts about the choice), on every rank.
 
     Collective (every rank calls it; rank 0 alone runs ``choose``). The checkpoint reaches the other ranks as its
-    manifest's bytes, which each parses itself; rank 0 uses the same parse of the same bytes.
+    manifest's canonical bytes, which each parses itself; rank 0 uses the same parse of the same bytes.
 
     Raises:
         VerifiedCkptError: what ``choose`` raised on rank 0, on every rank (the same class and message).
@@ -54,7 +53,8 @@ def decide(comm: Communicator, store: RunStore, choose: Callable[[], tuple[Check
             payload = {"facts": facts}
             if info is not None:
                 assert info.manifest is not None
-                payload["info"] = {**info.to_dict(), "manifest": store.read_manifest(info.id).decode("utf-8")}
+                # The manifest as rank 0 parsed (and trusted) it, in its canonical bytes: no second read of the store.
+                payload["info"] = {**info.to_dict(), "manifest": info.manifest.to_json().decode("utf-8")}
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would wait forever
             failure = e
             payload = {"error": type(e).__name__, "message": str(e)}

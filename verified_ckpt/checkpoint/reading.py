@@ -36,14 +36,18 @@ class ReadMode:
         scan_nonfinite: also report training-state tensors holding NaN/Inf (offline verification).
         fail_fast: stop at the first problem (a restore needs everything or nothing).
         keep: return the tensors; otherwise each shard is dropped once checked (bounded memory).
+        mapped: a local shard may be memory-mapped (``RunStore.read_shard``): the fast path of a job restoring its
+            own checkpoint. Long-lived readers (``vckpt verify``, ``vckpt serve``, exports) read into private
+            buffers instead, so a file truncated under them is a read problem, not a SIGBUS.
     """
 
     scan_nonfinite: bool
     fail_fast: bool
     keep: bool
+    mapped: bool = False
 
 
-RESTORE = ReadMode(scan_nonfinite=False, fail_fast=True, keep=True)
+RESTORE = ReadMode(scan_nonfinite=False, fail_fast=True, keep=True, mapped=True)
 VERIFY = ReadMode(scan_nonfinite=True, fail_fast=False, keep=False)
 EXPORT = ReadMode(scan_nonfinite=False, fail_fast=True, keep=False)
 
@@ -115,7 +119,7 @@ class Reader:
                 if progress:
                     progress(len(chunk))
 
-            buf = self.store.read_shard(m.checkpoint_id, s.path, s.size, on_chunk)
+            buf = self.store.read_shard(m.checkpoint_id, s.path, s.size, on_chunk, mapped=mode.mapped)
         except FileNotFoundError:
             return {}, [Problem("missing", f"{where} does not exist")]
         except CorruptCheckpoint as e:  # the bytes were read and are wrong (short, long); an outage is raised

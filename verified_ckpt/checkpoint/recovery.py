@@ -51,7 +51,7 @@ class Recovery:
                 choose: Callable[[], tuple[CheckpointInfo | None, dict[str, Any]]]) -> CheckpointInfo:
         """Rank 0 runs ``choose``; every rank loads that checkpoint (from the manifest bytes rank 0 read), all or
         nothing on every rank. Collective."""
-        chosen, facts = decide(comm, self.store, choose)
+        chosen, facts = decide(comm, choose)
         if facts.get("warning"):
             warnings.warn(facts["warning"], stacklevel=3)
         assert chosen is not None
@@ -83,7 +83,7 @@ class Recovery:
         """Restore the checkpoint to continue from on every rank; return the next step (``start`` on a fresh start)."""
         skipped: list[str] = []
         while True:
-            chosen, choice = decide(comm, self.store, lambda: self._plan(skipped, allow_unverified), "resume")
+            chosen, choice = decide(comm, lambda: self._plan(skipped, allow_unverified), "resume")
             if chosen is None:
                 return self._fresh(choice, skipped, start)
             try:

@@ -176,7 +176,7 @@ class VerifiedStorageReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP calls this on every rank: one decision (rank 0's) for all of them, from the same manifest bytes.
         try:
-            self.info, _ = decide(self.manager.comm, self.manager._store,
+            self.info, _ = decide(self.manager.comm,
                                   lambda: (self.manager._catalog.restorable(*self.choice), {}))
         except VerifiedCkptError as refused:
             self.error = refused  # DCP catches this one and fails with "metadata is None": ``load`` raises it instead

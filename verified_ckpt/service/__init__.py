@@ -20,6 +20,8 @@ from typing import Any
 __all__ = ["ServiceConfig", "ServiceError", "run_key", "serve"]
 
 log = logging.getLogger("verified_ckpt.service")
+MIN_TOKEN = 32  # characters of a token that guards a non-loopback bind (a guessable one guards nothing)
+REQUEST_TIMEOUT_S = 10  # a connection that has not sent a whole request by then (or idles after one) is closed
 
 
 class ServiceError(ValueError):
@@ -65,9 +67,11 @@ class ServiceConfig:
             raise ServiceError(f"concurrency must be an int >= 1, got {self.concurrency!r}")
         if self.bytes_per_s < 0:
             raise ServiceError(f"bytes_per_s must be >= 0, got {self.bytes_per_s!r}")
-        if not _loopback(self.host) and not self.resolved_token():
-            raise ServiceError(f"binding {self.host} (not loopback) needs a token: set VCKPT_SERVICE_TOKEN or "
-                               "VCKPT_SERVICE_TOKEN_FILE, or bind 127.0.0.1")
+        token = self.resolved_token()
+        if not _loopback(self.host) and (not token or len(token) < MIN_TOKEN):
+            raise ServiceError(f"binding {self.host} (not loopback) needs a token of at least {MIN_TOKEN} characters"
+                               f"{' (this one has ' + str(len(token)) + ')' if token else ''}: set VCKPT_SERVICE_TOKEN "
+                               "or VCKPT_SERVICE_TOKEN_FILE (e.g. `openssl rand -hex 24`), or bind 127.0.0.1")
 
     def resolved_token(self) -> str | None:
         if self.token:
@@ -100,6 +104,31 @@ def run_key(url: str, storage_options: dict[str, Any] | None = None) -> str:
     from ..store import canonical_url
 
     return hashlib.blake2b(canonical_url(url, storage_options).encode(), digest_size=6).hexdigest()
+
+
+def _protocol() -> type:
+    """uvicorn's h11 protocol, with a deadline from the moment a connection opens: uvicorn times out only the idle
+    time after a response, so a connection that never sends a request (or trickles one) would be held forever."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Deadline(H11Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def _arm(self) -> None:
+            self.loop.call_later(REQUEST_TIMEOUT_S, self._expire)
+
+        def _expire(self) -> None:
+            serving = self.cycle is not None and not self.cycle.response_complete
+            if not serving and not self.transport.is_closing():
+                self.transport.close()
+
+    return Deadline
 
 
 def _warm_up() -> None:
@@ -160,7 +189,8 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None, log_to_st
     if cfg.discover:
         threading.Thread(target=discover, name="vckpt-discover", daemon=True).start()
     server = uvicorn.Server(uvicorn.Config(build_app(watchers, metrics, cfg.resolved_token()), host=cfg.host,
-                                           port=cfg.port, log_level="warning", lifespan="off"))
+                                           port=cfg.port, log_level="warning", lifespan="off", http=_protocol(),
+                                           timeout_keep_alive=REQUEST_TIMEOUT_S))
     log.info("vckpt serve on http://%s:%d: dashboard /, API /api/runs, metrics /metrics, health /healthz; watching %d "
              "run(s)%s; a pass every %gs, a scrub of each checkpoint every %gs", cfg.host, cfg.port, len(watchers),
              f" and runs under {', '.join(cfg.discover)}" if cfg.discover else "", cfg.poll_s, cfg.scrub_interval_s)

@@ -1,9 +1,11 @@
 """The service's HTTP side (Starlette): JSON API, Prometheus metrics, health, and an HTML dashboard.
 
-Reads come from each watcher's last published state, so a request never
-touches the store and answers in constant time. The two writes (``flag`` and
-``rollback``) need the bearer token, compared in constant time; without a
-configured token they are refused.
+Reads come from each watcher's last published state (the report page
+included), so a request never touches the store and answers in constant
+time. The two writes (``flag`` and ``rollback``) need the bearer token,
+compared in constant time (without a configured token they are refused);
+their bodies are bounded and parsed strictly, and they run on a worker
+thread, off the event loop.
 """
 
 from __future__ import annotations
@@ -16,17 +18,20 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from .. import CheckpointManager, VerifiedCkptError, render_html
+from .. import CheckpointManager, InvalidState, VerifiedCkptError
+from ..jsonx import JSONBudgetError, Limits, decode_object, short_repr
 from .metrics import Metrics
 from .watch import Watcher
 
 __all__ = ["build_app"]
 
 REFRESH_S = 10
+MAX_BODY = 64 << 10  # a flag's body: a reason of up to 64 KiB and a few numbers
 
 
 class _Api:
@@ -72,7 +77,8 @@ class _Api:
                                                  for r in view.verifications.get(c.id, [])]) for c in view.infos])
 
     async def write(self, request: Request) -> Response:
-        """``flag`` and ``rollback``: only with the bearer token (compared in constant time)."""
+        """``flag`` and ``rollback``: only with the bearer token (compared in constant time). The body is bounded
+        and parsed strictly; the write runs off the event loop, so health and reads answer meanwhile."""
         got = request.headers.get("authorization", "")
         if self.token is None or not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
             return JSONResponse({"error": "a bearer token is required for this endpoint"}, status_code=401,
@@ -80,19 +86,15 @@ class _Api:
         w = self.watchers.get(request.path_params["key"])
         if w is None:
             return JSONResponse({"error": "no such run"}, status_code=404)
-        mgr = CheckpointManager(w.url, storage_options=w.storage_options)
+        body = await _bounded_body(request, MAX_BODY)
+        if body is None:
+            return JSONResponse({"error": f"the request body is larger than {MAX_BODY} bytes"}, status_code=413)
         try:
-            if request.url.path.endswith("/flag"):
-                body = await request.json()
-                inc = mgr.flag(int(body["from_step"]), to_step=body.get("to_step"), ranks=body.get("ranks", []),
-                               reason=str(body.get("reason", "flagged through vckpt serve")))
-                result: dict[str, Any] = inc.to_dict()
-            else:
-                target, skipped = mgr.record_rollback()
-                result = {"id": target.id, "step": target.step, "skipped": [list(s) for s in skipped]}
-        except (VerifiedCkptError, KeyError, ValueError, TypeError) as e:
-            return JSONResponse({"error": str(e).splitlines()[0]}, status_code=400)
-        w.one_pass()  # the change shows at once
+            result = await run_in_threadpool(_write, w, request.url.path.endswith("/flag"), body)
+        except InvalidState as e:  # a value the records would refuse: named, nothing written
+            return JSONResponse({"error": str(e).splitlines()[0]}, status_code=422)
+        except VerifiedCkptError as e:
+            return JSONResponse({"error": str(e).splitlines()[0]}, status_code=409)
         return JSONResponse(result)
 
     async def dashboard(self, request: Request) -> Response:
@@ -100,8 +102,62 @@ class _Api:
                                        [(w.key, c) for w in list(self.watchers.values()) for c in w.state.changes]))
 
     def report(self, w: Watcher) -> Response:
-        mgr = CheckpointManager(w.url, storage_options=w.storage_options)
-        return HTMLResponse(render_html(mgr.history_report()))
+        """The page the watcher built at its last pass (never built here: a hostile ledger must not stall a request)."""
+        if w.state.report is None:
+            return PlainTextResponse(f"the report of {w.url} is not built yet: {w.state.error or 'first pass pending'}",
+                                     status_code=503)
+        return HTMLResponse(w.state.report)
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes | None:
+    """The request body, or ``None`` past ``limit`` bytes (read no further: a 256 MiB body costs nothing)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
+def _write(w: Watcher, flag: bool, body: bytes) -> dict[str, Any]:
+    """One write, on a worker thread: the record through the same strict constructor the reader parses with, then
+    the run's view published again (no verification pass: that is the watcher's)."""
+    mgr = CheckpointManager(w.url, storage_options=w.storage_options)
+    if flag:
+        b = _flag_body(body)
+        result = mgr.flag(b["from_step"], to_step=b["to_step"], ranks=b["ranks"], reason=b["reason"]).to_dict()
+    else:
+        target, skipped = mgr.record_rollback()
+        result = {"id": target.id, "step": target.step, "skipped": [list(x) for x in skipped]}
+    w.refresh()
+    return result
+
+
+def _flag_body(body: bytes) -> dict[str, Any]:
+    """The flag request's fields, typed, or ``InvalidState`` naming the field."""
+    try:
+        d = decode_object(body, Limits(max_bytes=MAX_BODY, max_depth=4))
+    except JSONBudgetError as e:
+        raise InvalidState(f"the body must be a JSON object ({e})") from None
+
+    def step(name: str, value: Any) -> Any:
+        if value is not None and (type(value) is not int or value < 0):
+            raise InvalidState(f"field {name!r} must be an int >= 0, got {short_repr(value)}")
+        return value
+
+    ranks = d.get("ranks", [])
+    if not isinstance(ranks, list) or not all(type(r) is int for r in ranks):
+        raise InvalidState(f"field 'ranks' must be a list of rank numbers, got {short_repr(ranks)}")
+    reason = d.get("reason", "flagged through vckpt serve")
+    if not isinstance(reason, str):
+        raise InvalidState(f"field 'reason' must be a string, got {short_repr(reason)}")
+    if "from_step" not in d:
+        raise InvalidState("field 'from_step' is required")
+    return {"from_step": step("from_step", d["from_step"]), "to_step": step("to_step", d.get("to_step")),
+            "ranks": ranks, "reason": reason}
 
 
 def build_app(watchers: dict[str, Watcher], metrics: Metrics, token: str | None) -> Starlette:

@@ -13,13 +13,14 @@ Anything a hostile run holds becomes an error on that run, never a crash.
 from __future__ import annotations
 
 import dataclasses
+import html
 import logging
 import socket
 import threading
 import time
 from typing import Any
 
-from .. import CheckpointManager, RunView, Status, StorageError
+from .. import CheckpointManager, RunView, Status, StorageError, VerifiedCkptError, render_html
 from .metrics import Metrics
 from .scrub import Plan, Slots, Throttle, epoch, last_service_check, plan
 
@@ -29,6 +30,7 @@ log = logging.getLogger("verified_ckpt.service")
 MAX_BACKOFF_S = 60.0
 BATCH = 64  # checkpoints per verify() call
 JOBS = 2  # checkpoints of one run read at the same time (runs are watched in parallel too)
+REPORT_EVERY = 10  # passes between report pages when nothing was read (the ledger grows with training)
 
 
 def verifier_identity() -> dict[str, str]:
@@ -50,6 +52,7 @@ class RunState:
     last_pass_at: float | None = None
     reading: str | None = None  # the checkpoint being re-read now
     changes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # recent status changes, newest last
+    report: str | None = None  # the run's report page, built by the watcher (``Watcher._build_report``)
     _view_summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # derived once per published view
 
     def summary(self) -> dict[str, Any]:
@@ -138,10 +141,30 @@ class Watcher:
                 view = mgr.view()
             self._publish(view, None)
         self.state = dataclasses.replace(self.state, reading=None, passes=self.state.passes + 1, last_pass_at=time.time())
+        if queue or self.state.report is None or self.state.passes % REPORT_EVERY == 0:
+            self._build_report(mgr)
         counts = ", ".join(f"{k} {n}" for k, n in sorted(self.state.summary()["checkpoints"].items())) or "none"
         # A pass that read something is news; an idle look (every poll) is not.
         log.log(logging.INFO if queue else logging.DEBUG, "run %s: pass %d: verified %d checkpoint(s); checkpoints: %s",
                 self.url, self.state.passes, len(queue), counts)
+
+    def refresh(self) -> None:
+        """Publish the run's view again now (after a write through the API); no verification: that is the pass's."""
+        mgr = self._mgr or CheckpointManager(self.url, storage_options=self.storage_options)
+        with self.slots.looks:
+            view = mgr.view()
+        self._publish(view, None)
+        self._build_report(mgr)
+
+    def _build_report(self, mgr: CheckpointManager) -> None:
+        """The report page, built here on the watcher's thread so that no request reads the store (its ledger read is
+        bounded by what is stored, ``ledger.read_ledger``); a run whose report cannot be built shows why."""
+        try:
+            page = render_html(mgr.history_report())
+        except VerifiedCkptError as e:
+            page = f"<!DOCTYPE html><title>report</title><p>the report of {html.escape(self.url)} cannot be built: " \
+                   f"{html.escape(str(e).splitlines()[0])}</p>"
+        self.state = dataclasses.replace(self.state, report=page)
 
     def _read(self, n: int) -> None:
         self.throttle.take(n)

@@ -32,7 +32,7 @@ class StoreContract:
     def test_empty_run_does_not_exist_and_lists_nothing(self, store):
         assert not store.exists()
         assert list(store.committed()) == []
-        assert store.records("verification") == []
+        assert store.records.list("verification") == []
 
     def test_only_folders_with_a_manifest_are_committed(self, store, raw):
         fs, root = raw
@@ -67,19 +67,19 @@ class StoreContract:
             store.read_manifest("nope")
 
     def test_records_are_append_only_and_oldest_first(self, store):
-        first = store.append_record("verification", b'{"n":1}')
-        second = store.append_record("verification", b'{"n":1}')
-        third = store.append_record("verification", b'{"n":2}')
-        got = store.records("verification")
+        first = store.records.append("verification", b'{"n":1}')
+        second = store.records.append("verification", b'{"n":1}')
+        third = store.records.append("verification", b'{"n":2}')
+        got = store.records.list("verification")
         assert [r.name for r in got] == [first, second, third]
         assert [json.loads(r.data)["n"] for r in got] == [1, 1, 2] and all(r.problem is None for r in got)
         assert len({first, second, third}) == 3
 
     def test_objects_that_are_not_records_are_reported_not_dropped(self, store, raw):
         fs, root = raw
-        store.append_record("incident", b'{"n":1}')
+        store.records.append("incident", b'{"n":1}')
         fs.pipe_file(f"{root}/records/incident/notes.txt", b"hello")  # a name this library never writes
-        got = store.records("incident")
+        got = store.records.list("incident")
         assert len(got) == 2
         [odd] = [r for r in got if r.name == "notes.txt"]
         assert odd.data is None and "not a record name" in odd.problem

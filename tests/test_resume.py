@@ -99,7 +99,7 @@ def test_a_run_holding_only_an_incident_is_a_fresh_start(local_url):
     # A guarded job that failed a check before its first save leaves only the incident behind.
     inc = Incident(kind="audit", detected_step=5, first_suspect_step=1, ranks=[1], hosts=[Host(1, "gpu-7", "cuda:0")],
                    detail="x", id="abc123", at="2026-11-30T00:00:00+00:00")
-    RunStore(local_url).append_record("incident", json.dumps({**inc.to_record(), "signature": None}).encode())
+    RunStore(local_url).records.append("incident", json.dumps({**inc.to_record(), "signature": None}).encode())
     mgr = CheckpointManager(local_url)
     assert mgr.exists() and mgr.list() == [] and len(mgr.view().open_incidents()) == 1
     assert mgr.resume({"w": torch.zeros(2)}, start=1) == 1

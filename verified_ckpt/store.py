@@ -164,6 +164,7 @@ class RunStore:
         self.url = url
         self.root = root.rstrip("/") or root
         self.ledger = LedgerObjects(self)
+        self.records = RecordObjects(self)
 
     # -- paths -----------------------------------------------------------
     def _join(self, *parts: str) -> str:
@@ -319,19 +320,30 @@ class RunStore:
             self._mkdir(self.checkpoint_dir(cid), exist_ok=True)
             self._put_whole(path, data)
 
-    def _put_whole(self, path: str, data: bytes) -> None:
-        """Write ``data`` so that a reader sees all of it or nothing.
+    def _put_whole(self, path: str, data: bytes, *, staging: bool = False) -> None:
+        """Write ``data`` so that a reader sees all of it or nothing, whatever kills the writer.
 
         An object store's PUT already is; a local file written in place is not: a rank polling for it (a
-        non-blocking save) or a reader listing the run could read it half-written. So locally the bytes
-        go to a temporary name in the same folder first, then one rename publishes them.
+        non-blocking save) or a reader listing the run could read it half-written, and a crash could leave
+        it so. So locally the bytes go to a temporary file first, flushed to disk, then one rename publishes
+        them. The temporary sits beside ``path``, or with ``staging`` under the run's ``.staging`` folder: a
+        record's folder is listed whole, and a stray name there would be read as a damaged record.
         """
         if not isinstance(self.fs, LocalFileSystem):
             self.fs.pipe_file(path, data)
             return
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-        self.fs.pipe_file(tmp, data)
-        os.replace(tmp, path)
+        folder = self._confine(self._join(STAGING)) if staging else os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f"{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._confine(path))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
     @contextlib.contextmanager
     def open_shard_for_write(self, cid: str, name: str, size_hint: int = 0) -> Iterator[BinaryIO]:
@@ -404,6 +416,24 @@ class RunStore:
             arr = _memmap(tmp, size)
         return _mapped(arr)
 
+    def check_shards(self, cid: str, sizes: dict[str, int]) -> None:
+        """Refuse to commit ``cid`` unless every shard named in ``sizes`` is stored with that size (one listing).
+
+        Raises:
+            StorageError: naming the first shard missing or of another size; nothing is committed.
+        """
+        with self._io(f"listing the shards of {cid}"):
+            try:
+                listed = {str(i["name"]).rstrip("/").rsplit("/", 1)[-1]: i.get("size")
+                          for i in self.fs.ls(self.checkpoint_dir(cid), detail=True)}
+            except FileNotFoundError:
+                listed = {}
+        for name, size in sorted(sizes.items()):
+            if listed.get(name) != size:
+                found = "is missing" if name not in listed else f"holds {listed[name]} bytes"
+                raise StorageError(f"shard {name} of {cid} {found}, the manifest would say {size} bytes (removed by "
+                                   "gc or another process?); the checkpoint is not committed - save again")
+
     def delete_checkpoint(self, cid: str) -> None:
         """Uncommit first (manifest), then remove shards: a crash in between leaves only orphans."""
         d = self._confine(self.checkpoint_dir(cid))
@@ -450,38 +480,23 @@ class RunStore:
         with self._io(f"deleting {cid}/{name}"), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._shard_path(cid, name))
 
-    # -- records ---------------------------------------------------------
-    def append_record(self, kind: str, data: bytes) -> str:
+class RecordObjects:
+    """The run's records under ``records/<kind>/``: appended whole (never overwritten), listed whole."""
+
+    def __init__(self, run: RunStore) -> None:
+        self.run = run
+
+    def append(self, kind: str, data: bytes) -> str:
         """Store one immutable record (its bytes, already checked: ``records.encoded``); its name is unique, so nothing
-        is ever overwritten. Published whole or not at all (``_publish``)."""
+        is ever overwritten. Published whole or not at all (``_put_whole``), staged where no reader lists."""
         name = f"{utc_now().replace(':', '').replace('+', 'Z')}-{uuid.uuid4().hex[:12]}.json"
-        path = self._join("records", _plain(kind, "record kind"), name)
-        with self._io(f"writing a {kind} record", writing=True):
-            self._mkdir(self._join("records", kind), exist_ok=True)
-            self._publish(path, data)
+        path = self.run._join("records", _plain(kind, "record kind"), name)
+        with self.run._io(f"writing a {kind} record", writing=True):
+            self.run._mkdir(self.run._join("records", kind), exist_ok=True)
+            self.run._put_whole(path, data, staging=True)
         return name
 
-    def _publish(self, path: str, data: bytes) -> None:
-        """``data`` at ``path``, whole or not at all. On a local disk: a temporary file under the run's ``.staging``
-        folder (which no reader lists), flushed to disk, then renamed over ``path``: a crash at any write leaves at
-        most the temporary. On an object store: one PUT, which a reader sees whole or not at all."""
-        if not isinstance(self.fs, LocalFileSystem):
-            self.fs.pipe_file(path, data)
-            return
-        staging = self._confine(self._join(STAGING))
-        os.makedirs(staging, exist_ok=True)
-        tmp = os.path.join(staging, f"{uuid.uuid4().hex}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._confine(path))
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-
-    def records(self, kind: str, known: Callable[[str, int, str], bool] | None = None) -> list[StoredRecord]:
+    def list(self, kind: str, known: Callable[[str, int, str], bool] | None = None) -> list[StoredRecord]:
         """Every object under ``records/<kind>/``, oldest first: its bytes, or why they were not read.
 
         Nothing found there is dropped: an oversized object, one that is not a regular file, one behind a symlink
@@ -489,11 +504,11 @@ class RunStore:
         bytes. One listed with a size and stamp for which ``known(name, size, stamp)`` holds is not read again
         (no bytes, no problem): the caller holds it already.
         """
-        d = self._join("records", _plain(kind, "record kind"))
-        with self._io(f"reading {kind} records"):
-            self.fs.invalidate_cache()  # records appended by other processes since the last look
+        d = self.run._join("records", _plain(kind, "record kind"))
+        with self.run._io(f"reading {kind} records"):
+            self.run.fs.invalidate_cache()  # records appended by other processes since the last look
             try:
-                listed = sorted(self.fs.ls(d, detail=True), key=lambda i: str(i["name"]))
+                listed = sorted(self.run.fs.ls(d, detail=True), key=lambda i: str(i["name"]))
             except FileNotFoundError:
                 return []
             out = []
@@ -506,10 +521,10 @@ class RunStore:
                 try:
                     if not SEGMENT.match(name) or not name.endswith(".json"):
                         raise UnsafePath(f"{name!r} is not a record name this library writes")
-                    size = int(self.fs.size(self._readable(p)))
+                    size = int(self.run.fs.size(self.run._readable(p)))
                     if size > MAX_RECORD_BYTES:  # refused before a byte of it is read
                         raise UnsafePath(f"{size} bytes, more than the {MAX_RECORD_BYTES} a record may have")
-                    out.append(StoredRecord(name, self.fs.cat_file(p), None, size, stamp))
+                    out.append(StoredRecord(name, self.run.fs.cat_file(p), None, size, stamp))
                 except FileNotFoundError:
                     continue  # removed between listing and reading
                 except (UnsafePath, IsADirectoryError) as e:

@@ -32,7 +32,7 @@ def main() -> None:
         info = CheckpointManager(root).save(1, {"w": torch.ones(4)})
         store = RunStore(root)
         for _ in range(args.records):
-            store.append_record("verification", encoded("verification", VerificationResult(info.id, 1, True, [], utc_now(),
+            store.records.append("verification", encoded("verification", VerificationResult(info.id, 1, True, [], utc_now(),
                                                                                           None).to_record()))
         fresh, again = [], []
         for _ in range(args.repeats):

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 from .. import decisions, history
@@ -49,6 +49,7 @@ from ..records import (
 from ..signing import Signer
 from ..status import Status
 from ..store import RunStore, StoredRecord, utc_now
+from . import lease
 from .kept import Kept
 
 __all__ = ["Catalog", "RunView", "step_from_id"]
@@ -176,7 +177,7 @@ class Catalog:
             def known(name: str, size: int, stamp: str, kind: str = kind) -> bool:
                 return self._records.get((kind, name), size, stamp)[0]
 
-            listed = self.store.records(kind, known)
+            listed = self.store.records.list(kind, known)
             # What the store skipped as known is taken before anything new is kept (keeping may evict).
             hits = {s.name: self._records.get((kind, s.name), s.size, s.stamp)[1] for s in listed
                     if s.data is None and s.problem is None}
@@ -220,7 +221,7 @@ class Catalog:
         """
         encoded(kind, record)  # before sealing: the seal itself hashes the JSON, which a bad value breaks
         sealed = self.signer.seal(record)
-        self.store.append_record(kind, encoded(kind, sealed))
+        self.store.records.append(kind, encoded(kind, sealed))
         return sealed
 
     def record_incident(self, inc: Incident, source: str) -> Incident:
@@ -376,10 +377,23 @@ class Catalog:
         return history.summarize(cols)
 
     # --------------------------------------------------- retention, gc
-    def apply_retention(self, keep_last: int, pinned: Collection[str] = ()) -> None:
-        infos = self.view().infos
-        target = decisions.newest(infos, {Status.RESTORABLE})
-        for cid in decisions.to_delete(infos, keep_last, ({target.id} if target else set()) | set(pinned)):
+    def apply_retention(self, keep_last: int, pinned: Collection[str] = (),
+                        read_back: Callable[[CheckpointInfo], bool] | None = None) -> None:
+        """Delete what ``keep_last`` no longer keeps (never the rollback target, nor ``pinned``). Before anything is
+        deleted, the newest restorable checkpoint must have been read back and verified: ``read_back(info)`` does
+        it when no passing verification is recorded yet, and if it fails nothing is deleted (the run is never left
+        with only checkpoints no one has read back)."""
+        view = self.view()
+        target = decisions.newest(view.infos, {Status.RESTORABLE})
+        doomed = decisions.to_delete(view.infos, keep_last, ({target.id} if target else set()) | set(pinned))
+        if not doomed or target is None:
+            return
+        checked = any(r.ok for r in view.verifications.get(target.id, []))
+        if not checked and read_back is not None and not read_back(target):
+            log.warning("retention: the newest restorable checkpoint %s failed its read-back; nothing was deleted "
+                        "(`vckpt list %s` says why)", target.id, self.url)
+            return
+        for cid in doomed:
             self.store.delete_checkpoint(cid)
 
     def gc(self, grace_s: float, dry_run: bool) -> list[str]:
@@ -400,6 +414,8 @@ class Catalog:
                 keep = {s.path for s in m.shards} | {"manifest.json"}
             else:
                 keep = set()
+            if lease.alive(files, now):  # a save still writing here: whatever the grace, nothing of it goes
+                continue
             doomed = [n for n, mtime in files if n not in keep and mtime is not None and now - mtime >= grace_s]
             removed += [f"{cid}/{n}" for n in doomed]
             if dry_run:

@@ -43,6 +43,7 @@ from ..status import MAX_STEP, Status
 from ..store import RunStore, utc_now
 from ..tensorspec import MAX_NDIM, dtype_name
 from .catalog import Catalog, info
+from .lease import Lease
 
 __all__ = ["UNGUARDED", "SaveJob", "Saver", "checked_flat"]
 
@@ -112,6 +113,7 @@ class SaveJob:
     mine: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     layout: dict[str, LayoutEntry] = dataclasses.field(default_factory=dict)
     started: float = dataclasses.field(default_factory=time.monotonic)  # when save() was called (the log says how long)
+    lease: Lease | None = None  # rank 0's claim on the folder while the save runs
 
 
 class Saver:
@@ -146,10 +148,18 @@ class Saver:
         if self.comm.world == 1:  # name the device the state lives on, which a single process may not have told comm
             device = next((t.device for t in flat.tensors.values() if t.device.type == "cuda"), torch.device("cpu"))
             hosts[0]["device"] = describe_device(device)
-        cid = self.comm.broadcast_bytes(f"step-{step:010d}-{uuid.uuid4().hex[:8]}".encode()).decode()
+        proposed = f"step-{step:010d}-{uuid.uuid4().hex[:8]}"
+        # Rank 0 leases the folder before any rank writes into it: gc leaves a running save alone (``lease``).
+        lease = Lease(self.store, proposed) if self.comm.rank == 0 else None
+        try:
+            cid = self.comm.broadcast_bytes(proposed.encode()).decode()
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
         topology = {"world_size": self.comm.world, "ranks": hosts}
         return SaveJob(cid, step, dataclasses.replace(flat, tensors=parts.replicated), status, reasons, evidence,
-                       topology, resumed_from, parts.mine | own, parts.layout, started)
+                       topology, resumed_from, parts.mine | own, parts.layout, started, lease)
 
     def _per_rank(self, flat: Flat) -> tuple[Flat, dict[str, torch.Tensor]]:
         """Every rank's value of the per-rank entries in the skeleton (one small all-gather); this rank's tensors
@@ -210,6 +220,8 @@ class Saver:
             entries, fps = self._write(job.cid, plan, range(rank, len(plan), world), "shard-{:05d}")
             mine = self.write(job.cid, {} if alone else job.mine, f"chunks-r{rank:05d}-{{:05d}}")
         except BaseException as e:
+            if job.lease is not None:
+                job.lease.release()
             if self.comm.active and not collective:
                 with contextlib.suppress(Exception):  # tell rank 0 not to wait for us
                     self.store.write_aside(job.cid, f"rank-{rank:05d}.error", str(e).encode())
@@ -245,9 +257,15 @@ class Saver:
         A report is ``{"shards": [ShardEntry as dict], "fps": {name: hex}, "specs": {name: [dtype, shape]}}``;
         ``specs`` names the tensors rank 0 does not hold itself.
         """
-        manifest = self._manifest(self.catalog.run_id(), job, reports)
-        manifest_bytes = canonical_json(self.signer.seal(manifest.to_dict()))
-        self.store.commit_manifest(job.cid, manifest_bytes)
+        try:
+            manifest = self._manifest(self.catalog.run_id(), job, reports)
+            manifest_bytes = canonical_json(self.signer.seal(manifest.to_dict()))
+            # The commit re-checks what it promises: every shard it names is stored, with its recorded size.
+            self.store.check_shards(job.cid, {s.path: s.size for s in manifest.shards})
+            self.store.commit_manifest(job.cid, manifest_bytes)
+        finally:
+            if job.lease is not None:
+                job.lease.release()
         took, mib = time.monotonic() - job.started, manifest.size_bytes / 2**20
         if manifest.status is Status.RESTORABLE:
             log.info("saved %s (step %d, restorable, %.1f MiB, %.2f s)", job.cid, job.step, mib, took)
@@ -258,8 +276,16 @@ class Saver:
                         f" - to make saves restorable: {'; '.join(fixes)}" if fixes else "")
         self._warn_if_flagged(manifest)
         if self.keep_last is not None:
-            self.catalog.apply_retention(self.keep_last, self.pinned)
+            self.catalog.apply_retention(self.keep_last, self.pinned, self._read_back)
         return manifest_bytes
+
+    def _read_back(self, info: CheckpointInfo) -> bool:
+        """Read ``info`` back and verify it (recorded), before retention deletes older checkpoints."""
+        from .reading import Reader
+        from .verification import verify_all
+
+        [result] = verify_all(self.catalog, Reader(self.store, self.io_workers), [info], jobs=1, progress=None)
+        return result.ok
 
     def write(self, cid: str, tensors: dict[str, torch.Tensor], pattern: str) -> dict[str, Any]:
         """Write ``tensors``, which only this rank writes, into shards named by ``pattern``; return its report."""

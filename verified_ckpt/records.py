@@ -31,7 +31,7 @@ from .manifest import MAX_STEP, SEGMENT
 from .signing import Signature, Signer
 
 __all__ = [
-    "INCIDENT", "KINDS", "MAX_RECORD_BYTES", "ROLLBACK", "UNANSWERABLE", "VERIFICATION", "Host", "Incident",
+    "INCIDENT", "KINDS", "MAX_RECORD_BYTES", "MAX_TEXT", "ROLLBACK", "UNANSWERABLE", "VERIFICATION", "Host", "Incident",
     "InvalidRecord", "Problem", "Rollback", "VerificationResult", "encoded", "parse",
 ]
 
@@ -41,7 +41,7 @@ MAX_RECORD_BYTES = 1 << 20
 UNANSWERABLE = "9999-12-31T23:59:59+00:00"  # later than any rollback record
 _LIMITS = Limits(max_bytes=MAX_RECORD_BYTES, max_depth=16)
 _ID = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
-_MAX_TEXT = 64 << 10
+MAX_TEXT = 64 << 10
 _MAX_ITEMS = 100_000
 
 
@@ -131,8 +131,8 @@ class Incident:
         return cls(
             kind=r.text("kind", 64), detected_step=r.step("detected_step"),
             first_suspect_step=r.step("first_suspect_step"), ranks=r.ranks("ranks"), hosts=r.hosts("hosts"),
-            detail=r.text("detail", _MAX_TEXT, default=""), id=r.ident("id"),
-            reason=r.text("reason", _MAX_TEXT, default=""), to_step=r.step("to_step", optional=True),
+            detail=r.text("detail", MAX_TEXT, default=""), id=r.ident("id"),
+            reason=r.text("reason", MAX_TEXT, default=""), to_step=r.step("to_step", optional=True),
             at=r.text("at", 64), source=r.text("source", 32, default="guard"), signature=signature,
         )
 
@@ -194,7 +194,7 @@ class VerificationResult:
     def from_record(cls, d: dict[str, Any], signature: str = "unsigned") -> VerificationResult:
         r = _Fields(d, VERIFICATION)
         ok = r.flag("ok")
-        problems = [Problem(p["kind"], p["detail"]) for p in r.objects("problems", {"kind": 64, "detail": _MAX_TEXT})]
+        problems = [Problem(p["kind"], p["detail"]) for p in r.objects("problems", {"kind": 64, "detail": MAX_TEXT})]
         if ok and problems:
             raise RecordError("a verification record says ok but lists problems")
         verifier = d.get("verifier")

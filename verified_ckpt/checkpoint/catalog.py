@@ -35,10 +35,12 @@ from ..manifest import MAX_MANIFEST_BYTES, CheckpointInfo, Manifest
 from ..records import (
     INCIDENT,
     KINDS,
+    MAX_TEXT,
     ROLLBACK,
     VERIFICATION,
     Host,
     Incident,
+    InvalidRecord,
     Record,
     Rollback,
     Unreadable,
@@ -236,8 +238,11 @@ class Catalog:
             raise InvalidState(f"--from-step must be an int >= 0, got {from_step!r}")
         if to_step is not None and to_step < from_step:
             raise InvalidState(f"--to-step {to_step} is before --from-step {from_step}; give an interval in order")
-        if not reason or not reason.strip():
+        if not isinstance(reason, str) or not reason.strip():
             raise InvalidState("a reason is required: say why these steps are flagged (--reason TEXT)")
+        if len(reason) > MAX_TEXT:
+            raise InvalidRecord(f"the reason is {len(reason)} characters, more than the {MAX_TEXT} a record holds; "
+                                "shorten it (--reason TEXT)")
         self.require_run()
         infos = self.view().infos
         topo: dict[str, Any] = next((i.manifest.topology for i in reversed(infos) if i.manifest), {"ranks": []})

@@ -274,3 +274,101 @@ def test_one_run_spelt_three_ways_is_one_run_and_the_log_and_dashboard_say_what_
         log = proc.stderr.read()
     assert "vckpt serve on http://127.0.0.1:" in log and "watching 1 run(s)" in log
     assert f"checkpoint {cid} (step 1) unverified ->" in log and "pass 1: verified 1 checkpoint(s)" in log
+
+
+def hostile_ledger(run: str) -> None:
+    """A ledger of chunks of constants claiming a million rows (96 KiB on disk; 1.1 GB once decoded, before)."""
+    import zarr
+
+    from verified_ckpt.history import KINDS, VERDICTS, Columns
+    from verified_ckpt.ledger import CHUNK_ROWS
+
+    group = zarr.open_group(os.path.join(run, "ledger.zarr"), mode="w", zarr_format=3)
+    rows, sample = 64 * CHUNK_ROWS, Columns.of([])
+    for name in ("step", "kind", "rank", "verdict", "lanes", "loss", "grad_norm", "time"):
+        shape, chunks = ((rows, 2), (CHUNK_ROWS, 2)) if name == "lanes" else ((rows,), (CHUNK_ROWS,))
+        arr = group.create_array(name, shape=shape, chunks=chunks, dtype=getattr(sample, name).dtype, fill_value=0)
+        arr[:] = np.zeros(shape, dtype=arr.dtype)
+    group.attrs.update({"schema": 1, "kinds": KINDS, "verdicts": VERDICTS, "rows": rows})
+
+
+def peak_rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def test_a_hostile_run_neither_stalls_nor_swells_the_service_and_the_others_are_scrubbed(tmp_path):
+    import concurrent.futures
+
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    cid = save(good, 1)
+    save(bad, 1)
+    hostile_ledger(bad)
+    with service(good, bad) as (client, proc):
+        until(lambda: by_service(checkpoints(client, good)[cid]), what="the good run verified")
+        page = until(lambda: (p := client.get(f"/runs/{run_key(bad)}/report")).status_code == 200 and p,
+                     what="the hostile run's report page built")
+        assert page.status_code == 200 and "cannot be built" in page.text and "stored bytes" in page.text
+        with concurrent.futures.ThreadPoolExecutor(10) as pool, httpx.Client(base_url=str(client.base_url)) as probe:
+            reports = [pool.submit(httpx.get, f"{client.base_url}/runs/{run_key(bad)}/report", timeout=30)
+                       for _ in range(10)]
+            took = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                assert probe.get("/healthz").text == "ok"
+                took.append(time.perf_counter() - t0)
+            assert all(r.result().status_code == 200 for r in reports)
+        assert max(took) < 0.1, took  # the report is what the watcher built: no request reads the store
+        save(good, 2)  # the good run goes on being verified
+        until(lambda: (c := checkpoints(client, good)) and len(c) == 2 and all(by_service(x) for x in c.values()),
+              what="the good run's new commit verified")
+        # A shard truncated under the service: a finding on that checkpoint, not a dead process.
+        [info] = [i for i in CheckpointManager(good).list() if i.step == 2]
+        os.truncate(os.path.join(good, "checkpoints", info.id, info.manifest.shards[0].path), 10)
+        client.post(f"/api/runs/{run_key(good)}/flag", json={"from_step": 99, "reason": "nudge a pass"},
+                    headers={"Authorization": f"Bearer {TOKEN}"})
+        assert client.get("/healthz").text == "ok" and proc.poll() is None
+        peak = peak_rss_mib(proc.pid)
+    assert peak < 700, f"peak resident {peak:.0f} MiB"  # before: 3.5 GB on the same hostile ledger
+
+
+BAD_BODIES = [({"from_step": 5, "ranks": [-1]}, "ranks"), ({"from_step": 5, "ranks": [99999999999]}, "ranks"),
+              ({"from_step": 2**70}, "step"), ({"from_step": 1, "ranks": "x"}, "ranks"),
+              ({"from_step": 1, "ranks": [1e10]}, "ranks"), ({"from_step": 1, "ranks": {"a": 1}}, "ranks"),
+              ({"from_step": 1, "to_step": 1.5}, "to_step"), ({"from_step": 1, "reason": "r" * (65 << 10)}, "body"),
+              ({"from_step": 1e400}, "from_step"), ({"from_step": 1, "reason": "\ud800"}, "JSON"),
+              ({"reason": "x"}, "from_step")]
+
+
+def test_every_flag_body_the_reader_would_refuse_is_a_422_naming_the_field_and_nothing_is_written(tmp_path):
+    run = str(tmp_path / "run")
+    save(run, 1)
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    with service(run) as (client, _):
+        url = f"/api/runs/{run_key(run)}/flag"
+        for body, field in BAD_BODIES:
+            text = json.dumps(body).replace("Infinity", "1e400")  # 1e400 as the client sent it
+            r = client.post(url, content=text.encode("utf-8", "surrogatepass"), headers=auth)
+            assert r.status_code in (413, 422), (body, r.status_code, r.text)
+            assert field in r.json()["error"] or r.status_code == 413, (body, r.json())
+        deep = b'{"from_step": 1, "ranks": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+        assert client.post(url, content=deep, headers=auth).status_code == 422
+        big = client.post(url, content=b"{" + b" " * (256 << 20) + b"}", headers=auth)
+        assert big.status_code == 413
+        assert client.get(f"/api/runs/{run_key(run)}").json()["open_incidents"] == 0
+    assert CheckpointManager(run).incidents() == []
+
+
+def test_an_idle_connection_is_closed_and_a_short_token_does_not_guard_a_public_bind(tmp_path):
+    import socket
+
+    run = str(tmp_path / "run")
+    save(run, 1)
+    with service(run) as (client, _):
+        port = int(str(client.base_url).rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:  # connects, then says nothing
+            assert s.recv(1) == b""  # closed by the server (REQUEST_TIMEOUT_S), not held forever
+    env = {**os.environ, "VCKPT_SERVICE_TOKEN": "x"}
+    done = subprocess.run([sys.executable, "-m", "verified_ckpt_cli.main", "serve", run, "--host", "0.0.0.0",
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert done.returncode == 2 and "at least 32 characters" in done.stderr and "Traceback" not in done.stderr

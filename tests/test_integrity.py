@@ -234,3 +234,31 @@ def test_a_ledger_whose_chunks_declare_far_more_rows_than_they_store_is_refused(
     group.attrs.update({"schema": 1, "kinds": KINDS, "verdicts": VERDICTS, "rows": rows})
     with pytest.raises(CorruptCheckpoint, match="stored bytes do not hold"):
         read_ledger(RunStore(run))
+
+
+# ------------------------------------------------------------------------------- records compaction
+def test_scrubs_keep_the_record_listing_bounded_and_compaction_changes_no_status(tmp_path):
+    run = str(tmp_path / "run")
+    mgr = saved(run, 1, 2, 3)
+    folder = os.path.join(run, "records", "verification")
+    for _ in range(20):  # twenty scrub passes
+        assert all(r.ok for r in mgr.verify())
+    assert len(os.listdir(folder)) == 3  # one per checkpoint, not sixty
+    [first] = [i for i in mgr.list() if i.step == 1]
+    shard = os.path.join(run, "checkpoints", first.id, first.manifest.shards[0].path)
+    data = bytearray(open(shard, "rb").read())
+    data[-1] ^= 0xFF
+    open(shard, "wb").write(bytes(data))
+    mgr.verify()
+    data[-1] ^= 0xFF  # put right again: the failure is permanent, and compaction must keep it so
+    open(shard, "wb").write(bytes(data))
+    for _ in range(3):
+        mgr.verify()
+    assert {i.step: i.status for i in CheckpointManager(run).list()}[1] is Status.CORRUPT
+    assert len(os.listdir(folder)) == 4  # the newest of each, and step 1's first failure
+    CheckpointManager(run, keep_last=1)  # retention runs at saves; a deleted checkpoint's records go with it
+    import shutil
+
+    shutil.rmtree(os.path.join(run, "checkpoints", first.id))
+    mgr.verify()
+    assert len(os.listdir(folder)) == 2

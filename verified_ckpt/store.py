@@ -532,6 +532,13 @@ class RecordObjects:
             return out
 
 
+    def delete(self, kind: str, name: str) -> None:
+        """Remove one record (compaction: ``Catalog.compact``); gone already is fine."""
+        path = self.run._join("records", _plain(kind, "record kind"), _plain(name, "record name"))
+        with self.run._io(f"deleting a {kind} record"), contextlib.suppress(FileNotFoundError):
+            self.run.fs.rm_file(self.run._confine(path))
+
+
 class LedgerObjects:
     """The objects of ``<run>/ledger.zarr``, as zarr sees them and as a careful reader checks them."""
 

@@ -48,7 +48,7 @@ from ..records import (
     encoded,
     parse,
 )
-from ..signing import Signer
+from ..signing import Signature, Signer
 from ..status import Status
 from ..store import RunStore, StoredRecord, utc_now
 from . import lease
@@ -195,6 +195,34 @@ class Catalog:
                     got.unreadable.append(str(rec))
         got.incidents.sort(key=lambda r: r.at)
         return got
+
+    def compact(self) -> int:
+        """Keep the record listing bounded: of each checkpoint's verification records, the newest and its first
+        failed one (a failure is permanent, ``decisions.derive_status``) stay; older passing ones, superseded,
+        go, and so do the verification records of checkpoints no longer stored. Incidents and rollbacks are never
+        dropped, and unreadable or untrusted records are left for an operator. Returns how many were removed.
+        Statuses are the same before and after (the newest verification and every failure are kept)."""
+        def known(name: str, size: int, stamp: str) -> bool:
+            return self._records.get((VERIFICATION, name), size, stamp)[0]
+
+        stored = self.store.committed()
+        by_checkpoint: dict[str, list[tuple[str, VerificationResult]]] = {}
+        for s in self.store.records.list(VERIFICATION, known):
+            if s.problem is not None:
+                continue
+            rec = self._records.get((VERIFICATION, s.name), s.size, s.stamp)[1] if s.data is None else \
+                self._parsed_record(VERIFICATION, s)
+            if isinstance(rec, VerificationResult) and rec.id and Signature(rec.signature).trusted:
+                by_checkpoint.setdefault(rec.id, []).append((s.name, rec))
+        removed = 0
+        for cid, recs in by_checkpoint.items():
+            recs.sort(key=lambda nr: (nr[1].verified_at, nr[0]))
+            keep = set() if cid not in stored else {recs[-1][0]} | {next((n for n, r in recs if not r.ok), "")}
+            for name, _ in recs:
+                if name not in keep:
+                    self.store.records.delete(VERIFICATION, name)
+                    removed += 1
+        return removed
 
     def _parsed_record(self, kind: str, stored: StoredRecord) -> Record | Unreadable | None:
         """``stored`` parsed, and kept while its listing stays the same (``kept``): a look then costs a listing."""
@@ -400,6 +428,7 @@ class Catalog:
             return
         for cid in doomed:
             self.store.delete_checkpoint(cid)
+        self.compact()  # the deleted checkpoints' records go with them
 
     def gc(self, grace_s: float, dry_run: bool) -> list[str]:
         """Remove orphans older than ``grace_s``: folders without a manifest (saves that never

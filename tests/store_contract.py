@@ -32,7 +32,7 @@ class StoreContract:
     def test_empty_run_does_not_exist_and_lists_nothing(self, store):
         assert not store.exists()
         assert list(store.committed()) == []
-        assert store.records.list("verification") == []
+        assert store.records.listing("verification") == []
 
     def test_only_folders_with_a_manifest_are_committed(self, store, raw):
         fs, root = raw
@@ -70,7 +70,7 @@ class StoreContract:
         first = store.records.append("verification", b'{"n":1}')
         second = store.records.append("verification", b'{"n":1}')
         third = store.records.append("verification", b'{"n":2}')
-        got = store.records.list("verification")
+        got = store.records.listing("verification")
         assert [r.name for r in got] == [first, second, third]
         assert [json.loads(r.data)["n"] for r in got] == [1, 1, 2] and all(r.problem is None for r in got)
         assert len({first, second, third}) == 3
@@ -79,7 +79,7 @@ class StoreContract:
         fs, root = raw
         store.records.append("incident", b'{"n":1}')
         fs.pipe_file(f"{root}/records/incident/notes.txt", b"hello")  # a name this library never writes
-        got = store.records.list("incident")
+        got = store.records.listing("incident")
         assert len(got) == 2
         [odd] = [r for r in got if r.name == "notes.txt"]
         assert odd.data is None and "not a record name" in odd.problem

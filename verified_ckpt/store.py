@@ -496,7 +496,7 @@ class RecordObjects:
             self.run._put_whole(path, data, staging=True)
         return name
 
-    def list(self, kind: str, known: Callable[[str, int, str], bool] | None = None) -> list[StoredRecord]:
+    def listing(self, kind: str, known: Callable[[str, int, str], bool] | None = None) -> list[StoredRecord]:
         """Every object under ``records/<kind>/``, oldest first: its bytes, or why they were not read.
 
         Nothing found there is dropped: an oversized object, one that is not a regular file, one behind a symlink
@@ -531,6 +531,17 @@ class RecordObjects:
                     out.append(StoredRecord(name, None, str(e)))
             return out
 
+
+    def staged(self) -> list[tuple[str, float | None]]:
+        """Temporaries a crashed writer left under ``.staging`` (local disks only): (name, modified time)."""
+        folder = self.run._join(STAGING)
+        if not isinstance(self.run.fs, LocalFileSystem) or not os.path.isdir(folder):
+            return []
+        return [(e.name, e.stat().st_mtime) for e in os.scandir(self.run._confine(folder)) if e.is_file()]
+
+    def drop_staged(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.run._confine(self.run._join(STAGING, _plain(name, "staged file"))))
 
     def delete(self, kind: str, name: str) -> None:
         """Remove one record (compaction: ``Catalog.compact``); gone already is fine."""

@@ -14,9 +14,8 @@ import contextlib
 import dataclasses
 import logging
 import threading
-import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .. import decisions, history
@@ -26,7 +25,6 @@ from ..errors import (
     CorruptCheckpoint,
     InvalidState,
     LedgerNotFound,
-    ManifestError,
     RunNotFound,
 )
 from ..history import Columns
@@ -48,10 +46,9 @@ from ..records import (
     encoded,
     parse,
 )
-from ..signing import Signature, Signer
+from ..signing import Signer
 from ..status import Status
 from ..store import RunStore, StoredRecord, utc_now
-from . import lease
 from .kept import Kept
 
 __all__ = ["Catalog", "RunView", "step_from_id"]
@@ -179,7 +176,7 @@ class Catalog:
             def known(name: str, size: int, stamp: str, kind: str = kind) -> bool:
                 return self._records.get((kind, name), size, stamp)[0]
 
-            listed = self.store.records.list(kind, known)
+            listed = self.store.records.listing(kind, known)
             # What the store skipped as known is taken before anything new is kept (keeping may evict).
             hits = {s.name: self._records.get((kind, s.name), s.size, s.stamp)[1] for s in listed
                     if s.data is None and s.problem is None}
@@ -196,33 +193,20 @@ class Catalog:
         got.incidents.sort(key=lambda r: r.at)
         return got
 
-    def compact(self) -> int:
-        """Keep the record listing bounded: of each checkpoint's verification records, the newest and its first
-        failed one (a failure is permanent, ``decisions.derive_status``) stay; older passing ones, superseded,
-        go, and so do the verification records of checkpoints no longer stored. Incidents and rollbacks are never
-        dropped, and unreadable or untrusted records are left for an operator. Returns how many were removed.
-        Statuses are the same before and after (the newest verification and every failure are kept)."""
+    def verification_records(self) -> list[tuple[str, VerificationResult]]:
+        """Every readable verification record with its stored name (for compaction), parsed once (``kept``)."""
         def known(name: str, size: int, stamp: str) -> bool:
             return self._records.get((VERIFICATION, name), size, stamp)[0]
 
-        stored = self.store.committed()
-        by_checkpoint: dict[str, list[tuple[str, VerificationResult]]] = {}
-        for s in self.store.records.list(VERIFICATION, known):
+        out = []
+        for s in self.store.records.listing(VERIFICATION, known):
             if s.problem is not None:
                 continue
             rec = self._records.get((VERIFICATION, s.name), s.size, s.stamp)[1] if s.data is None else \
                 self._parsed_record(VERIFICATION, s)
-            if isinstance(rec, VerificationResult) and rec.id and Signature(rec.signature).trusted:
-                by_checkpoint.setdefault(rec.id, []).append((s.name, rec))
-        removed = 0
-        for cid, recs in by_checkpoint.items():
-            recs.sort(key=lambda nr: (nr[1].verified_at, nr[0]))
-            keep = set() if cid not in stored else {recs[-1][0]} | {next((n for n, r in recs if not r.ok), "")}
-            for name, _ in recs:
-                if name not in keep:
-                    self.store.records.delete(VERIFICATION, name)
-                    removed += 1
-        return removed
+            if isinstance(rec, VerificationResult):
+                out.append((s.name, rec))
+        return out
 
     def _parsed_record(self, kind: str, stored: StoredRecord) -> Record | Unreadable | None:
         """``stored`` parsed, and kept while its listing stays the same (``kept``): a look then costs a listing."""
@@ -410,56 +394,6 @@ class Catalog:
         return history.summarize(cols)
 
     # --------------------------------------------------- retention, gc
-    def apply_retention(self, keep_last: int, pinned: Collection[str] = (),
-                        read_back: Callable[[CheckpointInfo], bool] | None = None) -> None:
-        """Delete what ``keep_last`` no longer keeps (never the rollback target, nor ``pinned``). Before anything is
-        deleted, the newest restorable checkpoint must have been read back and verified: ``read_back(info)`` does
-        it when no passing verification is recorded yet, and if it fails nothing is deleted (the run is never left
-        with only checkpoints no one has read back)."""
-        view = self.view()
-        target = decisions.newest(view.infos, {Status.RESTORABLE})
-        doomed = decisions.to_delete(view.infos, keep_last, ({target.id} if target else set()) | set(pinned))
-        if not doomed or target is None:
-            return
-        checked = any(r.ok for r in view.verifications.get(target.id, []))
-        if not checked and read_back is not None and not read_back(target):
-            log.warning("retention: the newest restorable checkpoint %s failed its read-back; nothing was deleted "
-                        "(`vckpt list %s` says why)", target.id, self.url)
-            return
-        for cid in doomed:
-            self.store.delete_checkpoint(cid)
-        self.compact()  # the deleted checkpoints' records go with them
-
-    def gc(self, grace_s: float, dry_run: bool) -> list[str]:
-        """Remove orphans older than ``grace_s``: folders without a manifest (saves that never
-        committed) and files a manifest does not reference. Never touches anything a manifest
-        references, nor folders whose manifest is unreadable (evidence). Returns ``cid/file`` paths.
-        """
-        self.require_run()
-        now = time.time()
-        removed = []
-        for cid, files in sorted(self.store.checkpoint_files().items()):
-            names = {n for n, _ in files}
-            if "manifest.json" in names:
-                try:
-                    m = Manifest.from_json(self.store.read_manifest(cid), where=cid)
-                except ManifestError:
-                    continue
-                keep = {s.path for s in m.shards} | {"manifest.json"}
-            else:
-                keep = set()
-            if lease.alive(files, now):  # a save still writing here: whatever the grace, nothing of it goes
-                continue
-            doomed = [n for n, mtime in files if n not in keep and mtime is not None and now - mtime >= grace_s]
-            removed += [f"{cid}/{n}" for n in doomed]
-            if dry_run:
-                continue
-            if not keep and len(doomed) == len(files):
-                self.store.delete_checkpoint(cid)  # a save that never committed: the whole folder
-            else:
-                for n in doomed:
-                    self.store.delete_file(cid, n)
-        return removed
 
 
 def info(m: Manifest, verifications: list[VerificationResult], incidents: list[Incident] | None = None,

@@ -26,9 +26,10 @@ from ..records import Incident, VerificationResult
 from ..signing import Signer
 from ..status import Status
 from ..store import RunStore
+from . import housekeeping
 from .catalog import Catalog, RunView
 from .journal import Journal
-from .recovery import Recovery, open_incident_warning
+from .recovery import Recovery
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -256,12 +257,7 @@ class CheckpointManager:
             CorruptCheckpoint: stored bytes do not match the manifest.
             InvalidState: ``state`` does not fit the checkpoint.
         """
-        def choose() -> tuple[CheckpointInfo, dict[str, Any]]:  # on rank 0 only: one decision for every rank
-            view = self.view()
-            chosen = self._catalog.restorable(step, checkpoint_id, allow_unverified, view)
-            return chosen, {"warning": open_incident_warning(view) if step is None and checkpoint_id is None else None}
-
-        return self._recovery.restore(state, self.comm, choose)
+        return self._recovery.restore_chosen(state, self.comm, step, checkpoint_id, allow_unverified)
 
     def _restored(self, chosen: CheckpointInfo) -> None:
         """What a restore changes in this job: the lineage, the evidence baseline, the guard's DDP layout."""
@@ -296,7 +292,7 @@ class CheckpointManager:
         """
         if grace_s < 0:
             raise InvalidState(f"--grace must be >= 0 seconds, got {grace_s}")
-        return self._catalog.gc(grace_s, dry_run)
+        return housekeeping.gc(self._catalog, grace_s, dry_run)
 
     def verify(self, step: int | str | Collection[str | CheckpointInfo] | None = None, *, jobs: int = 1, progress:
                Callable[[int], None] | None = None, verifier: dict[str, str] | None = None) -> builtins.list[VerificationResult]:

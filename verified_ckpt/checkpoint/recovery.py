@@ -58,6 +58,16 @@ class Recovery:
         self._load(state, chosen, comm)
         return self._loaded(chosen)
 
+    def restore_chosen(self, state: Mapping[str, Any], comm: Communicator, step: int | None, checkpoint_id: str | None,
+                       allow_unverified: bool) -> CheckpointInfo:
+        """``CheckpointManager.restore``: rank 0 picks the checkpoint asked for, refusing what its status forbids."""
+        def choose() -> tuple[CheckpointInfo, dict[str, Any]]:
+            view = self.catalog.view()
+            chosen = self.catalog.restorable(step, checkpoint_id, allow_unverified, view)
+            return chosen, {"warning": open_incident_warning(view) if step is None and checkpoint_id is None else None}
+
+        return self.restore(state, comm, choose)
+
     def _load(self, state: Mapping[str, Any], chosen: CheckpointInfo, comm: Communicator) -> None:
         from .loading import restore_into
         from .reading import Reader

@@ -42,6 +42,7 @@ from ..skeleton import skeleton_problem, tensor_refs
 from ..status import MAX_STEP, Status
 from ..store import RunStore, utc_now
 from ..tensorspec import MAX_NDIM, dtype_name
+from . import housekeeping
 from .catalog import Catalog, info
 from .lease import Lease
 
@@ -276,7 +277,7 @@ class Saver:
                         f" - to make saves restorable: {'; '.join(fixes)}" if fixes else "")
         self._warn_if_flagged(manifest)
         if self.keep_last is not None:
-            self.catalog.apply_retention(self.keep_last, self.pinned, self._read_back)
+            housekeeping.apply_retention(self.catalog, self.keep_last, self.pinned, self._read_back)
         return manifest_bytes
 
     def _read_back(self, info: CheckpointInfo) -> bool:

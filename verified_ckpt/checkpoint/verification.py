@@ -21,6 +21,7 @@ from ..manifest import CheckpointInfo
 from ..records import VERIFICATION, Problem, VerificationResult
 from ..signing import Signature
 from ..store import utc_now
+from . import housekeeping
 from .catalog import Catalog
 from .reading import VERIFY, Reader
 
@@ -60,5 +61,5 @@ def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo]
 
     with reader, concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="vckpt-verify") as pool:
         results = list(pool.map(one, infos))
-    catalog.compact()  # each scrub adds a record per checkpoint: the superseded ones go, so listings stay bounded
+    housekeeping.compact(catalog)  # each scrub adds a record per checkpoint: the superseded ones go, so listings stay bounded
     return results

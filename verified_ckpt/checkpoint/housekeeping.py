@@ -1,0 +1,106 @@
+"""Housekeeping: what a run deletes, and when. Retention (``keep_last``), gc of orphans, and compaction of records.
+
+Each deletes only what a rule says may go, and never what a reader still needs: retention keeps the rollback target
+and pinned checkpoints and reads the newest back before deleting older ones; gc leaves a leased folder (a save still
+writing) and anything a manifest references; compaction keeps every checkpoint's newest verification and first
+failure, and never touches incidents, rollbacks, or records it cannot read or trust.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection
+
+from .. import decisions
+from ..errors import ManifestError
+from ..manifest import CheckpointInfo, Manifest
+from ..records import VERIFICATION, VerificationResult
+from ..signing import Signature
+from ..status import Status
+from . import lease
+from .catalog import Catalog
+
+__all__ = ["apply_retention", "compact", "gc"]
+
+log = logging.getLogger("verified_ckpt")
+
+
+def apply_retention(catalog: Catalog, keep_last: int, pinned: Collection[str] = (),
+                    read_back: Callable[[CheckpointInfo], bool] | None = None) -> None:
+    """Delete what ``keep_last`` no longer keeps (never the rollback target, nor ``pinned``). Before anything is
+    deleted, the newest restorable checkpoint must have been read back and verified: ``read_back(info)`` does
+    it when no passing verification is recorded yet, and if it fails nothing is deleted (the run is never left
+    with only checkpoints no one has read back)."""
+    view = catalog.view()
+    target = decisions.newest(view.infos, {Status.RESTORABLE})
+    doomed = decisions.to_delete(view.infos, keep_last, ({target.id} if target else set()) | set(pinned))
+    if not doomed or target is None:
+        return
+    checked = any(r.ok for r in view.verifications.get(target.id, []))
+    if not checked and read_back is not None and not read_back(target):
+        log.warning("retention: the newest restorable checkpoint %s failed its read-back; nothing was deleted "
+                    "(`vckpt list %s` says why)", target.id, catalog.url)
+        return
+    for cid in doomed:
+        catalog.store.delete_checkpoint(cid)
+    compact(catalog)  # the deleted checkpoints' records go with them
+
+
+def gc(catalog: Catalog, grace_s: float, dry_run: bool) -> list[str]:
+    """Remove orphans older than ``grace_s``: folders without a manifest (saves that never
+    committed) and files a manifest does not reference. Never touches anything a manifest
+    references, nor folders whose manifest is unreadable (evidence). Returns ``cid/file`` paths.
+    """
+    catalog.require_run()
+    now = time.time()
+    removed = []
+    for cid, files in sorted(catalog.store.checkpoint_files().items()):
+        names = {n for n, _ in files}
+        if "manifest.json" in names:
+            try:
+                m = Manifest.from_json(catalog.store.read_manifest(cid), where=cid)
+            except ManifestError:
+                continue
+            keep = {s.path for s in m.shards} | {"manifest.json"}
+        else:
+            keep = set()
+        if lease.alive(files, now):  # a save still writing here: whatever the grace, nothing of it goes
+            continue
+        doomed = [n for n, mtime in files if n not in keep and mtime is not None and now - mtime >= grace_s]
+        removed += [f"{cid}/{n}" for n in doomed]
+        if dry_run:
+            continue
+        if not keep and len(doomed) == len(files):
+            catalog.store.delete_checkpoint(cid)  # a save that never committed: the whole folder
+        else:
+            for n in doomed:
+                catalog.store.delete_file(cid, n)
+    for name, mtime in catalog.store.records.staged():  # what a crashed record writer left: never read, safe to drop
+        if mtime is not None and now - mtime >= grace_s:
+            removed.append(f".staging/{name}")
+            if not dry_run:
+                catalog.store.records.drop_staged(name)
+    return removed
+
+
+def compact(catalog: Catalog) -> int:
+    """Keep the record listing bounded: of each checkpoint's verification records, the newest and its first
+    failed one (a failure is permanent, ``decisions.derive_status``) stay; older passing ones, superseded,
+    go, and so do the verification records of checkpoints no longer stored. Incidents and rollbacks are never
+    dropped, and unreadable or untrusted records are left for an operator. Returns how many were removed.
+    Statuses are the same before and after (the newest verification and every failure are kept)."""
+    stored = catalog.store.committed()
+    by_checkpoint: dict[str, list[tuple[str, VerificationResult]]] = {}
+    for name, rec in catalog.verification_records():
+        if rec.id and Signature(rec.signature).trusted:
+            by_checkpoint.setdefault(rec.id, []).append((name, rec))
+    removed = 0
+    for cid, recs in by_checkpoint.items():
+        recs.sort(key=lambda nr: (nr[1].verified_at, nr[0]))
+        keep = set() if cid not in stored else {recs[-1][0]} | {next((n for n, r in recs if not r.ok), "")}
+        for name, _ in recs:
+            if name not in keep:
+                catalog.store.records.delete(VERIFICATION, name)
+                removed += 1
+    return removed

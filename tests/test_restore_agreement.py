@@ -27,14 +27,17 @@ pytestmark = pytest.mark.timeout(240)
 WIDTHS = [12, 15, 9, 6]
 
 
-def build(sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(sharded: str | None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model replicated (``None``: DDP-style), sharded over every rank (``"fsdp"``) or HSDP (3 replicas x 1)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in itertools.pairwise(WIDTHS)])
     if sharded:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        world = dist.get_world_size()
+        mesh = init_device_mesh("cpu", (world,)) if sharded == "fsdp" else \
+            init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
         for layer in model:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -61,7 +64,7 @@ def fingerprint(model: torch.nn.Module, opt: torch.optim.Optimizer, extra: dict)
 def raced(rank: int, world: int, run: str) -> dict:
     """Two restorable-enough checkpoints (10, 20). Rank 0 chooses, then flags step 20 suspect before any other
     rank looks; the other ranks, were they to look, would wait for that flag first (a hook, not a timer)."""
-    model, opt = build(False)
+    model, opt = build(None)
     mgr = CheckpointManager(run)
     for s in (10, 20):
         step(model, opt, s)
@@ -90,7 +93,7 @@ def raced(rank: int, world: int, run: str) -> dict:
 
     Catalog.restorable, RunStore.committed = restorable, no_listing
     try:
-        fresh, opt2 = build(False)
+        fresh, opt2 = build(None)
         info = CheckpointManager(run).restore({"m": fresh, "o": opt2}, allow_unverified=True)
     finally:
         Catalog.restorable, RunStore.committed = original, committed
@@ -156,7 +159,7 @@ def injected(stage: str, rank: int, target: int) -> tuple[list, Custom]:
     return patches, custom
 
 
-def failed_restore(rank: int, world: int, run: str, sharded: bool, stage: str) -> dict:
+def failed_restore(rank: int, world: int, run: str, sharded: str | None, stage: str) -> dict:
     model, opt = build(sharded)
     step(model, opt, 1)
     mgr = CheckpointManager(run)
@@ -184,7 +187,7 @@ def failed_restore(rank: int, world: int, run: str, sharded: bool, stage: str) -
 STAGES = ["read", "digest", "fingerprint", "apply", "after"]
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp2"])
+@pytest.mark.parametrize("sharded", [None, "fsdp", "hsdp"], ids=["ddp", "fsdp2", "hsdp"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_failure_on_one_rank_at_any_stage_leaves_every_rank_unchanged_and_raises_the_same_error(tmp_path, sharded,
                                                                                                    stage):
@@ -200,7 +203,7 @@ def test_a_failure_on_one_rank_at_any_stage_leaves_every_rank_unchanged_and_rais
 
 
 def test_in_one_process_a_failed_post_load_check_puts_back_torch_modules_tensors_and_plain_dicts(tmp_path):
-    model, opt = build(False)
+    model, opt = build(None)
     mgr = CheckpointManager(str(tmp_path / "run"))
     t, d = torch.arange(4.0), {"epoch": 1}
     mgr.save(1, {"m": model, "t": t, "d": d, "c": Custom()})

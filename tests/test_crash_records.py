@@ -24,7 +24,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> str:
     return run
 
 
-@pytest.mark.parametrize("name,points", [("verify", [1, 2, 3, 4, 7]), ("flag", [1, 2, 3, 4]), ("serve", [2, 4])])
+@pytest.mark.parametrize("name,points", [("verify", [1, 2, 3, 4]), ("flag", [2, 4]), ("serve", [2])])
 def test_a_kill_at_any_write_of_a_record_leaves_a_signed_run_unlocked_and_its_target_right(base, tmp_path, name,
                                                                                          points):
     for k in points:

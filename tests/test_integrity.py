@@ -263,3 +263,37 @@ def test_scrubs_keep_the_record_listing_bounded_and_compaction_changes_no_status
     shutil.rmtree(os.path.join(run, "checkpoints", first.id))
     mgr.verify()
     assert len(os.listdir(folder)) == 2
+
+
+def test_every_record_the_reader_refuses_is_refused_when_written(tmp_path):
+    """The hostile-record corpus the readers are tested with, written through the one writer: each record that
+    the reader would refuse (parse fails) is refused before anything is stored."""
+    from test_hostile import _record_variants
+
+    from verified_ckpt.checkpoint.catalog import Catalog
+    from verified_ckpt.records import _LIMITS, _PARSERS, decode_object
+    from verified_ckpt.signing import Signer
+    from verified_ckpt.store import RunStore
+
+    run = str(tmp_path / "run")
+    saved(run, 1)
+    catalog = Catalog(RunStore(run), Signer.from_env({}), 1)
+    refused = 0
+    for kind, raw in _record_variants():
+        try:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError):
+            continue  # not JSON a writer could be handed
+        if not isinstance(doc, dict):
+            continue
+        try:
+            _PARSERS[kind](decode_object(raw, _LIMITS))
+            continue  # the reader takes it
+        except Exception:  # noqa: BLE001 - any refusal by the reader
+            pass
+        with pytest.raises(InvalidState):
+            catalog.append(kind, doc)
+        refused += 1
+    assert refused >= 300, refused
+    assert not os.path.isdir(os.path.join(run, "records")) or all(
+        not os.listdir(os.path.join(run, "records", d)) for d in os.listdir(os.path.join(run, "records")))

@@ -416,31 +416,26 @@ def gc_cmd(mgr: CheckpointManager, out: Output, dry_run: bool, grace: float) -> 
               help="Re-verify every checkpoint this often (seconds).")
 @click.option("--bandwidth", "bytes_per_s", default=0.0, show_default=True, type=float,
               help="Cap on bytes read per second across all runs (0: none).")
+@click.option("--request-timeout", "request_s", default=10.0, show_default=True, type=float,
+              help="Close a connection that has not sent a whole request within this many seconds.")
 def serve_cmd(runs: tuple[str, ...], discover: tuple[str, ...], storage_options: tuple[str, ...], host: str, port: int,
-              poll_s: float, scrub_s: float, bytes_per_s: float) -> None:
+              poll_s: float, scrub_s: float, bytes_per_s: float, request_s: float) -> None:
     """Watch RUNS: verify each new commit independently, scrub old checkpoints, serve health over HTTP.
 
     JSON API under /api, Prometheus metrics at /metrics, /healthz, /readyz and a dashboard at /.
     The write endpoints (flag, rollback) need the bearer token from VCKPT_SERVICE_TOKEN or
     VCKPT_SERVICE_TOKEN_FILE. Details: docs/SERVICE.md. Exit 2 on a configuration it refuses.
     """
-    from verified_ckpt.service import ServiceConfig, ServiceError, serve
+    from verified_ckpt.service import ServiceConfig, ServiceError, missing_extra, serve
 
     err = Output(False).err
     try:
         cfg = ServiceConfig(runs=runs, discover=discover, storage_options=parse_storage_options(storage_options) or None,
-                            host=host, port=port, poll_s=poll_s, scrub_interval_s=scrub_s, bytes_per_s=bytes_per_s)
+                            host=host, port=port, poll_s=poll_s, scrub_interval_s=scrub_s, bytes_per_s=bytes_per_s,
+                            request_timeout_s=request_s)
+        missing_extra()
     except ServiceError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
-        sys.exit(EXIT_USAGE)
-    try:
-        import importlib
-
-        for module in ("starlette", "uvicorn", "prometheus_client"):  # the service extra
-            importlib.import_module(module)
-    except ImportError as e:
-        err.print(f"[red]error:[/] vckpt serve needs {e.name}: pip install 'verified-ckpt\\[service]'", markup=True,
-                  highlight=False)
         sys.exit(EXIT_USAGE)
     serve(cfg, log_to_stderr=True)
 

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def job(run: str, *extra: str) -> None:
-    cmd = [sys.executable, "examples/ddp_train.py", "--world-size", "3", "--steps", "30", "--save-every", "5",
+    cmd = [sys.executable, "examples/ddp_train.py", "--world-size", "3", "--steps", "15", "--save-every", "5",
            "--run", run, "--json", *extra]
     subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT, check=False)
 

@@ -34,10 +34,10 @@ ROOT = os.path.dirname(HERE)
 KEY = "crash-campaign-signing-key-0123456789abcdef"
 
 
-def make_run(run: str) -> None:
-    """Five restorable checkpoints (steps 4..20) from a 3-rank guarded job, every record signed."""
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "ddp_train.py"), "--world-size", "3", "--steps", "20",
-           "--save-every", "4", "--audit-every", "4", "--consensus-every", "4", "--run", run, "--json"]
+def make_run(run: str, checkpoints: int = 5) -> None:
+    """Restorable checkpoints at steps 4, 8, ... from a 3-rank guarded job, every record signed."""
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "ddp_train.py"), "--world-size", "3", "--steps",
+           str(4 * checkpoints), "--save-every", "4", "--audit-every", "4", "--consensus-every", "4", "--run", run, "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env(), check=False)
     if done.returncode != 0:
         raise SystemExit(f"making the run failed: {done.stderr[-2000:]}")
@@ -72,7 +72,8 @@ def run_once(name: str, run: str, kill_at: int, variant: int = 0) -> tuple[int, 
     verified = os.path.join(run, "records", "verification")
     deadline = time.monotonic() + 60
     while proc.poll() is None and time.monotonic() < deadline:  # its pass: a verification record per checkpoint
-        if os.path.isdir(verified) and len([n for n in os.listdir(verified) if n.endswith(".json")]) >= 10:
+        if os.path.isdir(verified) and len([n for n in os.listdir(verified) if n.endswith(".json")]) >= 2 * len(
+                os.listdir(os.path.join(run, "checkpoints"))):
             break
         time.sleep(0.05)
     if proc.poll() is None:

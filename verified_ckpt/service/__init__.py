@@ -17,11 +17,10 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["ServiceConfig", "ServiceError", "run_key", "serve"]
+__all__ = ["ServiceConfig", "ServiceError", "missing_extra", "run_key", "serve"]
 
 log = logging.getLogger("verified_ckpt.service")
 MIN_TOKEN = 32  # characters of a token that guards a non-loopback bind (a guessable one guards nothing)
-REQUEST_TIMEOUT_S = 10  # a connection that has not sent a whole request by then (or idles after one) is closed
 
 
 class ServiceError(ValueError):
@@ -44,6 +43,8 @@ class ServiceConfig:
         scrub_interval_s: re-verify each checkpoint this often.
         bytes_per_s: cap on the bytes read per second across all runs (0: none).
         concurrency: runs verified at the same time (each reads two checkpoints at a time).
+        request_timeout_s: a connection that has not sent a whole request this long after it opened (or after its
+            last response) is closed: an idle or trickling client cannot hold a connection forever.
     """
 
     runs: tuple[str, ...] = ()
@@ -56,11 +57,12 @@ class ServiceConfig:
     scrub_interval_s: float = 24 * 3600.0
     bytes_per_s: float = 0.0
     concurrency: int = 2
+    request_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.runs and not self.discover:
             raise ServiceError("give at least one run URL to watch, or --discover PREFIX")
-        for name in ("poll_s", "scrub_interval_s"):
+        for name in ("poll_s", "scrub_interval_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ServiceError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not isinstance(self.concurrency, int) or self.concurrency < 1:
@@ -106,7 +108,7 @@ def run_key(url: str, storage_options: dict[str, Any] | None = None) -> str:
     return hashlib.blake2b(canonical_url(url, storage_options).encode(), digest_size=6).hexdigest()
 
 
-def _protocol() -> type:
+def _protocol(timeout_s: float) -> type:
     """uvicorn's h11 protocol, with a deadline from the moment a connection opens: uvicorn times out only the idle
     time after a response, so a connection that never sends a request (or trickles one) would be held forever."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -121,7 +123,7 @@ def _protocol() -> type:
             self._arm()
 
         def _arm(self) -> None:
-            self.loop.call_later(REQUEST_TIMEOUT_S, self._expire)
+            self.loop.call_later(timeout_s, self._expire)
 
         def _expire(self) -> None:
             serving = self.cycle is not None and not self.cycle.response_complete
@@ -129,6 +131,25 @@ def _protocol() -> type:
                 self.transport.close()
 
     return Deadline
+
+
+def missing_extra() -> None:
+    """Raise :class:`ServiceError` naming the install line when the ``service`` extra is missing."""
+    import importlib
+
+    try:
+        for module in ("starlette", "uvicorn", "prometheus_client"):
+            importlib.import_module(module)
+    except ImportError as e:
+        raise ServiceError(f"vckpt serve needs {e.name}: pip install -e '.[service]'") from None
+
+
+def _log_to_stderr() -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def _warm_up() -> None:
@@ -148,11 +169,7 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None, log_to_st
     import uvicorn
 
     if log_to_stderr:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
+        _log_to_stderr()
 
     from .. import VerifiedCkptError, discover_runs
     from .app import build_app
@@ -189,8 +206,9 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None, log_to_st
     if cfg.discover:
         threading.Thread(target=discover, name="vckpt-discover", daemon=True).start()
     server = uvicorn.Server(uvicorn.Config(build_app(watchers, metrics, cfg.resolved_token()), host=cfg.host,
-                                           port=cfg.port, log_level="warning", lifespan="off", http=_protocol(),
-                                           timeout_keep_alive=REQUEST_TIMEOUT_S))
+                                           port=cfg.port, log_level="warning", lifespan="off",
+                                           http=_protocol(cfg.request_timeout_s),
+                                           timeout_keep_alive=max(1, int(cfg.request_timeout_s))))
     log.info("vckpt serve on http://%s:%d: dashboard /, API /api/runs, metrics /metrics, health /healthz; watching %d "
              "run(s)%s; a pass every %gs, a scrub of each checkpoint every %gs", cfg.host, cfg.port, len(watchers),
              f" and runs under {', '.join(cfg.discover)}" if cfg.discover else "", cfg.poll_s, cfg.scrub_interval_s)

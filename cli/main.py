@@ -201,6 +201,10 @@ def ledger_cmd(mgr: CheckpointManager, out: Output) -> int:
         for c in summary["coverage"][-1:]:
             console.print(f"ABFT coverage (step {c['step']}): {c['params']:.0%} of parameters, "
                           f"{c['flops']:.0%} of backward FLOPs")
+        for p in summary.get("schedule", [])[-1:]:
+            console.print(f"budget schedule (step {p['step']}): consensus every {p['consensus_every'] or '-'}, audit every "
+                          f"{p['audit_every'] or '-'} steps, ABFT on {p['abft_share']:.0%} of steps, expected overhead "
+                          f"{p['overhead']:.1%}")
         last = summary["last_unanimous_consensus"]
         console.print(f"last unanimous consensus: {'step ' + str(last) if last is not None else 'none'}")
         if summary["divergence"]:

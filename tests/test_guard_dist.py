@@ -85,7 +85,7 @@ BEFORE_UPDATE = [
 @pytest.mark.parametrize("spec,kind,rank,step", BEFORE_UPDATE, ids=[b[0] for b in BEFORE_UPDATE])
 def test_fault_caught_before_the_update_names_the_rank_and_withholds_it(world, spec, kind, rank, step):
     spec, _, flag = spec.partition(":noabft")
-    cfg = {"audit_every": 5, "consensus_every": 5, "faults": (spec,), **({"abft": False} if _ == ":noabft" else {})}
+    cfg = {"audit_every": 5, "consensus_every": 5, "abft_every": 1, "faults": (spec,), **({"abft": False} if _ == ":noabft" else {})}
     results = run_ranks(guarded, world, cfg, 12)
     got = one(results)
     assert (got["kind"], got["ranks"], got["detected"]) == (kind, [rank], step), got

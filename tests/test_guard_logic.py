@@ -123,8 +123,10 @@ def test_bitflip_mode_flips_exactly_one_bit(dtype):
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    ({"consensus_every": 0}, "consensus_every must be >= 1, got 0"),
-    ({"audit_every": 0}, "audit_every must be >= 1 or None, got 0"),
+    ({"consensus_every": 0}, "consensus_every must be 'budget' or an int >= 1, got 0"),
+    ({"audit_every": 0}, "audit_every must be 'budget', None or an int >= 1, got 0"),
+    ({"abft_every": "sometimes"}, "abft_every must be 'budget' or an int >= 1, got 'sometimes'"),
+    ({"overhead": 0}, "overhead must be in"),
     ({"mode": "fuzzy"}, "mode must be"),
     ({"outlier_factor": 1.0}, "outlier_factor must be > 1"),
     ({"faults": ("nope",)}, "not SITE:RANK:STEP"),

@@ -19,7 +19,7 @@ import torch
 
 from .errors import GuardUsageError
 
-__all__ = ["decode", "encode"]
+__all__ = ["decode", "encode", "rows"]
 
 _T, _LIST, _TUPLE, _MAP, _LEAF = "t", "list", "tuple", "map", "leaf"
 
@@ -95,3 +95,16 @@ def _unshippable(where: str, what: str) -> GuardUsageError:
         f"{where} is {what}, which an audit cannot ship to another rank; batches must be tensors, mappings, "
         "lists or tuples of them, and JSON scalars or strings - convert it in your collate function or pass batch_for="
     )
+
+
+def rows(batch: Any, part: int, parts: int) -> Any | None:
+    """Slice ``part`` of ``parts`` of ``batch``'s rows: every tensor whose first dimension has the batch's size (the
+    first dimension of its first tensor) is cut along it; everything else is kept. ``None`` when the batch has no
+    tensor, or fewer rows than ``parts`` (the caller then takes the whole batch)."""
+    tensors, spec = encode(batch)
+    sized = [t for t in tensors if t.dim() >= 1]
+    if not sized or sized[0].shape[0] < parts:
+        return None
+    n = sized[0].shape[0]
+    lo, hi = part * n // parts, (part + 1) * n // parts
+    return decode([t[lo:hi] if t.dim() >= 1 and t.shape[0] == n else t for t in tensors], spec)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 # Codes are positions in these lists; the ledger stores both lists in its attributes.
 KINDS = ["step", "audit", "consensus", "save", "incident", "restore", "verify", "nonfinite", "checksum", "abft",
-         "coverage"]  # append only
+         "coverage", "budget"]  # append only
 VERDICTS = ["pass", "fail", "none"]
 NO_RANK = -1  # a job-wide row (a save, a restore, or a per-step summary of a large job)
 
@@ -123,6 +123,7 @@ def summarize(cols: Columns) -> dict[str, Any]:
         c["failed"] += int(g["failed"])
     unanimous = [g["step"] for g in groups if g["kind"] == "consensus" and not g["failed"]]
     covered = [i for i in range(len(cols)) if KINDS[int(cols.kind[i])] == "coverage"] if "coverage" in counts else []
+    planned = [i for i in range(len(cols)) if KINDS[int(cols.kind[i])] == "budget"] if "budget" in counts else []
     return {
         "rows": len(cols),
         "steps": [int(cols.step.min()), int(cols.step.max())] if len(cols) else None,
@@ -135,6 +136,11 @@ def summarize(cols: Columns) -> dict[str, Any]:
         # What ABFT checked, as measured at each (re)start's first step: shares of parameters and of backward FLOPs.
         "coverage": [{"step": int(cols.step[i]), "params": float(cols.loss[i]), "flops": float(cols.grad_norm[i])}
                      for i in covered],
+        # The schedule the budget chose, each time it moved: intervals in steps, ABFT's share of steps, and the
+        # overhead it expects from the costs it measured.
+        "schedule": [{"step": int(cols.step[i]), "consensus_every": int(cols.lanes[i][0]),
+                      "audit_every": int(cols.lanes[i][1]), "abft_share": float(cols.loss[i]),
+                      "overhead": float(cols.grad_norm[i])} for i in planned],
     }
 
 

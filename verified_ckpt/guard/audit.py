@@ -94,6 +94,23 @@ class Auditor:
                 jobs[a] = t
         return jobs
 
+    def accepts(self, batch: Any, rng: tuple[torch.Tensor, torch.Tensor | None]) -> bool:
+        """Whether ``loss_fn`` computes a finite loss from ``batch`` (a slice of a microbatch): one forward without
+        gradients, leaving no trace (random state and buffers put back)."""
+        saved = [b.detach().clone() for b in self.module.buffers()]
+        dev = self.params[0].device if self.params else torch.device("cpu")
+        try:
+            with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), torch.no_grad():
+                torch.set_rng_state(rng[0])
+                loss = self.loss_fn(self.module, batch)
+                return isinstance(loss, torch.Tensor) and loss.numel() == 1 and bool(torch.isfinite(loss).all())
+        except Exception:  # noqa: BLE001 - any failure means: audit whole microbatches instead
+            return False
+        finally:
+            with torch.no_grad():
+                for b, before in zip(self.module.buffers(), saved, strict=True):
+                    b.copy_(before)
+
     def run(self, step: int, gathered: Sequence[StepStats], jobs: dict[int, int], *, batches: list[list[Any]],
             layout: dict[int, list[int]], first_suspect: int) -> Verdict:
         """Recompute ``jobs`` (collectively: every rank calls this) and judge any disagreement.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..faults import FaultPlan
+from .budget import BUDGET
 
 __all__ = ["GuardConfig"]
 
@@ -14,8 +15,16 @@ class GuardConfig:
     """What the guard checks and how often.
 
     Args:
-        consensus_every: run the weight consensus after the update every N steps (>= 1).
-        audit_every: run a recompute audit every N steps (>= 1), or ``None`` for none.
+        overhead: the share of step time the guard may add (0.03: 3 %). The guard measures the step and each
+            check as the run goes and schedules consensus rounds, audits and ABFT as often as that allows
+            (``guard/budget.py``); a check the budget cannot afford is sampled, never dropped.
+        consensus_every: ``"budget"`` (the default: as often as ``overhead`` allows, at least every 100 steps), or
+            run the weight consensus after the update every N steps (>= 1).
+        audit_every: ``"budget"`` (the default: a recompute of a slice of one microbatch per rank, as often as
+            ``overhead`` allows, at least every 500 steps), every N steps (>= 1: the whole step, against what
+            was recorded), or ``None`` for none.
+        abft_every: ``"budget"`` (the default: ABFT on every step if it fits, else on a share of the steps, at
+            least one in 10), or on every N-th step (1: always).
         mode: ``"exact"`` compares audits bitwise (deterministic kernels, as on CPU);
             ``"tolerance"`` compares relatively (nondeterministic GPU kernels).
         rtol: relative tolerance of audits in tolerance mode.
@@ -48,8 +57,10 @@ class GuardConfig:
         faults: fault-injection specs ``SITE:RANK:STEP[:MODE]`` (testing only).
     """
 
-    consensus_every: int = 100
-    audit_every: int | None = 500
+    overhead: float = 0.03
+    consensus_every: int | str = BUDGET
+    audit_every: int | str | None = BUDGET
+    abft_every: int | str = BUDGET
     mode: str = "exact"
     rtol: float = 1e-4
     checksum_lanes: int = 1
@@ -68,10 +79,15 @@ class GuardConfig:
     faults: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.consensus_every, int) or self.consensus_every < 1:
-            raise ValueError(f"consensus_every must be >= 1, got {self.consensus_every!r}")
-        if self.audit_every is not None and (not isinstance(self.audit_every, int) or self.audit_every < 1):
-            raise ValueError(f"audit_every must be >= 1 or None, got {self.audit_every!r}")
+        if not (isinstance(self.overhead, (int, float)) and 0 < self.overhead <= 1):
+            raise ValueError(f"overhead must be in (0, 1] (a share of step time: 0.03 is 3 %), got {self.overhead!r}")
+        for name in ("consensus_every", "audit_every", "abft_every"):
+            v = getattr(self, name)
+            if v == BUDGET or (v is None and name == "audit_every"):
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                none = ", None" if name == "audit_every" else ""
+                raise ValueError(f"{name} must be 'budget'{none} or an int >= 1, got {v!r}")
         if self.mode not in ("exact", "tolerance"):
             raise ValueError(f"mode must be 'exact' or 'tolerance', got {self.mode!r}")
         if not self.rtol > 0:

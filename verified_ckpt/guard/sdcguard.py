@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,15 +33,20 @@ from ..rng import microbatch_state
 from . import abft, checksum, consensus, nonfinite
 from .abft import Coverage, GradientChecks
 from .audit import Auditor, exchange_batches
+from .budget import Budget, Costs, Plan, Rates, Stopwatch
 from .config import GuardConfig
 from .consensus import StateProbe
 from .judge import Judge
 from .stats import Projector, StepStats, Verdict, gather_step_stats, step_rows
 from .tap import GradientTap
 
-__all__ = ["TWO_REPLICAS", "SDCGuard"]
+__all__ = ["AUDIT_SLICES", "TWO_REPLICAS", "SDCGuard"]
 
 log = logging.getLogger("verified_ckpt")
+
+# A budget audit recomputes one of this many row slices of each rank's first microbatch, in turn: a persistent
+# compute fault shows in any slice, at a fraction of a whole step's recomputation.
+AUDIT_SLICES = 4
 
 TWO_REPLICAS = ("SDCGuard with two replicas: a failed consensus, checksum or audit shows that one of them is wrong but "
                 "cannot tell which (no majority, no third rank to break a tie), so such incidents name no host. "
@@ -70,6 +76,9 @@ class SDCGuard:
             guard.step()          # raises SilentCorruptionDetected; the update is withheld
             opt.zero_grad(); sched.step()
     """
+
+    _logged: Rates | None
+    _slicing: bool | None
 
     def __new__(cls, model: torch.nn.Module, *args: Any, **kwargs: Any) -> SDCGuard:
         if cls is SDCGuard:  # an FSDP2/HSDP model gets the sharded guard: one public class for every model
@@ -118,6 +127,7 @@ class SDCGuard:
         if self.world == 2 and self.rank == 0:
             warnings.warn(TWO_REPLICAS, stacklevel=2)
         self.judge = Judge(self.world, self.host_of, self.rank)
+        self._init_budget(abft=self.cfg.abft)
         self._ran_backward = False
         self._warmup_pending = False
         self._audit_requested = False
@@ -128,10 +138,10 @@ class SDCGuard:
         self._losses: list[torch.Tensor] = []
         self._kept: tuple[int | None, list[Any]] = (None, [])  # the last step and its first microbatch (save audits)
         self.abft = GradientChecks(self.module, self.params, self.cfg.seed, self.cfg.abft_slack, self.cfg.abft_exclude,
-                                   compiled=inner is not model) if self.cfg.abft else None
+                                   compiled=inner is not model, watch=self.watch) if self.cfg.abft else None
         self.tap = GradientTap(self.params, self.comm, project=self.project, faults=self.faults, step=lambda: self._step,
                                fixed_order=bool(self.cfg.fixed_order_reduce), abft=self.abft,
-                               want_lanes=self._audit_scheduled)
+                               want_lanes=self._audit_scheduled, watch=self.watch)
         if self.ddp is not None:
             self.tap.install(self.ddp)
         self.faults.hook_compute(self.module, self.rank, lambda: self._kept[0] if self._step is None else self._step,
@@ -167,9 +177,11 @@ class SDCGuard:
         return self.cfg.audit_every is not None and self.world >= 2
 
     def _audit_scheduled(self) -> bool:
+        """Whether this step's buckets need exact lanes: an audit against what was recorded (a fixed interval, or
+        one requested). The budget's audits recompute a slice afresh and compare recomputations."""
         s = self._step
         every = self.cfg.audit_every
-        return self._audit_requested or (every is not None and s is not None and s % every == 0)
+        return self._audit_requested or (isinstance(every, int) and s is not None and s % every == 0)
 
     def request_audit(self) -> None:
         """Audit at the next :meth:`step`, whatever the schedule."""
@@ -217,6 +229,7 @@ class SDCGuard:
             # Where ABFT starts from: what the gradients hold as the step's backward begins (a framework may zero
             # them after begin(), between its forward and its backward, as Lightning's closure does).
             self.abft.begin_backward(self.params)
+            self._abft_ran = self.abft.on
         if self.abft is not None and self.abft.probing:
             self.abft.first_backward(loss, run, self.comm.any_of)
             self._report_coverage(self.abft.coverage())
@@ -243,8 +256,10 @@ class SDCGuard:
             self._check_before_update(s)
             self.optimizer.step()
             self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
-            if s % self.cfg.consensus_every == 0:
+            if self._plan.consensus:
+                t0 = time.perf_counter()
                 self.consensus(s)
+                self.watch.consensus = time.perf_counter() - t0
         except (SilentCorruptionDetected, GuardConfigurationError):
             self.optimizer.zero_grad(set_to_none=True)
             raise
@@ -252,6 +267,8 @@ class SDCGuard:
             if self.cfg.audit_before_save and self.audits_enabled:
                 self._kept = (s, [(self._batches[0], self._rng[0])])
         finally:
+            if self.abft is not None:
+                self.abft.enabled = self._plan.abft
             self.faults.step_done(s)
             self._reset_step()
             self._step = None
@@ -261,7 +278,18 @@ class SDCGuard:
         if not self.tap.buckets:
             raise GuardUsageError("no gradient bucket was reduced this step; the last backward() of a step must have sync=True")
         inputs = self.abft.inputs_worst() if self.abft is not None else None
-        self._check_gradients(s, gather_step_stats(self.comm, self.tap.buckets, self._losses, self.project, inputs))
+        costs = self.watch.take()
+        t0 = time.perf_counter()
+        gathered = gather_step_stats(self.comm, self.tap.buckets, self._losses, self.project, inputs, costs.row())
+        self._schedule(s, gathered, time.perf_counter() - t0)
+        self._check_gradients(s, gathered)
+
+    def _schedule(self, s: int, gathered: list[StepStats], gather_s: float) -> None:
+        """The budget's plan for step ``s`` (and ABFT at the next), from every rank's costs: one plan everywhere."""
+        # On a GPU the gather's copy back waits for the backward's kernels: that wait is training, not the guard.
+        self.watch.floor += gather_s if self.device.type == "cpu" else 0.0
+        self._plan = self.budget.plan(s, [Costs.of(x.costs) for x in gathered], self._abft_ran)
+        self._log_rates(s)
 
     def _check_gradients(self, s: int, gathered: list[StepStats]) -> None:
         """The per-step checks before the update (NaN/Inf, checksum, ABFT), then an audit when one is due."""
@@ -279,13 +307,35 @@ class SDCGuard:
         norms = [x.norm for x in gathered]
         suspects = [0, 1] if decisions.diverged_pair(norms, self.cfg.outlier_factor) else \
             decisions.outliers(norms, self.cfg.outlier_factor)
-        scheduled = self.cfg.audit_every is not None and s % self.cfg.audit_every == 0
-        if self.world >= 2 and (scheduled or suspects or self._audit_requested):
-            jobs = self.auditor.plan(None if (scheduled or self._audit_requested) else suspects)
+        recorded = isinstance(self.cfg.audit_every, int) and self._plan.audit
+        if self.world < 2:
+            return
+        t0 = time.perf_counter()
+        if recorded or suspects or self._audit_requested:
+            jobs = self.auditor.plan(None if (recorded or self._audit_requested) else suspects)
             first = self._last_pass("audit") + 1
             self._run_audit(s, list(zip(self._batches, self._rng, strict=True)), lambda b: self.auditor.run(
                 s, gathered, jobs, batches=b, layout=self.tap.layout, first_suspect=first))
             self._audit_requested = False
+        elif self._plan.audit:
+            self._slice_audit(s)
+        else:
+            return
+        self.watch.audit = time.perf_counter() - t0
+
+    def _slice_audit(self, s: int) -> None:
+        """The budget's audit: every rank recomputes one row slice of its own first microbatch and of its target's,
+        with the step's weights, and the recomputations must agree (a third rank breaks a tie)."""
+        mb, rng = self._batches[0], self._rng[0]
+        piece = batches.rows(mb, self._slices % AUDIT_SLICES, AUDIT_SLICES)
+        self._slices += 1
+        if self._slicing is None:
+            # One decision for every rank: a loss_fn that cannot take fewer rows (a fixed batch size inside it)
+            # gets whole microbatches from then on.
+            self._slicing = not self.comm.any_of([piece is None or not self.auditor.accepts(piece, rng)])[0]
+        first = self._last_pass("audit") + 1
+        self._run_audit(s, [(piece if self._slicing and piece is not None else mb, rng)],
+                        lambda b: self.auditor.run_fresh(s, self.auditor.plan(None), batches=b, first_suspect=first))
 
     def _run_audit(self, s: int, mine: list[tuple[Any, Any]], run: Callable[[list[list[Any]]], Verdict]) -> None:
         """Every rank's microbatches of step ``s`` (from this rank's ``mine``), ``run`` on them, judged (collective)."""
@@ -348,6 +398,37 @@ class SDCGuard:
         if self.ddp is not None and not self._ran_backward:
             self._warmup_pending = True
 
+    def _init_budget(self, *, abft: bool) -> None:
+        """The budget's scheduler and what it measures (every layout's guard: after ``comm`` and ``cfg``)."""
+        self.watch = Stopwatch()
+        self.budget = Budget(self.cfg.overhead, consensus_every=self.cfg.consensus_every,
+                             audit_every=self.cfg.audit_every, abft=abft, abft_every=self.cfg.abft_every,
+                             audits=self.audits_enabled)
+        self._plan = Plan(False, False, True)
+        self._abft_ran = False
+        self._logged = None
+        self._slices = 0  # budget audits run (which slice is next)
+        self._slicing = None  # whether loss_fn takes a slice of a microbatch (decided at the first)
+
+    def _log_rates(self, s: int) -> None:
+        """The schedule the budget chose and what it measured: a log line (rank 0) and a ledger row when it moves by
+        2x or more (and the first time every check's cost is known)."""
+        rates = self.budget.rates
+        if rates is None or not rates.plain_s:
+            return
+        last = self._logged
+        if last is not None and not _moved(last, rates):
+            return
+        self._logged = rates
+        if self.rank == 0:
+            log.info("SDCGuard budget %.1f%% at step %d: %s", 100 * self.cfg.overhead, s, rates.summary())
+        self.judge.emit(lambda: [Event(s, "budget", NO_RANK, "pass", (rates.consensus_every, rates.audit_every),
+                                       rates.abft_share, rates.expected_overhead)])
+
+    def schedule(self) -> Rates | None:
+        """The schedule the budget affords now and the costs it measured (``None`` before the second step)."""
+        return self.budget.rates
+
     def _abft_paused(self) -> contextlib.AbstractContextManager[None]:
         return self.abft.pausing() if self.abft is not None else contextlib.nullcontext()
 
@@ -398,3 +479,11 @@ class SDCGuard:
         """Call ``fn(events)`` with the ledger rows of every check this rank runs."""
         self.judge.event_listeners.append(fn)
 
+
+
+def _moved(a: Rates, b: Rates) -> bool:
+    def far(x: float, y: float) -> bool:
+        return (x == 0) != (y == 0) or (x > 0 and y > 0 and max(x / y, y / x) >= 2)
+
+    return far(a.consensus_every, b.consensus_every) or far(a.audit_every, b.audit_every) or far(a.abft_share,
+                                                                                                  b.abft_share)

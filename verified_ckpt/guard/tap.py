@@ -10,6 +10,7 @@ local gradients are the averaged ones.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..comm import Communicator
 from ..faults import FaultPlan
 from .abft import GradientChecks
+from .budget import Stopwatch
 from .stats import BucketStats, Projector, local_stats
 
 __all__ = ["GradientTap"]
@@ -41,8 +43,9 @@ class GradientTap:
 
     def __init__(self, params: Sequence[torch.Tensor], comm: Communicator, *, project: Projector, faults: FaultPlan,
                  step: Callable[[], int | None], fixed_order: bool, abft: GradientChecks | None,
-                 want_lanes: Callable[[], bool] = lambda: True) -> None:
+                 want_lanes: Callable[[], bool] = lambda: True, watch: Stopwatch | None = None) -> None:
         self.abft, self.want_lanes = abft, want_lanes
+        self.watch = watch or Stopwatch()
         self.params = list(params)
         self.comm, self.project, self.faults, self._step = comm, project, faults, step
         self.fixed_order = fixed_order
@@ -83,13 +86,17 @@ class GradientTap:
             buf.mul_(1.0 / world)
             return self.comm.all_reduce_async(buf).then(lambda f: f.value()[0])
         rank, step = self.comm.rank, self._step()
+        t0 = time.perf_counter()
         self.layout[index] = [self._pindex[id(p)] for p in bucket.parameters()]
         if index == 0:
             self.faults.apply("grad", rank, step, buf)
         rows = self._rows_of(index, buf)
         stats = local_stats(index, buf, self.project, self.want_lanes(), rows)
+        t1 = time.perf_counter()
+        self.watch.floor += t1 - t0
         if self.abft is not None:  # before the all-reduce: the local gradients, as this rank computed them
             stats.abft = self.abft.flat(list(bucket.parameters()), buf, stats.sumsq)
+            self.watch.abft += time.perf_counter() - t1
         if self.fixed_order:
             parts = [torch.empty_like(buf) for _ in range(world)]
             fut = self.comm.all_gather_async(parts, buf)
@@ -110,7 +117,9 @@ class GradientTap:
                 out = f.value()[0]
             if index == 0:
                 self.faults.apply("allreduce", rank, step, out)
+            t = time.perf_counter()
             stats.avg_part = self.project.part(*self._rows_of(index, out))
+            self.watch.floor += time.perf_counter() - t
             self.buckets.append(stats)
             return out
 
@@ -172,7 +181,9 @@ class GradientTap:
         rows = self._rows_of(-1, flat) if flat is self._flat else self.project.split(flat)  # kept with it
         stats = local_stats(0, flat, self.project, self.want_lanes(), rows)
         if self.abft is not None:
+            t = time.perf_counter()
             stats.abft = self.abft.flat(self.params, flat, stats.sumsq)
+            self.watch.abft += time.perf_counter() - t
         self.faults.apply("allreduce", 0, step, flat)
         stats.avg_part = self.project.part(*rows)
         self.layout = {0: list(range(len(self.params)))}

@@ -13,8 +13,11 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..budget import Stopwatch
 from ..stats import StepStats, Verdict, failed_rows, worst
+from . import norms
 from .layers import COMPILED, OUTSIDE, Coverage, InputCheck, InputTap, Layer, gradient_paths, layer_kind
+from .norms import norm_kind
 from .sums import EPS32, RMS, Covered, matmul_eps, rgs, signed_weights, unit_roundoff, worst_ratio
 
 __all__ = ["GradientChecks", "check"]
@@ -32,9 +35,16 @@ class GradientChecks:
     """
 
     def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor], seed: int, slack: float,
-                 exclude: Sequence[str] = (), compiled: bool = False) -> None:
+                 exclude: Sequence[str] = (), compiled: bool = False, watch: Stopwatch | None = None) -> None:
         self.slack = slack
         self.paused = False  # audit recomputation and warm-up passes are not this step's gradients
+        self.enabled = True  # the budget's choice for this step (the first step always runs: it measures coverage)
+        self.watch = watch or Stopwatch()
+        timed = self.watch.timed("abft")
+        self._linear_pre = timed(self._linear_pre)  # type: ignore[method-assign]
+        self._linear_forward = timed(self._linear_forward)  # type: ignore[method-assign]
+        self._embedding_forward = timed(self._embedding_forward)  # type: ignore[method-assign]
+        self._input_grad = timed(self._input_grad)  # type: ignore[method-assign]
         self.covered: dict[int, Covered] = {}
         self.layers: dict[int, Layer] = {}  # by id of the module
         self.left_out: list[tuple[str, str]] = []
@@ -48,13 +58,19 @@ class GradientChecks:
         # graph at every layer if they were kept out: layers it compiles are left out, and say so.
         roots = [module] if compiled else [m for m in module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
         in_compiled = {id(m) for root in roots for m in root.modules()}
+        self._norms: collections.Counter[str] = collections.Counter()  # covered normalisation layers, by kind
         for name, mod in module.named_modules():
             kind = layer_kind(mod)
-            if kind is None:
+            nkind = norm_kind(mod) if kind is None else None
+            if kind is None and nkind is None:
                 continue
             if id(mod) in in_compiled:
                 self.left_out += [(names[id(p)], COMPILED) for p in mod.parameters(recurse=False) if id(p) in names]
                 continue
+            if nkind is not None:
+                checked |= self._install_norm(mod, nkind, names, index, g)
+                continue
+            assert kind is not None
             layer = self._install(name, mod, kind, names, index, g)
             checked |= {id(layer.weight)} | ({id(layer.bias)} if layer.bias is not None else set())
         self.order = list(self.covered)  # the same on every rank: construction order
@@ -94,6 +110,21 @@ class GradientChecks:
             mod.register_forward_hook(self._linear_forward)
         return layer
 
+    def _install_norm(self, mod: torch.nn.Module, kind: str, names: dict[int, str], index: dict[int, int],
+                      g: torch.Generator) -> set[int]:
+        """A normalisation layer: its scale and shift covered as sums over rows (``norms``); their ids."""
+        held = [p for p in (getattr(mod, "weight", None), getattr(mod, "bias", None))
+                if isinstance(p, torch.Tensor) and id(p) in index]
+        for p in held:
+            if id(p) not in self.covered:
+                self.covered[id(p)] = Covered(names.get(id(p), "?"), index[id(p)], signed_weights(p.numel(), g, p.device),
+                                              None)
+        w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
+        mod.register_forward_hook(norms.hook(self, mod, kind, lambda: self.covered.get(id(w)) if w is not None else None,
+                                             lambda: self.covered.get(id(b)) if b is not None else None))
+        self._norms[kind] += 1
+        return {id(p) for p in held}
+
     def _cover(self, p: torch.Tensor, names: dict[int, str], index: dict[int, int], g: torch.Generator) -> Covered:
         c = self.covered.get(id(p))
         if c is None:  # a tied weight keeps the vectors it was first given
@@ -114,6 +145,7 @@ class GradientChecks:
     def coverage(self) -> Coverage:
         """What is checked, what is not, and what was left out (FLOP shares once the first step has run)."""
         kinds = collections.Counter(layer.kind for layer in self.layers.values() if id(layer.weight) in self.covered)
+        kinds.update(self._norms)
         return Coverage(dict(kinds), self.param_fraction, self.flop_fraction, self.linear_flop_fraction,
                         list(self.left_out), dict(self._uncovered))
 
@@ -172,14 +204,21 @@ class GradientChecks:
 
         ``zero_grad()`` sets gradients to ``None`` by default, and then this costs nothing.
         """
+        if not self.on:
+            return
         for p in params:
             c = self.covered.get(id(p))
             if c is not None and p.grad is not None:
                 c.base = rgs(c, p.grad.detach().float()).double()
 
     # ------------------------------------------------------------ hooks
+    @property
+    def on(self) -> bool:
+        """Whether this step's gradients are checked (not paused, and scheduled or the first step)."""
+        return not self.paused and (self.enabled or self.probing)
+
     def _active(self, out: Any) -> bool:
-        return not self.paused and torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
+        return self.on and torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
 
     def _linear_pre(self, mod: torch.nn.Module, args: Any) -> Any:
         x = args[0] if args else None
@@ -246,7 +285,7 @@ class GradientChecks:
             if bias is not None and y is not None:
                 bias.add(None, None, y, b, eps)
 
-        out.register_hook(on_grad)
+        out.register_hook(self.watch.timed("abft")(on_grad))
 
     def _input_grad(self, check: InputCheck, g: torch.Tensor) -> None:
         """The layer's share of its input's gradient, row by row against ``dY (W s)`` (see the module doc)."""
@@ -288,7 +327,7 @@ class GradientChecks:
                 e.add(picked, ones, torch.mv(dy2, s), torch.linalg.vector_norm(dy2, dim=1),
                       (EPS32, unit_roundoff(dy.dtype)))
 
-        out.register_hook(on_grad)
+        out.register_hook(self.watch.timed("abft")(on_grad))
 
     # ------------------------------------------------------------ check
     def flat(self, params: Sequence[torch.Tensor], buf: torch.Tensor,

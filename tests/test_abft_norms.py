@@ -1,0 +1,129 @@
+"""ABFT of normalisation layers (``guard/abft/norms.py``): LayerNorm, RMSNorm and BatchNorm scale and shift
+gradients are checked at their step, clean runs pass, and a wrong element names its parameter."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from models import BNMLP, TinyGPT, lm_loss, mse_loss
+from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
+
+
+class RMSNet(nn.Module):
+    def __init__(self, d: int = 24) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.norm = nn.RMSNorm(d)
+        self.out = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.nn.functional.gelu(self.norm(self.inp(x) + 3.0)))
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).mean(dim=(2, 3)))
+
+
+def gpt_batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
+
+
+def vec_batch(d_in: int, d_out: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    def make(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(16, d_in, generator=g), torch.randn(16, d_out, generator=g)
+    return make
+
+
+def image_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4, 3, 6, 6, generator=g), torch.randn(4, 4, generator=g)
+
+
+def bf16_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return lm_loss(model, batch)
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[..., torch.Tensor], Callable[[int], Any], str]] = {
+    "LayerNorm": (TinyGPT, lm_loss, gpt_batch, "exact"),
+    "LayerNorm bf16 autocast": (TinyGPT, bf16_lm_loss, gpt_batch, "tolerance"),
+    "RMSNorm": (RMSNet, mse_loss, vec_batch(8, 4), "exact"),
+    "BatchNorm1d": (BNMLP, mse_loss, vec_batch(16, 4), "exact"),
+    "BatchNorm2d": (ConvBN, mse_loss, image_batch, "exact"),
+}
+
+
+def run(case: str, steps: int, fault: tuple[str, int, int] | None = None) -> tuple[SDCGuard, Any]:
+    build, loss, batch, mode = CASES[case]
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = SDCGuard(model, opt, loss, GuardConfig(abft_every=1, mode=mode))
+    if fault is not None:  # the evaluator's kind of injection: a hook on the parameter's gradient, x10 on one element
+        name, at, k = fault
+
+        def hit(g: torch.Tensor) -> torch.Tensor:
+            if guard.current_step != at:
+                return g
+            g = g.clone()
+            g.view(-1)[k] *= 10
+            return g
+
+        dict(model.named_parameters())[name].register_hook(hit)
+    for step in range(1, steps + 1):
+        guard.backward(batch(step), step=step)
+        try:
+            guard.step()
+        except SilentCorruptionDetected as e:
+            return guard, e
+        opt.zero_grad(set_to_none=True)
+    return guard, None
+
+
+def norm_params(case: str) -> list[tuple[str, int]]:
+    torch.manual_seed(0)
+    model = CASES[case][0]()
+    norms = (nn.LayerNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d)
+    return [(f"{m}.{n}" if m else n, p.numel()) for m, mod in model.named_modules() if isinstance(mod, norms)
+            for n, p in mod.named_parameters(recurse=False)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(CASES))
+def test_clean_runs_with_normalisation_layers_pass_and_report_them_covered(case):
+    guard, incident = run(case, 12)
+    assert incident is None, incident
+    assert guard.checks["abft"].passed == 12
+    cov = guard.coverage()
+    assert cov is not None and any(k in cov.modules for k in ("LayerNorm", "RMSNorm", "BatchNorm")), cov
+    assert not any(k in cov.uncovered for k in ("LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d")), cov
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d"])
+def test_a_norm_gradient_element_times_ten_is_caught_at_its_step_naming_the_parameter(case):
+    rng = random.Random(case)
+    params = norm_params(case)
+    trials = [(name, rng.randrange(2, 6), rng.randrange(n)) for name, n in params for _ in range(5)]
+    caught = 0
+    for name, at, k in trials:
+        _, e = run(case, at, (name, at, k))
+        if e is not None:
+            assert (e.kind, e.detected_step) == ("abft", at), e
+            assert name in str(e), e
+            caught += 1
+    assert caught >= 0.95 * len(trials), (caught, len(trials))

@@ -1,0 +1,99 @@
+"""The budget scheduler (``guard/budget.py``): the budget kept on a synthetic cost model, one schedule for every rank,
+fixed intervals, and checks sampled (never dropped) when the budget cannot afford them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from verified_ckpt.guard.budget import MAX_AUDIT_GAP, MAX_CONSENSUS_GAP, Budget, Costs
+
+
+def simulate(overhead: float, steps: int = 3000, *, plain: float = 1.0, floor: float = 0.004, abft: float = 0.02,
+             consensus: float = 0.1, audit: float = 0.5, ranks: int = 3, noise: float = 0.1, seed: int = 0,
+             **kw: object) -> tuple[float, list[Budget], list[list[tuple[bool, bool, bool]]]]:
+    """Run the scheduler of each of ``ranks`` ranks against a cost model (seconds per step without the guard, per
+    step for the floor and ABFT, per run for consensus and audits), each rank measuring with its own noise and all
+    of them fed the gathered rows, as the guard does. Returns the overhead spent, the budgets and every rank's
+    plans."""
+    rng = random.Random(seed)
+    budgets = [Budget(overhead, **kw) for _ in range(ranks)]  # type: ignore[arg-type]
+    plans: list[list[tuple[bool, bool, bool]]] = [[] for _ in range(ranks)]
+    spent = base = 0.0
+    abft_on, last = True, [-1.0, -1.0]
+    for step in range(1, steps + 1):
+        def jitter(x: float) -> float:
+            return x * (1 + noise * (rng.random() - 0.5))
+        rows = []
+        for _ in range(ranks):
+            p, f, a = jitter(plain), jitter(floor), jitter(abft) if abft_on else 0.0
+            rows.append(Costs(p + f + a + max(last[0], 0) + max(last[1], 0) if step > 1 else 0.0, f, a,
+                              last[0], last[1]))
+        got = [b.plan(step, rows, abft_on) for b in budgets]
+        for r, g in enumerate(got):
+            plans[r].append((g.consensus, g.audit, g.abft))
+        c, au = got[0].consensus, got[0].audit
+        spent += floor + (abft if abft_on else 0.0) + (consensus if c else 0.0) + (audit if au else 0.0)
+        base += plain
+        last = [consensus if c else -1.0, audit if au else -1.0]
+        abft_on = got[0].abft
+    return spent / base, budgets, plans
+
+
+@pytest.mark.parametrize("overhead", [0.01, 0.03, 0.10])
+def test_budget_is_kept_within_a_point_on_a_synthetic_cost_model(overhead):
+    spent, budgets, _ = simulate(overhead)
+    assert abs(spent - overhead) <= 0.01, (overhead, spent, budgets[0].rates)
+
+
+def test_every_rank_derives_the_same_schedule_from_the_gathered_rows():
+    _, _, plans = simulate(0.03, steps=500, noise=0.5)
+    assert plans[0] == plans[1] == plans[2]
+    assert any(c for c, _, _ in plans[0]) and any(a for _, a, _ in plans[0])
+
+
+def test_default_budget_buys_consensus_every_few_steps_and_abft_on_every_step_when_it_is_cheap():
+    _, budgets, plans = simulate(0.03, abft=0.005)
+    rates = budgets[0].rates
+    assert rates is not None
+    assert rates.abft_share == 1.0
+    assert rates.consensus_every <= 10, rates
+    assert rates.audit_every <= 50, rates
+    assert all(a for _, _, a in plans[0][-100:])
+
+
+def test_abft_is_sampled_when_it_does_not_fit_and_the_report_says_how_often():
+    spent, budgets, plans = simulate(0.03, abft=0.08)
+    rates = budgets[0].rates
+    assert rates is not None and 0.1 <= rates.abft_share < 1.0, rates
+    share = sum(a for _, _, a in plans[0][-1000:]) / 1000
+    assert share == pytest.approx(rates.abft_share, abs=0.05)
+    assert "ABFT on" in rates.summary() and "of steps" in rates.summary()
+    assert spent <= 0.04
+
+
+def test_checks_the_budget_cannot_afford_are_sampled_not_dropped():
+    # The floor alone is over the budget: consensus and audits still run, at their slowest rates.
+    _, budgets, plans = simulate(0.01, floor=0.02, abft=0.05)
+    consensus = [i for i, (c, _, _) in enumerate(plans[0]) if c]
+    audits = [i for i, (_, a, _) in enumerate(plans[0]) if a]
+    assert consensus and max(b - a for a, b in zip(consensus, consensus[1:])) <= MAX_CONSENSUS_GAP
+    assert audits and max(b - a for a, b in zip(audits, audits[1:])) <= MAX_AUDIT_GAP
+    assert 0 < sum(a for _, _, a in plans[0]) / len(plans[0]) <= 0.15  # ABFT: at least one step in 10
+
+
+def test_fixed_intervals_override_the_budget():
+    _, _, plans = simulate(0.03, steps=200, consensus_every=7, audit_every=None, abft_every=2)
+    assert [i + 1 for i, (c, _, _) in enumerate(plans[0]) if c] == list(range(7, 201, 7))
+    assert not any(a for _, a, _ in plans[0])
+    assert [a for _, _, a in plans[0][:6]] == [True, False, True, False, True, False]  # ABFT at steps 2, 4, 6, ...
+
+
+def test_one_slow_step_does_not_starve_the_checks():
+    b = Budget(0.03)
+    for step in range(1, 60):
+        slow = 100.0 if step == 30 else 1.0  # a checkpoint save between two steps
+        b.plan(step, [Costs(slow if step > 1 else 0.0, 0.004, 0.0, 0.1 if step % 5 == 0 else -1.0, -1.0)], False)
+    rates = b.rates
+    assert rates is not None and rates.plain_s < 2.0, rates

@@ -1,0 +1,124 @@
+"""ABFT for normalisation layers: the gradients of their scale (γ) and shift (β).
+
+A normalisation layer computes ``Y = γ ⊙ X̂ + β`` with ``X̂`` the input normalised per row (``nn.LayerNorm``,
+``nn.RMSNorm``) or per channel (``nn.BatchNorm1d/2d/3d`` with affine parameters). Its parameter gradients are sums
+over the rows:
+
+    dβ = Σ_n dY_n        dγ = Σ_n dY_n ⊙ X̂_n
+
+so for a random vector ``r`` (one per parameter) ``rᵀ dβ = Σ_n dY_n · r`` and ``rᵀ dγ = Σ_n (dY_n ⊙ X̂_n) · r``:
+per-row values a hook on the output's gradient computes from ``dY`` and the input the forward hook kept (``X̂``
+recomputed from the row or channel statistics taken in the forward), summed like a Linear's bias entries. The
+rounding bound takes the per-row spread ``‖dY_n ⊙ X̂_n‖`` and, for the recomputed ``X̂`` (``X - μ`` loses digits
+when the mean is large against the spread), ``(1 + |μ| / σ) ‖dY_n‖``.
+
+Only the classes' own ``forward`` (a subclass may compute something else), and BatchNorm only where it normalises
+with the batch's statistics or with running ones it holds (not ``SyncBatchNorm``: its statistics span ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .sums import EPS32, Covered, unit_roundoff
+
+__all__ = ["NORMS", "norm_kind", "norm_rows"]
+
+NORMS = ("LayerNorm", "RMSNorm", "BatchNorm")
+_RECOMPUTE_EPS = 4 * EPS32  # X̂ recomputed: a subtraction, a square root and a product, each rounded
+
+
+def norm_kind(mod: torch.nn.Module) -> str | None:
+    """``"LayerNorm"``, ``"RMSNorm"`` or ``"BatchNorm"`` for a stock layer with affine parameters, else ``None``."""
+    t = type(mod)
+    if isinstance(mod, torch.nn.LayerNorm) and t.forward is torch.nn.LayerNorm.forward and mod.elementwise_affine:
+        return "LayerNorm"
+    rms = getattr(torch.nn, "RMSNorm", None)
+    if rms is not None and isinstance(mod, rms) and t.forward is getattr(rms, "forward") and mod.elementwise_affine:  # noqa: B009
+        return "RMSNorm"
+    if t in (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d) and getattr(mod, "affine", False):
+        return "BatchNorm"
+    return None
+
+
+def norm_rows(mod: torch.nn.Module, kind: str, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """From the forward's input: the function that gives ``X̂`` as rows (features last) and its conditioning,
+    ``None`` where this forward's normalisation is not one this module checks (an unexpected shape)."""
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        xf = x.detach().float()
+        if kind in ("LayerNorm", "RMSNorm"):
+            shape = tuple(getattr(mod, "normalized_shape", ()))
+            if not shape or tuple(xf.shape[-len(shape):]) != shape:
+                return None
+            rows = xf.reshape(-1, int(torch.Size(shape).numel()))
+            eps = getattr(mod, "eps", None)
+            eps = torch.finfo(x.dtype).eps if eps is None else eps  # RMSNorm's default
+            if kind == "LayerNorm":
+                var, mean = torch.var_mean(rows, dim=1, unbiased=False, keepdim=True)
+            else:
+                var, mean = rows.square().mean(dim=1, keepdim=True), None
+            rstd = torch.rsqrt(var + eps)
+        else:
+            if xf.dim() < 2:
+                return None
+            rows = xf.movedim(1, -1).reshape(-1, xf.shape[1])
+            uses_batch = mod.training or getattr(mod, "running_mean", None) is None
+            if uses_batch:
+                var, mean = torch.var_mean(rows, dim=0, unbiased=False, keepdim=True)
+            else:
+                running_mean, running_var = getattr(mod, "running_mean"), getattr(mod, "running_var")  # noqa: B009
+                mean, var = running_mean.view(1, -1).float(), running_var.view(1, -1).float()
+            rstd = torch.rsqrt(var + float(getattr(mod, "eps", 1e-5)))
+    channels_first = kind == "BatchNorm"
+
+    def xhat(_: torch.Tensor) -> torch.Tensor:
+        return rows * rstd if mean is None else (rows - mean) * rstd
+
+    xhat.kappa = (1 + (mean.abs() * rstd) if mean is not None else torch.ones_like(rstd))  # type: ignore[attr-defined]
+    xhat.channels_first = channels_first  # type: ignore[attr-defined]
+    return xhat
+
+
+def record(gamma: Covered | None, beta: Covered | None, xhat: Callable[[torch.Tensor], torch.Tensor],
+           dy: torch.Tensor) -> None:
+    """The output's gradient has come: each parameter's per-row values and spreads (see the module doc)."""
+    with torch.no_grad():
+        d = dy.detach().float()
+        rows = d.movedim(1, -1).reshape(-1, d.shape[1]) if getattr(xhat, "channels_first", False) else \
+            d.reshape(-1, d.shape[-1])
+        b = torch.linalg.vector_norm(rows, dim=1)
+        kappa = getattr(xhat, "kappa")  # noqa: B009 - set on the function by norm_rows
+        kappa = kappa.reshape(-1) if kappa.shape[0] == rows.shape[0] else kappa.max().expand(rows.shape[0])
+        eps = (_RECOMPUTE_EPS, unit_roundoff(dy.dtype))
+        if beta is not None:
+            beta.add(None, None, torch.mv(rows, beta.v0), b, eps)
+        if gamma is not None:
+            prod = rows * xhat(rows)
+            spread = torch.sqrt(torch.linalg.vector_norm(prod, dim=1).square() + (kappa * b).square())
+            gamma.add(None, None, torch.mv(prod, gamma.v0), spread, eps)
+
+
+def hook(checks: Any, mod: torch.nn.Module, kind: str, gamma_of: Callable[[], Covered | None],
+         beta_of: Callable[[], Covered | None]) -> Callable[[torch.nn.Module, Any, Any], None]:
+    """The forward hook of one normalisation layer (``checks``: the ``GradientChecks`` it reports to)."""
+
+    def forward(m: torch.nn.Module, args: Any, out: Any) -> None:
+        x = args[0] if args else None
+        if not checks._active(out) or not isinstance(x, torch.Tensor):
+            return
+        gamma, beta = gamma_of(), beta_of()
+        if checks.probing:
+            for c in (gamma, beta):
+                if c is not None:
+                    c.uses += 1
+        if gamma is None and beta is None:
+            return
+        xhat = norm_rows(m, kind, x)
+        if xhat is None:
+            return
+        out.register_hook(checks.watch.timed("abft")(lambda dy: record(gamma, beta, xhat, dy)))
+
+    return forward

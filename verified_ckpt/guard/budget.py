@@ -1,0 +1,307 @@
+"""The cost budget: how often each check runs, from what the checks cost as the run goes (pure; no collectives).
+
+The user gives one number, the share of step time the guard may add (``GuardConfig(overhead=0.03)``). Every
+step each rank measures what it spent (:class:`Costs`) and the figures travel in the step's one all-gather, so
+every rank feeds this scheduler the same rows in the same order and derives the same :class:`Plan`: no rank waits
+in a collective the others skip.
+
+What the budget pays for, per step, in units of the step without the guard (``plain``):
+
+* the floor: NaN/Inf and the all-reduce checksum, every step (not scheduled: they cost a pass per bucket);
+* ABFT, on a share of the steps (``abft`` in the plan, decided one step ahead: its hooks run during backward);
+* a consensus every ``consensus`` steps and an audit every ``audit`` steps (decided at the step itself, after
+  its gather).
+
+What is left after the floor is shared out by water-filling: each scheduled check gets a share (ABFT twice
+the others', ``WEIGHTS``), and a check that needs less than its share at its highest rate (ABFT on every step, a
+consensus or an audit every step) hands the rest to the others. A check the budget cannot afford is sampled, not
+dropped: no rarer than ``MAX_CONSENSUS_GAP`` / ``MAX_AUDIT_GAP`` steps, and ABFT on at least one step in
+``MAX_ABFT_GAP``. A fixed interval from the configuration (an ``int``) overrides the budget for that check; its
+cost is paid first.
+
+Costs are exponential moving averages of what was measured, the largest over the ranks (the slowest rank sets
+the pace of a synchronous step). A sample far above its average (a checkpoint save between two steps, a
+dataloader stall) is clipped, so one slow step does not starve the checks for the next hundred.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+__all__ = ["BUDGET", "MAX_ABFT_GAP", "MAX_AUDIT_GAP", "MAX_CONSENSUS_GAP", "Budget", "Costs", "Plan", "Rates", "Stopwatch"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+BUDGET = "budget"  # the configuration's value for "as often as the budget allows"
+MAX_CONSENSUS_GAP = 100
+MAX_AUDIT_GAP = 500
+MAX_ABFT_GAP = 10
+# ABFT is the one check that sees a transient fault in the gradient computation at its step: a step it skips is
+# a fault never seen (the update averages it into every replica). A consensus or an audit that comes later still
+# finds what it looks for (a wrong state, a persistent fault), only later. So ABFT gets the larger share.
+WEIGHTS = {"abft": 2.0, "consensus": 1.0, "audit": 1.0}
+_SMOOTH = 0.2  # weight of a new sample in the moving averages
+_CLIP = 4.0  # a step-time sample is clipped at this many times its average
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """What one rank spent, in seconds, as measured up to a step's gather.
+
+    ``step_s`` is the whole last iteration (end of one ``step()`` to the end of the next, the user's loop
+    included); the rest is the guard's part of it. ``consensus_s`` and ``audit_s`` are those of the previous
+    step (they run after its gather), ``-1`` where none ran.
+    """
+
+    step_s: float = 0.0
+    floor_s: float = 0.0
+    abft_s: float = 0.0
+    consensus_s: float = -1.0
+    audit_s: float = -1.0
+
+    FIELDS = 5
+
+    def row(self) -> list[float]:
+        return [self.step_s, self.floor_s, self.abft_s, self.consensus_s, self.audit_s]
+
+    @staticmethod
+    def of(row: Sequence[float]) -> Costs:
+        return Costs(*(float(v) for v in row[: Costs.FIELDS]))
+
+    @staticmethod
+    def slowest(rows: Sequence[Costs]) -> Costs:
+        """The largest of each figure over the ranks."""
+        return Costs(*(max(getattr(c, f.name) for c in rows) for f in dataclasses.fields(Costs)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What runs: ``consensus`` and ``audit`` at the step just gathered, ``abft`` at the next one."""
+
+    consensus: bool
+    audit: bool
+    abft: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """The schedule the budget affords now, and what it measured (for the ledger, the logs and ``vckpt ledger``).
+
+    Intervals in steps (``0``: never); ``abft_share`` the share of steps ABFT runs on; costs as fractions of the
+    step without the guard.
+    """
+
+    consensus_every: int
+    audit_every: int
+    abft_share: float
+    plain_s: float
+    floor: float
+    abft: float
+    consensus: float
+    audit: float
+
+    @property
+    def expected_overhead(self) -> float:
+        """What the schedule costs per step, as a share of the step without the guard."""
+        return (self.floor + self.abft * self.abft_share + (self.consensus / self.consensus_every
+                if self.consensus_every else 0.0) + (self.audit / self.audit_every if self.audit_every else 0.0))
+
+    def summary(self) -> str:
+        def every(n: int) -> str:
+            return "never" if n == 0 else "every step" if n == 1 else f"every {n} steps"
+
+        abft = "off" if self.abft_share == 0 else "every step" if self.abft_share >= 1 else \
+            f"on {self.abft_share:.0%} of steps (each layer every {math.ceil(1 / self.abft_share)} steps at most)"
+        return (f"consensus {every(self.consensus_every)}, audit {every(self.audit_every)}, ABFT {abft}; measured per "
+                f"step: floor {self.floor:.1%}, ABFT {self.abft:.1%}, consensus {self.consensus:.2f} and audit "
+                f"{self.audit:.2f} steps; expected overhead {self.expected_overhead:.1%}")
+
+
+class Stopwatch:
+    """What the guard spends, by part, between two gathers: the figures of this rank's :class:`Costs`.
+
+    Host time (``perf_counter``). On a CPU that is the checks' whole cost. On a GPU it is the time to launch
+    their kernels, which run behind the training's own; the step's wall time is still measured whole, so a check
+    whose kernels slow the step shows as a slower ``plain`` step, not as its own cost.
+    """
+
+    def __init__(self) -> None:
+        self.floor = 0.0
+        self.abft = 0.0
+        self.consensus = -1.0
+        self.audit = -1.0
+        self._mark: float | None = None
+
+    def timed(self, part: str) -> Callable[[F], F]:
+        """Decorate a hook so that its time counts to ``part`` (``"floor"`` or ``"abft"``)."""
+        def wrap(fn: F) -> F:
+            @functools.wraps(fn)
+            def run(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    setattr(self, part, getattr(self, part) + time.perf_counter() - t0)
+            return run  # type: ignore[return-value]
+        return wrap
+
+    def take(self) -> Costs:
+        """This rank's figures since the last call, and start counting again (called at each step's gather)."""
+        now = time.perf_counter()
+        got = Costs(now - self._mark if self._mark is not None else 0.0, self.floor, self.abft, self.consensus,
+                    self.audit)
+        self._mark, self.floor, self.abft, self.consensus, self.audit = now, 0.0, 0.0, -1.0, -1.0
+        return got
+
+
+class Budget:
+    """The scheduler. Feed it every step's gathered :class:`Costs` (:meth:`plan`); it answers what runs.
+
+    Args:
+        overhead: the share of step time the guard may add (0.03: 3 %).
+        consensus_every: a fixed interval, or :data:`BUDGET`.
+        audit_every: a fixed interval, :data:`BUDGET`, or ``None`` (no audits).
+        abft: whether ABFT is on at all; ``abft_every``: a fixed interval, or :data:`BUDGET`.
+        audits: whether audits can run at all (two or more replicas).
+    """
+
+    def __init__(self, overhead: float, *, consensus_every: int | str = BUDGET, audit_every: int | str | None = BUDGET,
+                 abft: bool = True, abft_every: int | str = BUDGET, audits: bool = True) -> None:
+        self.overhead = overhead
+        self.fixed_consensus = consensus_every if isinstance(consensus_every, int) else None
+        self.fixed_audit = audit_every if isinstance(audit_every, int) else None
+        self.audits = audits and audit_every is not None
+        self.abft_on = abft
+        self.fixed_abft = abft_every if isinstance(abft_every, int) else None
+        self.plain_s: float | None = None
+        self.floor_s: float | None = None
+        self.abft_s: float | None = None
+        self.consensus_s: float | None = None
+        self.audit_s: float | None = None
+        self.last_consensus: int | None = None
+        self.last_audit: int | None = None
+        self._abft_credit = 1.0  # ABFT's share accumulates; a step with a credit of 1 or more runs it
+        self.rates: Rates | None = None
+
+    # ------------------------------------------------------------ measuring
+    def measure(self, rows: Sequence[Costs], abft_ran: bool) -> None:
+        """Fold one step's gathered figures into the averages (``abft_ran``: ABFT ran at that step)."""
+        c = Costs.slowest(rows)
+        if c.consensus_s >= 0:
+            self.consensus_s = _mix(self.consensus_s, c.consensus_s)
+        if c.audit_s >= 0:
+            self.audit_s = _mix(self.audit_s, c.audit_s)
+        if c.step_s <= 0:
+            return  # the first step: no iteration measured yet
+        periodic = max(c.consensus_s, 0.0) + max(c.audit_s, 0.0)
+        plain = max(c.step_s - c.floor_s - c.abft_s - periodic, 1e-9)
+        if self.plain_s is not None:
+            plain = min(plain, _CLIP * self.plain_s)
+        self.plain_s = _mix(self.plain_s, plain)
+        self.floor_s = _mix(self.floor_s, min(c.floor_s, _CLIP * self.plain_s))
+        if abft_ran:
+            self.abft_s = _mix(self.abft_s, c.abft_s)
+
+    # ------------------------------------------------------------ deciding
+    def plan(self, step: int, rows: Sequence[Costs], abft_ran: bool) -> Plan:
+        """Measure step ``step``'s figures and decide: a consensus and an audit at ``step``, ABFT at the next."""
+        self.measure(rows, abft_ran)
+        rates = self.rates = self.current_rates()
+        consensus = _due(step, self.last_consensus, rates.consensus_every)
+        audit = self.audits and _due(step, self.last_audit, rates.audit_every)
+        if self.fixed_consensus is not None:
+            consensus = step % self.fixed_consensus == 0
+        if self.fixed_audit is not None:
+            audit = self.audits and step % self.fixed_audit == 0
+        if consensus:
+            self.last_consensus = step
+        if audit:
+            self.last_audit = step
+        return Plan(consensus, audit, self._abft_next(step + 1, rates.abft_share))
+
+    def _abft_next(self, step: int, share: float) -> bool:
+        if not self.abft_on:
+            return False
+        if self.fixed_abft is not None:
+            return step % self.fixed_abft == 0
+        self._abft_credit = min(self._abft_credit + share, 1.0 + share)
+        if self._abft_credit >= 1.0 - 1e-9:
+            self._abft_credit -= 1.0
+            return True
+        return False
+
+    def current_rates(self) -> Rates:
+        """The schedule the measured costs allow (before the first measurements: every check as rarely as allowed,
+        ABFT on every step, until a step and each check's cost are known)."""
+        plain = self.plain_s
+        unit = plain if plain else 1.0
+        floor = (self.floor_s or 0.0) / unit if plain else 0.0
+        costs = {
+            "abft": (self.abft_s / unit) if (plain and self.abft_s is not None) else None,
+            "consensus": (self.consensus_s / unit) if (plain and self.consensus_s is not None) else None,
+            "audit": (self.audit_s / unit) if (plain and self.audit_s is not None) else None,
+        }
+        fixed = {"consensus": self.fixed_consensus, "audit": self.fixed_audit if self.audits else None,
+                 "abft": self.fixed_abft if self.abft_on else None}
+        wanted = [k for k in costs if fixed[k] is None and (k != "audit" or self.audits) and (k != "abft" or self.abft_on)]
+        # What fixed intervals cost is paid before anything is shared out.
+        left = self.overhead - floor - sum((costs[k] or 0.0) / (fixed[k] or 1) for k in costs if fixed[k] is not None)
+        # A check whose cost is not known yet runs once at its slowest rate, which measures it.
+        known = [k for k in wanted if costs[k] is not None]
+        share = _water_fill({k: costs[k] or 0.0 for k in known}, max(left, 0.0))
+        gaps = {"consensus": MAX_CONSENSUS_GAP, "audit": MAX_AUDIT_GAP}
+
+        def every(k: str) -> int:
+            if fixed[k] is not None:
+                return fixed[k] or 0
+            if k == "audit" and not self.audits:
+                return 0
+            cost = costs[k]
+            if cost is None:
+                return 1 if k == "consensus" and self.last_consensus is None else gaps[k]
+            return max(1, min(gaps[k], math.ceil(cost / share[k]) if share[k] > 0 else gaps[k]))
+
+        if not self.abft_on:
+            abft_share = 0.0
+        elif fixed["abft"] is not None:
+            abft_share = 1.0 / (fixed["abft"] or 1)
+        elif costs["abft"] is None or costs["abft"] <= 0:
+            abft_share = 1.0
+        else:
+            abft_share = min(1.0, max(share.get("abft", 0.0) / costs["abft"], 1.0 / MAX_ABFT_GAP))
+        return Rates(every("consensus"), every("audit"), abft_share, plain or 0.0, floor, costs["abft"] or 0.0,
+                     costs["consensus"] or 0.0, costs["audit"] or 0.0)
+
+
+def _water_fill(costs: dict[str, float], total: float) -> dict[str, float]:
+    """Share ``total`` among checks of per-run ``costs`` in proportion to their ``WEIGHTS``; a check that needs less
+    than its share to run on every step (its cost) keeps only that, the rest going to the others."""
+    share: dict[str, float] = {}
+    todo = dict(costs)
+    left = total
+    while todo:
+        weight = sum(WEIGHTS[k] for k in todo)
+        cheap = {k: c for k, c in todo.items() if c <= left * WEIGHTS[k] / weight}
+        if not cheap:
+            share.update({k: left * WEIGHTS[k] / weight for k in todo})
+            break
+        for k, c in cheap.items():
+            share[k] = c
+            left -= c
+            del todo[k]
+    return share
+
+
+def _due(step: int, last: int | None, every: int) -> bool:
+    if every <= 0:
+        return False
+    return last is None or step - last >= every
+
+
+def _mix(avg: float | None, sample: float) -> float:
+    return sample if avg is None else (1 - _SMOOTH) * avg + _SMOOTH * sample

@@ -127,3 +127,31 @@ def test_a_norm_gradient_element_times_ten_is_caught_at_its_step_naming_the_para
             assert name in str(e), e
             caught += 1
     assert caught >= 0.95 * len(trials), (caught, len(trials))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["blocks.0.attn.qkv.weight", "blocks.1.mlp.0.bias", "blocks.0.ln2.weight"])
+def test_an_exponent_flip_that_overflows_the_bound_names_the_parameter_hit(name):
+    # Bit 30 of a float32 takes a small gradient element past 1e19: the bucket's squared norm overflows, so every
+    # covered parameter's bound is infinite. The incident must still name the one that was hit.
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = SDCGuard(model, opt, lm_loss, GuardConfig(abft_every=1, check_nonfinite=False, check_checksum=False))
+
+    def flip(g: torch.Tensor) -> torch.Tensor:
+        if guard.current_step != 3:
+            return g
+        g = g.clone()
+        bits = g.view(-1).view(torch.int32)
+        bits[1] ^= 1 << 30
+        return g
+
+    dict(model.named_parameters())[name].register_hook(flip)
+    with pytest.raises(SilentCorruptionDetected) as got:
+        for step in range(1, 4):
+            guard.backward(gpt_batch(step), step=step)
+            guard.step()
+            opt.zero_grad(set_to_none=True)
+    assert got.value.kind == "abft" and got.value.detected_step == 3
+    assert f"the gradient of {name} " in str(got.value), got.value

@@ -161,9 +161,15 @@ def worst_ratio(got: list[tuple[Covered, torch.Tensor]], sumsq: torch.Tensor | N
     bound = coef[0] * spread.sqrt() + coef[1] * norms + 1e-30
     # Norms are float32 sums of squares: a value past ~1e19 (no real gradient or activation) overflows
     # them, and an infinite bound would pass anything. Such a bound is a failure in itself.
-    ratio = ((actual - expected).abs() / bound).nan_to_num(nan=torch.inf)
-    ratio = torch.where(bound.isfinite(), ratio, torch.inf)
-    return worst(torch.stack([ratio, coef[2]]).T)
+    dev = (actual - expected).abs().nan_to_num(nan=torch.inf)
+    finite = bound.isfinite()
+    ratio = torch.where(finite, (dev / bound).nan_to_num(nan=torch.inf), torch.inf)
+    # Where a bound overflowed, it overflowed for every parameter sharing the bucket's norm, so their ratios are
+    # all infinite and no longer tell them apart: the parameter hit is the one whose own projection moved most.
+    # Picked on the device (no host sync), as ``worst`` does.
+    key = torch.where(finite.all(), ratio, torch.where(finite, -1.0, dev))
+    pick = key.argmax().view(1)
+    return torch.cat([ratio.index_select(0, pick), coef[2].index_select(0, pick)])
 
 
 def expected_sums(covered: list[Covered]) -> tuple[torch.Tensor, torch.Tensor]:

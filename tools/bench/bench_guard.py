@@ -3,6 +3,11 @@ amortised cost of one consensus and one audit.
 
     .venv/bin/python tools/bench/bench_guard.py --world-size 3 --steps 40
     .venv/bin/python tools/bench/bench_guard.py --model gpt --d-model 256 --batch 16
+    .venv/bin/python tools/bench/bench_guard.py --model gpt --d-model 256 --batch 16 --world-size 2 --budgets --steps 200
+
+``--budgets`` adds the default ``GuardConfig()`` (a 3 % budget) and budgets of 1 % and 10 %: their overhead is the
+mean step time against plain DDP's (what the budget keeps: periodic checks make single steps slower), beside the
+median per-step ratio.
 
 All variants run in the same spawned job with their own model copies, their
 steps interleaved one by one, so the ratios are measured side by side.
@@ -34,7 +39,8 @@ from verified_ckpt import GuardConfig, SDCGuard
 def build(args: argparse.Namespace) -> torch.nn.Module:
     if args.model == "gpt":
         torch.manual_seed(0)
-        return models.TinyGPT(vocab=1024, d=args.d_model, layers=args.depth, heads=8, context=args.context)
+        return models.TinyGPT(vocab=args.vocab, d=args.d_model, layers=args.depth, heads=8 if args.d_model >= 64 else 4,
+                              context=args.context)
     return models.mlp(args.width, args.depth)
 
 
@@ -62,7 +68,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     g = torch.Generator().manual_seed(rank)
     if args.model == "gpt":
-        batches = [(torch.randint(0, 1024, (args.batch, args.context + 1), generator=g), torch.zeros(())) for _ in range(4)]
+        batches = [(torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=g), torch.zeros(()))
+                   for _ in range(4)]
     else:
         batches = [(torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, 8, generator=g))
                    for _ in range(4)]
@@ -73,6 +80,10 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         "consensus every step": GuardConfig(consensus_every=1, audit_every=None),
         "audit every step": GuardConfig(consensus_every=10**9, audit_every=1),
     }
+    if args.budgets:
+        variants = {"plain DDP": None, "per-step checks": variants["per-step checks"],
+                    "per-step, no ABFT": variants["per-step, no ABFT"], "default (3 %)": GuardConfig(),
+                    "budget 1 %": GuardConfig(overhead=0.01), "budget 10 %": GuardConfig(overhead=0.10)}
     # Every variant gets its own model; steps are interleaved (one step of each
     # variant in turn, each started behind a barrier) so drift and scheduler
     # noise on an oversubscribed box hit all variants alike.
@@ -93,8 +104,12 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
                 times[name].append(time.perf_counter() - t0)
     if rank == 0:
         params = sum(p.numel() for p in build(args).parameters())
+        ratios = {k: statistics.median(a / b for a, b in zip(v, times["plain DDP"], strict=True)) for k, v in times.items()}
+        schedules = {k: g.schedule().summary() for k, (_, _, g) in runs.items()
+                     if g is not None and g.schedule() is not None}  # type: ignore[union-attr]
         with open(out, "w") as f:
-            json.dump({"params": params, "step_s": {k: statistics.mean(v) for k, v in times.items()}}, f)
+            json.dump({"params": params, "step_s": {k: statistics.mean(v) for k, v in times.items()},
+                       "median_ratio": ratios, "schedules": schedules}, f)
     dist.destroy_process_group()
 
 
@@ -117,12 +132,28 @@ def main() -> None:
     ap.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
     ap.add_argument("--d-model", type=int, default=256, help="TinyGPT width (--model gpt)")
     ap.add_argument("--context", type=int, default=64, help="TinyGPT context length (--model gpt)")
+    ap.add_argument("--vocab", type=int, default=1024, help="TinyGPT vocabulary (--model gpt)")
+    ap.add_argument("--budgets", action="store_true", help="measure the default budget and budgets of 1 %% and 10 %%")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
     res = spawn_ranks(worker, args)
     s = res["step_s"]
+    shape = (f"TinyGPT d={args.d_model} x{args.depth} layers, vocab {args.vocab}, context {args.context}"
+             if args.model == "gpt" else f"MLP {args.depth}x{args.width}")
+    if args.budgets:
+        print(f"{args.world_size} gloo ranks, {shape} ({res['params'] / 1e6:.3f} M params), batch {args.batch}, "
+              f"{args.steps - args.warmup} interleaved steps")
+        for k, v in s.items():
+            print(f"  {k:<20} {v * 1000:8.1f} ms/step   mean ratio {v / s['plain DDP']:6.3f}   median per-step ratio "
+                  f"{res['median_ratio'][k]:6.3f}")
+            if k in res["schedules"]:
+                print(f"      {res['schedules'][k]}")
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(res, f, indent=2)
+        return
     base, checks = s["plain DDP"], s["per-step checks"]
     ratios = {
         "per-step checks overhead": checks / base - 1,
@@ -130,8 +161,6 @@ def main() -> None:
         "one consensus, in steps": (s["consensus every step"] - checks) / base,
         "one audit, in steps": (s["audit every step"] - checks) / base,
     }
-    shape = (f"TinyGPT d={args.d_model} x{args.depth} layers, context {args.context}" if args.model == "gpt"
-             else f"MLP {args.depth}x{args.width}")
     print(f"{args.world_size} gloo ranks, {shape} ({res['params'] / 1e6:.1f} M params), "
           f"batch {args.batch}, mean of {args.steps - args.warmup} interleaved steps")
     for k, v in s.items():

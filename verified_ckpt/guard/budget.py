@@ -53,8 +53,8 @@ _CLIP = 4.0  # a step-time sample is clipped at this many times its average
 class Costs:
     """What one rank spent, in seconds, as measured up to a step's gather.
 
-    ``step_s`` is the whole last iteration (end of one ``step()`` to the end of the next, the user's loop
-    included); the rest is the guard's part of it. ``consensus_s`` and ``audit_s`` are those of the previous
+    ``step_s`` is the step's training work as :class:`Stopwatch` times it, the previous step's consensus and
+    audit included; the rest is the guard's part of it. ``consensus_s`` and ``audit_s`` are those of the previous
     step (they run after its gather), ``-1`` where none ran.
     """
 
@@ -123,11 +123,14 @@ class Rates:
 
 
 class Stopwatch:
-    """What the guard spends, by part, between two gathers: the figures of this rank's :class:`Costs`.
+    """What the guard spends, by part, in one step: the figures of this rank's :class:`Costs`.
 
-    Host time (``perf_counter``). On a CPU that is the checks' whole cost. On a GPU it is the time to launch
-    their kernels, which run behind the training's own; the step's wall time is still measured whole, so a check
-    whose kernels slow the step shows as a slower ``plain`` step, not as its own cost.
+    The step is timed from its first microbatch's ``begin`` to its gather, plus the previous step's optimizer
+    update (``update``): the training's own work, whatever the loop does between steps (loading data, logging,
+    saving), so a slow dataloader does not buy more checks. Host time (``perf_counter``). On a CPU that is the
+    checks' whole cost. On a GPU it is the time to launch their kernels, which run behind the training's own; the
+    step's wall time is still measured whole, so a check whose kernels slow the step shows as a slower ``plain``
+    step, not as its own cost.
     """
 
     def __init__(self) -> None:
@@ -135,7 +138,13 @@ class Stopwatch:
         self.abft = 0.0
         self.consensus = -1.0
         self.audit = -1.0
+        self.update = 0.0
         self._mark: float | None = None
+
+    def start(self) -> None:
+        """The step's first microbatch begins."""
+        if self._mark is None:
+            self._mark = time.perf_counter()
 
     def timed(self, part: str) -> Callable[[F], F]:
         """Decorate a hook so that its time counts to ``part`` (``"floor"`` or ``"abft"``)."""
@@ -151,11 +160,12 @@ class Stopwatch:
         return wrap
 
     def take(self) -> Costs:
-        """This rank's figures since the last call, and start counting again (called at each step's gather)."""
+        """This rank's figures for the step, and start counting again (called at each step's gather)."""
         now = time.perf_counter()
-        got = Costs(now - self._mark if self._mark is not None else 0.0, self.floor, self.abft, self.consensus,
-                    self.audit)
-        self._mark, self.floor, self.abft, self.consensus, self.audit = now, 0.0, 0.0, -1.0, -1.0
+        periodic = max(self.consensus, 0.0) + max(self.audit, 0.0)
+        step = now - self._mark + self.update + periodic if self._mark is not None else 0.0
+        got = Costs(step, self.floor, self.abft, self.consensus, self.audit)
+        self._mark, self.floor, self.abft, self.consensus, self.audit, self.update = None, 0.0, 0.0, -1.0, -1.0, 0.0
         return got
 
 

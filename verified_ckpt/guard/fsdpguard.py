@@ -115,6 +115,8 @@ class FSDPGuard(SDCGuard):
         self._step = step
         self._start = step if self._start is None else self._start
         self._ran_backward = True
+        if not self._losses:
+            self.watch.start()
         if self.audits_enabled and self.batch_for is None:
             batches.encode(batch)  # fails now, naming the leaf, not at the first audit hundreds of steps later
         self._rng.append(microbatch_state(self.device))

@@ -208,6 +208,8 @@ class SDCGuard:
         self._step = step
         if self._start is None:
             self._start = step
+        if not self._batches:
+            self.watch.start()
         if self._warmup_pending:
             self._warmup_pending = False
             with self._abft_paused():
@@ -254,7 +256,9 @@ class SDCGuard:
         s = self._step
         try:
             self._check_before_update(s)
+            t0 = time.perf_counter()
             self.optimizer.step()
+            self.watch.update = time.perf_counter() - t0
             self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
             if self._plan.consensus:
                 t0 = time.perf_counter()

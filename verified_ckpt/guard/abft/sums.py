@@ -9,8 +9,6 @@ from collections.abc import Sequence
 
 import torch
 
-from ..stats import worst
-
 __all__ = ["EPS32", "MAX_ENTRIES", "RMS", "Covered", "bound_coefficients", "coefficients_on", "expected_sums", "lengths_on",
            "matmul_eps", "norm", "rgs", "signed_weights", "sums", "unit_roundoff", "worst_ratio"]
 

@@ -138,7 +138,8 @@ class SDCGuard:
         self._losses: list[torch.Tensor] = []
         self._kept: tuple[int | None, list[Any]] = (None, [])  # the last step and its first microbatch (save audits)
         self.abft = GradientChecks(self.module, self.params, self.cfg.seed, self.cfg.abft_slack, self.cfg.abft_exclude,
-                                   compiled=inner is not model, watch=self.watch) if self.cfg.abft else None
+                                   compiled=inner is not model, watch=self.watch,
+                                   forward=self.cfg.abft_forward) if self.cfg.abft else None
         self.tap = GradientTap(self.params, self.comm, project=self.project, faults=self.faults, step=lambda: self._step,
                                fixed_order=bool(self.cfg.fixed_order_reduce), abft=self.abft,
                                want_lanes=self._audit_scheduled, watch=self.watch)

@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..budget import Stopwatch
 from ..stats import StepStats, Verdict, failed_rows, worst
+from . import forward as fwd
 from . import norms
 from .layers import COMPILED, OUTSIDE, Coverage, InputCheck, InputTap, Layer, gradient_paths, layer_kind
 from .norms import norm_kind
@@ -35,8 +36,10 @@ class GradientChecks:
     """
 
     def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor], seed: int, slack: float,
-                 exclude: Sequence[str] = (), compiled: bool = False, watch: Stopwatch | None = None) -> None:
+                 exclude: Sequence[str] = (), compiled: bool = False, watch: Stopwatch | None = None,
+                 forward: bool = False) -> None:
         self.slack = slack
+        self.forward = forward  # also check each covered layer's forward output (``abft/forward.py``)
         self.paused = False  # audit recomputation and warm-up passes are not this step's gradients
         self.enabled = True  # the budget's choice for this step (the first step always runs: it measures coverage)
         self.watch = watch or Stopwatch()
@@ -86,6 +89,7 @@ class GradientChecks:
         self._tag = 0
         self._open: dict[int, InputCheck] = {}  # by id of the module: a forward between its two hooks
         self._inputs: list[tuple[torch.Tensor, int]] = []  # this step's input-gradient ratios, and their layer
+        self._forwards: list[tuple[torch.Tensor, int]] = []  # this step's forward-output ratios, and their layer
 
     def _install(self, name: str, mod: torch.nn.Module, kind: str, names: dict[int, str], index: dict[int, int],
                  g: torch.Generator) -> Layer:
@@ -186,6 +190,7 @@ class GradientChecks:
         for c in self.covered.values():
             c.entries, c.base, c.base_spread, c.rows, c.eps_in, c.eps_out = [], None, None, 0, EPS32, EPS32
         self._inputs = []
+        self._forwards = []
         self._open = {}
         self._tag += 1  # a new step: the weights may have changed
 
@@ -232,6 +237,8 @@ class GradientChecks:
                 w = layer.weight.detach().float()
                 layer.ws = torch.mv(w.T, layer.s) if layer.kind == "Conv1D" else torch.mv(w, layer.s)
                 layer.wnorm = torch.linalg.vector_norm(w)
+            if self.forward:
+                fwd.prepare(layer)
             layer.tag = self._tag
         tapped: torch.Tensor = InputTap.apply(x, check, self._input_grad)  # type: ignore[no-untyped-call]
         return (tapped, *args[1:])
@@ -242,6 +249,11 @@ class GradientChecks:
         x = args[0] if args else None
         if layer is None or not self._active(out) or not isinstance(x, torch.Tensor):
             return
+        if self.forward and layer.wr is not None and layer.tag == self._tag:
+            cast_ = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+            got = fwd.ratio(layer, x, out, (matmul_eps(x.device.type, cast_), unit_roundoff(out.dtype)), self.slack)
+            if got is not None:
+                self._forwards.append((got, layer.number))
         # The weight and the bias are left out (or kept) one by one: a bias is checked even where its weight is not.
         w = self.covered.get(id(layer.weight))
         bias = self.covered.get(id(layer.bias)) if layer.bias is not None else None
@@ -358,17 +370,21 @@ class GradientChecks:
     def inputs_worst(self) -> torch.Tensor | None:
         """float64[2]: the worst input-gradient ratio of this step and ``n_params + layer`` naming its layer (on the
         device); ``None`` when no input gradient was checked."""
-        if not self._inputs:
+        got = self._inputs + [(r, len(self.layers) + number) for r, number in self._forwards]
+        if not got:
             return None
-        ratios = torch.stack([r for r, _ in self._inputs]).double()
-        which = layer_codes(tuple(self._n + number for _, number in self._inputs), ratios.device)
+        ratios = torch.stack([r for r, _ in got]).double()
+        which = layer_codes(tuple(self._n + code for _, code in got), ratios.device)
         return worst(torch.stack([ratios, which]).T)
 
     def name_of(self, index: int) -> str:
         """What a failed check's index names: a parameter's gradient, or a layer's input gradient."""
         if index >= self._n:
-            layer = next((x for x in self.layers.values() if x.number == index - self._n), None)
-            return f"the input gradient computed by {layer.name or 'the model'}" if layer else f"input gradient {index}"
+            code = index - self._n
+            forward, number = code >= len(self.layers), code % max(len(self.layers), 1)
+            layer = next((x for x in self.layers.values() if x.number == number), None)
+            what = "the forward output of" if forward else "the input gradient computed by"
+            return f"{what} {layer.name or 'the model'}" if layer else f"check {index}"
         name = next((c.name for c in self.covered.values() if c.index == index), f"parameter {index}")
         return f"the gradient of {name}"
 

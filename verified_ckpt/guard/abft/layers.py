@@ -48,6 +48,9 @@ class Layer:
     # Per step (weights do not change within one): W contracted with s over its input features, and ‖W‖_F.
     ws: torch.Tensor | None = None
     wnorm: torch.Tensor | None = None
+    # Per step, for the forward check (``forward``): Wᵀ r, and the largest column norm of W as r weighs it.
+    wr: torch.Tensor | None = None
+    cmax: torch.Tensor | None = None
     tag: int = -1
 
 

@@ -15,8 +15,8 @@ def simulate(overhead: float, steps: int = 3000, *, plain: float = 1.0, floor: f
              **kw: object) -> tuple[float, list[Budget], list[list[tuple[bool, bool, bool]]]]:
     """Run the scheduler of each of ``ranks`` ranks against a cost model (seconds per step without the guard, per
     step for the floor and ABFT, per run for consensus and audits), each rank measuring with its own noise and all
-    of them fed the gathered rows, as the guard does. Returns the overhead spent, the budgets and every rank's
-    plans."""
+    of them fed the gathered rows, as the guard does. Returns what the budget's checks spent (consensus, audits,
+    and ABFT when the budget schedules it) as a share of the plain step time, the budgets and every rank's plans."""
     rng = random.Random(seed)
     budgets = [Budget(overhead, **kw) for _ in range(ranks)]  # type: ignore[arg-type]
     plans: list[list[tuple[bool, bool, bool]]] = [[] for _ in range(ranks)]
@@ -34,7 +34,8 @@ def simulate(overhead: float, steps: int = 3000, *, plain: float = 1.0, floor: f
         for r, g in enumerate(got):
             plans[r].append((g.consensus, g.audit, g.abft))
         c, au = got[0].consensus, got[0].audit
-        spent += floor + (abft if abft_on else 0.0) + (consensus if c else 0.0) + (audit if au else 0.0)
+        scheduled_abft = kw.get("abft_every") == "budget"
+        spent += (abft if abft_on and scheduled_abft else 0.0) + (consensus if c else 0.0) + (audit if au else 0.0)
         base += plain
         last = [consensus if c else -1.0, audit if au else -1.0]
         abft_on = got[0].abft
@@ -53,18 +54,30 @@ def test_every_rank_derives_the_same_schedule_from_the_gathered_rows():
     assert any(c for c, _, _ in plans[0]) and any(a for _, a, _ in plans[0])
 
 
-def test_default_budget_buys_consensus_every_few_steps_and_abft_on_every_step_when_it_is_cheap():
-    _, budgets, plans = simulate(0.03, abft=0.005)
+def test_default_budget_buys_consensus_every_few_steps_beside_abft_on_every_step():
+    _, budgets, plans = simulate(0.03, abft=0.08)
     rates = budgets[0].rates
     assert rates is not None
     assert rates.abft_share == 1.0
     assert rates.consensus_every <= 10, rates
     assert rates.audit_every <= 50, rates
-    assert all(a for _, _, a in plans[0][-100:])
+    assert all(a for _, _, a in plans[0])
 
 
-def test_abft_is_sampled_when_it_does_not_fit_and_the_report_says_how_often():
-    spent, budgets, plans = simulate(0.03, abft=0.08)
+@pytest.mark.parametrize("overhead", [0.01, 0.03, 0.10])
+def test_a_budget_that_schedules_abft_too_is_kept_within_a_point(overhead):
+    spent, budgets, _ = simulate(overhead, abft_every="budget")
+    assert abs(spent - overhead) <= 0.01, (overhead, spent, budgets[0].rates)
+
+
+def test_abft_on_the_budget_runs_every_step_when_it_is_cheap():
+    _, budgets, plans = simulate(0.03, abft=0.005, abft_every="budget")
+    rates = budgets[0].rates
+    assert rates is not None and rates.abft_share == 1.0 and all(a for _, _, a in plans[0][-100:]), rates
+
+
+def test_abft_on_the_budget_is_sampled_when_it_does_not_fit_and_the_report_says_how_often():
+    spent, budgets, plans = simulate(0.03, abft=0.08, abft_every="budget")
     rates = budgets[0].rates
     assert rates is not None and 0.1 <= rates.abft_share < 1.0, rates
     share = sum(a for _, _, a in plans[0][-1000:]) / 1000
@@ -74,8 +87,8 @@ def test_abft_is_sampled_when_it_does_not_fit_and_the_report_says_how_often():
 
 
 def test_checks_the_budget_cannot_afford_are_sampled_not_dropped():
-    # The floor alone is over the budget: consensus and audits still run, at their slowest rates.
-    _, budgets, plans = simulate(0.01, floor=0.02, abft=0.05)
+    # Each check alone is over the budget: they still run, at their slowest rates.
+    _, budgets, plans = simulate(0.01, consensus=20.0, audit=100.0, abft=0.5, abft_every="budget")
     consensus = [i for i, (c, _, _) in enumerate(plans[0]) if c]
     audits = [i for i, (_, a, _) in enumerate(plans[0]) if a]
     assert consensus and max(b - a for a, b in zip(consensus, consensus[1:])) <= MAX_CONSENSUS_GAP

@@ -85,7 +85,7 @@ BEFORE_UPDATE = [
 @pytest.mark.parametrize("spec,kind,rank,step", BEFORE_UPDATE, ids=[b[0] for b in BEFORE_UPDATE])
 def test_fault_caught_before_the_update_names_the_rank_and_withholds_it(world, spec, kind, rank, step):
     spec, _, flag = spec.partition(":noabft")
-    cfg = {"audit_every": 5, "consensus_every": 5, "abft_every": 1, "faults": (spec,), **({"abft": False} if _ == ":noabft" else {})}
+    cfg = {"audit_every": 5, "consensus_every": 5, "faults": (spec,), **({"abft": False} if _ == ":noabft" else {})}
     results = run_ranks(guarded, world, cfg, 12)
     got = one(results)
     assert (got["kind"], got["ranks"], got["detected"]) == (kind, [rank], step), got
@@ -196,13 +196,14 @@ def test_fixed_order_reduce_still_catches_an_allreduce_fault():
 
 
 def saving(rank: int, world: int, run: str, faults: tuple[str, ...], use_batch_for: bool) -> dict:
-    """Default GuardConfig (audits every 500 steps), a save every 5 steps: each save audits first."""
+    """Audits every 500 steps (none scheduled in these 10 steps; the default budget audits at the first step), a save
+    every 5 steps: each save audits first."""
     from verified_ckpt import CheckpointManager
 
     model = DDP(ddp_train.build_model(0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batch_for = (lambda r, s: [ddp_train.make_batch(0, s, r)]) if use_batch_for else None
-    guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig(faults=faults), batch_for=batch_for)
+    guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig(audit_every=500, faults=faults), batch_for=batch_for)
     mgr = CheckpointManager(run, guard=guard)
     try:
         for step in range(1, 11):

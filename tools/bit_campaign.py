@@ -68,9 +68,6 @@ def trial(rank: int, world: int, spec: str | None, steps: int, cfg: dict[str, An
     torch.manual_seed(0)
     model = DDP(ddp_train.build_model(0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    # What each check catches when it runs: ABFT on every step (under the default budget it runs on the share of
-    # steps the schedule reports, and catches that share of these faults at their step).
-    cfg = {"abft_every": 1, **cfg}
     guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig(audit_every=5, consensus_every=5,
                                                                  faults=(spec,) if spec else (), **cfg))
     for step in range(1, steps + 1):

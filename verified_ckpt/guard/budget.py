@@ -1,20 +1,23 @@
 """The cost budget: how often each check runs, from what the checks cost as the run goes (pure; no collectives).
 
-The user gives one number, the share of step time the guard may add (``GuardConfig(overhead=0.03)``). Every
-step each rank measures what it spent (:class:`Costs`) and the figures travel in the step's one all-gather, so
-every rank feeds this scheduler the same rows in the same order and derives the same :class:`Plan`: no rank waits
-in a collective the others skip.
+The user gives one number, the share of step time the scheduled checks may add (``GuardConfig(overhead=0.03)``)
+on top of the per-step ones. Every step each rank measures what it spent (:class:`Costs`) and the figures travel
+in the step's one all-gather, so every rank feeds this scheduler the same rows in the same order and derives the
+same :class:`Plan`: no rank waits in a collective the others skip.
 
-What the budget pays for, per step, in units of the step without the guard (``plain``):
+What runs, per step, in units of the step without the guard (``plain``):
 
-* the floor: NaN/Inf and the all-reduce checksum, every step (not scheduled: they cost a pass per bucket);
-* ABFT, on a share of the steps (``abft`` in the plan, decided one step ahead: its hooks run during backward);
-* a consensus every ``consensus`` steps and an audit every ``audit`` steps (decided at the step itself, after
-  its gather).
+* the per-step checks, every step and outside the budget (measured and reported): NaN/Inf and the all-reduce
+  checksum (the floor), and ABFT, which is the one check that sees a transient fault in the gradient computation
+  at its step (a step it skips is a fault never seen: the update averages it into every replica);
+* a consensus every ``consensus`` steps and an audit every ``audit`` steps, as often as the budget allows
+  (decided at the step itself, after its gather);
+* ABFT too, with ``abft_every="budget"``: on a share of the steps (``abft`` in the plan, decided one step ahead:
+  its hooks run during backward), for a user who wants the budget to bound everything.
 
-What is left after the floor is shared out by water-filling: each scheduled check gets a share (ABFT twice
-the others', ``WEIGHTS``), and a check that needs less than its share at its highest rate (ABFT on every step, a
-consensus or an audit every step) hands the rest to the others. A check the budget cannot afford is sampled, not
+The budget is shared out by water-filling: each scheduled check gets a share (ABFT, when scheduled, twice the
+others', ``WEIGHTS``), and a check that needs less than its share at its highest rate (a consensus or an audit
+every step, ABFT on every step) hands the rest to the others. A check the budget cannot afford is sampled, not
 dropped: no rarer than ``MAX_CONSENSUS_GAP`` / ``MAX_AUDIT_GAP`` steps, and ABFT on at least one step in
 ``MAX_ABFT_GAP``. A fixed interval from the configuration (an ``int``) overrides the budget for that check; its
 cost is paid first.
@@ -107,7 +110,7 @@ class Rates:
 
     @property
     def expected_overhead(self) -> float:
-        """What the schedule costs per step, as a share of the step without the guard."""
+        """What the schedule costs per step, as a share of the step without the guard (per-step checks included)."""
         return (self.floor + self.abft * self.abft_share + (self.consensus / self.consensus_every
                 if self.consensus_every else 0.0) + (self.audit / self.audit_every if self.audit_every else 0.0))
 
@@ -181,7 +184,7 @@ class Budget:
     """
 
     def __init__(self, overhead: float, *, consensus_every: int | str = BUDGET, audit_every: int | str | None = BUDGET,
-                 abft: bool = True, abft_every: int | str = BUDGET, audits: bool = True) -> None:
+                 abft: bool = True, abft_every: int | str = 1, audits: bool = True) -> None:
         self.overhead = overhead
         self.fixed_consensus = consensus_every if isinstance(consensus_every, int) else None
         self.fixed_audit = audit_every if isinstance(audit_every, int) else None
@@ -259,8 +262,12 @@ class Budget:
         fixed = {"consensus": self.fixed_consensus, "audit": self.fixed_audit if self.audits else None,
                  "abft": self.fixed_abft if self.abft_on else None}
         wanted = [k for k in costs if fixed[k] is None and (k != "audit" or self.audits) and (k != "abft" or self.abft_on)]
-        # What fixed intervals cost is paid before anything is shared out.
-        left = self.overhead - floor - sum((costs[k] or 0.0) / (fixed[k] or 1) for k in costs if fixed[k] is not None)
+        # What fixed intervals of scheduled checks cost is paid before anything is shared out. The per-step checks
+        # (the floor, and ABFT when it runs on every step) are not the budget's: they are measured and reported.
+        left = self.overhead - sum((costs[k] or 0.0) / (fixed[k] or 1) for k in ("consensus", "audit")
+                                   if fixed[k] is not None)
+        if fixed["abft"] is not None and fixed["abft"] > 1:
+            left -= (costs["abft"] or 0.0) / fixed["abft"]
         # A check whose cost is not known yet runs once at its slowest rate, which measures it.
         known = [k for k in wanted if costs[k] is not None]
         share = _water_fill({k: costs[k] or 0.0 for k in known}, max(left, 0.0))

@@ -15,16 +15,18 @@ class GuardConfig:
     """What the guard checks and how often.
 
     Args:
-        overhead: the share of step time the guard may add (0.03: 3 %). The guard measures the step and each
-            check as the run goes and schedules consensus rounds, audits and ABFT as often as that allows
-            (``guard/budget.py``); a check the budget cannot afford is sampled, never dropped.
+        overhead: the share of step time the scheduled checks (consensus rounds and audits) may add on top of the
+            per-step ones (0.03: 3 %). The guard measures the step and each check as the run goes and schedules
+            them as often as that allows (``guard/budget.py``); a check the budget cannot afford is sampled, never
+            dropped. What the per-step checks cost is measured and reported beside it (``SDCGuard.schedule()``).
         consensus_every: ``"budget"`` (the default: as often as ``overhead`` allows, at least every 100 steps), or
             run the weight consensus after the update every N steps (>= 1).
         audit_every: ``"budget"`` (the default: a recompute of a slice of one microbatch per rank, as often as
             ``overhead`` allows, at least every 500 steps), every N steps (>= 1: the whole step, against what
             was recorded), or ``None`` for none.
-        abft_every: ``"budget"`` (the default: ABFT on every step if it fits, else on a share of the steps, at
-            least one in 10), or on every N-th step (1: always).
+        abft_every: 1 (the default: ABFT on every step, a per-step check), every N-th step, or ``"budget"``: within
+            ``overhead`` with the scheduled checks, on every step if it fits, else on a share of the steps (at
+            least one in 10). A step ABFT skips is a step whose transient gradient faults go unseen.
         mode: ``"exact"`` compares audits bitwise (deterministic kernels, as on CPU);
             ``"tolerance"`` compares relatively (nondeterministic GPU kernels).
         rtol: relative tolerance of audits in tolerance mode.
@@ -63,7 +65,7 @@ class GuardConfig:
     overhead: float = 0.03
     consensus_every: int | str = BUDGET
     audit_every: int | str | None = BUDGET
-    abft_every: int | str = BUDGET
+    abft_every: int | str = 1
     mode: str = "exact"
     rtol: float = 1e-4
     checksum_lanes: int = 1

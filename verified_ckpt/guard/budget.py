@@ -180,15 +180,16 @@ class Budget:
         consensus_every: a fixed interval, or :data:`BUDGET`.
         audit_every: a fixed interval, :data:`BUDGET`, or ``None`` (no audits).
         abft: whether ABFT is on at all; ``abft_every``: a fixed interval, or :data:`BUDGET`.
-        audits: whether audits can run at all (two or more replicas).
+        audits: whether audits can run at all (two or more replicas); ``consensus``: whether a consensus can.
     """
 
     def __init__(self, overhead: float, *, consensus_every: int | str = BUDGET, audit_every: int | str | None = BUDGET,
-                 abft: bool = True, abft_every: int | str = 1, audits: bool = True) -> None:
+                 abft: bool = True, abft_every: int | str = 1, audits: bool = True, consensus: bool = True) -> None:
         self.overhead = overhead
         self.fixed_consensus = consensus_every if isinstance(consensus_every, int) else None
         self.fixed_audit = audit_every if isinstance(audit_every, int) else None
         self.audits = audits and audit_every is not None
+        self.consensus_on = consensus  # one replica: nothing to compare
         self.abft_on = abft
         self.fixed_abft = abft_every if isinstance(abft_every, int) else None
         self.plain_s: float | None = None
@@ -220,6 +221,13 @@ class Budget:
         if abft_ran:
             self.abft_s = _mix(self.abft_s, c.abft_s)
 
+    @property
+    def measured(self) -> bool:
+        """Whether the step and every scheduled check's cost have been measured at least once."""
+        return (self.plain_s is not None and (not self.consensus_on or self.fixed_consensus is not None
+                                              or self.consensus_s is not None)
+                and (not self.audits or self.fixed_audit is not None or self.audit_s is not None))
+
     # ------------------------------------------------------------ deciding
     def plan(self, step: int, rows: Sequence[Costs], abft_ran: bool) -> Plan:
         """Measure step ``step``'s figures and decide: a consensus and an audit at ``step``, ABFT at the next."""
@@ -229,6 +237,7 @@ class Budget:
         audit = self.audits and _due(step, self.last_audit, rates.audit_every)
         if self.fixed_consensus is not None:
             consensus = step % self.fixed_consensus == 0
+        consensus = consensus and self.consensus_on
         if self.fixed_audit is not None:
             audit = self.audits and step % self.fixed_audit == 0
         if consensus:
@@ -261,7 +270,8 @@ class Budget:
         }
         fixed = {"consensus": self.fixed_consensus, "audit": self.fixed_audit if self.audits else None,
                  "abft": self.fixed_abft if self.abft_on else None}
-        wanted = [k for k in costs if fixed[k] is None and (k != "audit" or self.audits) and (k != "abft" or self.abft_on)]
+        wanted = [k for k in costs if fixed[k] is None and (k != "audit" or self.audits) and (k != "abft" or self.abft_on)
+                  and (k != "consensus" or self.consensus_on)]
         # What fixed intervals of scheduled checks cost is paid before anything is shared out. The per-step checks
         # (the floor, and ABFT when it runs on every step) are not the budget's: they are measured and reported.
         left = self.overhead - sum((costs[k] or 0.0) / (fixed[k] or 1) for k in ("consensus", "audit")
@@ -276,7 +286,7 @@ class Budget:
         def every(k: str) -> int:
             if fixed[k] is not None:
                 return fixed[k] or 0
-            if k == "audit" and not self.audits:
+            if (k == "audit" and not self.audits) or (k == "consensus" and not self.consensus_on):
                 return 0
             cost = costs[k]
             if cost is None:

@@ -28,6 +28,7 @@ from .audit import exchange_batches
 from .budget import Costs
 from .config import GuardConfig
 from .judge import Judge
+from .schedule import Schedule
 from .sdcguard import SDCGuard
 from .sharded import ShardedTap, audit_vector, judge_audit, judge_state, judge_step, mesh_view, state_row
 from .stats import Projector, host_row
@@ -68,7 +69,7 @@ class FSDPGuard(SDCGuard):
         self.project = Projector(self.cfg.checksum_lanes, self.cfg.seed, self.device)
         self.abft, self.ddp, self._kept = None, None, (None, [])
         self.judge = Judge(self.world, self.host_of, self.rank)
-        self._init_budget(abft=False)
+        self.sched = Schedule(self.cfg, audits=self.audits_enabled, abft=False, replicas=self.world)
         self._ran_backward, self._audit_requested = False, False
         self._step: int | None = None
         self._start: int | None = None
@@ -116,7 +117,7 @@ class FSDPGuard(SDCGuard):
         self._start = step if self._start is None else self._start
         self._ran_backward = True
         if not self._losses:
-            self.watch.start()
+            self.sched.watch.start()
         if self.audits_enabled and self.batch_for is None:
             batches.encode(batch)  # fails now, naming the leaf, not at the first audit hundreds of steps later
         self._rng.append(microbatch_state(self.device))
@@ -137,14 +138,14 @@ class FSDPGuard(SDCGuard):
             raise GuardUsageError("no gradient was reduce-scattered this step; the last backward() of a step must "
                                   "have sync=True")
         loss = torch.stack(self._losses).sum().view(1)
-        costs = self.watch.take()
+        costs = self.sched.watch.take()
         t0 = time.perf_counter()
         # The step's one host sync; the budget's figures travel in the same row, last.
         gathered = self.comm.all_gather_rows(torch.cat([*self.rs_tap.rows, loss, host_row(costs.row(), loss.device)]))
         rows = [r[: -Costs.FIELDS] for r in gathered.tolist()]
-        self._plan = self.budget.plan(s, [Costs.of(r[-Costs.FIELDS :]) for r in gathered.tolist()], False)
-        self.watch.floor += time.perf_counter() - t0 if self.device.type == "cpu" else 0.0
-        self._log_rates(s)
+        self.sched.decide(s, [r[-Costs.FIELDS :] for r in gathered.tolist()], time.perf_counter() - t0,
+                          self.device.type == "cpu")
+        self._report_schedule(s)
         verdicts = [v for v in judge_step(s, [r[:-1] for r in rows], self.view, self.rs_tap.modes, self.project.k,
                                           self._eps or 2.0**-24, self.cfg.checksum_slack, self.project.rms_weight)
                     if (v.kind == "checksum" and self.cfg.check_checksum)
@@ -152,10 +153,10 @@ class FSDPGuard(SDCGuard):
         for v in verdicts:
             self.judge.judge(s, v)
         self.judge.emit(lambda: [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
-        if self.audits_enabled and (self._audit_requested or self._plan.audit):
+        if self.audits_enabled and (self._audit_requested or self.sched.plan.audit):
             t0 = time.perf_counter()
             self._audit(s, rows)
-            self.watch.audit = time.perf_counter() - t0
+            self.sched.watch.audit = time.perf_counter() - t0
 
     def consensus(self, step: int) -> list[str]:
         """Compare, for every shard index, the replicas' fingerprints of their local shards now.

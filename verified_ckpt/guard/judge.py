@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import GuardConfigurationError, SilentCorruptionDetected
 from ..evidence import CheckCounts
-from ..history import Event
+from ..history import NO_RANK, Event
 from ..records import Host, Incident
 from .stats import Verdict
+
+if TYPE_CHECKING:
+    from .abft import Coverage, GradientChecks
+    from .schedule import Schedule
 
 __all__ = ["HINTS", "Judge"]
 
@@ -113,3 +118,65 @@ class Judge:
         events = build()
         for fn in self.event_listeners:
             fn(events)
+
+
+class Bookkeeping:
+    """What every layout's guard reports through its judge: counts, margins, incidents, listeners, and the
+    coverage and schedule lines (one place, so no layout re-does them)."""
+
+    judge: Judge
+    abft: GradientChecks | None
+    sched: Schedule
+    rank: int
+    _start: int | None
+    _step: int | None
+
+    def _report_schedule(self, s: int) -> None:
+        rows = self.sched.report(s, self.rank)
+        if rows:
+            self.judge.emit(lambda: rows)
+
+    def _report_coverage(self, cov: Coverage) -> None:
+        """What each check covers, once, at the first step: the log, and a ledger row."""
+        if self.rank == 0:
+            log.info("SDCGuard: %s", cov.summary())
+            if cov.left_out:
+                log.warning("SDCGuard: ABFT leaves out %s; their gradients are checked by audits and consensus only "
+                            "(docs/GUARD.md, 'What ABFT covers')", cov.left_out_summary())
+        self.judge.emit(lambda: [Event(self._step or 0, "coverage", NO_RANK, "pass", (0, 0), cov.param_fraction,
+                                  cov.flop_fraction or 0.0)])
+
+    def coverage(self) -> Coverage | None:
+        """What ABFT checks each step (measured at the first step: complete after it); ``None`` with ABFT off."""
+        return self.abft.coverage() if self.abft is not None else None
+
+    @property
+    def checks(self) -> dict[str, CheckCounts]:
+        return self.judge.checks
+
+    @property
+    def margins(self) -> dict[str, float]:
+        return self.judge.margins
+
+    @property
+    def incidents(self) -> list[Incident]:
+        return self.judge.incidents
+
+    def counters(self) -> dict[str, CheckCounts]:
+        """A snapshot of every check's pass/fail counts and last passing step; ABFT's also says what share of the
+        backward FLOPs it checks (``coverage``, once measured)."""
+        counts = self.judge.counters()
+        if "abft" in counts and self.abft is not None:
+            counts["abft"].coverage = self.abft.flop_fraction
+        return counts
+
+    def _last_pass(self, kind: str) -> int:
+        return self.judge.last_pass(kind, self._start)
+
+    def add_incident_listener(self, fn: Callable[[Incident], None]) -> None:
+        """Call ``fn(incident)`` on every rank whenever a check fails (before raising)."""
+        self.judge.listeners.append(fn)
+
+    def add_event_listener(self, fn: Callable[[list[Event]], None]) -> None:
+        """Call ``fn(events)`` with the ledger rows of every check this rank runs."""
+        self.judge.event_listeners.append(fn)

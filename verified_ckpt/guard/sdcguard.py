@@ -25,35 +25,31 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import batches, decisions
 from ..comm import Communicator
 from ..errors import GuardConfigurationError, GuardUsageError, SilentCorruptionDetected
-from ..evidence import CheckCounts
 from ..faults import FaultPlan
 from ..history import NO_RANK, Event
-from ..records import Host, Incident
+from ..records import Host
 from ..rng import microbatch_state
 from . import abft, checksum, consensus, nonfinite
-from .abft import Coverage, GradientChecks
+from .abft import GradientChecks
 from .audit import Auditor, exchange_batches
-from .budget import Budget, Costs, Plan, Rates, Stopwatch
+from .budget import Rates
 from .config import GuardConfig
 from .consensus import StateProbe
-from .judge import Judge
+from .judge import Bookkeeping, Judge
+from .schedule import AUDIT_SLICES, Schedule
 from .stats import Projector, StepStats, Verdict, gather_step_stats, step_rows
 from .tap import GradientTap
 
-__all__ = ["AUDIT_SLICES", "TWO_REPLICAS", "SDCGuard"]
+__all__ = ["TWO_REPLICAS", "SDCGuard"]
 
 log = logging.getLogger("verified_ckpt")
-
-# A budget audit recomputes one of this many row slices of each rank's first microbatch, in turn: a persistent
-# compute fault shows in any slice, at a fraction of a whole step's recomputation.
-AUDIT_SLICES = 4
 
 TWO_REPLICAS = ("SDCGuard with two replicas: a failed consensus, checksum or audit shows that one of them is wrong but "
                 "cannot tell which (no majority, no third rank to break a tie), so such incidents name no host. "
                 "Use 3 or more data-parallel replicas to have suspects named (docs/GUARD.md).")
 
 
-class SDCGuard:
+class SDCGuard(Bookkeeping):
     """Silent-data-corruption checks for one DDP replica.
 
     Args:
@@ -76,9 +72,6 @@ class SDCGuard:
             guard.step()          # raises SilentCorruptionDetected; the update is withheld
             opt.zero_grad(); sched.step()
     """
-
-    _logged: Rates | None
-    _slicing: bool | None
 
     def __new__(cls, model: torch.nn.Module, *args: Any, **kwargs: Any) -> SDCGuard:
         if cls is SDCGuard:  # an FSDP2/HSDP model gets the sharded guard: one public class for every model
@@ -127,7 +120,7 @@ class SDCGuard:
         if self.world == 2 and self.rank == 0:
             warnings.warn(TWO_REPLICAS, stacklevel=2)
         self.judge = Judge(self.world, self.host_of, self.rank)
-        self._init_budget(abft=self.cfg.abft)
+        self.sched = Schedule(self.cfg, audits=self.audits_enabled, abft=self.cfg.abft, replicas=self.world)
         self._ran_backward = False
         self._warmup_pending = False
         self._audit_requested = False
@@ -138,11 +131,11 @@ class SDCGuard:
         self._losses: list[torch.Tensor] = []
         self._kept: tuple[int | None, list[Any]] = (None, [])  # the last step and its first microbatch (save audits)
         self.abft = GradientChecks(self.module, self.params, self.cfg.seed, self.cfg.abft_slack, self.cfg.abft_exclude,
-                                   compiled=inner is not model, watch=self.watch,
+                                   compiled=inner is not model, watch=self.sched.watch,
                                    forward=self.cfg.abft_forward) if self.cfg.abft else None
         self.tap = GradientTap(self.params, self.comm, project=self.project, faults=self.faults, step=lambda: self._step,
                                fixed_order=bool(self.cfg.fixed_order_reduce), abft=self.abft,
-                               want_lanes=self._audit_scheduled, watch=self.watch)
+                               want_lanes=self._audit_scheduled, watch=self.sched.watch)
         if self.ddp is not None:
             self.tap.install(self.ddp)
         self.faults.hook_compute(self.module, self.rank, lambda: self._kept[0] if self._step is None else self._step,
@@ -210,7 +203,7 @@ class SDCGuard:
         if self._start is None:
             self._start = step
         if not self._batches:
-            self.watch.start()
+            self.sched.watch.start()
         if self._warmup_pending:
             self._warmup_pending = False
             with self._abft_paused():
@@ -232,7 +225,7 @@ class SDCGuard:
             # Where ABFT starts from: what the gradients hold as the step's backward begins (a framework may zero
             # them after begin(), between its forward and its backward, as Lightning's closure does).
             self.abft.begin_backward(self.params)
-            self._abft_ran = self.abft.on
+            self.sched.abft_ran = self.abft.on
         if self.abft is not None and self.abft.probing:
             self.abft.first_backward(loss, run, self.comm.any_of)
             self._report_coverage(self.abft.coverage())
@@ -259,12 +252,12 @@ class SDCGuard:
             self._check_before_update(s)
             t0 = time.perf_counter()
             self.optimizer.step()
-            self.watch.update = time.perf_counter() - t0
+            self.sched.watch.update = time.perf_counter() - t0
             self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
-            if self._plan.consensus:
+            if self.sched.plan.consensus:
                 t0 = time.perf_counter()
                 self.consensus(s)
-                self.watch.consensus = time.perf_counter() - t0
+                self.sched.watch.consensus = time.perf_counter() - t0
         except (SilentCorruptionDetected, GuardConfigurationError):
             self.optimizer.zero_grad(set_to_none=True)
             raise
@@ -273,7 +266,7 @@ class SDCGuard:
                 self._kept = (s, [(self._batches[0], self._rng[0])])
         finally:
             if self.abft is not None:
-                self.abft.enabled = self._plan.abft
+                self.abft.enabled = self.sched.plan.abft
             self.faults.step_done(s)
             self._reset_step()
             self._step = None
@@ -283,18 +276,12 @@ class SDCGuard:
         if not self.tap.buckets:
             raise GuardUsageError("no gradient bucket was reduced this step; the last backward() of a step must have sync=True")
         inputs = self.abft.inputs_worst() if self.abft is not None else None
-        costs = self.watch.take()
+        costs = self.sched.watch.take()
         t0 = time.perf_counter()
         gathered = gather_step_stats(self.comm, self.tap.buckets, self._losses, self.project, inputs, costs.row())
-        self._schedule(s, gathered, time.perf_counter() - t0)
+        self.sched.decide(s, [x.costs for x in gathered], time.perf_counter() - t0, self.device.type == "cpu")
+        self._report_schedule(s)
         self._check_gradients(s, gathered)
-
-    def _schedule(self, s: int, gathered: list[StepStats], gather_s: float) -> None:
-        """The budget's plan for step ``s`` (and ABFT at the next), from every rank's costs: one plan everywhere."""
-        # On a GPU the gather's copy back waits for the backward's kernels: that wait is training, not the guard.
-        self.watch.floor += gather_s if self.device.type == "cpu" else 0.0
-        self._plan = self.budget.plan(s, [Costs.of(x.costs) for x in gathered], self._abft_ran)
-        self._log_rates(s)
 
     def _check_gradients(self, s: int, gathered: list[StepStats]) -> None:
         """The per-step checks before the update (NaN/Inf, checksum, ABFT), then an audit when one is due."""
@@ -312,7 +299,7 @@ class SDCGuard:
         norms = [x.norm for x in gathered]
         suspects = [0, 1] if decisions.diverged_pair(norms, self.cfg.outlier_factor) else \
             decisions.outliers(norms, self.cfg.outlier_factor)
-        recorded = isinstance(self.cfg.audit_every, int) and self._plan.audit
+        recorded = isinstance(self.cfg.audit_every, int) and self.sched.plan.audit
         if self.world < 2:
             return
         t0 = time.perf_counter()
@@ -322,24 +309,23 @@ class SDCGuard:
             self._run_audit(s, list(zip(self._batches, self._rng, strict=True)), lambda b: self.auditor.run(
                 s, gathered, jobs, batches=b, layout=self.tap.layout, first_suspect=first))
             self._audit_requested = False
-        elif self._plan.audit:
+        elif self.sched.plan.audit:
             self._slice_audit(s)
         else:
             return
-        self.watch.audit = time.perf_counter() - t0
+        self.sched.watch.audit = time.perf_counter() - t0
 
     def _slice_audit(self, s: int) -> None:
         """The budget's audit: every rank recomputes one row slice of its own first microbatch and of its target's,
         with the step's weights, and the recomputations must agree (a third rank breaks a tie)."""
         mb, rng = self._batches[0], self._rng[0]
-        piece = batches.rows(mb, self._slices % AUDIT_SLICES, AUDIT_SLICES)
-        self._slices += 1
-        if self._slicing is None:
+        piece = batches.rows(mb, self.sched.next_slice(), AUDIT_SLICES)
+        if self.sched.slicing is None:
             # One decision for every rank: a loss_fn that cannot take fewer rows (a fixed batch size inside it)
             # gets whole microbatches from then on.
-            self._slicing = not self.comm.any_of([piece is None or not self.auditor.accepts(piece, rng)])[0]
+            self.sched.slicing = not self.comm.any_of([piece is None or not self.auditor.accepts(piece, rng)])[0]
         first = self._last_pass("audit") + 1
-        self._run_audit(s, [(piece if self._slicing and piece is not None else mb, rng)],
+        self._run_audit(s, [(piece if self.sched.slicing and piece is not None else mb, rng)],
                         lambda b: self.auditor.run_fresh(s, self.auditor.plan(None), batches=b, first_suspect=first))
 
     def _run_audit(self, s: int, mine: list[tuple[Any, Any]], run: Callable[[list[list[Any]]], Verdict]) -> None:
@@ -403,92 +389,9 @@ class SDCGuard:
         if self.ddp is not None and not self._ran_backward:
             self._warmup_pending = True
 
-    def _init_budget(self, *, abft: bool) -> None:
-        """The budget's scheduler and what it measures (every layout's guard: after ``comm`` and ``cfg``)."""
-        self.watch = Stopwatch()
-        self.budget = Budget(self.cfg.overhead, consensus_every=self.cfg.consensus_every,
-                             audit_every=self.cfg.audit_every, abft=abft, abft_every=self.cfg.abft_every,
-                             audits=self.audits_enabled)
-        self._plan = Plan(False, False, True)
-        self._abft_ran = False
-        self._logged = None
-        self._slices = 0  # budget audits run (which slice is next)
-        self._slicing = None  # whether loss_fn takes a slice of a microbatch (decided at the first)
-
-    def _log_rates(self, s: int) -> None:
-        """The schedule the budget chose and what it measured: a log line (rank 0) and a ledger row when it moves by
-        2x or more (and the first time every check's cost is known)."""
-        rates = self.budget.rates
-        if rates is None or not rates.plain_s:
-            return
-        last = self._logged
-        if last is not None and not _moved(last, rates):
-            return
-        self._logged = rates
-        if self.rank == 0:
-            log.info("SDCGuard budget %.1f%% at step %d: %s", 100 * self.cfg.overhead, s, rates.summary())
-        self.judge.emit(lambda: [Event(s, "budget", NO_RANK, "pass", (rates.consensus_every, rates.audit_every),
-                                       rates.abft_share, rates.expected_overhead)])
-
     def schedule(self) -> Rates | None:
         """The schedule the budget affords now and the costs it measured (``None`` before the second step)."""
-        return self.budget.rates
+        return self.sched.rates
 
     def _abft_paused(self) -> contextlib.AbstractContextManager[None]:
         return self.abft.pausing() if self.abft is not None else contextlib.nullcontext()
-
-    # ------------------------------------------------------- coverage
-    def _report_coverage(self, cov: Coverage) -> None:
-        """What each check covers, once, at the first step: the log, and a ledger row."""
-        if self.rank == 0:
-            log.info("SDCGuard: %s", cov.summary())
-            if cov.left_out:
-                log.warning("SDCGuard: ABFT leaves out %s; their gradients are checked by audits and consensus only "
-                            "(docs/GUARD.md, 'What ABFT covers')", cov.left_out_summary())
-        self.judge.emit(lambda: [Event(self._step or 0, "coverage", NO_RANK, "pass", (0, 0), cov.param_fraction,
-                                  cov.flop_fraction or 0.0)])
-
-    def coverage(self) -> Coverage | None:
-        """What ABFT checks each step (measured at the first step: complete after it); ``None`` with ABFT off."""
-        return self.abft.coverage() if self.abft is not None else None
-
-    # ------------------------------------------------------- bookkeeping
-    @property
-    def checks(self) -> dict[str, CheckCounts]:
-        return self.judge.checks
-
-    @property
-    def margins(self) -> dict[str, float]:
-        return self.judge.margins
-
-    @property
-    def incidents(self) -> list[Incident]:
-        return self.judge.incidents
-
-    def counters(self) -> dict[str, CheckCounts]:
-        """A snapshot of every check's pass/fail counts and last passing step; ABFT's also says what share of the
-        backward FLOPs it checks (``coverage``, once measured)."""
-        counts = self.judge.counters()
-        if "abft" in counts and self.abft is not None:
-            counts["abft"].coverage = self.abft.flop_fraction
-        return counts
-
-    def _last_pass(self, kind: str) -> int:
-        return self.judge.last_pass(kind, self._start)
-
-    def add_incident_listener(self, fn: Callable[[Incident], None]) -> None:
-        """Call ``fn(incident)`` on every rank whenever a check fails (before raising)."""
-        self.judge.listeners.append(fn)
-
-    def add_event_listener(self, fn: Callable[[list[Event]], None]) -> None:
-        """Call ``fn(events)`` with the ledger rows of every check this rank runs."""
-        self.judge.event_listeners.append(fn)
-
-
-
-def _moved(a: Rates, b: Rates) -> bool:
-    def far(x: float, y: float) -> bool:
-        return (x == 0) != (y == 0) or (x > 0 and y > 0 and max(x / y, y / x) >= 2)
-
-    return far(a.consensus_every, b.consensus_every) or far(a.audit_every, b.audit_every) or far(a.abft_share,
-                                                                                                  b.abft_share)

@@ -71,7 +71,8 @@ class GradientChecks:
                 self.left_out += [(names[id(p)], COMPILED) for p in mod.parameters(recurse=False) if id(p) in names]
                 continue
             if nkind is not None:
-                checked |= self._install_norm(mod, nkind, names, index, g)
+                checked |= norms.install(self, mod, nkind, names, index, g)
+                self._norms[nkind] += 1
                 continue
             assert kind is not None
             layer = self._install(name, mod, kind, names, index, g)
@@ -113,21 +114,6 @@ class GradientChecks:
             mod.register_forward_pre_hook(self._linear_pre)
             mod.register_forward_hook(self._linear_forward)
         return layer
-
-    def _install_norm(self, mod: torch.nn.Module, kind: str, names: dict[int, str], index: dict[int, int],
-                      g: torch.Generator) -> set[int]:
-        """A normalisation layer: its scale and shift covered as sums over rows (``norms``); their ids."""
-        held = [p for p in (getattr(mod, "weight", None), getattr(mod, "bias", None))
-                if isinstance(p, torch.Tensor) and id(p) in index]
-        for p in held:
-            if id(p) not in self.covered:
-                self.covered[id(p)] = Covered(names.get(id(p), "?"), index[id(p)], signed_weights(p.numel(), g, p.device),
-                                              None)
-        w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
-        mod.register_forward_hook(norms.hook(self, mod, kind, lambda: self.covered.get(id(w)) if w is not None else None,
-                                             lambda: self.covered.get(id(b)) if b is not None else None))
-        self._norms[kind] += 1
-        return {id(p) for p in held}
 
     def _cover(self, p: torch.Tensor, names: dict[int, str], index: dict[int, int], g: torch.Generator) -> Covered:
         c = self.covered.get(id(p))

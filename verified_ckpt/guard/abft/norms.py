@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from .sums import EPS32, Covered, unit_roundoff
+from .sums import EPS32, Covered, signed_weights, unit_roundoff
 
-__all__ = ["NORMS", "norm_kind", "norm_rows"]
+__all__ = ["NORMS", "install", "norm_kind", "norm_rows"]
 
 NORMS = ("LayerNorm", "RMSNorm", "BatchNorm")
 _RECOMPUTE_EPS = 4 * EPS32  # X̂ recomputed: a subtraction, a square root and a product, each rounded
@@ -122,3 +122,19 @@ def hook(checks: Any, mod: torch.nn.Module, kind: str, gamma_of: Callable[[], Co
         out.register_hook(checks.watch.timed("abft")(lambda dy: record(gamma, beta, xhat, dy)))
 
     return forward
+
+
+def install(checks: Any, mod: torch.nn.Module, kind: str, names: dict[int, str], index: dict[int, int],
+            g: torch.Generator) -> set[int]:
+    """Cover one normalisation layer's scale and shift in ``checks`` (a ``GradientChecks``) as sums over rows, and
+    register its forward hook; returns the ids of the parameters covered."""
+    held = [p for p in (getattr(mod, "weight", None), getattr(mod, "bias", None))
+            if isinstance(p, torch.Tensor) and id(p) in index]
+    for p in held:
+        if id(p) not in checks.covered:
+            checks.covered[id(p)] = Covered(names.get(id(p), "?"), index[id(p)], signed_weights(p.numel(), g, p.device),
+                                            None)
+    w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
+    mod.register_forward_hook(hook(checks, mod, kind, lambda: checks.covered.get(id(w)) if w is not None else None,
+                                   lambda: checks.covered.get(id(b)) if b is not None else None))
+    return {id(p) for p in held}

@@ -166,3 +166,27 @@ def test_gradients_left_from_the_step_before_are_where_the_check_starts(spec):
         assert incident is None and guard.checks["abft"].passed == 4
     else:
         assert incident is not None and (incident.kind, incident.detected_step) == ("abft", 3)
+
+
+@pytest.mark.parametrize("tiny", [1e-23, 3e-24])
+def test_rows_of_tiny_gradients_raise_no_false_alarm(tiny):
+    # Half the rows' output gradients are so small that their float32 squared norms underflow to 0 while their
+    # products do not (a GPT's logits gradient at positions the loss barely sees): their bound must not be 0.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 16))
+    scale = torch.ones(32, 1)
+    scale[::2] = tiny
+
+    def loss_fn(m, batch):
+        x, y = batch
+        return ((m(x) - y) * scale).sum()
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = SDCGuard(model, opt, loss_fn, GuardConfig())
+    for step in range(1, 11):
+        g = torch.Generator().manual_seed(step)
+        guard.backward((torch.randn(32, 32, generator=g), torch.randn(32, 16, generator=g)), step=step)
+        guard.step()
+        opt.zero_grad()
+    assert guard.checks["abft"].passed == 10 and guard.checks["abft"].failed == 0

@@ -19,7 +19,7 @@ from . import forward as fwd
 from . import norms
 from .layers import COMPILED, OUTSIDE, Coverage, InputCheck, InputTap, Layer, gradient_paths, layer_kind
 from .norms import norm_kind
-from .sums import EPS32, RMS, Covered, matmul_eps, rgs, signed_weights, unit_roundoff, worst_ratio
+from .sums import EPS32, RMS, Covered, matmul_eps, norm, rgs, row_norms, signed_weights, unit_roundoff, worst_ratio
 
 __all__ = ["GradientChecks", "check"]
 
@@ -222,7 +222,7 @@ class GradientChecks:
             with torch.no_grad():
                 w = layer.weight.detach().float()
                 layer.ws = torch.mv(w.T, layer.s) if layer.kind == "Conv1D" else torch.mv(w, layer.s)
-                layer.wnorm = torch.linalg.vector_norm(w)
+                layer.wnorm = norm(w).float()
             if self.forward:
                 fwd.prepare(layer)
             layer.tag = self._tag
@@ -259,7 +259,7 @@ class GradientChecks:
             with torch.no_grad(), torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
                 x2 = x.reshape(-1, x.shape[-1])
                 xs = torch.mv(x2 if x2.dtype == torch.float32 else x2.float(), layer.s)
-                a = torch.linalg.vector_norm(x2, dim=1, dtype=torch.float32)
+                a = row_norms(x2 if x2.dtype == torch.float32 else x2.float())
         r, device_type = layer.r, x.device.type
         weight_grad, input_grad = layer.weight.requires_grad, x.requires_grad
 
@@ -273,7 +273,7 @@ class GradientChecks:
             with torch.no_grad():
                 dy2 = dy.reshape(-1, dy.shape[-1])
                 dy2 = dy2 if dy2.dtype == torch.float32 else dy2.float()
-                b = torch.linalg.vector_norm(dy2, dim=1)
+                b = row_norms(dy2)
                 eps = (matmul_eps(device_type, cast), unit_roundoff(dy.dtype))
                 if check is not None and layer.ws is not None:
                     check.z, check.b, check.eps = torch.mv(dy2, layer.ws), b, eps
@@ -322,7 +322,7 @@ class GradientChecks:
         def on_grad(dy: torch.Tensor) -> None:
             with torch.no_grad():
                 dy2 = dy.reshape(-1, dy.shape[-1]).float()
-                e.add(picked, ones, torch.mv(dy2, s), torch.linalg.vector_norm(dy2, dim=1),
+                e.add(picked, ones, torch.mv(dy2, s), row_norms(dy2),
                       (EPS32, unit_roundoff(dy.dtype)))
 
         out.register_hook(self.watch.timed("abft")(on_grad))

@@ -22,7 +22,7 @@ import math
 import torch
 
 from .layers import Layer
-from .sums import EPS32, RMS
+from .sums import EPS32, RMS, row_norms
 
 __all__ = ["prepare", "ratio"]
 
@@ -53,8 +53,7 @@ def ratio(layer: Layer, x: torch.Tensor, y: torch.Tensor, eps: tuple[float, floa
         want = torch.mv(x2, layer.wr)
         if layer.bias is not None:
             want = want + torch.dot(layer.bias.detach().float(), layer.r)
-        a = torch.linalg.vector_norm(x2, dim=1)
-        yn = torch.linalg.vector_norm(y2, dim=1)
+        a, yn = row_norms(x2), row_norms(y2)
         eps_in, eps_out = eps
         bound = slack * ((2 * eps_in + EPS32 * math.sqrt(in_f)) * a * layer.cmax
                          + RMS * (eps_out + EPS32 * (math.sqrt(out_f) + 1)) * yn) + 1e-30

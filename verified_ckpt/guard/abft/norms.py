@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .sums import EPS32, Covered, signed_weights, unit_roundoff
+from .sums import EPS32, Covered, row_norms, signed_weights, unit_roundoff
 
 __all__ = ["NORMS", "install", "norm_kind", "norm_rows"]
 
@@ -89,7 +89,7 @@ def record(gamma: Covered | None, beta: Covered | None, xhat: Callable[[torch.Te
         d = dy.detach().float()
         rows = d.movedim(1, -1).reshape(-1, d.shape[1]) if getattr(xhat, "channels_first", False) else \
             d.reshape(-1, d.shape[-1])
-        b = torch.linalg.vector_norm(rows, dim=1)
+        b = row_norms(rows)
         kappa = getattr(xhat, "kappa")  # noqa: B009 - set on the function by norm_rows
         kappa = kappa.reshape(-1) if kappa.shape[0] == rows.shape[0] else kappa.max().expand(rows.shape[0])
         eps = (_RECOMPUTE_EPS, unit_roundoff(dy.dtype))
@@ -97,7 +97,7 @@ def record(gamma: Covered | None, beta: Covered | None, xhat: Callable[[torch.Te
             beta.add(None, None, torch.mv(rows, beta.v0), b, eps)
         if gamma is not None:
             prod = rows * xhat(rows)
-            spread = torch.sqrt(torch.linalg.vector_norm(prod, dim=1).square() + (kappa * b).square())
+            spread = torch.sqrt(row_norms(prod).square() + (kappa * b).square())
             gamma.add(None, None, torch.mv(prod, gamma.v0), spread, eps)
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["EPS32", "MAX_ENTRIES", "RMS", "Covered", "bound_coefficients", "coefficients_on", "expected_sums", "lengths_on",
-           "matmul_eps", "norm", "rgs", "signed_weights", "sums", "unit_roundoff", "worst_ratio"]
+           "matmul_eps", "norm", "rgs", "row_norms", "signed_weights", "sums", "unit_roundoff", "worst_ratio"]
 
 RMS = math.sqrt(7 / 3)  # rms of a weight drawn from ±[1, 2]
 # Entries a covered parameter holds before they are summed: its per-row vectors stay on the device until the
@@ -18,6 +18,7 @@ RMS = math.sqrt(7 / 3)  # rms of a weight drawn from ±[1, 2]
 MAX_ENTRIES = 8
 EPS32 = 2.0**-24
 _SQRT3 = math.sqrt(3)
+TINY = 1.1e-19  # √(smallest normal float32): below it a float32 square underflows
 MATMUL_EPS = {"highest": 2.0**-24, "high": 2.0**-11, "medium": 2.0**-8}  # float32 matmuls on CUDA: full, TF32, bf16
 
 
@@ -75,8 +76,19 @@ def rgs(c: Covered, g: torch.Tensor) -> torch.Tensor:
 
 
 def norm(g: torch.Tensor) -> torch.Tensor:
-    norm: torch.Tensor = torch.linalg.vector_norm(g)
+    norm: torch.Tensor = torch.linalg.vector_norm(g).clamp_min(TINY * math.sqrt(max(g.numel(), 1)))
     return norm.to(torch.float64)
+
+
+def row_norms(x: torch.Tensor) -> torch.Tensor:
+    """``‖x_n‖`` of each row of a 2-D float32 ``x``, never below what a float32 sum of squares can represent.
+
+    float32 squares of elements below about 1e-19 underflow, so a row of tiny but nonzero values (the logits'
+    gradient at positions the loss barely sees, say) has a computed norm of 0 while its products are not 0: a
+    bound built on it would be 0 and the row's rounding an alarm. Such a row's norm is at most ``TINY·√width``;
+    bounding by that is exact enough (a fault that small does no harm) and costs one op on a vector."""
+    got: torch.Tensor = torch.linalg.vector_norm(x, dim=1).clamp_min_(TINY * math.sqrt(max(x.shape[1], 1)))
+    return got
 
 
 def signed_weights(n: int, g: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -153,7 +165,7 @@ def worst_ratio(got: list[tuple[Covered, torch.Tensor]], sumsq: torch.Tensor | N
     # The bucket's norm bounds each gradient's own; where a gradient was rounded to bf16 (autocast) its own norm
     # matters to the bound, and a pass over each such gradient buys the detection back.
     low = any(c.eps_out > EPS32 for c, _ in got)
-    norms = sumsq.to(torch.float64).sqrt() if sumsq is not None and not low else \
+    norms = sumsq.to(torch.float64).sqrt().clamp_min(TINY) if sumsq is not None and not low else \
         torch.stack([norm(g.float()) for _, g in got])
     coef = coefficients_on(tuple(bound_coefficients(c, g, slack) for c, g in got), actual.device)
     bound = coef[0] * spread.sqrt() + coef[1] * norms + 1e-30

@@ -1,8 +1,12 @@
 """The guard at its defaults: each class of fault, injected with hooks of this campaign's own (never the project's
-fault plan), on 3 gloo ranks training a small GPT (attention, pre-LayerNorm, dropout 0.1, a tied head), AdamW with
-warmup and cosine, and clipping. ``GuardConfig()`` unless a class says otherwise.
+fault plan), on 3 gloo ranks training a small GPT (d=128, 2 blocks: attention, pre-LayerNorm, dropout 0.1, a tied
+head), AdamW with warmup and cosine, and clipping. ``GuardConfig()`` unless a class says otherwise.
 
-    .venv/bin/python tools/default_campaign.py --trials 10 --clean-steps 2000
+    .venv/bin/python tools/default_campaign.py --trials 8 --clean-steps 2000
+
+The budget buys intervals from measured costs, so what a default run catches within a horizon depends on how
+much a consensus or an audit costs against the step: a model too small for its collectives (d=32) buys rare
+ones. ``--d-model``, ``--layers`` and ``--batch`` size the model.
 
 Classes (each trial: a random rank, step and element; latency = detecting step - injected step):
 
@@ -43,13 +47,14 @@ import models
 from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
 from verified_ckpt.errors import GuardConfigurationError
 
-VOCAB, CONTEXT = 64, 16
+VOCAB, CONTEXT = 256, 32
+SIZE = {"d": 128, "layers": 2, "batch": 8}  # set from the command line
 
 
 class SharedMLP(nn.Module):
     """A weight shared by two modules (two Linear layers holding one Parameter)."""
 
-    def __init__(self, d: int = 32) -> None:
+    def __init__(self, d: int = 128) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, d)
         self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
@@ -66,12 +71,13 @@ def build(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "shared weight":
         return SharedMLP()
-    return models.TinyGPT(vocab=VOCAB, d=32, layers=2, heads=4, context=CONTEXT, functional_head=kind == "functional head")
+    return models.TinyGPT(vocab=VOCAB, d=SIZE["d"], layers=SIZE["layers"], heads=4, context=CONTEXT,
+                          functional_head=kind == "functional head")
 
 
 def batch(rank: int, step: int, micro: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(1_000_003 * rank + 7919 * step + micro)
-    return torch.randint(0, VOCAB, (8, CONTEXT + 1), generator=g)
+    return torch.randint(0, VOCAB, (SIZE["batch"], CONTEXT + 1), generator=g)
 
 
 def lm(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -126,7 +132,7 @@ def train(rank: int, kind: str, steps: int, cfg: GuardConfig, *, accum: int = 1,
 def norm_grad(rng: random.Random, world: int) -> dict[str, Any]:
     names = [n for n, p in build("module head").named_parameters() if ".ln" in n or n.startswith("ln")]
     return {"class": "norm-grad x10", "rank": rng.randrange(world), "step": rng.randint(5, 20),
-            "param": rng.choice(names), "k": rng.randrange(32), "horizon": 0}
+            "param": rng.choice(names), "k": rng.randrange(SIZE["d"]), "horizon": 0}
 
 
 def forward_persistent(rng: random.Random, world: int) -> dict[str, Any]:
@@ -144,7 +150,7 @@ def optimizer_fault(rng: random.Random, world: int) -> dict[str, Any]:
 def forward_gemm(rng: random.Random, world: int) -> dict[str, Any]:
     names = [n for n, m in build("module head").named_modules() if isinstance(m, nn.Linear)]
     return {"class": "forward GEMM x10", "rank": rng.randrange(world), "step": rng.randint(5, 20),
-            "module": rng.choice(names), "k": rng.randrange(8 * CONTEXT * 32), "horizon": 0}
+            "module": rng.choice(names), "k": rng.randrange(SIZE["batch"] * CONTEXT * SIZE["d"]), "horizon": 0}
 
 
 CLASSES = {"norm-grad": norm_grad, "forward": forward_persistent, "optimizer": optimizer_fault, "gemm": forward_gemm}
@@ -215,6 +221,7 @@ CLEAN = [("module head", {}), ("functional head", {}), ("shared weight", {}),
 
 def _rank(rank: int, world: int, init: str, args: argparse.Namespace, trials: list[dict[str, Any]], out: str) -> None:
     torch.set_num_threads(1)
+    SIZE.update(d=args.d_model, layers=args.layers, batch=args.batch)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         clean = []
@@ -249,9 +256,13 @@ def main() -> None:
     ap.add_argument("--classes", default=",".join(CLASSES))
     ap.add_argument("--clean-steps", type=int, default=2000, help="in all, shared among the clean configurations")
     ap.add_argument("--world-size", type=int, default=3)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
+    SIZE.update(d=args.d_model, layers=args.layers, batch=args.batch)  # the trials are drawn here, on the parent
     rng = random.Random(args.seed)
     trials = [CLASSES[c](rng, args.world_size) for c in args.classes.split(",") if c for _ in range(args.trials)]
     with tempfile.TemporaryDirectory() as tmp:

@@ -158,14 +158,11 @@ class FSDPGuard(SDCGuard):
             self._audit(s, rows)
             self.sched.watch.audit = time.perf_counter() - t0
 
-    def consensus(self, step: int) -> list[str]:
+    def _consensus(self, step: int) -> list[str]:
         """Compare, for every shard index, the replicas' fingerprints of their local shards now.
 
         Returns every rank's fingerprint as hex when the replicas of every shard agree (empty on a 1-D mesh).
         """
-        if self.world < 2:
-            return []
-        self.comm.arrive("consensus")
         rows = self.comm.all_gather_rows(state_row(self.params, self.optimizer, self.device)).tolist()
         verdicts, fps = judge_state(step, rows, self.view, self._last_pass("consensus") + 1)
         for v in verdicts:
@@ -184,7 +181,6 @@ class FSDPGuard(SDCGuard):
         """Every rank recomputes the microbatches of the rank before it in the audit ring (another replica group's
         at its shard index; on a 1-D mesh the previous shard rank's), and on a mismatch of the one before that,
         all ranks together (they must all-gather), before the update; see ``sharded.judge_audit``."""
-        self.comm.arrive("audit")
         self._audit_requested = False
         calls, shape = len(self.rs_tap.modes), (self.view.shards, self.project.k)
         everyone = exchange_batches(self.comm, s, list(zip(self._batches, self._rng, strict=True)), self.batch_for)
@@ -201,7 +197,7 @@ class FSDPGuard(SDCGuard):
         if not verdict.ok:
             # A wrong weight shard makes its whole replica group compute wrongly (the group all-gathers it),
             # so compare the shards first: that names the one rank holding it, not its healthy peers.
-            self.consensus(s)
+            self._consensus(s)
         self.judge.judge(s, verdict)
 
     def _recompute_for(self, everyone: list[list[Any]], back: int) -> list[list[float]]:

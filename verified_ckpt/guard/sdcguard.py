@@ -254,9 +254,9 @@ class SDCGuard(Bookkeeping):
             self.optimizer.step()
             self.sched.watch.update = time.perf_counter() - t0
             self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
-            if self.sched.plan.consensus:
+            if self.sched.plan.consensus and self.world >= 2:
                 t0 = time.perf_counter()
-                self.consensus(s)
+                self._consensus(s)
                 self.sched.watch.consensus = time.perf_counter() - t0
         except (SilentCorruptionDetected, GuardConfigurationError):
             self.optimizer.zero_grad(set_to_none=True)
@@ -328,9 +328,13 @@ class SDCGuard(Bookkeeping):
         self._run_audit(s, [(piece if self.sched.slicing and piece is not None else mb, rng)],
                         lambda b: self.auditor.run_fresh(s, self.auditor.plan(None), batches=b, first_suspect=first))
 
-    def _run_audit(self, s: int, mine: list[tuple[Any, Any]], run: Callable[[list[list[Any]]], Verdict]) -> None:
-        """Every rank's microbatches of step ``s`` (from this rank's ``mine``), ``run`` on them, judged (collective)."""
-        self.comm.arrive("audit")
+    def _run_audit(self, s: int, mine: list[tuple[Any, Any]], run: Callable[[list[list[Any]]], Verdict],
+                   arrive: bool = False) -> None:
+        """Every rank's microbatches of step ``s`` (from this rank's ``mine``), ``run`` on them, judged (collective).
+        ``arrive``: check in first (a save's audit, which a caller may have reached on some ranks only); the
+        scheduled ones need not: every rank derived the same plan from the same gathered row."""
+        if arrive:
+            self.comm.arrive("audit")
         everyone = exchange_batches(self.comm, s, mine, self.batch_for)
         with self._abft_paused():  # recomputation is not this step's gradient computation
             verdict = run(everyone)
@@ -348,7 +352,8 @@ class SDCGuard(Bookkeeping):
         if s is None or not self.audits_enabled:
             return False
         first = self._last_pass("audit") + 1
-        self._run_audit(s, mine, lambda b: self.auditor.run_fresh(s, self.auditor.plan(None), batches=b, first_suspect=first))
+        self._run_audit(s, mine, lambda b: self.auditor.run_fresh(s, self.auditor.plan(None), batches=b, first_suspect=first),
+                        arrive=True)
         return True
 
     def consensus(self, step: int) -> list[str]:
@@ -362,7 +367,11 @@ class SDCGuard(Bookkeeping):
         """
         if self.world < 2:
             return []  # unavailable with one replica: reported by the caller as such, never as a pass
-        self.comm.arrive("consensus")
+        self.comm.arrive("consensus")  # a caller may have reached it on some ranks only (a save on rank 0)
+        return self._consensus(step)
+
+    def _consensus(self, step: int) -> list[str]:
+        """The round itself. A scheduled one needs no check-in: every rank derived the same plan."""
         rows = self.comm.all_gather_rows(self.probe.row()).tolist()
         verdicts, fps, self._replicated = consensus.judge(step, rows, self.probe, self._replicated, self._buffer_names,
                                                           self._last_pass("consensus") + 1)

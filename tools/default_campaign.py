@@ -49,6 +49,7 @@ from verified_ckpt.errors import GuardConfigurationError
 
 VOCAB, CONTEXT = 256, 32
 SIZE = {"d": 128, "layers": 2, "batch": 8}  # set from the command line
+BUDGET = {"overhead": 0.03}
 
 
 class SharedMLP(nn.Module):
@@ -170,14 +171,14 @@ def run_trial(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
                 g.view(-1)[t["k"] % g.numel()] *= 10
                 return g
             p.register_hook(hit)
-        return train(rank, "module head", steps, GuardConfig(), after=after)
+        return train(rank, "module head", steps, GuardConfig(overhead=BUDGET["overhead"]), after=after)
     if t["class"] == "forward x(1+1e-3)":
         def after(m: nn.Module, opt: torch.optim.Optimizer, now: Callable[[], int | None]) -> None:
             def wrong(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
                 s = now()
                 return out * (1 + 1e-3) if me and (s is None or s >= t["step"]) else None
             dict(m.named_modules())[t["module"]].register_forward_hook(wrong)
-        return train(rank, "module head", steps, GuardConfig(), after=after)
+        return train(rank, "module head", steps, GuardConfig(overhead=BUDGET["overhead"]), after=after)
     if t["class"] == "optimizer":
         def after(m: nn.Module, opt: torch.optim.Optimizer, now: Callable[[], int | None]) -> None:
             params = [p for p in m.parameters() if p.dim() == 2]
@@ -201,7 +202,7 @@ def run_trial(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
                     target.view(-1).view(torch.int32)[k] ^= 1 << t["bit"]
             opt.register_step_pre_hook(pre)
             opt.register_step_post_hook(post)
-        return train(rank, "module head", steps, GuardConfig(), after=after)
+        return train(rank, "module head", steps, GuardConfig(overhead=BUDGET["overhead"]), after=after)
     if t["class"] == "forward GEMM x10":
         def before(m: nn.Module, now: Callable[[], int | None]) -> None:
             def wrong(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
@@ -211,7 +212,7 @@ def run_trial(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
                 out.view(-1)[t["k"] % out.numel()] *= 10
                 return out
             dict(m.named_modules())[t["module"]].register_forward_hook(wrong)
-        return train(rank, "module head", steps, GuardConfig(abft_forward=True), before=before)
+        return train(rank, "module head", steps, GuardConfig(overhead=BUDGET["overhead"], abft_forward=True), before=before)
     raise ValueError(t["class"])
 
 
@@ -222,12 +223,13 @@ CLEAN = [("module head", {}), ("functional head", {}), ("shared weight", {}),
 def _rank(rank: int, world: int, init: str, args: argparse.Namespace, trials: list[dict[str, Any]], out: str) -> None:
     torch.set_num_threads(1)
     SIZE.update(d=args.d_model, layers=args.layers, batch=args.batch)
+    BUDGET.update(overhead=args.overhead)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         clean = []
         per = max(args.clean_steps // len(CLEAN), 1) if args.clean_steps else 0
         for kind, opts in CLEAN if per else []:
-            cfg = GuardConfig(mode=str(opts.get("mode", "exact")))
+            cfg = GuardConfig(overhead=BUDGET["overhead"], mode=str(opts.get("mode", "exact")))
             got = train(rank, kind, per, cfg, accum=int(opts.get("accum", 1)), bf16=bool(opts.get("bf16", False)))
             clean.append({"configuration": kind + "".join(f", {k}={v}" for k, v in opts.items()), **got})
         results = [run_trial(rank, world, t) for t in trials]
@@ -259,6 +261,7 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--overhead", type=float, default=0.03, help="GuardConfig(overhead=...): the default is 0.03")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()

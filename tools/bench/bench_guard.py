@@ -5,7 +5,8 @@ amortised cost of one consensus and one audit.
     .venv/bin/python tools/bench/bench_guard.py --model gpt --d-model 256 --batch 16
     .venv/bin/python tools/bench/bench_guard.py --model gpt --d-model 256 --batch 16 --world-size 2 --budgets --steps 200
 
-``--budgets`` adds the default ``GuardConfig()`` (a 3 % budget) and budgets of 1 % and 10 %: their overhead is the
+``--budgets`` adds ABFT's forward-GEMM checks (``abft_forward=True``), the default ``GuardConfig()`` (a 3 % budget for
+consensus and audits) and budgets of 1 % and 10 %: their overhead is the
 mean step time against plain DDP's (what the budget keeps: periodic checks make single steps slower), beside the
 median per-step ratio.
 
@@ -82,7 +83,9 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     }
     if args.budgets:
         variants = {"plain DDP": None, "per-step checks": variants["per-step checks"],
-                    "per-step, no ABFT": variants["per-step, no ABFT"], "default (3 %)": GuardConfig(),
+                    "per-step, no ABFT": variants["per-step, no ABFT"],
+                    "per-step + forward": GuardConfig(consensus_every=10**9, audit_every=None, abft_forward=True),
+                    "default (3 %)": GuardConfig(),
                     "budget 1 %": GuardConfig(overhead=0.01), "budget 10 %": GuardConfig(overhead=0.10)}
     # Every variant gets its own model; steps are interleaved (one step of each
     # variant in turn, each started behind a barrier) so drift and scheduler

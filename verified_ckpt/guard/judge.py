@@ -20,6 +20,7 @@ from ..records import Host, Incident
 from .stats import Verdict
 
 if TYPE_CHECKING:
+    from ..comm import Communicator
     from .abft import Coverage, GradientChecks
     from .schedule import Schedule
 
@@ -125,11 +126,23 @@ class Bookkeeping:
     coverage and schedule lines (one place, so no layout re-does them)."""
 
     judge: Judge
+    comm: Communicator
     abft: GradientChecks | None
     sched: Schedule
     rank: int
     _start: int | None
     _step: int | None
+
+    @property
+    def topology(self) -> list[Host]:
+        return self.comm.topology()
+
+    def host_of(self, rank: int) -> Host:
+        return self.comm.host_of(rank)
+
+    @property
+    def current_step(self) -> int | None:
+        return self._step
 
     def _report_schedule(self, s: int) -> None:
         rows = self.sched.report(s, self.rank)

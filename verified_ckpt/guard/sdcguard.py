@@ -27,7 +27,6 @@ from ..comm import Communicator
 from ..errors import GuardConfigurationError, GuardUsageError, SilentCorruptionDetected
 from ..faults import FaultPlan
 from ..history import NO_RANK, Event
-from ..records import Host
 from ..rng import microbatch_state
 from . import abft, checksum, consensus, nonfinite
 from .abft import GradientChecks
@@ -143,10 +142,6 @@ class SDCGuard(Bookkeeping):
 
     # ------------------------------------------------------------ who is where
     @property
-    def topology(self) -> list[Host]:
-        return self.comm.topology()
-
-    @property
     def node_of(self) -> list[int]:
         return self.auditor.node_of
 
@@ -154,17 +149,10 @@ class SDCGuard(Bookkeeping):
     def targets(self) -> list[int | None]:
         return self.auditor.targets
 
-    def host_of(self, rank: int) -> Host:
-        return self.comm.host_of(rank)
-
     @property
     def replicas(self) -> int:
         """How many copies of each piece of the state take part in a consensus."""
         return self.world
-
-    @property
-    def current_step(self) -> int | None:
-        return self._step
 
     @property
     def audits_enabled(self) -> bool:

@@ -141,8 +141,11 @@ def test_guarded_run_ledger_records_every_check(guarded_run):
     assert s["counts"]["save"]["checks"] == 6  # steps 5, 10, 15, 20, 25, 30 (the rollback to 10 saves nothing)
     assert s["counts"]["restore"]["checks"] == 1
     assert s["last_unanimous_consensus"] == 30
+    # the schedule the budget chose and what it measured, once every check's cost was known
+    assert s["schedule"] and all(p["overhead"] > 0 and p["abft_share"] == 1.0 for p in s["schedule"]), s["schedule"]
     human = invoke("ledger", guarded_run)
     assert human.exit_code == 0 and "divergence points" in human.output and "abft" in human.output
+    assert "budget schedule (step " in human.output
 
 
 def test_verify_all_cross_checks_the_ledger_and_flags_a_forged_claim(guarded_run, tmp_path):

@@ -225,3 +225,22 @@ def test_a_save_that_needs_an_audit_runs_one_and_a_persistent_compute_fault_is_c
     # the last step's microbatch again on every rank and finds it; no scheduled audit falls in these steps.
     faulty = run_ranks(saving, 3, str(tmp_path / "faulty"), ("compute:1:3-:scale=1.001",), use_batch_for)
     assert all(r["kind"] == "audit" and r["ranks"] == [1] and r["step"] == 5 for r in faulty), faulty
+
+
+@pytest.mark.parametrize("use_batch_for", [False, True], ids=["batches-travel", "batch_for"])
+def test_the_budgets_first_slice_audit_catches_a_persistent_compute_fault_naming_the_rank(use_batch_for):
+    # The default budget audits at the first step (it measures what an audit costs): a rank that computes wrongly
+    # from the start is found there, by a recomputation of an eighth of each rank's microbatch, and named.
+    got = one(run_ranks(guarded, 3, {"faults": ("compute:1:1-:scale=1.001",)}, 3, None, use_batch_for))
+    assert (got["kind"], got["ranks"], got["detected"], got["withheld"]) == ("audit", [1], 1, True), got
+
+
+def test_a_budget_audit_slices_rows_and_keeps_everything_else():
+    from verified_ckpt import batches
+
+    b = {"input_ids": torch.arange(16).view(8, 2), "mask": torch.ones(8, 2), "scale": torch.tensor(2.0), "n": 3}
+    got = batches.rows(b, 1, 4)
+    assert got["input_ids"].tolist() == [[4, 5], [6, 7]] and got["mask"].shape == (2, 2)
+    assert got["scale"].item() == 2.0 and got["n"] == 3
+    assert batches.rows((torch.zeros(3, 5), torch.zeros(())), 5, 8)[0].shape == (1, 5)  # fewer rows: single rows
+    assert batches.rows((torch.zeros(1, 5),), 0, 8) is None and batches.rows({"n": 1}, 0, 8) is None

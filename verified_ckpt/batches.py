@@ -99,12 +99,15 @@ def _unshippable(where: str, what: str) -> GuardUsageError:
 
 def rows(batch: Any, part: int, parts: int) -> Any | None:
     """Slice ``part`` of ``parts`` of ``batch``'s rows: every tensor whose first dimension has the batch's size (the
-    first dimension of its first tensor) is cut along it; everything else is kept. ``None`` when the batch has no
-    tensor, or fewer rows than ``parts`` (the caller then takes the whole batch)."""
+    first dimension of its first tensor) is cut along it; everything else is kept. A batch of fewer rows than
+    ``parts`` is cut into single rows (``part`` taken modulo its rows). ``None`` when the batch has no tensor with
+    a dimension, or a single row (the caller then takes the whole batch)."""
     tensors, spec = encode(batch)
     sized = [t for t in tensors if t.dim() >= 1]
-    if not sized or sized[0].shape[0] < parts:
+    if not sized or sized[0].shape[0] < 2:
         return None
     n = sized[0].shape[0]
+    parts = min(parts, n)
+    part %= parts
     lo, hi = part * n // parts, (part + 1) * n // parts
     return decode([t[lo:hi] if t.dim() >= 1 and t.shape[0] == n else t for t in tensors], spec)

@@ -19,8 +19,9 @@ __all__ = ["AUDIT_SLICES", "Schedule"]
 log = logging.getLogger("verified_ckpt")
 
 # A budget audit recomputes one of this many row slices of each rank's first microbatch, in turn: a persistent
-# compute fault shows in any slice, at a fraction of a whole step's recomputation.
-AUDIT_SLICES = 4
+# compute fault shows in any slice (every row goes through the faulty unit), at a fraction of a whole step's
+# recomputation (a batch of fewer rows is cut into single rows).
+AUDIT_SLICES = 8
 
 
 class Schedule:

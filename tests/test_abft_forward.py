@@ -61,7 +61,7 @@ def test_clean_runs_pass_the_forward_checks(bf16):
 def test_a_wrong_output_element_of_a_linear_is_caught_at_its_step_naming_the_layer():
     rng = random.Random(0)
     layers = [n for n, m in TinyGPT().named_modules() if isinstance(m, torch.nn.Linear)]
-    trials = [(rng.choice(layers), rng.randrange(2, 4), rng.randrange(4 * 16 * 32)) for _ in range(20)]
+    trials = [(rng.choice(layers), rng.randrange(2, 4), rng.randrange(4 * 16 * 32)) for _ in range(12)]
     caught = 0
     for name, at, k in trials:
         _, e = run(at, target=name, at=at, k=k)
@@ -69,4 +69,4 @@ def test_a_wrong_output_element_of_a_linear_is_caught_at_its_step_naming_the_lay
             assert (e.kind, e.detected_step) == ("abft", at), e
             assert f"the forward output of {name} " in str(e) or name in str(e), e
             caught += 1
-    assert caught >= 19, caught
+    assert caught >= 11, caught

@@ -10,7 +10,7 @@ import pytest
 from verified_ckpt.guard.budget import MAX_AUDIT_GAP, MAX_CONSENSUS_GAP, Budget, Costs
 
 
-def simulate(overhead: float, steps: int = 3000, *, plain: float = 1.0, floor: float = 0.004, abft: float = 0.02,
+def simulate(overhead: float, steps: int = 1500, *, plain: float = 1.0, floor: float = 0.004, abft: float = 0.02,
              consensus: float = 0.1, audit: float = 0.5, ranks: int = 3, noise: float = 0.1, seed: int = 0,
              **kw: object) -> tuple[float, list[Budget], list[list[tuple[bool, bool, bool]]]]:
     """Run the scheduler of each of ``ranks`` ranks against a cost model (seconds per step without the guard, per

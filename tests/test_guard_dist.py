@@ -227,11 +227,10 @@ def test_a_save_that_needs_an_audit_runs_one_and_a_persistent_compute_fault_is_c
     assert all(r["kind"] == "audit" and r["ranks"] == [1] and r["step"] == 5 for r in faulty), faulty
 
 
-@pytest.mark.parametrize("use_batch_for", [False, True], ids=["batches-travel", "batch_for"])
-def test_the_budgets_first_slice_audit_catches_a_persistent_compute_fault_naming_the_rank(use_batch_for):
+def test_the_budgets_first_slice_audit_catches_a_persistent_compute_fault_naming_the_rank():
     # The default budget audits at the first step (it measures what an audit costs): a rank that computes wrongly
     # from the start is found there, by a recomputation of an eighth of each rank's microbatch, and named.
-    got = one(run_ranks(guarded, 3, {"faults": ("compute:1:1-:scale=1.001",)}, 3, None, use_batch_for))
+    got = one(run_ranks(guarded, 3, {"faults": ("compute:1:1-:scale=1.001",)}, 3, None, True))
     assert (got["kind"], got["ranks"], got["detected"], got["withheld"]) == ("audit", [1], 1, True), got
 
 

@@ -76,7 +76,7 @@ def hsdp_campaign(rank: int, world: int) -> dict:
     out = {name: train_until_incident(rank, (3, 2), [spec], 12, audit_every=4) for name, (spec, *_) in CASES.items()}
     out["replica group 1 computes wrongly"] = train_until_incident(
         rank, (3, 2), ["compute:2:3-:scale=1.5", "compute:3:3-:scale=1.5"], 12, audit_every=4)
-    out["clean"] = train_until_incident(rank, (3, 2), [], 60, audit_every=5)
+    out["clean"] = train_until_incident(rank, (3, 2), [], 40, audit_every=5)
     out["dropout, audits every step"] = train_until_incident(rank, (3, 2), [], 8, 0.2, audit_every=1)
     out["dropout, no audits"] = train_until_incident(rank, (3, 2), [], 8, 0.2, audit_every=None)
     out["fsdp reduced shard"] = train_until_incident(rank, (6,), ["allreduce:2:3:bitflip=27"], 12)
@@ -90,15 +90,15 @@ def warnings_off() -> None:
     warnings.simplefilter("ignore")
 
 
-def test_hsdp_guard_catches_every_fault_class_naming_the_rank_and_stays_quiet_for_60_clean_steps():
+def test_hsdp_guard_catches_every_fault_class_naming_the_rank_and_stays_quiet_for_40_clean_steps():
     results = run_ranks(hsdp_campaign, 6, timeout=280)
     assert all(r == results[0] for r in results), "every rank reaches the same verdict"
     got = results[0]
     for name, (_, kind, ranks, step) in CASES.items():
         assert (got[name]["kind"], got[name]["ranks"], got[name]["step"]) == (kind, ranks, step), (name, got[name])
         assert len(got[name]["hosts"]) == len(ranks)
-    assert got["clean"]["clean"] == 60 and got["clean"]["checks"]["checksum"] == 60, got["clean"]
-    assert got["clean"]["checks"]["consensus"] == 12 and got["clean"]["checks"]["audit"] == 12
+    assert got["clean"]["clean"] == 40 and got["clean"]["checks"]["checksum"] == 40, got["clean"]
+    assert got["clean"]["checks"]["consensus"] == 8 and got["clean"]["checks"]["audit"] == 8
     audited, plain = got["dropout, audits every step"], got["dropout, no audits"]
     assert audited["checks"]["audit"] == 8 and "audit" not in plain["checks"]
     assert audited["final"] == plain["final"]  # audits replay randomness and leave no trace

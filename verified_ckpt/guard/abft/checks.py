@@ -235,11 +235,9 @@ class GradientChecks:
         x = args[0] if args else None
         if layer is None or not self._active(out) or not isinstance(x, torch.Tensor):
             return
-        if self.forward and layer.wr is not None and layer.tag == self._tag:
-            cast_ = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-            got = fwd.ratio(layer, x, out, (matmul_eps(x.device.type, cast_), unit_roundoff(out.dtype)), self.slack)
-            if got is not None:
-                self._forwards.append((got, layer.number))
+        autocast = torch.is_autocast_enabled(x.device.type)
+        cast = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        forward = self.forward and layer.wr is not None and layer.tag == self._tag
         # The weight and the bias are left out (or kept) one by one: a bias is checked even where its weight is not.
         w = self.covered.get(id(layer.weight))
         bias = self.covered.get(id(layer.bias)) if layer.bias is not None else None
@@ -248,18 +246,24 @@ class GradientChecks:
             for c in (w, bias):
                 if c is not None:
                     c.uses += 1
-        if (w is None and bias is None and check is None and not probing) or layer.r is None or layer.s is None:
-            return
-        autocast = torch.is_autocast_enabled(x.device.type)
-        cast = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
         xs = a = None
-        if w is not None:
+        if w is not None or forward:
             # The checksums are float32, whatever the layer ran in; no autograd graph for them. (Entering an
-            # autocast context costs more than the two products: only where one is on.)
+            # autocast context costs more than the two products: only where one is on.) One float32 view or
+            # copy of the input, and its row norms, serve the weight check and the forward check alike.
             with torch.no_grad(), torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
                 x2 = x.reshape(-1, x.shape[-1])
-                xs = torch.mv(x2 if x2.dtype == torch.float32 else x2.float(), layer.s)
-                a = row_norms(x2 if x2.dtype == torch.float32 else x2.float())
+                x2 = x2 if x2.dtype == torch.float32 else x2.float()
+                a = row_norms(x2)
+                if w is not None and layer.s is not None:
+                    xs = torch.mv(x2, layer.s)
+                if forward:
+                    got = fwd.ratio(layer, x2, a, out, (matmul_eps(x.device.type, cast), unit_roundoff(out.dtype)),
+                                    self.slack)
+                    if got is not None:
+                        self._forwards.append((got, layer.number))
+        if (w is None and bias is None and check is None and not probing) or layer.r is None or layer.s is None:
+            return
         r, device_type = layer.r, x.device.type
         weight_grad, input_grad = layer.weight.requires_grad, x.requires_grad
 

@@ -38,22 +38,22 @@ def prepare(layer: Layer) -> None:
         layer.cmax = torch.sqrt(torch.mv(w.square().T, layer.r.square())).max()
 
 
-def ratio(layer: Layer, x: torch.Tensor, y: torch.Tensor, eps: tuple[float, float], slack: float) -> torch.Tensor | None:
+def ratio(layer: Layer, x2: torch.Tensor, a: torch.Tensor, y: torch.Tensor, eps: tuple[float, float],
+          slack: float) -> torch.Tensor | None:
     """The worst row's |Y_n·r - X_n·(Wᵀr) - b·r| / bound_n of one forward (0-d, on the device), ``None`` if the
-    layer's vectors are not ready (no step has prepared them)."""
+    layer's vectors are not ready (no step has prepared them). ``x2``: the input as float32 rows, ``a`` their norms
+    (the weight check's own, computed once)."""
     if layer.r is None or layer.wr is None or layer.cmax is None:
         return None
     out_f, in_f = layer.features
     with torch.no_grad():
-        x2 = x.detach().reshape(-1, x.shape[-1])
         y2 = y.detach().reshape(-1, y.shape[-1])
-        x2 = x2 if x2.dtype == torch.float32 else x2.float()
         y2 = y2 if y2.dtype == torch.float32 else y2.float()
         got = torch.mv(y2, layer.r)
         want = torch.mv(x2, layer.wr)
         if layer.bias is not None:
             want = want + torch.dot(layer.bias.detach().float(), layer.r)
-        a, yn = row_norms(x2), row_norms(y2)
+        yn = row_norms(y2)
         eps_in, eps_out = eps
         bound = slack * ((2 * eps_in + EPS32 * math.sqrt(in_f)) * a * layer.cmax
                          + RMS * (eps_out + EPS32 * (math.sqrt(out_f) + 1)) * yn) + 1e-30

@@ -18,6 +18,7 @@ with the batch's statistics or with running ones it holds (not ``SyncBatchNorm``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 
 from .sums import EPS32, Covered, row_norms, signed_weights, unit_roundoff
 
-__all__ = ["NORMS", "install", "norm_kind", "norm_rows"]
+__all__ = ["NORMS", "Normalised", "install", "norm_kind", "norm_rows"]
 
 NORMS = ("LayerNorm", "RMSNorm", "BatchNorm")
 _RECOMPUTE_EPS = 4 * EPS32  # X̂ recomputed: a subtraction, a square root and a product, each rounded
@@ -44,11 +45,30 @@ def norm_kind(mod: torch.nn.Module) -> str | None:
     return None
 
 
-def norm_rows(mod: torch.nn.Module, kind: str, x: torch.Tensor, out: torch.Tensor | None = None
-              ) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """From the forward's input: the function that gives ``X̂`` as rows (features last) and its conditioning,
-    ``None`` where this forward's normalisation is not one this module checks (an unexpected shape). A LayerNorm's
-    own row statistics are taken from its output's autograd node where it saved them (no pass over the input)."""
+@dataclasses.dataclass(frozen=True)
+class Normalised:
+    """One forward's input as rows (features last) and the statistics that normalise them: what the output's
+    gradient hook needs to recompute ``X̂``."""
+
+    rows: torch.Tensor  # float32
+    mean: torch.Tensor | None  # per row (LayerNorm), per feature (BatchNorm), or None (RMSNorm)
+    rstd: torch.Tensor
+    channels_first: bool  # BatchNorm: features are dimension 1 of the layer's tensors
+    eps: float  # X̂'s rounding as the layer computed it: its input's precision (bf16 under CPU autocast)
+
+    def xhat(self) -> torch.Tensor:
+        return self.rows * self.rstd if self.mean is None else (self.rows - self.mean) * self.rstd
+
+    def kappa(self, n: int) -> torch.Tensor:
+        """Per row of ``n``, the conditioning of ``X - μ``: ``1 + |μ| / σ`` (the largest over features for BatchNorm)."""
+        k = 1 + self.mean.abs() * self.rstd if self.mean is not None else torch.ones_like(self.rstd)
+        return k.reshape(-1) if k.shape[0] == n else k.max().expand(n)
+
+
+def norm_rows(mod: torch.nn.Module, kind: str, x: torch.Tensor, out: torch.Tensor | None = None) -> Normalised | None:
+    """From the forward's input: its rows and their normalisation, ``None`` where this forward's normalisation is
+    not one this module checks (an unexpected shape). A LayerNorm's own row statistics are taken from its output's
+    autograd node where it saved them (no pass over the input)."""
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         xf = x.detach().float()
         if kind in ("LayerNorm", "RMSNorm"):
@@ -79,16 +99,7 @@ def norm_rows(mod: torch.nn.Module, kind: str, x: torch.Tensor, out: torch.Tenso
                 running_mean, running_var = getattr(mod, "running_mean"), getattr(mod, "running_var")  # noqa: B009
                 mean, var = running_mean.view(1, -1).float(), running_var.view(1, -1).float()
             rstd = torch.rsqrt(var + float(getattr(mod, "eps", 1e-5)))
-    channels_first = kind == "BatchNorm"
-
-    def xhat(_: torch.Tensor) -> torch.Tensor:
-        return rows * rstd if mean is None else (rows - mean) * rstd
-
-    xhat.kappa = (1 + (mean.abs() * rstd) if mean is not None else torch.ones_like(rstd))  # type: ignore[attr-defined]
-    xhat.channels_first = channels_first  # type: ignore[attr-defined]
-    # X̂ as the layer computed it: in its input's precision where it ran in it (bf16 under CPU autocast).
-    xhat.eps = unit_roundoff(x.dtype) if x.dtype.is_floating_point else EPS32  # type: ignore[attr-defined]
-    return xhat
+    return Normalised(rows, mean, rstd, kind == "BatchNorm", unit_roundoff(x.dtype) if x.dtype.is_floating_point else EPS32)
 
 
 def _saved_stats(out: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -103,22 +114,18 @@ def _saved_stats(out: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, tor
     return mean.detach().reshape(-1, 1).float(), rstd.detach().reshape(-1, 1).float()
 
 
-def record(gamma: Covered | None, beta: Covered | None, xhat: Callable[[torch.Tensor], torch.Tensor],
-           dy: torch.Tensor) -> None:
+def record(gamma: Covered | None, beta: Covered | None, x: Normalised, dy: torch.Tensor) -> None:
     """The output's gradient has come: each parameter's per-row values and spreads (see the module doc)."""
     with torch.no_grad():
         d = dy.detach().float()
-        rows = d.movedim(1, -1).reshape(-1, d.shape[1]) if getattr(xhat, "channels_first", False) else \
-            d.reshape(-1, d.shape[-1])
+        rows = d.movedim(1, -1).reshape(-1, d.shape[1]) if x.channels_first else d.reshape(-1, d.shape[-1])
         b = row_norms(rows)
-        kappa = getattr(xhat, "kappa")  # noqa: B009 - set on the function by norm_rows
-        kappa = kappa.reshape(-1) if kappa.shape[0] == rows.shape[0] else kappa.max().expand(rows.shape[0])
-        eps = (max(_RECOMPUTE_EPS, getattr(xhat, "eps", EPS32)), unit_roundoff(dy.dtype))
+        eps = (max(_RECOMPUTE_EPS, x.eps), unit_roundoff(dy.dtype))
         if beta is not None:
             beta.add(None, None, torch.mv(rows, beta.v0), b, eps)
         if gamma is not None:
-            prod = rows * xhat(rows)
-            spread = torch.sqrt(row_norms(prod).square() + (kappa * b).square())
+            prod = rows * x.xhat()
+            spread = torch.sqrt(row_norms(prod).square() + (x.kappa(rows.shape[0]) * b).square())
             gamma.add(None, None, torch.mv(prod, gamma.v0), spread, eps)
 
 
@@ -137,10 +144,10 @@ def hook(checks: Any, mod: torch.nn.Module, kind: str, gamma_of: Callable[[], Co
                     c.uses += 1
         if gamma is None and beta is None:
             return
-        xhat = norm_rows(m, kind, x, out)
-        if xhat is None:
+        normalised = norm_rows(m, kind, x, out)
+        if normalised is None:
             return
-        out.register_hook(checks.watch.timed("abft")(lambda dy: record(gamma, beta, xhat, dy)))
+        out.register_hook(checks.watch.timed("abft")(lambda dy: record(gamma, beta, normalised, dy)))
 
     return forward
 

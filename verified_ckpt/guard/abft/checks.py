@@ -44,10 +44,8 @@ class GradientChecks:
         self.enabled = True  # the budget's choice for this step (the first step always runs: it measures coverage)
         self.watch = watch or Stopwatch()
         timed = self.watch.timed("abft")
-        self._linear_pre = timed(self._linear_pre)  # type: ignore[method-assign]
-        self._linear_forward = timed(self._linear_forward)  # type: ignore[method-assign]
-        self._embedding_forward = timed(self._embedding_forward)  # type: ignore[method-assign]
-        self._input_grad = timed(self._input_grad)  # type: ignore[method-assign]
+        for hook in ("_linear_pre", "_linear_forward", "_embedding_forward", "_input_grad"):  # their time is ABFT's
+            setattr(self, hook, timed(getattr(self, hook)))
         self.covered: dict[int, Covered] = {}
         self.layers: dict[int, Layer] = {}  # by id of the module
         self.left_out: list[tuple[str, str]] = []
@@ -248,9 +246,8 @@ class GradientChecks:
                     c.uses += 1
         xs = a = None
         if w is not None or forward:
-            # The checksums are float32, whatever the layer ran in; no autograd graph for them. (Entering an
-            # autocast context costs more than the two products: only where one is on.) One float32 view or
-            # copy of the input, and its row norms, serve the weight check and the forward check alike.
+            # Float32 checksums, no autograd graph (an autocast context costs more than the products: only where
+            # one is on). One float32 input and its row norms serve the weight check and the forward check.
             with torch.no_grad(), torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
                 x2 = x.reshape(-1, x.shape[-1])
                 x2 = x2 if x2.dtype == torch.float32 else x2.float()

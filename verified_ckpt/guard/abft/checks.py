@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import fnmatch
-import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -14,12 +13,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..budget import Stopwatch
-from ..stats import StepStats, Verdict, failed_rows, worst
+from ..stats import StepStats, Verdict, failed_rows
 from . import forward as fwd
 from . import norms
-from .layers import COMPILED, OUTSIDE, Coverage, InputCheck, InputTap, Layer, gradient_paths, layer_kind
+from .layers import COMPILED, OUTSIDE, Coverage, InputCheck, InputTap, Layer, gradient_paths, layer_kind, worst_layer
 from .norms import norm_kind
-from .sums import EPS32, RMS, Covered, matmul_eps, norm, rgs, row_norms, signed_weights, unit_roundoff, worst_ratio
+from .sums import EPS32, RMS, Covered, matmul_eps, rgs, row_norms, signed_weights, unit_roundoff, worst_ratio
 
 __all__ = ["GradientChecks", "check"]
 
@@ -87,7 +86,7 @@ class GradientChecks:
         self._flops: dict[str, int] = collections.Counter()
         self._tag = 0
         self._open: dict[int, InputCheck] = {}  # by id of the module: a forward between its two hooks
-        self._inputs: list[tuple[torch.Tensor, int]] = []  # this step's input-gradient ratios, and their layer
+        self._inputs: list[InputCheck] = []  # this step's input-gradient checks, filled
         self._forwards: list[tuple[torch.Tensor, int]] = []  # this step's forward-output ratios, and their layer
 
     def _install(self, name: str, mod: torch.nn.Module, kind: str, names: dict[int, str], index: dict[int, int],
@@ -220,7 +219,7 @@ class GradientChecks:
             with torch.no_grad():
                 w = layer.weight.detach().float()
                 layer.ws = torch.mv(w.T, layer.s) if layer.kind == "Conv1D" else torch.mv(w, layer.s)
-                layer.wnorm = norm(w).float()
+                layer.wnorm = row_norms(w.reshape(1, -1)).view(())  # float32, as the products it bounds
             if self.forward:
                 fwd.prepare(layer)
             layer.tag = self._tag
@@ -297,9 +296,9 @@ class GradientChecks:
             u = torch.mv(g2 if g2.dtype == torch.float32 else g2.float(), layer.s)
             # W rounded to the GEMM's dtype, dX rounded to its own, float32 accumulation and projections.
             eps_in, eps_out = check.eps[0], max(check.eps[1], unit_roundoff(g.dtype))
-            coef = self.slack * RMS * (eps_in + eps_out + EPS32 * (math.sqrt(out_f) + math.sqrt(in_f) + 2))
-            bound = check.b * (layer.wnorm * coef) + 1e-30
-            self._inputs.append((((u - check.z).abs() / bound).nan_to_num(nan=torch.inf).max(), layer.number))
+            check.u = u
+            check.coef = self.slack * RMS * (eps_in + eps_out + EPS32 * (math.sqrt(out_f) + math.sqrt(in_f) + 2))
+            self._inputs.append(check)  # checked with every other layer's at the step's end (``inputs_worst``)
 
     def _embedding_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
         layer = self.layers.get(id(mod))
@@ -357,12 +356,7 @@ class GradientChecks:
     def inputs_worst(self) -> torch.Tensor | None:
         """float64[2]: the worst input-gradient ratio of this step and ``n_params + layer`` naming its layer (on the
         device); ``None`` when no input gradient was checked."""
-        got = self._inputs + [(r, len(self.layers) + number) for r, number in self._forwards]
-        if not got:
-            return None
-        ratios = torch.stack([r for r, _ in got]).double()
-        which = layer_codes(tuple(self._n + code for _, code in got), ratios.device)
-        return worst(torch.stack([ratios, which]).T)
+        return worst_layer(self._inputs, self._forwards, self._n, len(self.layers))
 
     def name_of(self, index: int) -> str:
         """What a failed check's index names: a parameter's gradient, or a layer's input gradient."""
@@ -374,11 +368,6 @@ class GradientChecks:
             return f"{what} {layer.name or 'the model'}" if layer else f"check {index}"
         name = next((c.name for c in self.covered.values() if c.index == index), f"parameter {index}")
         return f"the gradient of {name}"
-
-
-@functools.lru_cache(maxsize=256)
-def layer_codes(codes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(codes, dtype=torch.float64, device=device)
 
 
 def check(step: int, gathered: Sequence[StepStats], name_of: Callable[[int], str], rank_rows: int) -> Verdict | None:

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["COMPILED", "OUTSIDE", "Coverage", "InputCheck", "InputTap", "Layer", "gradient_paths", "layer_kind"]
+from ..stats import worst
+from .sums import lengths_on
+
+__all__ = ["COMPILED", "OUTSIDE", "Coverage", "InputCheck", "InputTap", "Layer", "gradient_paths", "input_ratios",
+           "layer_kind", "worst_layer"]
 
 OUTSIDE = "used outside the modules that cover it (a weight tied functionally, F.linear(x, w)?)"
 COMPILED = "inside a torch.compile'd module, where ABFT's hooks cannot run"
@@ -62,6 +67,52 @@ class InputCheck:
     z: torch.Tensor | None = None  # dY (W s), per row
     b: torch.Tensor | None = None  # ‖dY_n‖
     eps: tuple[float, float] = (2.0**-24, 2.0**-24)  # of the GEMM's inputs, of its output
+    # Filled by the input's gradient: dX_n · s per row, and the bound's coefficient on ‖W‖ ‖dY_n‖
+    u: torch.Tensor | None = None
+    coef: float = 0.0
+
+
+def worst_layer(inputs: list[InputCheck], forwards: list[tuple[torch.Tensor, int]], base: int,
+                n_layers: int) -> torch.Tensor | None:
+    """float64[2]: the worst of a step's input-gradient checks (``inputs``) and forward-output ratios (``forwards``:
+    ratio and layer number), and its code: ``base + layer``, or ``base + n_layers + layer`` for a forward; on the
+    device (no host sync). ``None`` when nothing was checked."""
+    if not inputs and not forwards:
+        return None
+    parts = [input_ratios(inputs)] if inputs else []
+    if forwards:
+        parts.append(torch.stack([r for r, _ in forwards]).double())
+    ratios = torch.cat(parts) if len(parts) > 1 else parts[0]
+    codes = tuple(base + c.layer.number for c in inputs) + tuple(base + n_layers + number for _, number in forwards)
+    which = codes_on(codes, ratios.device)
+    return worst(torch.stack([ratios, which]).T)
+
+
+def input_ratios(checks: list[InputCheck]) -> torch.Tensor:
+    """The worst row's |dX_n·s - dY_n·(W s)| / bound_n of each of ``checks`` (filled), float64 on the device.
+
+    The per-row work of every layer's check in one handful of ops for the whole step: the per-layer ops cost more
+    in dispatch than in arithmetic on small layers, where most of ABFT's overhead was."""
+    u = torch.cat([c.u for c in checks if c.u is not None])
+    z = torch.cat([c.z for c in checks if c.z is not None])
+    b = torch.cat([c.b for c in checks if c.b is not None])
+    wnorm = torch.stack([c.layer.wnorm for c in checks if c.layer.wnorm is not None])
+    lens = lengths_on(tuple(c.u.numel() for c in checks if c.u is not None), u.device)
+    scale = wnorm * floats_on(tuple(c.coef for c in checks), u.device)
+    bound = b * scale.repeat_interleave(lens, output_size=u.numel()) + 1e-30
+    ratio = ((u - z).abs() / bound).nan_to_num(nan=torch.inf)
+    return torch.segment_reduce(ratio, "max", lengths=lens).double()
+
+
+@functools.lru_cache(maxsize=256)
+def codes_on(codes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(codes, dtype=torch.float64, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def floats_on(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """Plain numbers of a layout as a float32 device tensor, made once (a host-to-device copy saved per step)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 class InputTap(torch.autograd.Function):

@@ -41,7 +41,7 @@ def measure(build, loss_fn, batch, cfg: GuardConfig) -> tuple[Kernels, Kernels, 
 
     def guarded(step: int) -> int:
         guard.backward(batch, step=step)
-        buckets = len(guard.tap.buckets)
+        buckets = len(guard.layout.tap.buckets)
         guard.step()
         opt.zero_grad()
         return buckets

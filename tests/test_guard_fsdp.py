@@ -46,7 +46,7 @@ def train_until_incident(rank: int, mesh: tuple[int, ...], faults: list[str], st
     model, opt = build(mesh, dropout)
     torch.manual_seed(100 + rank)  # each rank its own dropout stream
     guard = SDCGuard(model, opt, loss_fn, GuardConfig(faults=faults, consensus_every=5, **cfg))
-    assert type(guard).__name__ == "FSDPGuard"
+    assert guard.layout.kind == "sharded"
     for step in range(steps):
         try:
             guard.backward(batch(rank, step), step=step)

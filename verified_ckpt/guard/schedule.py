@@ -34,9 +34,10 @@ class Schedule:
         replicas: how many copies of each piece of state a consensus compares (one: no consensus).
     """
 
-    def __init__(self, cfg: GuardConfig, *, audits: bool, abft: bool, replicas: int) -> None:
+    def __init__(self, cfg: GuardConfig, *, audits: bool, abft: bool, replicas: int,
+                 watch: Stopwatch | None = None) -> None:
         self.cfg = cfg
-        self.watch = Stopwatch()
+        self.watch = watch or Stopwatch()
         self.budget = Budget(cfg.overhead, consensus_every=cfg.consensus_every, audit_every=cfg.audit_every,
                              abft=abft, abft_every=cfg.abft_every, audits=audits, consensus=replicas >= 2)
         self.plan = Plan(False, False, True)

@@ -1,0 +1,235 @@
+"""The sharded layout: FSDP2 and HSDP models (what ``SDCGuard(model, ...)`` composes when ``model`` is
+``fully_shard``-ed).
+
+The guard's loop and bookkeeping are the same as on DDP; what this layout contributes is where the checks see
+the gradients (inside FSDP's reduce-scatter and all-reduce, ``sharded.ShardedTap``), which ranks are replicas
+(consensus per shard index, ``sharded.judge_state``), and that an audit recomputes with a whole replica group.
+What each mesh shape can conclude is in docs/GUARD.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from ..errors import GuardUsageError
+from ..history import NO_RANK, Event
+from .audit import exchange_batches
+from .budget import Costs
+from .sharded import ShardedTap, audit_vector, judge_audit, judge_state, judge_step, mesh_view, state_row
+from .stats import host_row
+
+if TYPE_CHECKING:
+    from .sdcguard import SDCGuard
+
+__all__ = ["ShardedLayout", "is_fsdp"]
+
+ONE_REPLICA = ("SDCGuard on a 1-D (pure FSDP) mesh: every rank holds a different shard, so there is no replica to "
+               "compare weights with; the per-step checks and audits (each rank recomputes another's microbatches) "
+               "run, consensus only checks that the state is finite, and saves stay unverified (docs/GUARD.md).")
+TWO_GROUPS = ("SDCGuard on HSDP with two replica groups: a disagreement between them shows that one is wrong but "
+              "cannot tell which, so such incidents name no host. Use 3 or more replica groups to have suspects named.")
+
+
+def is_fsdp(model: Any) -> bool:
+    """Whether ``model`` was wrapped by FSDP2's ``fully_shard``."""
+    return isinstance(model, FSDPModule)
+
+
+class ShardedLayout:
+    """FSDP's reduce-scatter and all-reduce observed, consensus per shard, replica-group audits (module doc)."""
+
+    kind = "sharded"
+    module_of = staticmethod(lambda model: model)  # FSDP's hooks live on the model itself
+    abft = None  # ABFT is DDP-only for now (docs/GUARD.md)
+
+    def __init__(self, g: SDCGuard) -> None:
+        self.g = g
+        self.view = mesh_view(g.params)
+        if self.view.replicas * self.view.shards != g.world:
+            raise GuardUsageError(f"the model's mesh has {self.view.replicas * self.view.shards} ranks, the guard's "
+                                  f"process group {g.world}; give the guard the group the mesh spans")
+        self._eps = 0.0
+        self.rs_tap = ShardedTap(g.project, self._reduce_scatter, two_d=self.view.replicas > 1, inject=self._inject)
+        for m in g.model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_reduce_scatter(self.rs_tap)  # type: ignore[arg-type]  # the ReduceScatter protocol
+                m.set_all_reduce_hook(self.rs_tap.after_all_reduce)
+        g.faults.hook_compute(g.model, g.rank, lambda: g._step)
+        if g.rank == 0 and self.view.replicas < 3:
+            warnings.warn(ONE_REPLICA if self.view.replicas == 1 else TWO_GROUPS, stacklevel=3)
+
+    # ------------------------------------------------------------ who is where
+    @property
+    def replicas(self) -> int:
+        return self.view.replicas
+
+    @property
+    def ring(self) -> int:
+        return self.view.ring
+
+    @property
+    def records_batches(self) -> bool:
+        return self.g.audits_enabled
+
+    @property
+    def node_of(self) -> list[int]:
+        return self.g.comm.node_of()
+
+    @property
+    def targets(self) -> list[int | None]:
+        """Auditor rank -> the rank whose microbatches it recomputes (the one before it in the audit ring)."""
+        ring = self.view.ring >= 2
+        return [self.view.shifted(r, -1) if ring else None for r in range(self.g.world)]
+
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: Any, op: Any, async_op: bool) -> Any:
+        self._eps = max(self._eps, torch.finfo(input.dtype).eps / 2)
+        return self.g.comm.reduce_scatter(output, input, group, op, async_op)
+
+    def _inject(self, site: str, t: torch.Tensor) -> None:
+        g = self.g
+        if g._step is not None and g.faults.firing(site, g.rank, g._step):
+            g.faults.apply(site, g.rank, g._step, t)
+
+    # ------------------------------------------------------------ the loop's parts
+    def no_sync(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def before_backward(self, sync: bool) -> None:
+        """FSDP reduce-scatters in its post-backward hooks only when asked: all but a step's last microbatch
+        accumulate unsharded gradients."""
+        self.g.model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+
+    def after_backward(self, sync: bool) -> None:
+        """Nothing: FSDP's own collectives have run through the tap."""
+
+    def first_forward(self, batch: Any) -> None:
+        """Nothing: FSDP's reduction order does not depend on a first iteration, unlike DDP's buckets."""
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def reset(self) -> None:
+        self.rs_tap.reset()
+
+    def prepare_resume(self) -> None:
+        """Nothing to rebuild (``first_forward``)."""
+
+    # ------------------------------------------------------------ checks
+    def check_before_update(self, s: int) -> None:
+        """NaN/Inf and checksums of this step's reductions, then an audit when one is due (see ``SDCGuard.step``)."""
+        g, cfg = self.g, self.g.cfg
+        if not self.rs_tap.rows:
+            raise GuardUsageError("no gradient was reduce-scattered this step; the last backward() of a step must "
+                                  "have sync=True")
+        loss = torch.stack(g._losses).sum().view(1)
+        costs = g.sched.watch.take()
+        t0 = time.perf_counter()
+        # The step's one host sync; the budget's figures travel in the same row, last.
+        gathered = g.comm.all_gather_rows(torch.cat([*self.rs_tap.rows, loss, host_row(costs.row(), loss.device)]))
+        rows = [r[: -Costs.FIELDS] for r in gathered.tolist()]
+        g.sched.decide(s, [r[-Costs.FIELDS :] for r in gathered.tolist()], time.perf_counter() - t0,
+                       g.device.type == "cpu")
+        g._report_schedule(s)
+        verdicts = [v for v in judge_step(s, [r[:-1] for r in rows], self.view, self.rs_tap.modes, g.project.k,
+                                          self._eps or 2.0**-24, cfg.checksum_slack, g.project.rms_weight)
+                    if (v.kind == "checksum" and cfg.check_checksum)
+                    or (v.kind != "checksum" and cfg.check_nonfinite)]
+        for v in verdicts:
+            g.judge.judge(s, v)
+        g.judge.emit(lambda: [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
+        if g.audits_enabled and (g._audit_requested or g.sched.plan.audit):
+            t0 = time.perf_counter()
+            g._audit_requested = False
+            self._audit(s, list(zip(g._batches, g._rng, strict=True)), rows)
+            g.sched.watch.audit = time.perf_counter() - t0
+
+    def consensus(self, step: int) -> list[str]:
+        """Compare, for every shard index, the replicas' fingerprints of their local shards now.
+
+        Returns every rank's fingerprint as hex when the replicas of every shard agree (empty on a 1-D mesh).
+        """
+        g = self.g
+        rows = g.comm.all_gather_rows(state_row(g.params, g.optimizer, g.device)).tolist()
+        verdicts, fps = judge_state(step, rows, self.view, g._last_pass("consensus") + 1)
+        for v in verdicts:
+            g.judge.judge(step, v)
+        return fps if self.view.replicas > 1 else []
+
+    def state_lanes(self) -> torch.Tensor:
+        return state_row(self.g.params, self.g.optimizer, self.g.device)[:2]
+
+    # ------------------------------------------------------------ audits
+    def audit_fresh(self, s: int, mine: list[tuple[Any, Any]], arrive: bool = False) -> None:
+        """Audit ``mine`` now, with the current weights: every rank recomputes its own microbatches and those of
+        the rank before it in the audit ring, and the two recomputations must agree (a save's audit)."""
+        if arrive:
+            self.g.comm.arrive("audit")
+        self._audit(s, mine, None)
+
+    def _audit(self, s: int, mine: list[tuple[Any, Any]], rows: list[list[float]] | None) -> None:
+        """Every rank recomputes the microbatches of the rank before it in the audit ring (another replica group's
+        at its shard index; on a 1-D mesh the previous shard rank's), and on a mismatch of the one before that,
+        all ranks together (they must all-gather); see ``sharded.judge_audit``. ``rows``: what each owner recorded
+        while training; ``None``: each owner recomputes its own too (the weights have changed since)."""
+        g = self.g
+        calls, shape = len(self.rs_tap.modes), (self.view.shards, g.project.k)
+        everyone = exchange_batches(g.comm, s, mine, g.batch_for)
+        if rows is None:
+            rows = self._recompute_for(everyone, 0)
+            calls = (len(rows[0]) - 1) // ((shape[0] + 2) * (shape[1] + 1))
+        owner = [audit_vector(r, calls, *shape) for r in rows]
+        first = [audit_vector(r, calls, *shape) for r in self._recompute_for(everyone, 1)]
+        exact, first_suspect = g.cfg.mode == "exact", g._last_pass("audit") + 1
+        verdict, differ = judge_audit(s, owner, first, None, self.view, exact=exact, rtol=g.cfg.rtol,
+                                      rms_weight=g.project.rms_weight, first_suspect=first_suspect)
+        if differ and self.view.ring >= 3:
+            second = [audit_vector(r, calls, *shape) for r in self._recompute_for(everyone, 2)]
+            verdict, _ = judge_audit(s, owner, first, second, self.view, exact=exact, rtol=g.cfg.rtol,
+                                     rms_weight=g.project.rms_weight, first_suspect=first_suspect)
+        if not verdict.ok:
+            # A wrong weight shard makes its whole replica group compute wrongly (the group all-gathers it),
+            # so compare the shards first: that names the one rank holding it, not its healthy peers.
+            self.consensus(s)
+        g.judge.judge(s, verdict)
+
+    def _recompute_for(self, everyone: list[list[Any]], back: int) -> list[list[float]]:
+        """Recompute, on every rank at once, the microbatches of the rank ``back`` places before it in the audit
+        ring; the gathered rows. Gradients, buffers, random state and the step's rows are put back."""
+        g = self.g
+        owner = self.view.shifted(g.rank, -back) if back else g.rank
+        grads = [p.grad for p in g.params]
+        buffers = [b.detach().clone() for b in g.buffers]
+        kept = (self.rs_tap.rows, self.rs_tap.modes)
+        self.rs_tap.reset()
+        self.rs_tap.auditing = True
+        try:
+            with torch.random.fork_rng(devices=[g.device] if g.device.type == "cuda" else []):
+                for p in g.params:
+                    p.grad = None
+                total = torch.zeros((), dtype=torch.float64, device=g.device)
+                mine = everyone[owner]
+                for i, (mb, (cpu_rng, cuda_rng)) in enumerate(mine):
+                    torch.set_rng_state(cpu_rng)
+                    if cuda_rng is not None and g.device.type == "cuda":
+                        torch.cuda.set_rng_state(cuda_rng, g.device)
+                    self.before_backward(i == len(mine) - 1)
+                    loss = g.loss_fn(g.model, mb)
+                    loss.backward()
+                    total += loss.detach().to(torch.float64)
+                row = torch.cat([*self.rs_tap.rows, total.view(1)])
+        finally:
+            self.rs_tap.auditing = False
+            self.rs_tap.rows, self.rs_tap.modes = kept
+            for p, grad in zip(g.params, grads, strict=True):
+                p.grad = grad
+            with torch.no_grad():
+                for b, saved in zip(g.buffers, buffers, strict=True):
+                    b.copy_(saved)
+        return g.comm.all_gather_rows(row).tolist()
+

@@ -172,3 +172,84 @@ def test_the_fsdp_example_trains_on_a_mesh_and_reports_a_json_line():
     bad = subprocess.run([sys.executable, script, "--mesh", "3y2"], capture_output=True, text=True, timeout=60,
                          check=False)
     assert bad.returncode == 2 and "--mesh must look like 3x2" in bad.stderr
+
+
+class Wrapper(torch.nn.Module):
+    """A framework's module around the sharded one (Lightning's ``ModelParallelStrategy``: ``fully_shard`` applied
+    to modules inside the ``LightningModule``, never to the ``LightningModule`` itself)."""
+
+    def __init__(self, net: torch.nn.Module, extra: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.net, self.extra = net, extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x if self.extra is None else self.extra(x))
+
+
+def framework_loop(rank: int, faults: list[str], steps: int) -> dict:
+    """begin/backward_of as a framework calls them (it runs the forward itself), two microbatches a step."""
+    from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
+
+    net, _ = build((3,))
+    model = Wrapper(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = SDCGuard(model, opt, loss_fn, GuardConfig(faults=faults))
+    out: dict = {"layout": guard.layout.kind, "targets": guard.targets}
+    try:
+        for step in range(steps):
+            for i in range(2):
+                mb = batch(rank, 10 * step + i)
+                guard.begin(mb, step=step)
+                guard.backward_of(loss_fn(model, mb), sync=i == 1)
+            guard.step()
+            opt.zero_grad()
+        out["audit_now"] = guard.audit_now()  # a save's fresh audit, on the sharded layout
+    except SilentCorruptionDetected as e:
+        out["caught"] = [e.incident.kind, e.incident.ranks, e.incident.detected_step]
+    out["checks"] = {k: c.passed for k, c in guard.counters().items()}
+    return out
+
+
+def refusals(rank: int) -> dict:
+    """Layouts the guard would misread are refused at construction, saying what to do."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from verified_ckpt import SDCGuard
+    from verified_ckpt.errors import GuardUsageError
+
+    def refused(model: torch.nn.Module) -> str:
+        try:
+            SDCGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn)
+        except GuardUsageError as e:
+            return str(e)
+        return "accepted"
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (1, 3), mesh_dim_names=("dp", "tp"))
+    tp = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Linear(12, 6))
+    parallelize_module(tp, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(tp, mesh=mesh["dp"])
+    net, _ = build((3,))
+    return {"tp": refused(tp), "unsharded": refused(Wrapper(net, torch.nn.Linear(WIDTHS[0], WIDTHS[0])))}
+
+
+def sharded_framework_story(rank: int, world: int) -> dict:
+    warnings_off()
+    return {"clean": framework_loop(rank, [], 4), "fault": framework_loop(rank, ["allreduce:1:2:elem=10"], 4),
+            "compute": framework_loop(rank, ["compute:2:3-:scale=1.5"], 4), "refused": refusals(rank)}
+
+
+def test_the_framework_path_runs_on_a_sharded_model_inside_a_wrapper_and_misread_layouts_are_refused():
+    got = run_ranks(sharded_framework_story, 3, timeout=200)
+    assert all(r == got[0] for r in got), "every rank reaches the same verdict"
+    clean, fault, compute, refused = (got[0][k] for k in ("clean", "fault", "compute", "refused"))
+    assert clean["layout"] == "sharded" and clean["targets"] == [2, 0, 1] and clean["audit_now"] is True
+    assert clean["checks"]["checksum"] == 4 and clean["checks"]["audit"] >= 2, clean  # the budget's, then audit_now
+    assert fault["caught"] == ["checksum", [1], 2]
+    # A compute fault from step 3, the last, on: the budget's audit at that step or, after it, the save's fresh
+    # audit (audit_now) recomputes and names the rank, for step 3 either way.
+    assert compute["caught"] == ["audit", [2], 3], compute
+    assert "tensor parallel" in refused["tp"] and "docs/GUARD.md" in refused["tp"]
+    assert refused["unsharded"].startswith("parameters extra.weight, extra.bias are not sharded by fully_shard")

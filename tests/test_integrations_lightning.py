@@ -95,3 +95,15 @@ def test_set_ups_the_guard_cannot_step_are_refused_when_training_starts_with_wha
                       enable_checkpointing=False, default_root_dir=str(tmp_path), callbacks=[SDCGuardCallback()])
     with pytest.raises(ValueError, match="manual optimization"):
         trainer.fit(Manual())
+
+
+@pytest.mark.timeout(200)
+def test_the_callback_guards_an_fsdp2_model_under_lightnings_model_parallel_strategy():
+    done = torchrun(os.path.join(os.path.dirname(__file__), "lightning_fsdp_job.py"), 3, "3", timeout=180)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == 3 and all(r == results[0] for r in results), results
+    clean, faulty = results[0]["clean"], results[0]["faulty"]
+    assert clean["layout"] == "sharded" and clean["failed"] == 0
+    assert clean["checks"]["checksum"] == 12 and clean["checks"]["audit"] >= 1, clean
+    assert faulty["caught"] == ["checksum", [1], 5]

@@ -15,6 +15,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from ..errors import GuardUsageError
@@ -37,8 +38,31 @@ TWO_GROUPS = ("SDCGuard on HSDP with two replica groups: a disagreement between 
 
 
 def is_fsdp(model: Any) -> bool:
-    """Whether ``model`` was wrapped by FSDP2's ``fully_shard``."""
-    return isinstance(model, FSDPModule)
+    """Whether ``model`` or a module inside it was wrapped by FSDP2's ``fully_shard`` (Lightning's
+    ``ModelParallelStrategy`` shards modules inside the ``LightningModule``, not the module itself)."""
+    return isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def fsdp_roots(model: torch.nn.Module) -> list[FSDPModule]:
+    """The outermost ``fully_shard``-ed modules: the ones whose settings reach every FSDP module below them."""
+    inner = {id(m) for r in model.modules() if isinstance(r, FSDPModule) for m in r.modules() if m is not r}
+    return [m for m in model.modules() if isinstance(m, FSDPModule) and id(m) not in inner]
+
+
+def data_parallel_mesh(model: torch.nn.Module) -> DeviceMesh | None:
+    """The mesh FSDP shards (and, for HSDP, replicates) over, from its own parameter groups: not the parameters'
+    mesh, which also spans tensor-parallel dimensions when the model is parallelised on a larger mesh."""
+    meshes: dict[tuple[Any, ...], DeviceMesh] = {}
+    for m in model.modules():
+        state = m._get_fsdp_state() if isinstance(m, FSDPModule) else None
+        info = getattr(getattr(state, "_fsdp_param_group", None), "mesh_info", None)
+        mesh = getattr(info, "mesh", None)
+        if isinstance(mesh, DeviceMesh):
+            meshes[(mesh.ndim, tuple(mesh.mesh.reshape(-1).tolist()))] = mesh
+    if len(meshes) > 1:
+        raise GuardUsageError("the model's modules are sharded over different meshes; SDCGuard needs one "
+                              "data-parallel mesh for the whole model (docs/GUARD.md, 'Sharded models')")
+    return next(iter(meshes.values()), None)
 
 
 class ShardedLayout:
@@ -50,7 +74,8 @@ class ShardedLayout:
 
     def __init__(self, g: SDCGuard) -> None:
         self.g = g
-        self.view = mesh_view(g.params)
+        self.roots = fsdp_roots(g.model)
+        self.view = mesh_view(g.module.named_parameters(), data_parallel_mesh(g.model))
         if self.view.replicas * self.view.shards != g.world:
             raise GuardUsageError(f"the model's mesh has {self.view.replicas * self.view.shards} ranks, the guard's "
                                   f"process group {g.world}; give the guard the group the mesh spans")
@@ -60,7 +85,7 @@ class ShardedLayout:
             if isinstance(m, FSDPModule):
                 m.set_custom_reduce_scatter(self.rs_tap)  # type: ignore[arg-type]  # the ReduceScatter protocol
                 m.set_all_reduce_hook(self.rs_tap.after_all_reduce)
-        g.faults.hook_compute(g.model, g.rank, lambda: g._step)
+        g.faults.hook_compute(g.model, g.rank, lambda: g._kept[0] if g._step is None else g._step)
         if g.rank == 0 and self.view.replicas < 3:
             warnings.warn(ONE_REPLICA if self.view.replicas == 1 else TWO_GROUPS, stacklevel=3)
 
@@ -103,7 +128,8 @@ class ShardedLayout:
     def before_backward(self, sync: bool) -> None:
         """FSDP reduce-scatters in its post-backward hooks only when asked: all but a step's last microbatch
         accumulate unsharded gradients."""
-        self.g.model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        for root in self.roots:
+            root.set_requires_gradient_sync(sync)
 
     def after_backward(self, sync: bool) -> None:
         """Nothing: FSDP's own collectives have run through the tap."""

@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .. import decisions
+from ..errors import GuardUsageError
 from ..fingerprint import lanes_hex
 from ..history import Event
 from .checksum import sigma_bound
@@ -79,17 +81,32 @@ class MeshView:
         return self.replicas if self.replicas > 1 else self.shards
 
 
-def mesh_view(params: Sequence[torch.Tensor]) -> MeshView:
-    """The data-parallel mesh the FSDP parameters live on."""
-    mesh = getattr(params[0], "device_mesh", None) if params else None
-    if mesh is None:
-        raise ValueError("an FSDP model's parameters are DTensors; these are not")
-    grid = mesh.mesh.tolist()
-    if mesh.ndim == 1:
+def mesh_view(named: Iterable[tuple[str, torch.Tensor]], dp_mesh: DeviceMesh | None) -> MeshView:
+    """The data-parallel mesh of an FSDP model (``dp_mesh``: FSDP's own, from its parameter groups).
+
+    Refused, with what to do: a parameter FSDP does not manage (its gradient would never be reduced, so the
+    replicas drift apart by design), and parameters on a mesh with more dimensions than FSDP's (tensor parallel
+    on top of FSDP): the guard would compare tensor-parallel shards, which are meant to differ, as if they were
+    replicas, and blame healthy hosts.
+    """
+    named = list(named)
+    plain = [n for n, p in named if not isinstance(p, DTensor)]
+    if plain or dp_mesh is None:
+        some = ", ".join(plain[:3]) + (f" and {len(plain) - 3} more" if len(plain) > 3 else "")
+        raise GuardUsageError(f"parameters {some or 'of the model'} are not sharded by fully_shard: their gradients "
+                              "are never reduced; fully_shard the module that holds them (or the root module)")
+    wide = [(n, p.device_mesh.ndim) for n, p in named if isinstance(p, DTensor) and p.device_mesh.ndim > dp_mesh.ndim]
+    if wide:
+        raise GuardUsageError(f"parameter {wide[0][0]} lives on a {wide[0][1]}-D mesh and FSDP shards "
+                              f"over {dp_mesh.ndim}-D: tensor parallel on top of FSDP is not covered by SDCGuard yet, "
+                              "which would compare tensor-parallel shards as replicas (docs/GUARD.md, 'Sharded models')")
+    grid = dp_mesh.mesh.tolist()
+    if dp_mesh.ndim == 1:
         return MeshView([list(grid)])
-    if mesh.ndim == 2:
+    if dp_mesh.ndim == 2:
         return MeshView([list(row) for row in grid])
-    raise ValueError(f"a {mesh.ndim}-D mesh: the guard knows 1-D (FSDP) and 2-D (HSDP, replicate x shard) meshes")
+    raise GuardUsageError(f"a {dp_mesh.ndim}-D data-parallel mesh: the guard knows 1-D (FSDP) and 2-D (HSDP, "
+                          "replicate x shard) meshes")
 
 
 class ShardedTap:

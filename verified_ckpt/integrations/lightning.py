@@ -99,13 +99,13 @@ class VerifiedCheckpointIO(CheckpointIO):
 def _unsupported(trainer: Trainer, pl_module: LightningModule) -> str | None:
     """Why the guard cannot run this trainer's steps (``None``: it can): it steps one optimizer automatically, on
     DDP or one device, without a loss scaler (whose skipped overflow steps it would see as NaN/Inf)."""
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
     if not pl_module.automatic_optimization:
         return "manual optimization is not supported: the guard must run each optimizer step"
     if len(trainer.optimizers) != 1:
         return f"{len(trainer.optimizers)} optimizers; the guard steps exactly one"
-    if not isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy)):
+    if not isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy, ModelParallelStrategy)):
         return f"strategy {type(trainer.strategy).__name__} is not supported; use strategy='ddp' (or one device)"
     if str(trainer.precision).startswith("16"):
         return (f"precision={trainer.precision!r} scales the loss and skips overflow steps, which the guard would see as "

@@ -19,8 +19,9 @@
   checks pass, or the update is withheld and :class:`~verified_ckpt.SilentCorruptionDetected` is raised out of
   ``fit`` on every rank. Audits recompute a batch with the module's own ``training_step``.
 
-Limits (docs/INTEGRATIONS.md): automatic optimization with one optimizer, DDP or one device, no loss-scaling
-precision (``16-mixed``); each is refused when training starts, with what to use instead. Gradient accumulation
+Limits (docs/INTEGRATIONS.md): automatic optimization with one optimizer, DDP, one device or FSDP2 under
+``ModelParallelStrategy`` (no tensor parallel), no loss-scaling precision (``16-mixed``); each is refused when
+training starts, with what to use instead. Gradient accumulation
 (``accumulate_grad_batches``) is supported. Resuming restarts an interrupted epoch from its start in Lightning,
 so save at epoch ends (``ModelCheckpoint(every_n_epochs=1)``) for a bit-identical resume.
 The plugin and callback reach into ``Strategy`` internals; the supported range is pinned in the
@@ -98,7 +99,8 @@ class VerifiedCheckpointIO(CheckpointIO):
 
 def _unsupported(trainer: Trainer, pl_module: LightningModule) -> str | None:
     """Why the guard cannot run this trainer's steps (``None``: it can): it steps one optimizer automatically, on
-    DDP or one device, without a loss scaler (whose skipped overflow steps it would see as NaN/Inf)."""
+    DDP, one device or FSDP2 (``ModelParallelStrategy``), without a loss scaler (whose skipped overflow steps it
+    would see as NaN/Inf)."""
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
     if not pl_module.automatic_optimization:
@@ -106,7 +108,8 @@ def _unsupported(trainer: Trainer, pl_module: LightningModule) -> str | None:
     if len(trainer.optimizers) != 1:
         return f"{len(trainer.optimizers)} optimizers; the guard steps exactly one"
     if not isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy, ModelParallelStrategy)):
-        return f"strategy {type(trainer.strategy).__name__} is not supported; use strategy='ddp' (or one device)"
+        return (f"strategy {type(trainer.strategy).__name__} is not supported; use strategy='ddp', one device, or "
+                "ModelParallelStrategy with fully_shard")
     if str(trainer.precision).startswith("16"):
         return (f"precision={trainer.precision!r} scales the loss and skips overflow steps, which the guard would see as "
                 "NaN/Inf; use precision='bf16-mixed' or '32-true'")
@@ -121,7 +124,8 @@ def _loss(out: Any) -> torch.Tensor:
 
 
 class SDCGuardCallback(Callback):
-    """Runs every training step of the strategy's DDP model through an :class:`~verified_ckpt.SDCGuard`."""
+    """Runs every training step of the strategy's model (DDP, or FSDP2 under ``ModelParallelStrategy``) through an
+    :class:`~verified_ckpt.SDCGuard`."""
 
     def __init__(self, config: GuardConfig | None = None) -> None:
         self.config = config or GuardConfig()

@@ -211,11 +211,7 @@ def framework_loop(rank: int, faults: list[str], steps: int) -> dict:
 
 
 def refusals(rank: int) -> dict:
-    """Layouts the guard would misread are refused at construction, saying what to do."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
+    """A layout the guard would misread is refused at construction, saying what to do."""
     from verified_ckpt import SDCGuard
     from verified_ckpt.errors import GuardUsageError
 
@@ -226,13 +222,8 @@ def refusals(rank: int) -> dict:
             return str(e)
         return "accepted"
 
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (1, 3), mesh_dim_names=("dp", "tp"))
-    tp = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Linear(12, 6))
-    parallelize_module(tp, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
-    fully_shard(tp, mesh=mesh["dp"])
     net, _ = build((3,))
-    return {"tp": refused(tp), "unsharded": refused(Wrapper(net, torch.nn.Linear(WIDTHS[0], WIDTHS[0])))}
+    return {"unsharded": refused(Wrapper(net, torch.nn.Linear(WIDTHS[0], WIDTHS[0])))}
 
 
 def sharded_framework_story(rank: int, world: int) -> dict:
@@ -241,7 +232,7 @@ def sharded_framework_story(rank: int, world: int) -> dict:
             "compute": framework_loop(rank, ["compute:2:3-:scale=1.5"], 4), "refused": refusals(rank)}
 
 
-def test_the_framework_path_runs_on_a_sharded_model_inside_a_wrapper_and_misread_layouts_are_refused():
+def test_the_framework_path_runs_on_a_sharded_model_inside_a_wrapper_and_an_unsharded_parameter_is_refused():
     got = run_ranks(sharded_framework_story, 3, timeout=200)
     assert all(r == got[0] for r in got), "every rank reaches the same verdict"
     clean, fault, compute, refused = (got[0][k] for k in ("clean", "fault", "compute", "refused"))
@@ -251,5 +242,67 @@ def test_the_framework_path_runs_on_a_sharded_model_inside_a_wrapper_and_misread
     # A compute fault from step 3, the last, on: the budget's audit at that step or, after it, the save's fresh
     # audit (audit_now) recomputes and names the rank, for step 3 either way.
     assert compute["caught"] == ["audit", [2], 3], compute
-    assert "tensor parallel" in refused["tp"] and "docs/GUARD.md" in refused["tp"]
     assert refused["unsharded"].startswith("parameters extra.weight, extra.bias are not sharded by fully_shard")
+
+
+def tp_model(mesh: object, dropout: float) -> torch.nn.Module:
+    """A small MLP on a (dp, tp) mesh as torchtitan builds one: a colwise and a rowwise Linear on ``tp``, a
+    LayerNorm and a head replicated across ``tp``, then ``fully_shard`` over ``dp``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8), torch.nn.Dropout(dropout),
+                            torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+    parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})  # type: ignore[index]
+    for i in (0, 2, 4, 5):
+        fully_shard(m[i], mesh=mesh["dp"])  # type: ignore[index]
+    fully_shard(m, mesh=mesh["dp"])  # type: ignore[index]
+    return m
+
+
+def tp_run(rank: int, shape: tuple[int, int], faults: list[str], flips: dict[int, int], dropout: float = 0.0,
+           steps: int = 6) -> dict:
+    """Train on a (dp, tp) mesh; ``flips``: rank -> bit flipped in its copy of the LayerNorm weight after step 1
+    (the evaluator's own injection: a TP-replicated parameter drifting on some TP ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_coordinate()[0]
+    m = tp_model(mesh, dropout)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    guard = SDCGuard(m, opt, loss_fn, GuardConfig(faults=faults, consensus_every=2))
+    try:
+        for step in range(steps):
+            guard.backward(torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + dp)), step=step)
+            guard.step()
+            opt.zero_grad()
+            if step == 1 and rank in flips:
+                with torch.no_grad():
+                    m[4].weight.to_local().view(-1).view(torch.int32)[0] ^= 1 << flips[rank]
+    except SilentCorruptionDetected as e:
+        return {"caught": [e.incident.kind, e.incident.ranks, e.incident.detected_step], "detail": e.incident.detail}
+    return {"checks": {k: c.passed for k, c in guard.counters().items()}}
+
+
+def tp_story(rank: int, world: int) -> dict:
+    warnings_off()
+    return {"clean": tp_run(rank, (2, 2), [], {}, dropout=0.1), "reduced": tp_run(rank, (2, 2), ["allreduce:1:3:elem=10"], {}),
+            "two copies": tp_run(rank, (2, 2), [], {1: 22}), "one of four": tp_run(rank, (1, 4), [], {2: 22}),
+            "every copy": tp_run(rank, (1, 4), [], {0: 20, 1: 21, 2: 22, 3: 23})}
+
+
+def test_fsdp2_with_tensor_parallel_on_2x2_and_1x4_meshes_compares_only_what_is_replicated():
+    got = run_ranks(tp_story, 4, timeout=200)
+    assert all(r == got[0] for r in got), "every rank reaches the same verdict"
+    s = got[0]
+    # Tensor-parallel shards are never compared as replicas (the old mesh reading took (dp, tp) for HSDP).
+    assert s["clean"]["checks"]["checksum"] == 6 and s["clean"]["checks"]["consensus"] == 3, s["clean"]
+    assert s["reduced"]["caught"] == ["checksum", [1], 3]
+    # The LayerNorm weight is replicated across the TP ranks: its drift is caught at the next consensus (step 2).
+    # Two holders cannot say which is wrong; four name the odd one; four different copies are software divergence.
+    assert s["two copies"]["caught"] == ["consensus", [], 2] and "no host is named" in s["two copies"]["detail"]
+    assert s["one of four"]["caught"] == ["consensus", [2], 2]
+    assert s["every copy"]["caught"] == ["consensus", [], 2] and "software divergence" in s["every copy"]["detail"]

@@ -21,8 +21,9 @@ from torch.distributed.fsdp import FSDPModule
 from ..errors import GuardUsageError
 from ..history import NO_RANK, Event
 from .audit import exchange_batches
+from .boxes import box_rows, boxes_of
 from .budget import Costs
-from .sharded import ShardedTap, audit_vector, judge_audit, judge_state, judge_step, mesh_view, state_row
+from .sharded import MeshView, ShardedTap, audit_vector, check_parameters, judge_audit, judge_state, judge_step, state_row
 from .stats import host_row
 
 if TYPE_CHECKING:
@@ -30,9 +31,10 @@ if TYPE_CHECKING:
 
 __all__ = ["ShardedLayout", "is_fsdp"]
 
-ONE_REPLICA = ("SDCGuard on a 1-D (pure FSDP) mesh: every rank holds a different shard, so there is no replica to "
-               "compare weights with; the per-step checks and audits (each rank recomputes another's microbatches) "
-               "run, consensus only checks that the state is finite, and saves stay unverified (docs/GUARD.md).")
+ONE_REPLICA = ("SDCGuard on a 1-D (pure FSDP) data-parallel mesh: every rank holds a different shard, so the state "
+               "FSDP shards has no replica to compare with; the per-step checks and audits (each rank recomputes "
+               "another's microbatches) run, consensus compares only what tensor-parallel ranks replicate and checks "
+               "that the state is finite, and saves stay unverified (docs/GUARD.md).")
 TWO_GROUPS = ("SDCGuard on HSDP with two replica groups: a disagreement between them shows that one is wrong but "
               "cannot tell which, so such incidents name no host. Use 3 or more replica groups to have suspects named.")
 
@@ -75,10 +77,16 @@ class ShardedLayout:
     def __init__(self, g: SDCGuard) -> None:
         self.g = g
         self.roots = fsdp_roots(g.model)
-        self.view = mesh_view(g.module.named_parameters(), data_parallel_mesh(g.model))
-        if self.view.replicas * self.view.shards != g.world:
-            raise GuardUsageError(f"the model's mesh has {self.view.replicas * self.view.shards} ranks, the guard's "
-                                  f"process group {g.world}; give the guard the group the mesh spans")
+        dp = data_parallel_mesh(g.model)
+        check_parameters(g.module.named_parameters(), dp)
+        assert dp is not None
+        # Every rank's data-parallel grid (one collective, at construction): the distinct ones are the columns of
+        # the dimensions FSDP does not span (tensor parallel), each with the same replica x shard shape.
+        grid = dp.mesh.reshape(-1).to(torch.int64)
+        self.view = MeshView.of(g.comm.all_gather_rows(grid.to(g.device)).tolist(), list(dp.mesh.shape))
+        if self.view.size != g.world:
+            raise GuardUsageError(f"the model's mesh has {self.view.size} ranks, the guard's process group "
+                                  f"{g.world}; give the guard the group the mesh spans")
         self._eps = 0.0
         self.rs_tap = ShardedTap(g.project, self._reduce_scatter, two_d=self.view.replicas > 1, inject=self._inject)
         for m in g.model.modules():
@@ -150,7 +158,7 @@ class ShardedLayout:
     def check_before_update(self, s: int) -> None:
         """NaN/Inf and checksums of this step's reductions, then an audit when one is due (see ``SDCGuard.step``)."""
         g, cfg = self.g, self.g.cfg
-        if not self.rs_tap.rows:
+        if not self.rs_tap.rows and self.view.ring > 1:
             raise GuardUsageError("no gradient was reduce-scattered this step; the last backward() of a step must "
                                   "have sync=True")
         loss = torch.stack(g._losses).sum().view(1)
@@ -162,9 +170,11 @@ class ShardedLayout:
         g.sched.decide(s, [r[-Costs.FIELDS :] for r in gathered.tolist()], time.perf_counter() - t0,
                        g.device.type == "cpu")
         g._report_schedule(s)
-        verdicts = [v for v in judge_step(s, [r[:-1] for r in rows], self.view, self.rs_tap.modes, g.project.k,
-                                          self._eps or 2.0**-24, cfg.checksum_slack, g.project.rms_weight)
-                    if (v.kind == "checksum" and cfg.check_checksum)
+        # A data-parallel mesh of one rank (tensor parallel only) reduces nothing: there is nothing to judge, and
+        # no pass is claimed.
+        judged = judge_step(s, [r[:-1] for r in rows], self.view, self.rs_tap.modes, g.project.k, self._eps or 2.0**-24,
+                            cfg.checksum_slack, g.project.rms_weight) if self.rs_tap.rows else []
+        verdicts = [v for v in judged if (v.kind == "checksum" and cfg.check_checksum)
                     or (v.kind != "checksum" and cfg.check_nonfinite)]
         for v in verdicts:
             g.judge.judge(s, v)
@@ -181,8 +191,15 @@ class ShardedLayout:
         Returns every rank's fingerprint as hex when the replicas of every shard agree (empty on a 1-D mesh).
         """
         g = self.g
-        rows = g.comm.all_gather_rows(state_row(g.params, g.optimizer, g.device)).tolist()
-        verdicts, fps = judge_state(step, rows, self.view, g._last_pass("consensus") + 1)
+        tensors, keys = boxes_of(g.module.named_parameters(), g.optimizer)
+        mine = box_rows(tensors, keys, g.device)
+        # Ranks may hold different numbers of pieces (optimizer state not yet made everywhere): padded rows.
+        n = int(g.comm.all_gather_rows(torch.tensor([mine.shape[0]], device=g.device)).max())
+        padded = torch.cat([mine, torch.full((n - mine.shape[0], 3), -1, dtype=torch.int64, device=g.device)])
+        gathered = g.comm.all_gather_rows(torch.cat([state_row(g.params, g.optimizer, g.device), padded.view(-1)]))
+        rows = [r[:3] for r in gathered.tolist()]
+        boxes = [gathered[r, 3:].view(-1, 3).tolist() for r in range(g.world)]
+        verdicts, fps = judge_state(step, rows, boxes, g._last_pass("consensus") + 1)
         for v in verdicts:
             g.judge.judge(step, v)
         return fps if self.view.replicas > 1 else []

@@ -37,43 +37,66 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .. import decisions
 from ..errors import GuardUsageError
 from ..fingerprint import lanes_hex
 from ..history import Event
+from .boxes import judge as box_votes
 from .checksum import sigma_bound
 from .consensus import state_lanes, state_tensors
 from .stats import Projector, Verdict
 
-__all__ = ["MeshView", "ShardedTap", "audit_vector", "judge_audit", "judge_state", "judge_step", "mesh_view", "state_row"]
+__all__ = ["MeshView", "ShardedTap", "audit_vector", "check_parameters", "judge_audit", "judge_state", "judge_step", "state_row"]
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshView:
-    """Global ranks by (replica group, shard index): ``ranks[r][s]``. A 1-D (pure FSDP) mesh is one replica group."""
+    """Global ranks by (replica group, shard index) in each column: ``columns[c][r][s]``.
 
-    ranks: list[list[int]]
+    A column is one coordinate of the mesh dimensions FSDP does not span (tensor parallel): the data-parallel mesh
+    has the same shape in each, and a rank's reduce-scatter group, its replicas and its audit ring stay inside its
+    column. Without such dimensions there is one column. A 1-D (pure FSDP) mesh is one replica group."""
+
+    columns: list[list[list[int]]]
+
+    @classmethod
+    def of(cls, grids: Sequence[Sequence[int]], shape: Sequence[int]) -> MeshView:
+        """From every rank's data-parallel grid (flattened, of ``shape``: 1-D or 2-D): the distinct grids are the
+        columns, in order of their first rank."""
+        distinct = sorted({tuple(g) for g in grids}, key=min)
+        rows, cols = (1, shape[0]) if len(shape) == 1 else (shape[0], shape[1])
+        return cls([[list(g[r * cols:(r + 1) * cols]) for r in range(rows)] for g in distinct])
+
+    @property
+    def ranks(self) -> list[list[int]]:
+        """Every reduce-scatter group (one replica group of one column), in shard order."""
+        return [row for col in self.columns for row in col]
 
     @property
     def replicas(self) -> int:
-        return len(self.ranks)
+        return len(self.columns[0])
 
     @property
     def shards(self) -> int:
-        return len(self.ranks[0])
+        return len(self.columns[0][0])
 
-    def replicas_of(self, s: int) -> list[int]:
-        """The ranks holding shard index ``s``, one per replica group."""
-        return [row[s] for row in self.ranks]
+    @property
+    def size(self) -> int:
+        return sum(len(row) for row in self.ranks)
+
+    def replica_sets(self) -> list[list[int]]:
+        """For every column and shard index, the ranks holding that shard, one per replica group (HSDP's
+        all-reduce groups)."""
+        return [[col[r][s] for r in range(len(col))] for col in self.columns for s in range(len(col[0]))]
 
     def shifted(self, rank: int, by: int) -> int:
         """The rank ``by`` places after ``rank`` in the audit ring: the same shard index in another replica
-        group (HSDP), or, with one replica group (pure FSDP), the next shard rank. Audits pair ranks that
-        compute the same full weights from the same all-gather."""
-        g, j = next((g, row.index(rank)) for g, row in enumerate(self.ranks) if rank in row)
+        group (HSDP), or, with one replica group (pure FSDP), the next shard rank, always in ``rank``'s column.
+        Audits pair ranks that compute the same full weights from the same all-gather; every rank of one
+        data-parallel position (across the columns) audits together, as tensor parallel needs."""
+        col, g, j = next((col, g, row.index(rank)) for col in self.columns for g, row in enumerate(col) if rank in row)
         if self.replicas > 1:
-            return self.ranks[(g + by) % self.replicas][j]
-        return self.ranks[0][(j + by) % self.shards]
+            return col[(g + by) % self.replicas][j]
+        return col[0][(j + by) % self.shards]
 
     @property
     def ring(self) -> int:
@@ -81,32 +104,18 @@ class MeshView:
         return self.replicas if self.replicas > 1 else self.shards
 
 
-def mesh_view(named: Iterable[tuple[str, torch.Tensor]], dp_mesh: DeviceMesh | None) -> MeshView:
-    """The data-parallel mesh of an FSDP model (``dp_mesh``: FSDP's own, from its parameter groups).
-
-    Refused, with what to do: a parameter FSDP does not manage (its gradient would never be reduced, so the
-    replicas drift apart by design), and parameters on a mesh with more dimensions than FSDP's (tensor parallel
-    on top of FSDP): the guard would compare tensor-parallel shards, which are meant to differ, as if they were
-    replicas, and blame healthy hosts.
-    """
+def check_parameters(named: Iterable[tuple[str, torch.Tensor]], dp_mesh: DeviceMesh | None) -> None:
+    """Refuse what the guard would misread, saying what to do: a parameter FSDP does not manage (its gradient
+    would never be reduced, so the replicas drift apart by design), and a data-parallel mesh of more than 2-D."""
     named = list(named)
     plain = [n for n, p in named if not isinstance(p, DTensor)]
     if plain or dp_mesh is None:
         some = ", ".join(plain[:3]) + (f" and {len(plain) - 3} more" if len(plain) > 3 else "")
         raise GuardUsageError(f"parameters {some or 'of the model'} are not sharded by fully_shard: their gradients "
                               "are never reduced; fully_shard the module that holds them (or the root module)")
-    wide = [(n, p.device_mesh.ndim) for n, p in named if isinstance(p, DTensor) and p.device_mesh.ndim > dp_mesh.ndim]
-    if wide:
-        raise GuardUsageError(f"parameter {wide[0][0]} lives on a {wide[0][1]}-D mesh and FSDP shards "
-                              f"over {dp_mesh.ndim}-D: tensor parallel on top of FSDP is not covered by SDCGuard yet, "
-                              "which would compare tensor-parallel shards as replicas (docs/GUARD.md, 'Sharded models')")
-    grid = dp_mesh.mesh.tolist()
-    if dp_mesh.ndim == 1:
-        return MeshView([list(grid)])
-    if dp_mesh.ndim == 2:
-        return MeshView([list(row) for row in grid])
-    raise GuardUsageError(f"a {dp_mesh.ndim}-D data-parallel mesh: the guard knows 1-D (FSDP) and 2-D (HSDP, "
-                          "replicate x shard) meshes")
+    if dp_mesh.ndim > 2:
+        raise GuardUsageError(f"a {dp_mesh.ndim}-D data-parallel mesh: the guard knows 1-D (FSDP) and 2-D (HSDP, "
+                              "replicate x shard) meshes")
 
 
 class ShardedTap:
@@ -221,8 +230,7 @@ def judge_step(step: int, rows: Sequence[Sequence[float]], view: MeshView, modes
                 if d > b:
                     suspects.add(dest)
         if view.replicas > 1 and mode is not None:
-            for s in range(view.shards):  # the all-reduce across replica groups
-                members = view.replicas_of(s)
+            for members in view.replica_sets():  # the all-reduce across replica groups
                 n = len(members) if mode == "avg" else 1
                 parts = [calls[r][c].rs_proj for r in members]
                 m = sum(calls[r][c].rs_norm for r in members) / n
@@ -255,30 +263,27 @@ def state_row(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, 
     return torch.cat([state_lanes(local, device), bad.to(torch.int64).to(device).view(1)])
 
 
-def judge_state(step: int, rows: Sequence[Sequence[int]], view: MeshView, first_suspect: int) -> tuple[list[Verdict], list[str]]:
-    """Consensus per shard index across the replica groups; every rank's fingerprint as hex."""
+def judge_state(step: int, rows: Sequence[Sequence[int]], boxes: Sequence[Sequence[Sequence[int]]],
+                first_suspect: int) -> tuple[list[Verdict], list[str]]:
+    """Consensus per box (``boxes.judge``: ranks holding the same piece of the state must hold the same bytes) over
+    every rank's ``(key, lanes)`` rows; NaN/Inf from each rank's state row; every rank's fingerprint as hex."""
     world = len(rows)
     bad = [r for r in range(world) if rows[r][2]]
     nonfinite = Verdict("nonfinite_state", True) if not bad else Verdict(
         "nonfinite_state", False, bad if len(bad) < world else [],
         f"NaN/Inf in the parameter or optimizer-state shards of rank(s) {bad}", first_suspect)
     fps = [lanes_hex((rows[r][0], rows[r][1])) for r in range(world)]
-    suspects: list[int] = []
-    split = False
-    for s in range(view.shards):
-        members = view.replicas_of(s)
-        unanimous, _, named = decisions.vote([fps[r] for r in members])
-        split |= not unanimous
-        suspects += [members[i] for i in named]
+    votes = box_votes(boxes)
+    suspects = votes.suspects
 
     def ledger() -> list[Event]:
         return [Event(step, "consensus", r, "fail" if r in suspects else "pass", (rows[r][0], rows[r][1]))
                 for r in range(world)]
 
-    if not split:
+    if votes.agree:
         return [nonfinite, Verdict("consensus", True, rows=ledger)], fps
-    detail = "replicas of a shard disagree: " + ", ".join(f"rank {r} {fps[r][:12]}" for r in range(world))
-    return [nonfinite, Verdict("consensus", False, sorted(suspects), detail, first_suspect, ledger)], fps
+    detail = votes.detail() + " (" + ", ".join(f"rank {r} {fps[r][:12]}" for r in range(world)) + ")"
+    return [nonfinite, Verdict("consensus", False, suspects, detail, first_suspect, ledger)], fps
 
 
 def audit_vector(row: Sequence[float], calls: int, shards: int, k: int) -> tuple[float, list[float], list[float]]:

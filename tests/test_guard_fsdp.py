@@ -287,15 +287,67 @@ def tp_run(rank: int, shape: tuple[int, int], faults: list[str], flips: dict[int
     return {"checks": {k: c.passed for k, c in guard.counters().items()}}
 
 
-def tp_story(rank: int, world: int) -> dict:
+def full_state(m: torch.nn.Module, opt: torch.optim.Optimizer) -> list[list[float]]:
+    """Every parameter and optimizer moment as a full tensor, in a fixed order (collective)."""
+    out = [p.full_tensor() for p in m.parameters()]
+    out += [v.full_tensor() for p in m.parameters() for _, v in sorted(opt.state[p].items()) if v.dim()]
+    return [t.reshape(-1).tolist() for t in out]
+
+
+def tp_reshard(rank: int, run: str) -> dict:
+    """Save a 2x2 FSDP2 + TP job, restore it onto 2x2, 1x4 (all TP) and 4x1 (all FSDP): the full state, bitwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from verified_ckpt import CheckpointManager, GuardConfig, SDCGuard
+
+    def job(shape: tuple[int, int] | None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        if shape is None:  # no tensor parallel: the same model, fully_shard over all four ranks
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8), torch.nn.Dropout(0.0),
+                                    torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+            mesh4 = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+            for i in (0, 2, 4, 5):
+                fully_shard(m[i], mesh=mesh4)
+            fully_shard(m, mesh=mesh4)
+        else:
+            m = tp_model(init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")), 0.0)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        m(torch.zeros(1, 8)).sum().backward()  # optimizer state to restore into, then zeroed by the restore
+        opt.step()
+        opt.zero_grad()
+        return m, opt
+
+    m, opt = job((2, 2))
+    dp = rank // 2
+    guard = SDCGuard(m, opt, loss_fn, GuardConfig())
+    mgr = CheckpointManager(run, guard=guard)
+    for step in range(3):
+        guard.backward(torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + dp)), step=step)
+        guard.step()
+        opt.zero_grad()
+    mgr.save(2, {"model": m, "optim": opt})
+    saved = full_state(m, opt)
+    out = {"status": mgr.list()[0].status.value, "saved": saved if rank == 0 else None}
+    for name, shape in (("2x2", (2, 2)), ("1x4", (1, 4)), ("4x1", None)):
+        m2, opt2 = job(shape)
+        CheckpointManager(run).restore({"model": m2, "optim": opt2}, step=2, allow_unverified=True)
+        out[name] = full_state(m2, opt2) == saved
+    return out
+
+
+def tp_story(rank: int, world: int, run: str) -> dict:
     warnings_off()
-    return {"clean": tp_run(rank, (2, 2), [], {}, dropout=0.1), "reduced": tp_run(rank, (2, 2), ["allreduce:1:3:elem=10"], {}),
+    return {"reshard": tp_reshard(rank, run),
+            "clean": tp_run(rank, (2, 2), [], {}, dropout=0.1), "reduced": tp_run(rank, (2, 2), ["allreduce:1:3:elem=10"], {}),
             "two copies": tp_run(rank, (2, 2), [], {1: 22}), "one of four": tp_run(rank, (1, 4), [], {2: 22}),
             "every copy": tp_run(rank, (1, 4), [], {0: 20, 1: 21, 2: 22, 3: 23})}
 
 
-def test_fsdp2_with_tensor_parallel_on_2x2_and_1x4_meshes_compares_only_what_is_replicated():
-    got = run_ranks(tp_story, 4, timeout=200)
+def test_fsdp2_with_tensor_parallel_on_2x2_and_1x4_meshes_compares_only_what_is_replicated(tmp_path):
+    run = str(tmp_path / "tp")
+    got = run_ranks(tp_story, 4, run, timeout=200)
+    saved = [r["reshard"].pop("saved") for r in got][0]  # rank 0's full state after the save
     assert all(r == got[0] for r in got), "every rank reaches the same verdict"
     s = got[0]
     # Tensor-parallel shards are never compared as replicas (the old mesh reading took (dp, tp) for HSDP).
@@ -306,3 +358,20 @@ def test_fsdp2_with_tensor_parallel_on_2x2_and_1x4_meshes_compares_only_what_is_
     assert s["two copies"]["caught"] == ["consensus", [], 2] and "no host is named" in s["two copies"]["detail"]
     assert s["one of four"]["caught"] == ["consensus", [2], 2]
     assert s["every copy"]["caught"] == ["consensus", [], 2] and "software divergence" in s["every copy"]["detail"]
+    # _StridedShard and TP-sharded tensors are saved chunk by chunk and restore bitwise onto other meshes.
+    assert s["reshard"] == {"status": "unverified", "2x2": True, "1x4": True, "4x1": True}, s["reshard"]
+    from click.testing import CliRunner
+
+    from verified_ckpt import CheckpointManager
+    from verified_ckpt_cli.main import main as cli
+
+    r = CliRunner().invoke(cli, ["verify", run, "--all"])
+    assert r.exit_code == 0, r.output
+    torch.manual_seed(1)  # one process, no mesh: whole tensors, into a model and an optimizer that has not stepped
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8), torch.nn.Dropout(0.0),
+                                torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    CheckpointManager(run).restore({"model": plain, "optim": opt}, step=2, allow_unverified=True)
+    got = [p.reshape(-1).tolist() for p in plain.parameters()]
+    got += [v.reshape(-1).tolist() for p in plain.parameters() for _, v in sorted(opt.state[p].items()) if v.dim()]
+    assert got == saved

@@ -59,6 +59,10 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
     local = getattr(t, "_local_tensor", None)  # a DTensor aliases what its local piece aliases
     if local is not None:
         return ("dtensor", *_alias_key(local))
+    if t.untyped_storage().nbytes() == 0:
+        # Empty tensors all sit at address 0: they alias nothing (an uneven FSDP split leaves a rank empty pieces
+        # of several tensors, which would otherwise be taken for one tensor stored under several names).
+        return ("empty", id(t))
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 

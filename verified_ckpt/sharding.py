@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from .comm import Communicator
 from .errors import CorruptCheckpoint, InvalidState
@@ -57,11 +57,16 @@ def box_of(t: DTensor) -> Box:
 
 
 def _check_placements(name: str, t: DTensor) -> None:
-    for p in t.placements:
-        # _StridedShard (FSDP2 over tensor parallelism) subclasses Shard but its pieces are not one box each.
-        if not (isinstance(p, Replicate) or type(p) is Shard):
-            raise InvalidState(f"{name}: placement {p} cannot be saved yet (only Shard and Replicate); "
-                               "save a full_tensor() or redistribute it in state_dict()")
+    """A DTensor is stored chunk by chunk, one box per rank: any placement whose piece on this rank is one box of
+    the global tensor. ``_StridedShard`` (FSDP2 over tensor parallel) is, as torch's own checkpointing resolves
+    it (``__create_chunk_list__``); a ``Partial`` holds unreduced values, which are no piece of the tensor."""
+    if any(p.is_partial() for p in t.placements):
+        raise InvalidState(f"{name}: placement {t.placements} holds unreduced (Partial) values; redistribute it to "
+                           "Shard or Replicate in state_dict()")
+    chunks = t.__create_chunk_list__()
+    if len(chunks) != 1 or tuple(int(x) for x in chunks[0].sizes) != tuple(t.to_local().shape):
+        raise InvalidState(f"{name}: placement {t.placements} does not give this rank one box of the tensor; save a "
+                           "full_tensor() or redistribute it in state_dict()")
 
 
 def split(tensors: Mapping[str, torch.Tensor], comm: Communicator) -> Split:

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def job(run: str, *extra: str) -> None:
-    cmd = [sys.executable, "examples/ddp_train.py", "--world-size", "3", "--steps", "15", "--save-every", "5",
+    cmd = [sys.executable, "examples/ddp_train.py", "--world-size", "3", "--steps", "9", "--save-every", "3",
            "--run", run, "--json", *extra]
     subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT, check=False)
 
@@ -42,7 +42,7 @@ def told(run: str) -> dict:
 def test_status_incidents_report_and_service_agree_before_and_after_the_recovery(tmp_path):
     host = socket.gethostname()
     stopped = str(tmp_path / "stopped")
-    job(stopped, "--inject", "grad:1:12:scale=10")  # caught at step 12, the job stops: the incident is open
+    job(stopped, "--inject", "grad:1:7:scale=10")  # caught at step 7, the job stops: the incident is open
     now = told(stopped)
     assert now["status"] == now["report"] == now["service"] == [host] and now["incidents"].endswith(host)
     assert now["recovery"] is None and now["health"] == "open-incident"
@@ -50,4 +50,4 @@ def test_status_incidents_report_and_service_agree_before_and_after_the_recovery
     after = told(stopped)
     assert after["status"] == after["report"] == after["service"] == []
     assert "every incident is answered" in after["incidents"] and after["health"] == "ok"
-    assert after["recovery"] == {"detected_step": 12, "rolled_back_to": 10}
+    assert after["recovery"] == {"detected_step": 7, "rolled_back_to": 6}

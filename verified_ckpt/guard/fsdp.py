@@ -23,8 +23,18 @@ from ..history import NO_RANK, Event
 from .audit import exchange_batches
 from .boxes import box_rows, boxes_of
 from .budget import Costs
-from .sharded import MeshView, ShardedTap, audit_vector, check_parameters, judge_audit, judge_state, judge_step, state_row
-from .stats import host_row
+from .sharded import (
+    MeshView,
+    ShardedTap,
+    audit_vector,
+    check_parameters,
+    judge_audit,
+    judge_state,
+    judge_step,
+    rank_steps,
+    state_row,
+)
+from .stats import host_row, step_rows
 
 if TYPE_CHECKING:
     from .sdcguard import SDCGuard
@@ -178,7 +188,9 @@ class ShardedLayout:
                     or (v.kind != "checksum" and cfg.check_nonfinite)]
         for v in verdicts:
             g.judge.judge(s, v)
-        g.judge.emit(lambda: [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
+        calls, shards, k = len(self.rs_tap.modes), self.view.shards, g.project.k
+        g.judge.emit(lambda: step_rows(s, rank_steps(rows, calls, shards, k), [], cfg.ledger_rank_rows)
+                     + [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
         if g.audits_enabled and (g._audit_requested or g.sched.plan.audit):
             t0 = time.perf_counter()
             g._audit_requested = False

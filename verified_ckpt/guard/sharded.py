@@ -45,7 +45,8 @@ from .checksum import sigma_bound
 from .consensus import state_lanes, state_tensors
 from .stats import Projector, Verdict
 
-__all__ = ["MeshView", "ShardedTap", "audit_vector", "check_parameters", "judge_audit", "judge_state", "judge_step", "state_row"]
+__all__ = ["MeshView", "ShardedTap", "audit_vector", "check_parameters", "judge_audit", "judge_state", "judge_step",
+           "rank_steps", "state_row"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,6 +287,24 @@ def judge_state(step: int, rows: Sequence[Sequence[int]], boxes: Sequence[Sequen
     return [nonfinite, Verdict("consensus", False, suspects, detail, first_suspect, ledger)], fps
 
 
+@dataclasses.dataclass(frozen=True)
+class RankStep:
+    """One rank's step as the ledger shows it (``stats.step_rows``): no exact lanes are taken on sharded layouts."""
+
+    loss: float
+    norm: float
+    lanes: tuple[int, int] = (0, 0)
+
+
+def rank_steps(rows: Sequence[Sequence[float]], calls: int, shards: int, k: int) -> list[RankStep]:
+    """Every rank's loss and local gradient norm from its gathered row (the calls' rows, then the loss)."""
+    out = []
+    for row in rows:
+        loss, _, norms = audit_vector(row, calls, shards, k)
+        out.append(RankStep(loss, math.sqrt(sum(n * n for n in norms))))
+    return out
+
+
 def audit_vector(row: Sequence[float], calls: int, shards: int, k: int) -> tuple[float, list[float], list[float]]:
     """(loss, the local-gradient projections, their norms) of one rank's gathered row (calls' rows, then the loss)."""
     width = _row_width(shards, k)
@@ -321,12 +340,18 @@ def judge_audit(step: int, owner: Sequence[tuple[float, list[float], list[float]
         return view.shifted(o, back)
 
     differ = [o for row in view.ranks for o in row if not same(owner[o], first[auditor(o, 1)])]
+
+    def rows(failed: Sequence[int]) -> Callable[[], list[Event]]:
+        # One row per audited rank: the loss its auditor recomputed (no exact lanes on sharded layouts).
+        return lambda: [Event(step, "audit", o, "fail" if o in failed else "pass", (0, 0), first[auditor(o, 1)][0])
+                        for row in view.ranks for o in row]
+
     if not differ:
-        return Verdict("audit", True), []
+        return Verdict("audit", True, rows=rows([])), []
     if second is None:
         return Verdict("audit", False, [], f"the recomputation of rank(s) {differ}'s microbatches by another rank "
                        "differs; with two in the audit ring there is no third to tell which is wrong",
-                       first_suspect), differ
+                       first_suspect, rows(differ)), differ
     named: set[int] = set()
     for o in differ:
         a1, a2 = auditor(o, 1), auditor(o, 2)
@@ -336,4 +361,4 @@ def judge_audit(step: int, owner: Sequence[tuple[float, list[float], list[float]
             named.add(a1)  # the third group reproduces o: its first auditor computed wrongly
     detail = (f"recomputing rank(s) {differ}'s microbatches on other replica groups gave other gradients or loss"
               + (f"; the third replica group names rank(s) {sorted(named)}" if named else "; no majority"))
-    return Verdict("audit", False, sorted(named), detail, first_suspect), differ
+    return Verdict("audit", False, sorted(named), detail, first_suspect, rows(differ)), differ

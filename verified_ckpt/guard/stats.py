@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -255,7 +256,18 @@ def failed_rows(step: int, gathered: Sequence[StepStats], kind: str, failed: Seq
     return step_rows(step, gathered, failed, rank_rows) + own
 
 
-def step_rows(step: int, gathered: Sequence[StepStats], failed: Sequence[int] | None, rank_rows: int) -> list[Event]:
+class StepFigures(Protocol):
+    """What a step's ledger row shows of one rank: its gradient lanes, loss and gradient norm."""
+
+    @property
+    def lanes(self) -> tuple[int, int]: ...
+    @property
+    def loss(self) -> float: ...
+    @property
+    def norm(self) -> float: ...
+
+
+def step_rows(step: int, gathered: Sequence[StepFigures], failed: Sequence[int] | None, rank_rows: int) -> list[Event]:
     """Ledger rows of one step's per-step checks.
 
     ``failed``: the named ranks, ``[]`` for none, ``None`` when a check failed

@@ -20,7 +20,7 @@
   ``fit`` on every rank. Audits recompute a batch with the module's own ``training_step``.
 
 Limits (docs/INTEGRATIONS.md): automatic optimization with one optimizer, DDP, one device or FSDP2 under
-``ModelParallelStrategy`` (no tensor parallel), no loss-scaling precision (``16-mixed``); each is refused when
+``ModelParallelStrategy``, no loss-scaling precision (``16-mixed``); each is refused when
 training starts, with what to use instead. Gradient accumulation
 (``accumulate_grad_batches``) is supported. Resuming restarts an interrupted epoch from its start in Lightning,
 so save at epoch ends (``ModelCheckpoint(every_n_epochs=1)``) for a bit-identical resume.

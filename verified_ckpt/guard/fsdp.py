@@ -98,7 +98,8 @@ class ShardedLayout:
             raise GuardUsageError(f"the model's mesh has {self.view.size} ranks, the guard's process group "
                                   f"{g.world}; give the guard the group the mesh spans")
         self._eps = 0.0
-        self.rs_tap = ShardedTap(g.project, self._reduce_scatter, two_d=self.view.replicas > 1, inject=self._inject)
+        self.rs_tap = ShardedTap(g.project, self._reduce_scatter, two_d=self.view.replicas > 1, inject=self._inject,
+                                 watch=g.watch)
         for m in g.model.modules():
             if isinstance(m, FSDPModule):
                 m.set_custom_reduce_scatter(self.rs_tap)  # type: ignore[arg-type]  # the ReduceScatter protocol

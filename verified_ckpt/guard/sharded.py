@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from ..errors import GuardUsageError
 from ..fingerprint import lanes_hex
 from ..history import Event
 from .boxes import judge as box_votes
+from .budget import Stopwatch
 from .checksum import sigma_bound
 from .consensus import state_lanes, state_tensors
 from .stats import Projector, Verdict
@@ -127,8 +129,10 @@ class ShardedTap:
     """
 
     def __init__(self, project: Projector, reduce_scatter: Callable[..., Any], *, two_d: bool,
-                 inject: Callable[[str, torch.Tensor], None]) -> None:
+                 inject: Callable[[str, torch.Tensor], None], watch: Stopwatch | None = None) -> None:
         self.project, self.reduce_scatter, self.two_d, self.inject = project, reduce_scatter, two_d, inject
+        # The projections are the guard's per-step work, and the budget's floor; FSDP's collective is not.
+        self.watch = watch or Stopwatch()
         self.rows: list[torch.Tensor] = []
         self.modes: list[str | None] = []  # "avg", "sum", or None: a scaled sum whose factor is not known here
         self.paused = False
@@ -143,15 +147,20 @@ class ShardedTap:
             return self.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
         if not self.auditing:  # a recomputation reproduces the computation, not the reduction's faults
             self.inject("grad", input_tensor)
+        t0 = time.perf_counter()
         pieces = input_tensor.view(group.size(), -1)
         before = [self.project(p) for p in pieces] + [_norms(pieces)]
+        t1 = time.perf_counter()
         work = self.reduce_scatter(output_tensor, input_tensor, group, op, False)
+        t2 = time.perf_counter()
         if not self.two_d and not self.auditing:
             self.inject("allreduce", output_tensor)  # no all-reduce follows: the reduced shard is the result
         name = str(op).rsplit(".", 1)[-1].lower()
         self.modes.append(name if name in ("avg", "sum") else None)
         after = self._stats(output_tensor)
         self.rows.append(torch.cat([*before, after, after]))  # the all-reduce hook replaces the last part
+        if not self.auditing:  # an audit's whole time is the audit's
+            self.watch.floor += (t1 - t0) + (time.perf_counter() - t2)
         return work
 
     def after_all_reduce(self, output: torch.Tensor) -> None:
@@ -160,8 +169,11 @@ class ShardedTap:
             return
         if self.two_d and not self.auditing:
             self.inject("allreduce", output)
+        t0 = time.perf_counter()
         k = self.project.k + 1
         self.rows[-1] = torch.cat([self.rows[-1][:-k], self._stats(output)])
+        if not self.auditing:
+            self.watch.floor += time.perf_counter() - t0
 
     def _stats(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.project(x), torch.linalg.vector_norm(x.float(), dtype=torch.float64).view(1)])

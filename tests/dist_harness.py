@@ -39,6 +39,12 @@ def _run_one(fn: Callable[..., Any], rank: int, world: int, init: str, args: tup
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Tensor parallel caches sharding decisions by mesh, and a mesh of the next call's process group compares equal
+    # to this call's: the next call on these warm processes would reuse plans naming process groups destroyed
+    # here ("Could not resolve the process group"). A job inits once; a pool that ran tensor parallel retires.
+    import sys
+
+    payload["retire"] = "torch.distributed.tensor.parallel" in sys.modules
     return payload
 
 
@@ -119,11 +125,14 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
         pool.close()
         raise
     failed = [(r, p) for r, p in enumerate(payloads) if not p["ok"]]
-    if failed:
+    retire = bool(failed) or any(p.get("retire") for p in payloads)
+    if retire:
         pool.close()
+    if failed:
         r, p = failed[0]
         raise AssertionError(f"rank {r} failed:\n{p['traceback']}")
-    _POOLS[world] = pool
+    if not retire:
+        _POOLS[world] = pool
     return [p["result"] for p in payloads]
 
 

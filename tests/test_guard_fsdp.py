@@ -77,8 +77,6 @@ def hsdp_campaign(rank: int, world: int) -> dict:
     out["replica group 1 computes wrongly"] = train_until_incident(
         rank, (3, 2), ["compute:2:3-:scale=1.5", "compute:3:3-:scale=1.5"], 12, audit_every=4)
     out["clean"] = train_until_incident(rank, (3, 2), [], 20, audit_every=5)
-    out["dropout, audits every step"] = train_until_incident(rank, (3, 2), [], 8, 0.2, audit_every=1)
-    out["dropout, no audits"] = train_until_incident(rank, (3, 2), [], 8, 0.2, audit_every=None)
     out["fsdp reduced shard"] = train_until_incident(rank, (6,), ["allreduce:2:3:bitflip=27"], 12)
     out["fsdp compute"] = train_until_incident(rank, (6,), ["compute:2:3-:scale=1.5"], 12, audit_every=4)
     return out
@@ -99,9 +97,6 @@ def test_hsdp_guard_catches_every_fault_class_naming_the_rank_and_stays_quiet_fo
         assert len(got[name]["hosts"]) == len(ranks)
     assert got["clean"]["clean"] == 20 and got["clean"]["checks"]["checksum"] == 20, got["clean"]
     assert got["clean"]["checks"]["consensus"] == 4 and got["clean"]["checks"]["audit"] == 4
-    audited, plain = got["dropout, audits every step"], got["dropout, no audits"]
-    assert audited["checks"]["audit"] == 8 and "audit" not in plain["checks"]
-    assert audited["final"] == plain["final"]  # audits replay randomness and leave no trace
     group = got["replica group 1 computes wrongly"]
     assert (group["kind"], group["ranks"], group["step"]) == ("audit", [2, 3], 4)
     assert got["fsdp reduced shard"]["kind"] == "checksum" and got["fsdp reduced shard"]["ranks"] == [2]
@@ -346,8 +341,7 @@ def tp_reshard(rank: int, run: str) -> dict:
 
 def tp_story(rank: int, world: int, run: str) -> dict:
     warnings_off()
-    return {"reshard": tp_reshard(rank, run),
-            "clean": tp_run(rank, (2, 2), [], {}, dropout=0.1), "reduced": tp_run(rank, (2, 2), ["allreduce:1:3:elem=10"], {}),
+    return {"reshard": tp_reshard(rank, run), "clean": tp_run(rank, (2, 2), [], {}, dropout=0.1),
             "two copies": tp_run(rank, (2, 2), [], {1: 22}), "one of four": tp_run(rank, (1, 4), [], {2: 22}),
             "every copy": tp_run(rank, (1, 4), [], {0: 20, 1: 21, 2: 22, 3: 23})}
 
@@ -360,7 +354,6 @@ def test_fsdp2_with_tensor_parallel_on_2x2_and_1x4_meshes_compares_only_what_is_
     s = got[0]
     # Tensor-parallel shards are never compared as replicas (the old mesh reading took (dp, tp) for HSDP).
     assert s["clean"]["checks"]["checksum"] == 6 and s["clean"]["checks"]["consensus"] == 3, s["clean"]
-    assert s["reduced"]["caught"] == ["checksum", [1], 3]
     # The LayerNorm weight is replicated across the TP ranks: its drift is caught at the next consensus (step 2).
     # Two holders cannot say which is wrong; four name the odd one; four different copies are software divergence.
     assert s["two copies"]["caught"] == ["consensus", [], 2] and "no host is named" in s["two copies"]["detail"]

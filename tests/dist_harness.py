@@ -39,12 +39,6 @@ def _run_one(fn: Callable[..., Any], rank: int, world: int, init: str, args: tup
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # Tensor parallel caches sharding decisions by mesh, and a mesh of the next call's process group compares equal
-    # to this call's: the next call on these warm processes would reuse plans naming process groups destroyed
-    # here ("Could not resolve the process group"). A job inits once; a pool that ran tensor parallel retires.
-    import sys
-
-    payload["retire"] = "torch.distributed.tensor.parallel" in sys.modules
     return payload
 
 
@@ -111,10 +105,13 @@ _POOLS: dict[int, _Pool] = {}
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90.0,
-              killed: frozenset[int] = frozenset()) -> list[Any]:
+              killed: frozenset[int] = frozenset(), retire: bool = False) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result.
 
-    Ranks in ``killed`` must die by SIGKILL (their result is None); then no final barrier runs.
+    Ranks in ``killed`` must die by SIGKILL (their result is None); then no final barrier runs. ``retire``: the
+    pool is not reused after this call. A call that runs tensor parallel needs it: DTensor caches sharding plans
+    by mesh, and an equal mesh in the next call's process group would reuse plans naming the process groups
+    destroyed after this one ("Could not resolve the process group"). A job inits once, so only warm pools meet it.
     """
     if killed:
         return _run_fresh(fn, world, args, timeout, killed)
@@ -125,7 +122,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
         pool.close()
         raise
     failed = [(r, p) for r, p in enumerate(payloads) if not p["ok"]]
-    retire = bool(failed) or any(p.get("retire") for p in payloads)
+    retire = retire or bool(failed)
     if retire:
         pool.close()
     if failed:

@@ -348,7 +348,7 @@ def tp_story(rank: int, world: int, run: str) -> dict:
 
 def test_fsdp2_with_tensor_parallel_on_2x2_and_1x4_meshes_compares_only_what_is_replicated(tmp_path):
     run = str(tmp_path / "tp")
-    got = run_ranks(tp_story, 4, run, timeout=200)
+    got = run_ranks(tp_story, 4, run, timeout=200, retire=True)
     saved = [r["reshard"].pop("saved") for r in got][0]  # rank 0's full state after the save
     assert all(r == got[0] for r in got), "every rank reaches the same verdict"
     s = got[0]

@@ -73,12 +73,12 @@ CASES = {
 
 def hsdp_campaign(rank: int, world: int) -> dict:
     warnings_off()
-    out = {name: train_until_incident(rank, (3, 2), [spec], 12, audit_every=4) for name, (spec, *_) in CASES.items()}
+    out = {name: train_until_incident(rank, (3, 2), [spec], 8, audit_every=4) for name, (spec, *_) in CASES.items()}
     out["replica group 1 computes wrongly"] = train_until_incident(
-        rank, (3, 2), ["compute:2:3-:scale=1.5", "compute:3:3-:scale=1.5"], 12, audit_every=4)
+        rank, (3, 2), ["compute:2:3-:scale=1.5", "compute:3:3-:scale=1.5"], 8, audit_every=4)
     out["clean"] = train_until_incident(rank, (3, 2), [], 20, audit_every=5)
-    out["fsdp reduced shard"] = train_until_incident(rank, (6,), ["allreduce:2:3:bitflip=27"], 12)
-    out["fsdp compute"] = train_until_incident(rank, (6,), ["compute:2:3-:scale=1.5"], 12, audit_every=4)
+    out["fsdp reduced shard"] = train_until_incident(rank, (6,), ["allreduce:2:3:bitflip=27"], 6)
+    out["fsdp compute"] = train_until_incident(rank, (6,), ["compute:2:3-:scale=1.5"], 6, audit_every=4)
     return out
 
 

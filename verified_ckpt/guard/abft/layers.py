@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..stats import worst
-from .sums import lengths_on
+from .sums import constant_on, lengths_on
 
 __all__ = ["COMPILED", "OUTSIDE", "Coverage", "InputCheck", "InputTap", "Layer", "gradient_paths", "input_ratios",
            "layer_kind", "worst_layer"]
@@ -84,7 +83,7 @@ def worst_layer(inputs: list[InputCheck], forwards: list[tuple[torch.Tensor, int
         parts.append(torch.stack([r for r, _ in forwards]).double())
     ratios = torch.cat(parts) if len(parts) > 1 else parts[0]
     codes = tuple(base + c.layer.number for c in inputs) + tuple(base + n_layers + number for _, number in forwards)
-    which = codes_on(codes, ratios.device)
+    which = constant_on(codes, torch.float64, ratios.device)
     return worst(torch.stack([ratios, which]).T)
 
 
@@ -98,21 +97,10 @@ def input_ratios(checks: list[InputCheck]) -> torch.Tensor:
     b = torch.cat([c.b for c in checks if c.b is not None])
     wnorm = torch.stack([c.layer.wnorm for c in checks if c.layer.wnorm is not None])
     lens = lengths_on(tuple(c.u.numel() for c in checks if c.u is not None), u.device)
-    scale = wnorm * floats_on(tuple(c.coef for c in checks), u.device)
+    scale = wnorm * constant_on(tuple(c.coef for c in checks), torch.float32, u.device)
     bound = b * scale.repeat_interleave(lens, output_size=u.numel()) + 1e-30
     ratio = ((u - z).abs() / bound).nan_to_num(nan=torch.inf)
     return torch.segment_reduce(ratio, "max", lengths=lens).double()
-
-
-@functools.lru_cache(maxsize=256)
-def codes_on(codes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(codes, dtype=torch.float64, device=device)
-
-
-@functools.lru_cache(maxsize=256)
-def floats_on(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    """Plain numbers of a layout as a float32 device tensor, made once (a host-to-device copy saved per step)."""
-    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 class InputTap(torch.autograd.Function):

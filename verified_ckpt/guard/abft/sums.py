@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["EPS32", "MAX_ENTRIES", "RMS", "Covered", "bound_coefficients", "coefficients_on", "expected_sums", "lengths_on",
-           "matmul_eps", "norm", "rgs", "row_norms", "signed_weights", "sums", "unit_roundoff", "worst_ratio"]
+__all__ = ["EPS32", "MAX_ENTRIES", "RMS", "Covered", "bound_coefficients", "coefficients_on", "constant_on",
+           "expected_sums", "lengths_on", "matmul_eps", "norm", "rgs", "row_norms", "signed_weights", "sums",
+           "unit_roundoff", "worst_ratio"]
 
 RMS = math.sqrt(7 / 3)  # rms of a weight drawn from ±[1, 2]
 # Entries a covered parameter holds before they are summed: its per-row vectors stay on the device until the
@@ -137,10 +138,16 @@ def sums(covered: Sequence[Covered]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(expected), torch.cat(spread)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=512)
+def constant_on(values: tuple[float, ...] | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Plain numbers of a layout (segment lengths, coefficients, codes) as a device tensor, made once per layout: a
+    host-to-device copy saved per step."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def lengths_on(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The segments' lengths as a device tensor, made once per layout (a host-to-device copy saved per step)."""
-    return torch.tensor(lengths, dtype=torch.int64, device=device)
+    """The segments' lengths as a device tensor, made once per layout."""
+    return constant_on(lengths, torch.int64, device)
 
 
 @functools.lru_cache(maxsize=256)

@@ -52,10 +52,11 @@ class TinyGPT(nn.Module):
     """GPT-2 in miniature (see the module docstring). ``forward(ids) -> logits``.
 
     ``functional_head=True`` ties the output head as many codebases do, with no head module:
-    ``F.linear(x, self.tok.weight)``."""
+    ``F.linear(x, self.tok.weight)``. ``tied=False`` gives the head its own weight (a pipeline whose first and last
+    stages differ cannot share one)."""
 
     def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, heads: int = 4, context: int = 16,
-                 dropout: float = 0.1, functional_head: bool = False) -> None:
+                 dropout: float = 0.1, functional_head: bool = False, tied: bool = True) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(context, d)
@@ -65,7 +66,8 @@ class TinyGPT(nn.Module):
         self.head: nn.Linear | None = None
         if not functional_head:
             self.head = nn.Linear(d, vocab, bias=False)
-            self.head.weight = self.tok.weight  # tied, as in GPT-2
+            if tied:
+                self.head.weight = self.tok.weight  # tied, as in GPT-2
         self.vocab = vocab
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -79,8 +81,45 @@ class TinyGPT(nn.Module):
 
 def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy on a batch of token ids."""
-    logits = model(batch[:, :-1])
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    return token_loss(model(batch[:, :-1]), batch[:, 1:])
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``logits`` against the next tokens ``targets`` (a pipeline schedule's ``loss_fn``)."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class PipelineStage(nn.Module):
+    """Stage ``k`` of ``n`` of an untied ``TinyGPT``, split by hand as torchtitan splits: the stage keeps its
+    blocks and, first, the embeddings or, last, the final norm and head, under the full model's names (so the
+    stages' names never collide and a checkpoint's keys do not depend on the split)."""
+
+    def __init__(self, full: TinyGPT, k: int, n: int) -> None:
+        super().__init__()
+        if full.head is None or full.head.weight is full.tok.weight:
+            raise ValueError("a pipeline needs TinyGPT(tied=False): the first and last stages cannot share a weight")
+        if len(full.blocks) % n:
+            raise ValueError(f"{len(full.blocks)} blocks do not split into {n} stages")
+        per = len(full.blocks) // n
+        self.first, self.last = k == 0, k == n - 1
+        self.tok, self.pos, self.drop = (full.tok, full.pos, full.drop) if self.first else (None, None, None)
+        # A dict keyed by the block's index in the full model: the names stay "blocks.<i>..." on every stage.
+        self.blocks = nn.ModuleDict({str(i): full.blocks[i] for i in range(k * per, (k + 1) * per)})
+        self.ln, self.head = (full.ln, full.head) if self.last else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok is not None and self.pos is not None and self.drop is not None:
+            x = self.drop(self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device)))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.ln is not None and self.head is not None:
+            x = self.head(self.ln(x))
+        return x
+
+
+def pipeline_stage(full: TinyGPT, k: int, n: int) -> PipelineStage:
+    """Stage ``k`` of ``n`` of ``full`` (see ``PipelineStage``)."""
+    return PipelineStage(full, k, n)
 
 
 class BNMLP(nn.Module):

@@ -48,10 +48,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _key(name: str, t: torch.Tensor | None) -> int:
     """The box's hash: the name and, per mesh dimension the tensor is not replicated over, this rank's coordinate
     (``_StridedShard``, FSDP's placement over tensor parallel, is no ``Shard`` to ``is_shard()``, so every
-    placement but ``Replicate`` counts). A plain tensor, such as a step count, is one box held by every rank."""
+    placement but ``Replicate`` counts). A plain tensor, such as a step count, is one box held by every rank that
+    holds the name."""
     parts: list[object] = [name]
     if isinstance(t, DTensor):
         coord: Sequence[int] = t.device_mesh.get_coordinate() or []
+        # The mesh's ranks too: pipeline stages shard over meshes of their own and may reuse a name.
+        parts += [tuple(t.device_mesh.mesh.reshape(-1).tolist())]
         parts += [(i, coord[i], repr(pl)) for i, pl in enumerate(t.placements) if not pl.is_replicate()]
     digest = blake3.blake3(repr(parts).encode()).digest(8)
     return int.from_bytes(digest, "little", signed=True) >> 1  # 63 bits: never the padding value below

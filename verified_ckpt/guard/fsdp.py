@@ -104,7 +104,9 @@ class ShardedLayout:
             if isinstance(m, FSDPModule):
                 m.set_custom_reduce_scatter(self.rs_tap)  # type: ignore[arg-type]  # the ReduceScatter protocol
                 m.set_all_reduce_hook(self.rs_tap.after_all_reduce)
-        g.faults.hook_compute(g.model, g.rank, lambda: g._kept[0] if g._step is None else g._step)
+        # Not while the tap is paused: a pipeline stage's shape inference (``pipeline``), no step's computation.
+        g.faults.hook_compute(g.model, g.rank, lambda: g._kept[0] if g._step is None else g._step,
+                              lambda: self.rs_tap.paused)
         if g.rank == 0 and self.view.replicas < 3:
             warnings.warn(ONE_REPLICA if self.view.replicas == 1 else TWO_GROUPS, stacklevel=3)
 

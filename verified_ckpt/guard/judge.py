@@ -94,7 +94,9 @@ class Judge:
             c.last_pass = step
             return
         c.failed += 1
-        everyone = sorted(v.ranks) == list(range(self.world))
+        # "Every rank" is every rank the check compared: one stage's replicas, under a pipeline.
+        among = sorted(v.among) if v.among is not None else list(range(self.world))
+        everyone = sorted(v.ranks) == among
         if first and everyone:
             # Not an incident: nothing was recorded against any host, and a restart would fail the same way.
             raise GuardConfigurationError(
@@ -102,8 +104,8 @@ class Judge:
                 f"{HINTS.get(v.kind, 'a configuration problem')}; no host is named", kind=v.kind, step=step)
         if v.rows is not None:
             self.emit(v.rows)  # the failed check's own rows reach the ledger before the incident
-        ranks = [] if everyone and self.world > 1 else sorted(v.ranks)
-        detail = f"{v.detail} ({EVERY_RANK})" if everyone and self.world > 1 else v.detail
+        ranks = [] if everyone and len(among) > 1 else sorted(v.ranks)
+        detail = f"{v.detail} ({EVERY_RANK})" if everyone and len(among) > 1 else v.detail
         inc = Incident(kind=v.kind, detected_step=step, first_suspect_step=step if v.first_suspect is None else v.first_suspect,
                        ranks=ranks, hosts=[self.host_of(r) for r in ranks], detail=detail)
         self.incidents.append(inc)

@@ -3,7 +3,8 @@
 The guard drives the loop (``begin``, ``backward_of``, ``backward``, ``step``), keeps the bookkeeping
 (counters, incidents, listeners) and turns failed verdicts into incidents. It composes a layout, which
 contributes how gradients are reduced and observed and which ranks are replicas: ``replicated`` for DDP (and
-one process), ``fsdp`` for FSDP2 and HSDP. The public methods are the same on every layout and hold the
+one process), ``fsdp`` for FSDP2, HSDP and FSDP2 + tensor parallel, ``pipeline`` for a pipeline schedule whose
+stages are FSDP2. The public methods are the same on every layout and hold the
 invariants: every rank reaches the same verdict from the same gathered data and raises together, so no rank is
 left waiting in a collective; the checks before the update withhold it when they fail, so the weights never
 absorb the bad value. The checks themselves live one per module and return verdicts: ``nonfinite``,
@@ -27,28 +28,33 @@ from .budget import Rates, Stopwatch
 from .config import GuardConfig
 from .fsdp import ShardedLayout, is_fsdp
 from .judge import Bookkeeping, Judge
+from .pipeline import PipelineLayout
 from .replicated import TWO_REPLICAS, ReplicatedLayout
 from .schedule import Schedule
 from .stats import Projector
 
 __all__ = ["TWO_REPLICAS", "SDCGuard"]
 
-Layout = ReplicatedLayout | ShardedLayout
+Layout = ReplicatedLayout | ShardedLayout | PipelineLayout
 
 
 class SDCGuard(Bookkeeping):
-    """Silent-data-corruption checks for one rank of a DDP, FSDP2 or HSDP job.
+    """Silent-data-corruption checks for one rank of a DDP, FSDP2, HSDP, FSDP2 + TP or pipeline-parallel job.
 
     Args:
         model: the ``DistributedDataParallel`` model, a ``fully_shard``-ed model, or a plain module for a single
-            process.
+            process; under ``pipeline``, this rank's stage module (``fully_shard``-ed over the stage's data-parallel
+            mesh).
         optimizer: its optimizer; :meth:`step` calls ``optimizer.step()`` only when the checks pass.
         loss_fn: ``loss_fn(module, batch) -> scalar loss``; the same function is used for
-            training and for audit recomputation (put autocast inside it).
+            training and for audit recomputation (put autocast inside it). ``None`` under ``pipeline``, whose
+            schedule holds the loss.
         config: a :class:`GuardConfig`.
         batch_for: optional ``batch_for(rank, step) -> list of microbatches`` for a
             deterministic data pipeline; by default audited microbatches travel by collectives.
-        process_group: the data-parallel group (default: the world).
+        process_group: the data-parallel group (default: the world); under ``pipeline``, the whole job's.
+        pipeline: a single-stage ``torch.distributed.pipelining`` schedule (``ScheduleGPipe``, ``Schedule1F1B``)
+            over ``model``; train with :meth:`pipeline_step` (docs/GUARD.md, "Pipeline parallel").
 
     Usage::
 
@@ -65,15 +71,20 @@ class SDCGuard(Bookkeeping):
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None,
         config: GuardConfig | None = None,
         *,
         batch_for: Callable[[int, int], Sequence[Any]] | None = None,
         process_group: Any = None,
+        pipeline: Any = None,
     ) -> None:
         self.cfg = config or GuardConfig()
-        self.model, self.optimizer, self.loss_fn, self.batch_for = model, optimizer, loss_fn, batch_for
-        kind: type[Layout] = ShardedLayout if is_fsdp(model) else ReplicatedLayout
+        if loss_fn is None and pipeline is None:
+            raise GuardUsageError("SDCGuard needs loss_fn(model, batch) -> loss: audits recompute with it")
+        self.model, self.optimizer, self.batch_for = model, optimizer, batch_for
+        self.loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = loss_fn or _no_loss_fn
+        sharded = pipeline is not None or is_fsdp(model)  # a pipeline's stages are fully_shard-ed
+        kind: type[ReplicatedLayout] | type[ShardedLayout] = ShardedLayout if sharded else ReplicatedLayout
         self.module = kind.module_of(model)
         self.params = list(self.module.parameters())
         self.buffers = list(self.module.buffers())
@@ -92,7 +103,7 @@ class SDCGuard(Bookkeeping):
         self._rng: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._losses: list[torch.Tensor] = []
         self._kept: tuple[int | None, list[Any]] = (None, [])  # the last step and its first microbatch (save audits)
-        self.layout: Layout = kind(self)
+        self.layout: Layout = PipelineLayout(self, pipeline) if pipeline is not None else kind(self)
         self.abft = self.layout.abft
         self.sched = Schedule(self.cfg, audits=self.audits_enabled, abft=self.abft is not None, replicas=self.world,
                               watch=self.watch)
@@ -130,6 +141,18 @@ class SDCGuard(Bookkeeping):
         with self.layout.no_sync(sync):
             return self.backward_of(self.loss_fn(self.model, batch), sync=sync)
 
+    def pipeline_step(self, *args: Any, step: int, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """Training step ``step``'s forwards and backwards through the ``pipeline`` schedule, observed by the checks:
+        this rank's ``schedule.step(*args, target=target, losses=...)`` (the inputs on the first stage, ``target`` on
+        the last). Returns the summed loss of the step's microbatches on the last stage, zero on the others (every
+        stage's rows carry it from the last after :meth:`step`). Then call :meth:`step`, on every rank."""
+        if not isinstance(self.layout, PipelineLayout):
+            raise GuardUsageError("pipeline_step needs SDCGuard(..., pipeline=schedule); train with backward() here")
+        self.begin(None, step=step)
+        loss = self.layout.run(args, kwargs, target)
+        self._losses.append(loss)
+        return loss
+
     def begin(self, batch: Any, *, step: int) -> None:
         """For a framework that runs the forward itself (the Lightning integration): call this just before its
         forward of ``batch`` (the RNG state is recorded here, for audits to replay), then :meth:`backward_of`
@@ -154,6 +177,9 @@ class SDCGuard(Bookkeeping):
                     backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Backpropagate ``loss`` of the batch given to :meth:`begin`; ``backward(loss)`` runs instead of
         ``loss.backward()`` (a framework's own, with its hooks). Returns the loss, detached."""
+        if isinstance(self.layout, PipelineLayout):
+            raise GuardUsageError("under a pipeline schedule, train with guard.pipeline_step(...): the schedule runs "
+                                  "the backward")
         if len(self._batches) != len(self._rng) or len(self._losses) >= len(self._batches):
             raise GuardUsageError("call guard.begin(batch, step=...) before guard.backward_of(loss)")
         run = backward if backward is not None else torch.Tensor.backward
@@ -251,3 +277,7 @@ class SDCGuard(Bookkeeping):
     def schedule(self) -> Rates | None:
         """The schedule the budget affords now and the costs it measured (``None`` before the second step)."""
         return self.sched.rates
+
+
+def _no_loss_fn(module: torch.nn.Module, batch: Any) -> torch.Tensor:
+    raise GuardUsageError("this guard was given no loss_fn: under a pipeline schedule the schedule holds the loss")

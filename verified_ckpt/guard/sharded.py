@@ -137,9 +137,16 @@ class ShardedTap:
         self.modes: list[str | None] = []  # "avg", "sum", or None: a scaled sum whose factor is not known here
         self.paused = False
         self.auditing = False  # recording a recomputation: rows, but no injected faults
+        # The buffers FSDP allocated for its next reduction (its input, then its output), and whether it was
+        # reduce-scattered: over one shard FSDP only copies the input and all-reduces it across the replicas.
+        self._buffers: list[torch.Tensor] = []
+        self._scattered = False
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(tuple(size), dtype=dtype, device=device)
+        buf = torch.empty(tuple(size), dtype=dtype, device=device)
+        self._buffers = [*self._buffers[-1:], buf]
+        self._scattered = False
+        return buf
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> Any:
@@ -147,6 +154,7 @@ class ShardedTap:
             return self.reduce_scatter(output_tensor, input_tensor, group, op, async_op)
         if not self.auditing:  # a recomputation reproduces the computation, not the reduction's faults
             self.inject("grad", input_tensor)
+        self._scattered = True
         t0 = time.perf_counter()
         pieces = input_tensor.view(group.size(), -1)
         before = [self.project(p) for p in pieces] + [_norms(pieces)]
@@ -165,13 +173,30 @@ class ShardedTap:
 
     def after_all_reduce(self, output: torch.Tensor) -> None:
         """FSDP's all-reduce hook: the shard after the cross-replica all-reduce (after the reduce-scatter on 1-D)."""
-        if self.paused or not self.rows:
+        if self.paused:
+            return
+        if self.two_d and not self._scattered and len(self._buffers) == 2:
+            self._unscattered(self._buffers[0])
+        self._buffers = []
+        if not self.rows:
             return
         if self.two_d and not self.auditing:
             self.inject("allreduce", output)
         t0 = time.perf_counter()
         k = self.project.k + 1
         self.rows[-1] = torch.cat([self.rows[-1][:-k], self._stats(output)])
+        if not self.auditing:
+            self.watch.floor += time.perf_counter() - t0
+
+    def _unscattered(self, local: torch.Tensor) -> None:
+        """The row of a reduction over one shard (HSDP with one shard per replica group, which is how FSDP2
+        replicates): its input is the local gradient, copied as it is into the shard the replicas then all-reduce.
+        FSDP averages float32 and bfloat16 in the all-reduce itself, and other dtypes by a sum of inputs it has
+        already divided (``_get_gradient_divide_factors``; a custom ``set_gradient_divide_factor`` is not seen)."""
+        t0 = time.perf_counter()
+        stats = self._stats(local)
+        self.rows.append(torch.cat([stats, stats, stats]))  # in (one shard), reduce-scattered, all-reduced (replaced)
+        self.modes.append("avg" if local.dtype in (torch.float32, torch.bfloat16) else "sum")
         if not self.auditing:
             self.watch.floor += time.perf_counter() - t0
 

@@ -47,6 +47,7 @@ class Verdict:
     first_suspect: int | None = None
     rows: Callable[[], list[Event]] | None = None
     margin: float | None = None  # how close a passing check came to its bound (deviation / bound)
+    among: tuple[int, ...] | None = None  # the ranks the check compared (``None``: every rank); ``ranks`` lie in it
 
 
 class Projector:

@@ -1,0 +1,95 @@
+"""The guard under pipeline parallelism: 2 stages x 2 data-parallel replicas (4 gloo ranks),
+``torch.distributed.pipelining``'s ``ScheduleGPipe`` over a small GPT split by hand (the FQNs kept, as torchtitan
+splits), each stage ``fully_shard``-ed over its own replicate x shard mesh (2 x 1: replicas), at the default
+``GuardConfig()`` but for the faults:
+
+- a clean run with dropout raises nothing, and every check's passes are counted once per step for the job;
+- a wrong reduced gradient on a stage's rank is caught at its step, naming that rank, and every rank of both
+  stages raises at the same step, the update withheld; so is a NaN made by the reduction on the other stage;
+- a weight flipped on one replica of a stage is caught by the next consensus (two holders: no host is named),
+  and every rank raises; flipped to a huge value, the NaN it makes reaches the earlier stage of its replica, and
+  the ranks of that one pipeline are named together;
+- every rank's step row carries its replica's loss, the stages before the last included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run(rank: int, world: int, faults: list[str], steps: int) -> dict:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    import models
+    from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "rep", "shard"))
+    pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("rep")
+    torch.manual_seed(0)
+    stage_mod = models.pipeline_stage(models.TinyGPT(d=16, layers=2, tied=False), pp, 2)
+    for block in stage_mod.blocks.values():
+        fully_shard(block, mesh=mesh["rep", "shard"])
+    fully_shard(stage_mod, mesh=mesh["rep", "shard"])
+    stage = PipelineStage(stage_mod, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=models.token_loss)
+    opt = torch.optim.AdamW(stage_mod.parameters(), lr=3e-3)
+    guard = SDCGuard(stage_mod, opt, None, GuardConfig(faults=tuple(faults)), pipeline=schedule)
+    losses: list[float] = []
+    guard.add_event_listener(lambda events: losses.extend(e.loss for e in events if e.kind == "step" and e.rank == rank))
+    torch.manual_seed(100 + rank)  # dropout draws differ per rank, as in real jobs
+    before = None
+    try:
+        for step in range(steps):
+            ids = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(10 * step + dp))
+            before = [p.to_local().clone() for p in stage_mod.parameters()]
+            if pp == 0:
+                guard.pipeline_step(ids[:, :-1], step=step)
+            else:
+                guard.pipeline_step(target=ids[:, 1:], step=step)
+            guard.step()
+            opt.zero_grad(set_to_none=True)
+        guard.consensus(steps - 1)  # as a save asks for one
+    except SilentCorruptionDetected as e:
+        withheld = all(torch.equal(a.view(torch.int32), b.to_local().view(torch.int32))  # bitwise: NaN too
+                       for a, b in zip(before or [], stage_mod.parameters(), strict=True))
+        return {"caught": [e.incident.kind, e.incident.ranks, e.incident.detected_step], "withheld": withheld}
+    counts = {k: [c.passed, c.failed] for k, c in guard.counters().items()}
+    return {"counts": counts, "losses": losses}
+
+
+def campaign(rank: int, world: int) -> dict:
+    return {
+        "clean": run(rank, world, [], 6),
+        "reduced": run(rank, world, ["allreduce:1:2:elem=10"], 4),
+        "nan": run(rank, world, ["allreduce:2:3:nan"], 5),
+        "weight": run(rank, world, ["weights:3:1:bitflip=20"], 3),
+        "huge weight": run(rank, world, ["weights:3:1:bitflip=30"], 4),
+    }
+
+
+def test_a_pipeline_with_data_parallel_stages_is_guarded_on_every_stage():
+    got = run_ranks(campaign, 4, timeout=220)
+    clean = got[0]["clean"]
+    assert "caught" not in clean, clean
+    assert all(clean["counts"][k] == [6, 0] for k in ("checksum", "nonfinite_local")), clean["counts"]
+    assert clean["counts"]["consensus"][1] == 0 and clean["counts"]["consensus"][0] >= 1
+    # The stages before the last hold no loss: their rows carry their replica's, from the last stage.
+    assert got[0]["clean"]["losses"] == got[2]["clean"]["losses"] and len(got[0]["clean"]["losses"]) == 6
+    assert got[1]["clean"]["losses"] == got[3]["clean"]["losses"] != got[0]["clean"]["losses"]
+    for r in range(4):
+        assert got[r]["reduced"] == {"caught": ["checksum", [1], 2], "withheld": True}, (r, got[r]["reduced"])
+        assert got[r]["nan"] == {"caught": ["nonfinite_averaged", [2], 3], "withheld": True}, (r, got[r]["nan"])
+        assert got[r]["weight"]["caught"][:2] == ["consensus", []], (r, got[r]["weight"])
+        # The NaN it makes crosses from stage 1 to stage 0 of its replica: both of that pipeline's ranks are
+        # named, no other.
+        assert got[r]["huge weight"] == {"caught": ["nonfinite_local", [1, 3], 2], "withheld": True}, got[r]

@@ -1,0 +1,212 @@
+"""The pipeline layout: a ``torch.distributed.pipelining`` schedule whose stages are each ``fully_shard``-ed.
+
+What ``SDCGuard(stage_module, ..., pipeline=schedule)`` composes. Each stage's module is FSDP2 over that stage's
+data-parallel mesh (torchtitan's recipe): 1-D (its data-parallel ranks shard it) or 2-D (replicate x shard; with
+one shard, plain replicas, which is how FSDP2 replicates). The checks inside FSDP's collectives are the sharded
+layout's (``sharded``); each stage is one column of the job's mesh. DDP under a torch 2.13 schedule is not
+accepted: the last stage's replicas are never reduced (docs/GUARD.md, "Pipeline parallel").
+
+What differs from one sharded model is about the job as a whole:
+- Each step's rows are gathered over the guard's group (every stage), in the step's one collective, and every
+  rank judges every stage's reductions from them. So every rank reaches the same verdict and raises at the same
+  step, including the stages that hold no loss: a stage that stopped alone would leave its neighbours blocked
+  in the schedule's sends and receives. Stages reduce different numbers of buffers, so each rank's row says
+  its own length and the rows are padded to the longest (measured at the first step, one more gather).
+- Consensus is per piece of state (``boxes``), whose key holds the ranks of the tensor's mesh, so that modules
+  split by hand, whose stages may reuse names, are never compared across stages.
+- The stages' own shape inference, a forward and an input gradient on empty tensors at the first step, is not
+  training computation: the checks and the faults skip it.
+
+Not observed under a pipeline yet: recompute audits (one would be a whole schedule over another replica's
+microbatches) and interleaved (multi-stage) schedules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from ..errors import GuardUsageError
+from ..history import NO_RANK, Event
+from .budget import Costs
+from .fsdp import ShardedLayout
+from .sharded import MeshView, RankStep, judge_step, rank_steps
+from .stats import Verdict, host_row, step_rows
+
+if TYPE_CHECKING:
+    from .sdcguard import SDCGuard
+
+__all__ = ["METADATA_PASSES", "PipelineLayout", "one_verdict", "stage_of", "within"]
+
+# The stage's own passes that are not training computation (``PipelineLayout.__init__``), by torch version.
+METADATA_PASSES = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
+MODES = (None, "avg", "sum")  # a reduction's mode as a number in the first step's gathered layout
+
+
+def stage_of(schedule: Any) -> Any:
+    """The one ``PipelineStage`` a single-stage schedule (``ScheduleGPipe``, ``Schedule1F1B``) runs on this rank."""
+    stage = getattr(schedule, "_stage", None)
+    if stage is None or not hasattr(stage, "stage_index"):
+        raise GuardUsageError(f"SDCGuard(pipeline=...) takes a single-stage schedule (ScheduleGPipe, Schedule1F1B), got "
+                              f"{type(schedule).__name__}; interleaved schedules are not supported yet (docs/GUARD.md)")
+    return stage
+
+
+def within(group: Sequence[int], v: Verdict) -> Verdict:
+    """``v``, judged over the rows of ``group`` (its ranks index into it), with the job's ranks and ledger rows."""
+    rows = v.rows
+
+    def moved() -> list[Event]:
+        assert rows is not None
+        return [e if e.rank == NO_RANK else dataclasses.replace(e, rank=group[e.rank]) for e in rows()]
+
+    return dataclasses.replace(v, ranks=[group[i] for i in v.ranks], among=tuple(group),
+                               rows=None if rows is None else moved)
+
+
+def one_verdict(verdicts: Sequence[Verdict]) -> Verdict | None:
+    """The job's verdict of one check from its stages' verdicts, counted once per step whatever the number of
+    stages: one pass (its margin the largest), or every failure together. A NaN made anywhere in one replica's
+    pipeline reaches every stage of it (forwards downstream, gradients upstream), so the stages' suspects are
+    named together: the fault is on one of them, and nothing here says which."""
+    failed = [v for v in verdicts if not v.ok]
+    if not failed:
+        margins = [v.margin for v in verdicts if v.margin is not None]
+        return dataclasses.replace(verdicts[0], margin=max(margins) if margins else None, rows=None) if verdicts else None
+    if len(failed) == 1:
+        return failed[0]
+    rows = [v.rows for v in failed if v.rows is not None]
+    return Verdict(failed[0].kind, False, sorted({r for v in failed for r in v.ranks}), "; ".join(v.detail for v in failed),
+                   min(v.first_suspect for v in failed if v.first_suspect is not None) if any(
+                       v.first_suspect is not None for v in failed) else None,
+                   (lambda: [e for build in rows for e in build()]) if rows else None,
+                   among=tuple(sorted({r for v in failed for r in (v.among or ())})))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRows:
+    """What each rank's row holds, learnt at the first step: its length and its reductions' modes."""
+
+    lengths: list[int]
+    modes: list[list[str | None]]
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths)
+
+
+class PipelineLayout(ShardedLayout):
+    """FSDP2 per pipeline stage, judged over the whole job (see the module doc)."""
+
+    kind = "pipeline"
+
+    def __init__(self, g: SDCGuard, schedule: Any) -> None:
+        self.schedule, self.stage = schedule, stage_of(schedule)
+        submod: Any = self.stage.submod
+        if not isinstance(submod, FSDPModule) or id(submod) != id(g.model):
+            raise GuardUsageError(f"give SDCGuard the stage's module, fully_shard-ed over the stage's data-parallel "
+                                  f"mesh, the same one the PipelineStage runs (got {type(submod).__name__}; "
+                                  "docs/GUARD.md, 'Pipeline parallel')")
+        super().__init__(g)
+        self.layout: StageRows | None = None
+        for name in METADATA_PASSES:
+            fn = getattr(self.stage, name, None)
+            if callable(fn):
+                setattr(self.stage, name, self._unobserved(fn))
+
+    def _unobserved(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.rs_tap.paused = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.rs_tap.paused = False
+        return run
+
+    # ------------------------------------------------------------ who is where
+    @property
+    def ring(self) -> int:
+        return 0  # no recompute audits under a pipeline schedule yet (module doc)
+
+    # ------------------------------------------------------------ the loop
+    def run(self, args: Sequence[Any], kwargs: dict[str, Any], target: Any) -> torch.Tensor:
+        """This rank's part of one ``schedule.step``; the summed loss of its microbatches (zero off the last stage)."""
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        if not losses:
+            return torch.zeros((), dtype=torch.float64, device=self.g.device)
+        return torch.stack([x.detach().to(torch.float64) for x in losses]).sum()
+
+    # ------------------------------------------------------------ checks
+    def check_before_update(self, s: int) -> None:
+        """Every stage's per-step checks, judged on every rank from the job's gathered rows (module doc)."""
+        g, cfg = self.g, self.g.cfg
+        if not self.rs_tap.rows:
+            raise GuardUsageError("no gradient was reduced this step; run the step through guard.pipeline_step")
+        local = torch.cat(self.rs_tap.rows)
+        loss = torch.stack(g._losses).sum().view(1)
+        if self.layout is None:
+            self.layout = self._learn(local.numel())
+        lay = self.layout
+        if local.numel() != lay.lengths[g.rank]:
+            raise GuardUsageError(f"this stage reduced {local.numel()} values this step, {lay.lengths[g.rank]} at the "
+                                  "first: the guard needs the same reductions every step")
+        pad = torch.zeros(lay.width - local.numel(), dtype=local.dtype, device=local.device)
+        costs = g.sched.watch.take()
+        t0 = time.perf_counter()
+        gathered = g.comm.all_gather_rows(torch.cat([local, pad, loss.to(local.dtype), host_row(costs.row(),
+                                                                                             loss.device)])).tolist()
+        g.sched.decide(s, [r[-Costs.FIELDS:] for r in gathered], time.perf_counter() - t0, g.device.type == "cpu")
+        g._report_schedule(s)
+        rows = [r[:lay.lengths[i]] for i, r in enumerate(gathered)]
+        losses = [r[lay.width] for r in gathered]
+        judged: list[list[Verdict]] = []
+        for c, col in enumerate(self.view.columns):
+            ranks = [r for row in col for r in row]
+            got = judge_step(s, [rows[r] for r in ranks], MeshView([_relabel(col, ranks)]), lay.modes[ranks[0]],
+                             g.project.k, self._eps or 2.0**-24, cfg.checksum_slack, g.project.rms_weight)
+            judged.append([within(ranks, v if v.ok else dataclasses.replace(v, detail=f"stage {c}: {v.detail}"))
+                           for v in got])
+        verdicts = [v for kind in ("nonfinite_local", "nonfinite_averaged", "checksum")
+                    if (v := one_verdict([x for stage in judged for x in stage if x.kind == kind])) is not None
+                    and ((kind == "checksum" and cfg.check_checksum) or (kind != "checksum" and cfg.check_nonfinite))]
+        for v in verdicts:
+            g.judge.judge(s, v)
+        steps = self._rank_steps(rows, losses, lay)
+        g.judge.emit(lambda: step_rows(s, steps, [], cfg.ledger_rank_rows)
+                     + [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
+
+    def _learn(self, length: int) -> StageRows:
+        """Every rank's row length and reductions' modes (the first step: two small gathers)."""
+        g = self.g
+        mine = [length, len(self.rs_tap.modes)]
+        both = g.comm.all_gather_rows(torch.tensor(mine, dtype=torch.int64, device=g.device)).tolist()
+        most = max(n for _, n in both)
+        codes = [MODES.index(m) for m in self.rs_tap.modes] + [-1] * (most - len(self.rs_tap.modes))
+        every = g.comm.all_gather_rows(torch.tensor(codes, dtype=torch.int64, device=g.device)).tolist()
+        return StageRows([n for n, _ in both], [[MODES[c] for c in row[:n]] for row, (_, n) in zip(every, both,
+                                                                                                   strict=True)])
+
+    def _rank_steps(self, rows: list[list[float]], losses: list[float], lay: StageRows) -> list[RankStep]:
+        """Every rank's ledger figures; the stages before the last hold no loss, so each shows its replica's, from the
+        last stage's rank at the same place."""
+        k, shards = self.g.project.k, self.view.shards
+        out = [rank_steps([[*row, losses[r]]], len(lay.modes[r]), shards, k)[0] for r, row in enumerate(rows)]
+        last = self.view.columns[-1]
+        for col in self.view.columns:
+            for i, row in enumerate(col):
+                for j, r in enumerate(row):
+                    out[r] = dataclasses.replace(out[r], loss=losses[last[i][j]])
+        return out
+
+
+def _relabel(col: list[list[int]], ranks: list[int]) -> list[list[int]]:
+    """A column's grid with each rank replaced by its place in ``ranks`` (the rows judged)."""
+    return [[ranks.index(r) for r in row] for row in col]

@@ -9,7 +9,8 @@ splits), each stage ``fully_shard``-ed over its own replicate x shard mesh (2 x 
 - a weight flipped on one replica of a stage is caught by the next consensus (two holders: no host is named),
   and every rank raises; flipped to a huge value, the NaN it makes reaches the earlier stage of its replica, and
   the ranks of that one pipeline are named together;
-- every rank's step row carries its replica's loss, the stages before the last included.
+- every rank's step row carries its replica's loss, the stages before the last included;
+- ``examples/pipeline_train.py`` (``Schedule1F1B``) names a fault at its step and stops.
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ def run(rank: int, world: int, faults: list[str], steps: int) -> dict:
 
 
 def campaign(rank: int, world: int) -> dict:
+    import pipeline_train
+
+    example = pipeline_train.train(rank, world, pipeline_train.parse(["--steps", "4", "--inject", "allreduce:3:3:elem=10"]))
     return {
+        "example": {k: example[k] for k in ("completed", "final_step", "incidents", "fingerprint")},
         "clean": run(rank, world, [], 6),
         "reduced": run(rank, world, ["allreduce:1:2:elem=10"], 4),
         "nan": run(rank, world, ["allreduce:2:3:nan"], 5),
@@ -79,6 +84,10 @@ def campaign(rank: int, world: int) -> dict:
 
 def test_a_pipeline_with_data_parallel_stages_is_guarded_on_every_stage():
     got = run_ranks(campaign, 4, timeout=220)
+    # The example (1F1B, 4 blocks over 2 stages) as its users run it, with a fault: named, stopped at its step.
+    ex = got[0]["example"]
+    assert not ex["completed"] and ex["final_step"] == 2 and len(ex["fingerprint"].split("/")) == 2, ex
+    assert [(i["kind"], i["ranks"], i["detected_step"]) for i in ex["incidents"]] == [("checksum", [3], 3)], ex
     clean = got[0]["clean"]
     assert "caught" not in clean, clean
     assert all(clean["counts"][k] == [6, 0] for k in ("checksum", "nonfinite_local")), clean["counts"]

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def job(run: str, *extra: str) -> None:
-    cmd = [sys.executable, "examples/ddp_train.py", "--world-size", "3", "--steps", "9", "--save-every", "3",
+    cmd = [sys.executable, "examples/ddp_train.py", "--world-size", "2", "--steps", "9", "--save-every", "3",
            "--run", run, "--json", *extra]
     subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT, check=False)
 

@@ -91,7 +91,8 @@ def split(tensors: Mapping[str, torch.Tensor], comm: Communicator) -> Split:
         if sorted(theirs) != names:
             odd = sorted(set(theirs) ^ set(names))
             raise InvalidState(f"ranks {comm.rank} and {r} hold different sharded tensors ({odd[:3]}); every rank "
-                               "must save the same state")
+                               "must save the same state (pipeline-parallel stages hold different state: saving "
+                               "them is not built yet, docs/GUARD.md 'Pipeline parallel')")
     mine: dict[str, torch.Tensor] = {}
     layout: dict[str, LayoutEntry] = {}
     for n in names:

@@ -3,6 +3,8 @@
     python examples/pipeline_train.py --stages 2 --replicas 2 --steps 40 --json
     torchrun --nproc-per-node 4 examples/pipeline_train.py --stages 2 --replicas 2 --steps 40 --json
     python examples/pipeline_train.py --inject allreduce:1:12:elem=10 --json
+    python examples/pipeline_train.py --run /tmp/pp --save-every 5 --inject allreduce:1:12:elem=10 \
+        --on-incident rollback --json
 
 ``torch.distributed.pipelining``'s ``Schedule1F1B`` over the model split by hand into --stages stages (the
 names kept, as torchtitan splits), each stage ``fully_shard``-ed over its own replicate x shard mesh
@@ -10,7 +12,8 @@ names kept, as torchtitan splits), each stage ``fully_shard``-ed over its own re
 The same flags, exit codes and JSON line as ``ddp_train.py``: 0 training reached --steps, 4 stopped on an
 incident, 2 bad arguments; the last stdout line with --json is ``{"final_step", "completed", "fingerprint",
 "incidents", "rollbacks", ...}``, the fingerprint that of every stage's parameters, stage by stage.
-Checkpoints of pipeline-parallel runs are not built yet: --run exits 2 saying so (docs/GUARD.md).
+Each stage saves its own entries, named apart (``model_stage0``, ``optim_stage0``, ...): the checkpoint holds
+the whole model, each stage's part written once, and every stage restores its own.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch.distributed as dist
 
 import ddp_train
 import models
-from verified_ckpt import GuardConfig, SDCGuard, state_fingerprint
+from verified_ckpt import CheckpointManager, GuardConfig, RNGState, SDCGuard, state_fingerprint
 
 
 def every(text: str) -> int | str:
@@ -44,7 +47,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=["exact", "tolerance"], default="exact")
     ap.add_argument("--inject", action="append", default=[], metavar="SITE:RANK:STEP[:MODE]")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--run", default=None, help="not supported under pipeline parallel yet")
+    ap.add_argument("--run", default=None, help="checkpoint run URL; enables saves")
     ap.add_argument("--save-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--on-incident", choices=["stop", "rollback"], default="stop")
@@ -55,9 +58,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--stages must be 2 or more and --replicas 1 or more, got {args.stages} and {args.replicas}")
     if 4 % args.stages:
         ap.error(f"the model's 4 blocks do not split into {args.stages} stages (use 2 or 4)")
-    if args.run is not None:
-        ap.error("checkpoints of pipeline-parallel runs are not built yet (docs/GUARD.md, 'Pipeline parallel'); "
-                 "drop --run")
     args.world_size = args.stages * args.replicas
     return args
 
@@ -84,7 +84,8 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     cfg = GuardConfig(consensus_every=args.consensus_every, audit_every=None, mode=args.mode, faults=tuple(args.inject))
     guard = SDCGuard(stage_mod, opt, None, cfg, pipeline=schedule)
     torch.manual_seed(args.seed * 1_000 + rank)  # dropout draws differ per rank, as in real jobs
-    state = {"progress": {"step": 0}}
+    mgr = CheckpointManager(args.run, guard=guard) if args.run else None
+    state = {f"model_stage{pp}": stage_mod, f"optim_stage{pp}": opt, "rng": RNGState(), "progress": {"step": 0}}
 
     def one_step(step: int) -> None:
         ids = batch_of(args.seed, step, replica)
@@ -97,7 +98,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         guard.step()
         opt.zero_grad(set_to_none=True)
 
-    step, completed, incidents, rollbacks = ddp_train.loop(args, one_step, state, guard, None)
+    step, completed, incidents, rollbacks = ddp_train.loop(args, one_step, state, guard, mgr)
     return {
         "final_step": step - 1, "completed": completed, "fingerprint": pipeline_fingerprint(stage_mod),
         "incidents": incidents, "rollbacks": rollbacks, "stages": args.stages, "replicas": args.replicas,

@@ -10,7 +10,9 @@ splits), each stage ``fully_shard``-ed over its own replicate x shard mesh (2 x 
   and every rank raises; flipped to a huge value, the NaN it makes reaches the earlier stage of its replica, and
   the ranks of that one pipeline are named together;
 - every rank's step row carries its replica's loss, the stages before the last included;
-- ``examples/pipeline_train.py`` (``Schedule1F1B``) names a fault at its step and stops.
+- ``examples/pipeline_train.py`` (``Schedule1F1B``) saves each stage's entries once, names a fault at its step,
+  and its rollback and its resume end bit-identical to the clean run; stages that save their modules under one
+  name are refused, nothing written.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dist_harness import run_ranks
 pytestmark = pytest.mark.timeout(240)
 
 
-def run(rank: int, world: int, faults: list[str], steps: int) -> dict:
+def run(rank: int, world: int, faults: list[str], steps: int, misnamed: str | None = None) -> dict:
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -60,6 +62,13 @@ def run(rank: int, world: int, faults: list[str], steps: int) -> dict:
             guard.step()
             opt.zero_grad(set_to_none=True)
         guard.consensus(steps - 1)  # as a save asks for one
+        if misnamed is not None:  # every stage's module under one name: refused, nothing written
+            from verified_ckpt import CheckpointManager, InvalidState
+
+            try:
+                CheckpointManager(misnamed, guard=guard).save(steps, {"model": stage_mod, "optim": opt})
+            except InvalidState as e:
+                return {"refused": str(e), "listed": len(CheckpointManager(misnamed).list())}
     except SilentCorruptionDetected as e:
         withheld = all(torch.equal(a.view(torch.int32), b.to_local().view(torch.int32))  # bitwise: NaN too
                        for a, b in zip(before or [], stage_mod.parameters(), strict=True))
@@ -68,12 +77,19 @@ def run(rank: int, world: int, faults: list[str], steps: int) -> dict:
     return {"counts": counts, "losses": losses}
 
 
-def campaign(rank: int, world: int) -> dict:
+def campaign(rank: int, world: int, base: str) -> dict:
     import pipeline_train
 
-    example = pipeline_train.train(rank, world, pipeline_train.parse(["--steps", "4", "--inject", "allreduce:3:3:elem=10"]))
+    def example(name: str, *flags: str) -> dict:
+        args = pipeline_train.parse(["--steps", "6", "--save-every", "2", "--run", f"{base}/{name}", *flags])
+        out = pipeline_train.train(rank, world, args)
+        return {k: out[k] for k in ("completed", "final_step", "incidents", "rollbacks", "fingerprint")}
+
+    fault = ("--inject", "allreduce:3:5:elem=10")
     return {
-        "example": {k: example[k] for k in ("completed", "final_step", "incidents", "fingerprint")},
+        "example": {"clean": example("clean"), "rolled back": example("rolled", *fault, "--on-incident", "rollback"),
+                    "stopped": example("stopped", *fault), "resumed": example("stopped", "--resume")},
+        "misnamed": run(rank, world, [], 1, misnamed=f"{base}/misnamed"),
         "clean": run(rank, world, [], 6),
         "reduced": run(rank, world, ["allreduce:1:2:elem=10"], 4),
         "nan": run(rank, world, ["allreduce:2:3:nan"], 5),
@@ -82,12 +98,26 @@ def campaign(rank: int, world: int) -> dict:
     }
 
 
-def test_a_pipeline_with_data_parallel_stages_is_guarded_on_every_stage():
-    got = run_ranks(campaign, 4, timeout=220)
-    # The example (1F1B, 4 blocks over 2 stages) as its users run it, with a fault: named, stopped at its step.
+def test_a_pipeline_with_data_parallel_stages_is_guarded_on_every_stage(tmp_path):
+    from verified_ckpt import CheckpointManager
+
+    got = run_ranks(campaign, 4, str(tmp_path), timeout=220)
+    # The example (1F1B, 4 blocks over 2 stages, dropout) as its users run it, saving every 2 steps: a fault is
+    # named at its step; the in-process rollback and a stop then resume end bit-identical to the clean run.
     ex = got[0]["example"]
-    assert not ex["completed"] and ex["final_step"] == 2 and len(ex["fingerprint"].split("/")) == 2, ex
-    assert [(i["kind"], i["ranks"], i["detected_step"]) for i in ex["incidents"]] == [("checksum", [3], 3)], ex
+    assert ex["clean"]["completed"] and len(ex["clean"]["fingerprint"].split("/")) == 2, ex["clean"]
+    for name in ("rolled back", "stopped"):
+        assert [(i["kind"], i["ranks"], i["detected_step"]) for i in ex[name]["incidents"]] == [("checksum", [3], 5)]
+    assert ex["rolled back"]["rollbacks"] == [{"from_step": 5, "to_step": 4}] and not ex["stopped"]["completed"]
+    assert ex["clean"]["fingerprint"] == ex["rolled back"]["fingerprint"] == ex["resumed"]["fingerprint"], ex
+    # Each stage's part is written once: the checkpoint holds every stage's entries, no tensor twice.
+    newest = CheckpointManager(str(tmp_path / "clean")).list()[-1]
+    m = newest.manifest
+    assert m is not None and {"model_stage0", "model_stage1", "optim_stage0", "optim_stage1"} <= set(m.state)
+    assert newest.status.value == "restorable"
+    stored = [n for s in m.shards for n in s.tensors]
+    assert len(stored) == len(set(stored)) and any(n.startswith("model_stage1/blocks.3.") for n in stored)
+    assert all(r["misnamed"]["listed"] == 0 and "name them apart" in r["misnamed"]["refused"] for r in got)
     clean = got[0]["clean"]
     assert "caught" not in clean, clean
     assert all(clean["counts"][k] == [6, 0] for k in ("checksum", "nonfinite_local")), clean["counts"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -72,36 +73,37 @@ def _check_placements(name: str, t: DTensor) -> None:
 def split(tensors: Mapping[str, torch.Tensor], comm: Communicator) -> Split:
     """Separate sharded tensors from replicated ones and decide which rank writes each chunk.
 
-    Collective when any tensor is a DTensor (one all-gather of the chunk lists):
-    call it on every rank, on the training thread.
+    Collective when any rank holds a DTensor (one all-gather of the chunk lists): call it on every rank, on the
+    training thread. Ranks may hold different sharded tensors (pipeline stages do): each is laid out from the
+    ranks that hold it, and those must agree on its dtype and global shape.
 
     Raises:
-        InvalidState: a placement that cannot be stored, or ranks that hold different sharded tensors.
+        InvalidState: a placement that cannot be stored, or ranks that hold one name as different tensors.
     """
     sharded = {n: t for n, t in tensors.items() if isinstance(t, DTensor)}
     replicated = {n: t for n, t in tensors.items() if n not in sharded}
-    if not sharded:
-        return Split(replicated, {}, {})
     for n, t in sharded.items():
         _check_placements(n, t)
-    boxes = {n: box_of(t) for n, t in sharded.items()}
-    gathered = [json.loads(b) for b in comm.gather_bytes(json.dumps(boxes).encode())]
-    names = sorted(sharded)
-    for r, theirs in enumerate(gathered):
-        if sorted(theirs) != names:
-            odd = sorted(set(theirs) ^ set(names))
-            raise InvalidState(f"ranks {comm.rank} and {r} hold different sharded tensors ({odd[:3]}); every rank "
-                               "must save the same state (pipeline-parallel stages hold different state: saving "
-                               "them is not built yet, docs/GUARD.md 'Pipeline parallel')")
+    # Per name: offsets, sizes, dtype and global shape of this rank's piece.
+    mine_boxes: dict[str, list[Any]] = {n: [*box_of(t), dtype_name(t.dtype), list(t.shape)] for n, t in sharded.items()}
+    gathered: list[dict[str, list[Any]]] = [json.loads(b) for b in comm.gather_bytes(json.dumps(mine_boxes).encode())] \
+        if comm.active else [mine_boxes]
+    if not any(gathered):
+        return Split(replicated, {}, {})
     mine: dict[str, torch.Tensor] = {}
     layout: dict[str, LayoutEntry] = {}
-    for n in names:
-        t = sharded[n]
+    for n in sorted(set().union(*gathered)):
+        held = [(r, theirs[n]) for r, theirs in enumerate(gathered) if n in theirs]
+        kinds = {(dtype, tuple(shape)) for _, (_, _, dtype, shape) in held}
+        if len(kinds) > 1:
+            raise InvalidState(f"ranks {[r for r, _ in held]} hold {n} as different tensors ({sorted(kinds)}); ranks "
+                               "that hold one name must hold pieces of one tensor (pipeline stages: name the state of "
+                               "each stage apart, e.g. {'model': stage, 'optim_stage0': optimizer})")
+        ((dtype, shape),) = kinds
         holders: dict[tuple[int, ...], tuple[tuple[int, ...], list[int]]] = {}
-        for r, theirs in enumerate(gathered):
-            offsets, sizes = (tuple(x) for x in theirs[n])
-            holders.setdefault(offsets, (sizes, []))[1].append(r)
-        whole = t.numel() > 0
+        for r, (offsets, sizes, _, _) in held:
+            holders.setdefault(tuple(offsets), (tuple(sizes), []))[1].append(r)
+        whole = math.prod(shape) > 0
         chunks = []
         for offsets, (sizes, ranks) in sorted(holders.items()):
             if whole and 0 in sizes:
@@ -109,8 +111,8 @@ def split(tensors: Mapping[str, torch.Tensor], comm: Communicator) -> Split:
             stored = chunk_name(n, offsets)
             chunks.append(Chunk(list(offsets), stored))
             if ranks[zlib.crc32(stored.encode()) % len(ranks)] == comm.rank:
-                mine[stored] = t.to_local().detach()
-        layout[n] = LayoutEntry(dtype_name(t.dtype), list(t.shape), chunks)
+                mine[stored] = sharded[n].to_local().detach()
+        layout[n] = LayoutEntry(dtype, list(shape), chunks)
     return Split(replicated, mine, layout)
 
 

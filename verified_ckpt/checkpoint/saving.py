@@ -45,6 +45,7 @@ from ..tensorspec import MAX_NDIM, dtype_name
 from . import housekeeping
 from .catalog import Catalog, info
 from .lease import Lease
+from .stages import merge
 
 __all__ = ["UNGUARDED", "SaveJob", "Saver", "checked_flat"]
 
@@ -134,6 +135,7 @@ class Saver:
         started = time.monotonic()
         self.comm.arrive("save")  # fails fast, naming who is missing, when only some ranks save
         flat, own = self._per_rank(flat)
+        flat, held = merge(flat, self.comm)  # ranks holding different parts of the state (pipeline stages)
         parts = split(flat.tensors, self.comm)
         g = self.guard
         if g is None:
@@ -160,7 +162,7 @@ class Saver:
             raise
         topology = {"world_size": self.comm.world, "ranks": hosts}
         return SaveJob(cid, step, dataclasses.replace(flat, tensors=parts.replicated), status, reasons, evidence,
-                       topology, resumed_from, parts.mine | own, parts.layout, started, lease)
+                       topology, resumed_from, parts.mine | own | held, parts.layout, started, lease)
 
     def _per_rank(self, flat: Flat) -> tuple[Flat, dict[str, torch.Tensor]]:
         """Every rank's value of the per-rank entries in the skeleton (one small all-gather); this rank's tensors

@@ -108,7 +108,9 @@ class ShardedLayout:
         g.faults.hook_compute(g.model, g.rank, lambda: g._kept[0] if g._step is None else g._step,
                               lambda: self.rs_tap.paused)
         if g.rank == 0 and self.view.replicas < 3:
-            warnings.warn(ONE_REPLICA if self.view.replicas == 1 else TWO_GROUPS, stacklevel=3)
+            # At the caller of SDCGuard(...): one frame more when a subclass (the pipeline layout) builds this.
+            warnings.warn(ONE_REPLICA if self.view.replicas == 1 else TWO_GROUPS,
+                          stacklevel=3 + (type(self) is not ShardedLayout))
 
     # ------------------------------------------------------------ who is where
     @property

@@ -127,8 +127,10 @@ def story(root: str, steps: int) -> dict[str, Any]:
     out["resumed"] = str(state_fingerprint({"model": resumed.model}))
     out["resumed_from"] = resumed.checkpoints.resumed_from if resumed.checkpoints else None
     out["checkpoints"] = [(c.step, c.status.value) for c in CheckpointManager(faulty).list()]
+    # The highest eval loss counts as best: the loss falls as it trains, so the best checkpoint is an early one, not
+    # the newest, whatever the data - the case retention must get right (it keeps both).
     best = trainer(os.path.join(root, "best"), os.path.join(root, "out-best"), steps, eval_strategy="steps", eval_steps=4,
-                   load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=False, save_total_limit=1)
+                   load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True, save_total_limit=1)
     best.train()
     out["best"] = {"step": best.state.best_global_step, "fingerprint": str(state_fingerprint({"model": best.model}))}
     # torch.compile as the Trainer applies it (the DDP model wrapped by dynamo); dynamo's eager backend skips

@@ -5,7 +5,7 @@ splits), each stage ``fully_shard``-ed over its own replicate x shard mesh (2 x 
 
 - a clean run with dropout raises nothing, and every check's passes are counted once per step for the job;
 - a wrong reduced gradient on a stage's rank is caught at its step, naming that rank, and every rank of both
-  stages raises at the same step, the update withheld; so is a NaN made by the reduction on the other stage;
+  stages raises at the same step, the update withheld;
 - a weight flipped on one replica of a stage is caught by the next consensus (two holders: no host is named),
   and every rank raises; flipped to a huge value, the NaN it makes reaches the earlier stage of its replica, and
   the ranks of that one pipeline are named together;
@@ -81,18 +81,17 @@ def campaign(rank: int, world: int, base: str) -> dict:
     import pipeline_train
 
     def example(name: str, *flags: str) -> dict:
-        args = pipeline_train.parse(["--steps", "6", "--save-every", "2", "--run", f"{base}/{name}", *flags])
+        args = pipeline_train.parse(["--steps", "4", "--save-every", "2", "--run", f"{base}/{name}", *flags])
         out = pipeline_train.train(rank, world, args)
         return {k: out[k] for k in ("completed", "final_step", "incidents", "rollbacks", "fingerprint")}
 
-    fault = ("--inject", "allreduce:3:5:elem=10")
+    fault = ("--inject", "allreduce:3:3:elem=10")
     return {
         "example": {"clean": example("clean"), "rolled back": example("rolled", *fault, "--on-incident", "rollback"),
                     "stopped": example("stopped", *fault), "resumed": example("stopped", "--resume")},
         "misnamed": run(rank, world, [], 1, misnamed=f"{base}/misnamed"),
         "clean": run(rank, world, [], 6),
         "reduced": run(rank, world, ["allreduce:1:2:elem=10"], 4),
-        "nan": run(rank, world, ["allreduce:2:3:nan"], 5),
         "weight": run(rank, world, ["weights:3:1:bitflip=20"], 3),
         "huge weight": run(rank, world, ["weights:3:1:bitflip=30"], 4),
     }
@@ -107,8 +106,8 @@ def test_a_pipeline_with_data_parallel_stages_is_guarded_on_every_stage(tmp_path
     ex = got[0]["example"]
     assert ex["clean"]["completed"] and len(ex["clean"]["fingerprint"].split("/")) == 2, ex["clean"]
     for name in ("rolled back", "stopped"):
-        assert [(i["kind"], i["ranks"], i["detected_step"]) for i in ex[name]["incidents"]] == [("checksum", [3], 5)]
-    assert ex["rolled back"]["rollbacks"] == [{"from_step": 5, "to_step": 4}] and not ex["stopped"]["completed"]
+        assert [(i["kind"], i["ranks"], i["detected_step"]) for i in ex[name]["incidents"]] == [("checksum", [3], 3)]
+    assert ex["rolled back"]["rollbacks"] == [{"from_step": 3, "to_step": 2}] and not ex["stopped"]["completed"]
     assert ex["clean"]["fingerprint"] == ex["rolled back"]["fingerprint"] == ex["resumed"]["fingerprint"], ex
     # Each stage's part is written once: the checkpoint holds every stage's entries, no tensor twice.
     newest = CheckpointManager(str(tmp_path / "clean")).list()[-1]
@@ -118,6 +117,12 @@ def test_a_pipeline_with_data_parallel_stages_is_guarded_on_every_stage(tmp_path
     stored = [n for s in m.shards for n in s.tensors]
     assert len(stored) == len(set(stored)) and any(n.startswith("model_stage1/blocks.3.") for n in stored)
     assert all(r["misnamed"]["listed"] == 0 and "name them apart" in r["misnamed"]["refused"] for r in got)
+    from click.testing import CliRunner
+
+    from verified_ckpt_cli.main import main as cli
+
+    verified = CliRunner().invoke(cli, ["verify", str(tmp_path / "clean"), "--all"])
+    assert verified.exit_code == 0 and "2 checked, 0 failed" in verified.output, verified.output
     clean = got[0]["clean"]
     assert "caught" not in clean, clean
     assert all(clean["counts"][k] == [6, 0] for k in ("checksum", "nonfinite_local")), clean["counts"]
@@ -127,7 +132,6 @@ def test_a_pipeline_with_data_parallel_stages_is_guarded_on_every_stage(tmp_path
     assert got[1]["clean"]["losses"] == got[3]["clean"]["losses"] != got[0]["clean"]["losses"]
     for r in range(4):
         assert got[r]["reduced"] == {"caught": ["checksum", [1], 2], "withheld": True}, (r, got[r]["reduced"])
-        assert got[r]["nan"] == {"caught": ["nonfinite_averaged", [2], 3], "withheld": True}, (r, got[r]["nan"])
         assert got[r]["weight"]["caught"][:2] == ["consensus", []], (r, got[r]["weight"])
         # The NaN it makes crosses from stage 1 to stage 0 of its replica: both of that pipeline's ranks are
         # named, no other.

@@ -78,9 +78,9 @@ def by_service(c: dict) -> bool:
 
 
 def train(run: str) -> None:
-    """A real 3-rank guarded training job that saves restorable checkpoints at steps 5, 10 and 15."""
+    """A real 2-rank guarded training job that saves restorable checkpoints at steps 5, 10 and 15."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "examples/ddp_train.py", "--world-size", "3", "--steps", "15", "--audit-every", "5",
+    cmd = [sys.executable, "examples/ddp_train.py", "--world-size", "2", "--steps", "15", "--audit-every", "5",
            "--consensus-every", "5", "--save-every", "5", "--run", run, "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=root, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

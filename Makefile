@@ -23,8 +23,10 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(PY) tools/size_check.py verified_ckpt cli
 
+# Two workers, a test file each at a time (module fixtures run once): on a 2-core host the suite's I/O-bound
+# tests (S3, the service, crash points) overlap the CPU-bound multi-rank ones.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(PY) -m pip install -q boto3 "botocore==$$($(PY) -c 'import botocore; print(botocore.__version__)')"

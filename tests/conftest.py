@@ -51,3 +51,15 @@ def s3_bucket(s3_server):
         fs.rm(bucket, recursive=True)
     except FileNotFoundError:
         pass
+
+
+# The slowest test files, slowest first (in-suite seconds on the 2-core host, `pytest --durations`). `make test`
+# runs two workers a file at a time in collection order; a slow file collected last would run alone at the end.
+SLOW_FIRST = ("test_guard_fsdp.py", "test_integrations_hf.py", "test_service.py", "test_story.py", "test_s3.py",
+              "test_guard_pipeline.py", "test_rollback_dist.py", "test_integrations_lightning.py", "test_guard_dist.py",
+              "test_guard_contract.py", "test_crash_records.py", "test_ledger.py", "test_hostile.py", "test_sharded.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept otherwise

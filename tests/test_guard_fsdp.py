@@ -172,6 +172,7 @@ def test_the_fsdp_example_trains_on_a_mesh_and_reports_a_json_line():
     bad = subprocess.run([sys.executable, script, "--mesh", "3y2"], capture_output=True, text=True, timeout=60,
                          check=False)
     assert bad.returncode == 2 and "--mesh must look like 3x2" in bad.stderr
+    assert bad.stdout == ""
 
 
 class Wrapper(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""The Hugging Face integration on 2 gloo ranks under torchrun (2 keep the 2-core host's suite in its time; nothing here needs a majority: ABFT and the checksums name a rank among 2), and `vckpt export --format hf`.
+"""The Hugging Face integration on 2 gloo ranks under torchrun (nothing here needs a majority: ABFT and the checksums name a rank among two), and `vckpt export --format hf`.
 
 One torchrun launch runs the whole story (examples/hf_train.py --story), every phase with the guard's defaults:
 plain `Trainer` and `VerifiedTrainer` side by side (GPT-2 from a small config: HF's Conv1D blocks; labels padded

@@ -1,4 +1,4 @@
-"""The Lightning integration on 2 gloo ranks under torchrun (2 keep the 2-core host's suite in its time; nothing here needs a majority: ABFT and the checksums name a rank among 2), as the README sets it up: Trainer(strategy="ddp",
+"""The Lightning integration on 2 gloo ranks under torchrun (nothing here needs a majority: ABFT and the checksums name a rank among two), as the README sets it up: Trainer(strategy="ddp",
 devices=3, accelerator="cpu") with VerifiedCheckpointIO and SDCGuardCallback() at the guard's defaults (ABFT on).
 
 One launch runs the story (examples/lightning_train.py --story): a 60-step clean run with dropout, gradient

@@ -152,7 +152,9 @@ def _probe(url: str) -> None:
                                           "retries": {"max_attempts": 1}})
     fs.retries = 1  # no s3fs-level retry/backoff inside one probe
     bucket = "readiness-probe"
-    fs.mkdir(bucket)
+    # exist_ok: an earlier probe may have made the bucket and then timed out (a loaded host), and a restarted server
+    # keeps it; a plain mkdir would then fail every probe until the deadline.
+    fs.makedirs(bucket, exist_ok=True)
     fs.pipe_file(f"{bucket}/probe", b"ok")
     if fs.cat_file(f"{bucket}/probe") != b"ok":
         raise RuntimeError("readiness probe read back wrong data")

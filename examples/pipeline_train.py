@@ -81,7 +81,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     stage = PipelineStage(stage_mod, pp, args.stages, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=models.token_loss)
     opt = torch.optim.AdamW(stage_mod.parameters(), lr=3e-3, weight_decay=0.01)
-    cfg = GuardConfig(consensus_every=args.consensus_every, audit_every=None, mode=args.mode, faults=tuple(args.inject))
+    cfg = GuardConfig(consensus_every=args.consensus_every, mode=args.mode, faults=tuple(args.inject))
     guard = SDCGuard(stage_mod, opt, None, cfg, pipeline=schedule)
     torch.manual_seed(args.seed * 1_000 + rank)  # dropout draws differ per rank, as in real jobs
     mgr = CheckpointManager(args.run, guard=guard) if args.run else None

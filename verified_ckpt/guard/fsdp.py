@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +35,7 @@ from .sharded import (
     rank_steps,
     state_row,
 )
-from .stats import host_row, step_rows
+from .stats import StepFigures, Verdict, host_row, step_rows
 
 if TYPE_CHECKING:
     from .sdcguard import SDCGuard
@@ -177,30 +178,39 @@ class ShardedLayout:
             raise GuardUsageError("no gradient was reduce-scattered this step; the last backward() of a step must "
                                   "have sync=True")
         loss = torch.stack(g._losses).sum().view(1)
-        costs = g.sched.watch.take()
-        t0 = time.perf_counter()
-        # The step's one host sync; the budget's figures travel in the same row, last.
-        gathered = g.comm.all_gather_rows(torch.cat([*self.rs_tap.rows, loss, host_row(costs.row(), loss.device)]))
-        rows = [r[: -Costs.FIELDS] for r in gathered.tolist()]
-        g.sched.decide(s, [r[-Costs.FIELDS :] for r in gathered.tolist()], time.perf_counter() - t0,
-                       g.device.type == "cpu")
-        g._report_schedule(s)
+        rows = self._gather(s, torch.cat([*self.rs_tap.rows, loss]))
         # A data-parallel mesh of one rank (tensor parallel only) reduces nothing: there is nothing to judge, and
         # no pass is claimed.
         judged = judge_step(s, [r[:-1] for r in rows], self.view, self.rs_tap.modes, g.project.k, self._eps or 2.0**-24,
                             cfg.checksum_slack, g.project.rms_weight) if self.rs_tap.rows else []
-        verdicts = [v for v in judged if (v.kind == "checksum" and cfg.check_checksum)
-                    or (v.kind != "checksum" and cfg.check_nonfinite)]
-        for v in verdicts:
-            g.judge.judge(s, v)
         calls, shards, k = len(self.rs_tap.modes), self.view.shards, g.project.k
-        g.judge.emit(lambda: step_rows(s, rank_steps(rows, calls, shards, k), [], cfg.ledger_rank_rows)
-                     + [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
+        self._judge_step(s, judged, lambda: rank_steps(rows, calls, shards, k))
         if g.audits_enabled and (g._audit_requested or g.sched.plan.audit):
             t0 = time.perf_counter()
             g._audit_requested = False
             self._audit(s, list(zip(g._batches, g._rng, strict=True)), rows)
             g.sched.watch.audit = time.perf_counter() - t0
+
+    def _gather(self, s: int, row: torch.Tensor) -> list[list[float]]:
+        """Every rank's ``row``: the step's one host sync. The budget's figures travel in the same row, last, and
+        the schedule of step ``s`` is decided from them."""
+        g = self.g
+        costs = g.sched.watch.take()
+        t0 = time.perf_counter()
+        gathered = g.comm.all_gather_rows(torch.cat([row, host_row(costs.row(), row.device)])).tolist()
+        g.sched.decide(s, [r[-Costs.FIELDS:] for r in gathered], time.perf_counter() - t0, g.device.type == "cpu")
+        g._report_schedule(s)
+        return [r[: -Costs.FIELDS] for r in gathered]
+
+    def _judge_step(self, s: int, judged: Sequence[Verdict], steps: Callable[[], Sequence[StepFigures]]) -> None:
+        """Judge the per-step verdicts whose checks the config has on, then the step's ledger rows (``steps()``, built
+        only when a ledger listens)."""
+        g, cfg = self.g, self.g.cfg
+        verdicts = [v for v in judged if (cfg.check_checksum if v.kind == "checksum" else cfg.check_nonfinite)]
+        for v in verdicts:
+            g.judge.judge(s, v)
+        g.judge.emit(lambda: step_rows(s, steps(), [], cfg.ledger_rank_rows)
+                     + [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
 
     def consensus(self, step: int) -> list[str]:
         """Compare, for every shard index, the replicas' fingerprints of their local shards now.

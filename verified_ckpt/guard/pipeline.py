@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,10 +33,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..errors import GuardUsageError
 from ..history import NO_RANK, Event
-from .budget import Costs
 from .fsdp import ShardedLayout
 from .sharded import MeshView, RankStep, judge_step, rank_steps
-from .stats import Verdict, host_row, step_rows
+from .stats import Verdict
 
 if TYPE_CHECKING:
     from .sdcguard import SDCGuard
@@ -83,8 +81,7 @@ def one_verdict(verdicts: Sequence[Verdict]) -> Verdict | None:
         return failed[0]
     rows = [v.rows for v in failed if v.rows is not None]
     return Verdict(failed[0].kind, False, sorted({r for v in failed for r in v.ranks}), "; ".join(v.detail for v in failed),
-                   min(v.first_suspect for v in failed if v.first_suspect is not None) if any(
-                       v.first_suspect is not None for v in failed) else None,
+                   min((v.first_suspect for v in failed if v.first_suspect is not None), default=None),
                    (lambda: [e for build in rows for e in build()]) if rows else None,
                    among=tuple(sorted({r for v in failed for r in (v.among or ())})))
 
@@ -159,12 +156,7 @@ class PipelineLayout(ShardedLayout):
             raise GuardUsageError(f"this stage reduced {local.numel()} values this step, {lay.lengths[g.rank]} at the "
                                   "first: the guard needs the same reductions every step")
         pad = torch.zeros(lay.width - local.numel(), dtype=local.dtype, device=local.device)
-        costs = g.sched.watch.take()
-        t0 = time.perf_counter()
-        gathered = g.comm.all_gather_rows(torch.cat([local, pad, loss.to(local.dtype), host_row(costs.row(),
-                                                                                             loss.device)])).tolist()
-        g.sched.decide(s, [r[-Costs.FIELDS:] for r in gathered], time.perf_counter() - t0, g.device.type == "cpu")
-        g._report_schedule(s)
+        gathered = self._gather(s, torch.cat([local, pad, loss.to(local.dtype)]))
         rows = [r[:lay.lengths[i]] for i, r in enumerate(gathered)]
         losses = [r[lay.width] for r in gathered]
         judged: list[list[Verdict]] = []
@@ -175,13 +167,8 @@ class PipelineLayout(ShardedLayout):
             judged.append([within(ranks, v if v.ok else dataclasses.replace(v, detail=f"stage {c}: {v.detail}"))
                            for v in got])
         verdicts = [v for kind in ("nonfinite_local", "nonfinite_averaged", "checksum")
-                    if (v := one_verdict([x for stage in judged for x in stage if x.kind == kind])) is not None
-                    and ((kind == "checksum" and cfg.check_checksum) or (kind != "checksum" and cfg.check_nonfinite))]
-        for v in verdicts:
-            g.judge.judge(s, v)
-        steps = self._rank_steps(rows, losses, lay)
-        g.judge.emit(lambda: step_rows(s, steps, [], cfg.ledger_rank_rows)
-                     + [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
+                    if (v := one_verdict([x for stage in judged for x in stage if x.kind == kind])) is not None]
+        self._judge_step(s, verdicts, lambda: self._rank_steps(rows, losses, lay))
 
     def _learn(self, length: int) -> StageRows:
         """Every rank's row length and reductions' modes (the first step: two small gathers)."""
@@ -197,14 +184,10 @@ class PipelineLayout(ShardedLayout):
     def _rank_steps(self, rows: list[list[float]], losses: list[float], lay: StageRows) -> list[RankStep]:
         """Every rank's ledger figures; the stages before the last hold no loss, so each shows its replica's, from the
         last stage's rank at the same place."""
-        k, shards = self.g.project.k, self.view.shards
-        out = [rank_steps([[*row, losses[r]]], len(lay.modes[r]), shards, k)[0] for r, row in enumerate(rows)]
-        last = self.view.columns[-1]
-        for col in self.view.columns:
-            for i, row in enumerate(col):
-                for j, r in enumerate(row):
-                    out[r] = dataclasses.replace(out[r], loss=losses[last[i][j]])
-        return out
+        k, shards, last = self.g.project.k, self.view.shards, self.view.columns[-1]
+        loss_of = {r: losses[last[i][j]] for col in self.view.columns for i, row in enumerate(col)
+                   for j, r in enumerate(row)}
+        return [rank_steps([[*row, loss_of[r]]], len(lay.modes[r]), shards, k)[0] for r, row in enumerate(rows)]
 
 
 def _relabel(col: list[list[int]], ranks: list[int]) -> list[list[int]]:

@@ -60,23 +60,26 @@ def train_until_incident(rank: int, mesh: tuple[int, ...], faults: list[str], st
 
 
 CASES = {
-    # An Inf takes the NaN's path (isfinite); a reduced shard x10 is the contract suite's, on HSDP 2x2 and FSDP 4.
+    # An Inf takes the NaN's path (isfinite); a reduced shard x10 is the contract suite's, on HSDP 2x2 and FSDP 4;
+    # a wrong local gradient found by an audit takes the persistent compute fault's path.
     "local gradient NaN on rank 3": ("grad:3:4:nan", "nonfinite_local", [3], 4),
     "one rank's all-reduced shard, exponent flip (rank 2)": ("allreduce:2:3:bitflip=27", "checksum", [2], 3),
     "a weight flip on rank 5's shard": ("weights:5:3:bitflip=22", "consensus", [5], 4),  # the audit asks first
     "an inf in rank 0's optimizer state": ("optim:0:2:inf", "nonfinite_state", [0], 4),  # at the audit
-    "one rank's local gradient x10 (rank 3), at an audit": ("grad:3:4:elem=10", "audit", [3], 4),
     "a persistent compute fault on rank 2": ("compute:2:3-:scale=1.5", "audit", [2], 4),
 }
 
 
-def hsdp_campaign(rank: int, world: int) -> dict:
+def hsdp_campaign(rank: int, world: int, run: str) -> dict:
+    """Every fault class on HSDP 3 x 2 and pure FSDP 6, a clean run, and the rollback story (one 6-rank launch)."""
     warnings_off()
-    out = {name: train_until_incident(rank, (3, 2), [spec], 8, audit_every=4) for name, (spec, *_) in CASES.items()}
+    out = {name: train_until_incident(rank, (3, 2), [spec], 6, audit_every=4) for name, (spec, *_) in CASES.items()}
     out["replica group 1 computes wrongly"] = train_until_incident(
-        rank, (3, 2), ["compute:2:3-:scale=1.5", "compute:3:3-:scale=1.5"], 8, audit_every=4)
-    out["clean"] = train_until_incident(rank, (3, 2), [], 20, audit_every=5)
+        rank, (3, 2), ["compute:2:3-:scale=1.5", "compute:3:3-:scale=1.5"], 6, audit_every=4)
+    out["clean"] = train_until_incident(rank, (3, 2), [], 10, audit_every=5)
     out["fsdp compute"] = train_until_incident(rank, (6,), ["compute:2:3-:scale=1.5"], 6, audit_every=4)
+    out["story clean"] = rollback_story(rank, world, f"{run}-clean", [])
+    out["story faulty"] = rollback_story(rank, world, f"{run}-faulty", ["weights:4:5:bitflip=22"])
     return out
 
 
@@ -86,18 +89,28 @@ def warnings_off() -> None:
     warnings.simplefilter("ignore")
 
 
-def test_hsdp_guard_catches_every_fault_class_naming_the_rank_and_stays_quiet_for_20_clean_steps():
-    results = run_ranks(hsdp_campaign, 6, timeout=280)
-    assert all(r == results[0] for r in results), "every rank reaches the same verdict"
+def test_hsdp_catches_every_fault_class_naming_the_rank_stays_quiet_and_rolls_back_bit_identical(tmp_path):
+    results = run_ranks(hsdp_campaign, 6, str(tmp_path / "run"), timeout=280)
     got = results[0]
+    for r in results:  # every rank reaches the same verdict (the full state is rank 0's alone)
+        assert {k: v for k, v in r.items() if not k.startswith("story")} == {
+            k: v for k, v in got.items() if not k.startswith("story")}
+        assert r["story faulty"]["incidents"] == got["story faulty"]["incidents"]
     for name, (_, kind, ranks, step) in CASES.items():
         assert (got[name]["kind"], got[name]["ranks"], got[name]["step"]) == (kind, ranks, step), (name, got[name])
         assert len(got[name]["hosts"]) == len(ranks)
-    assert got["clean"]["clean"] == 20 and got["clean"]["checks"]["checksum"] == 20, got["clean"]
-    assert got["clean"]["checks"]["consensus"] == 4 and got["clean"]["checks"]["audit"] == 4
+    assert got["clean"]["clean"] == 10 and got["clean"]["checks"]["checksum"] == 10, got["clean"]
+    assert got["clean"]["checks"]["consensus"] == 2 and got["clean"]["checks"]["audit"] == 2
     group = got["replica group 1 computes wrongly"]
     assert (group["kind"], group["ranks"], group["step"]) == ("audit", [2, 3], 4)
     assert (got["fsdp compute"]["kind"], got["fsdp compute"]["ranks"], got["fsdp compute"]["step"]) == ("audit", [2], 4)
+    clean, faulty = got["story clean"], got["story faulty"]
+    assert clean["incidents"] == [] and clean["statuses"] == ["restorable"] * 3
+    # Rows reach the ledger with each save: steps 0-8 by the last save (step 8), audits every 2 steps.
+    assert clean["ledger"] == {"step": 9, "audit": 5, "losses": 9}, clean["ledger"]
+    assert faulty["incidents"] == [["consensus", [4], 6]]
+    assert faulty["rollbacks"] == [4]  # step 4 predates the suspect interval (5, 6]
+    assert faulty["full"] == clean["full"]  # bit for bit (float lists compare exactly)
 
 
 def consolidated(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -142,17 +155,6 @@ def rollback_story(rank: int, world: int, run: str, faults: list[str]) -> dict:
     return {"incidents": incidents, "rollbacks": rollbacks, "ledger": ledger,
             "statuses": [i.status.value for i in mgr.list()] if rank == 0 else None,
             "full": [t.tolist() for t in full] if rank == 0 else None}
-
-
-def test_hsdp_rollback_story_fault_incident_rollback_and_a_bit_identical_finish(tmp_path):
-    clean = run_ranks(rollback_story, 6, str(tmp_path / "clean"), [])
-    faulty = run_ranks(rollback_story, 6, str(tmp_path / "faulty"), ["weights:4:5:bitflip=22"])
-    assert clean[0]["incidents"] == [] and clean[0]["statuses"] == ["restorable"] * 3
-    # Rows reach the ledger with each save: steps 0-8 by the last save (step 8), audits every 2 steps.
-    assert clean[0]["ledger"] == {"step": 9, "audit": 5, "losses": 9}, clean[0]["ledger"]
-    assert faulty[0]["incidents"] == [["consensus", [4], 6]]
-    assert faulty[0]["rollbacks"] == [4]  # step 4 predates the suspect interval (5, 6]
-    assert faulty[0]["full"] == clean[0]["full"]  # bit for bit (float lists compare exactly)
 
 
 def test_the_fsdp_example_trains_on_a_mesh_and_reports_a_json_line():
@@ -359,7 +361,8 @@ def tp_story(rank: int, world: int, run: str) -> dict:
     warnings_off()
     return {"reshard": tp_reshard(rank, run), "recovery": tp_recovery(rank, world, run),
             "clean": tp_run(rank, (2, 2), [], {}, dropout=0.1),
-            "two copies": tp_run(rank, (2, 2), [], {1: 22}), "one of four": tp_run(rank, (1, 4), [], {2: 22}),
+            "two copies": tp_run(rank, (2, 2), [], {1: 22}), "both copies": tp_run(rank, (2, 2), [], {0: 20, 1: 21}),
+            "one of four": tp_run(rank, (1, 4), [], {2: 22}),
             "every copy": tp_run(rank, (1, 4), [], {0: 20, 1: 21, 2: 22, 3: 23})}
 
 
@@ -374,8 +377,11 @@ def test_fsdp2_with_tensor_parallel_on_2x2_and_1x4_meshes_compares_only_what_is_
     # Tensor-parallel shards are never compared as replicas (the old mesh reading took (dp, tp) for HSDP).
     assert s["clean"]["checks"]["checksum"] == 6 and s["clean"]["checks"]["consensus"] == 3, s["clean"]
     # The LayerNorm weight is replicated across the TP ranks: its drift is caught at the next consensus (step 2).
-    # Two holders cannot say which is wrong; four name the odd one; four different copies are software divergence.
-    assert s["two copies"]["caught"] == ["consensus", [], 2] and "no host is named" in s["two copies"]["detail"]
+    # Of two holders the one whose copy changed at rest is named (its own witness: its bytes no longer match what
+    # its optimizer wrote); both copies changed, or four different ones, are software divergence; of four holders
+    # the majority names the odd one.
+    assert s["two copies"]["caught"] == ["consensus", [1], 2] and "changed at rest" in s["two copies"]["detail"]
+    assert s["both copies"]["caught"] == ["consensus", [], 2] and "software divergence" in s["both copies"]["detail"]
     assert s["one of four"]["caught"] == ["consensus", [2], 2]
     assert s["every copy"]["caught"] == ["consensus", [], 2] and "software divergence" in s["every copy"]["detail"]
     # With two replicas of every piece (replicate 2 x tp 2) saves are restorable: a fault is named at its step, and
@@ -403,3 +409,54 @@ def test_fsdp2_with_tensor_parallel_on_2x2_and_1x4_meshes_compares_only_what_is_
     got = [p.reshape(-1).tolist() for p in plain.parameters()]
     got += [v.reshape(-1).tolist() for p in plain.parameters() for _, v in sorted(opt.state[p].items()) if v.dim()]
     assert got == saved
+
+
+def hsdp_tp_run(mesh: object, faults: list[str], steps: int) -> object:
+    """``tp_model``'s MLP with dropout, FSDP over the (replicate, shard) part of a 3-D mesh: what the guard counted
+    in ``steps`` steps, or what it caught."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8), torch.nn.Dropout(0.1),
+                            torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+    parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})  # type: ignore[index]
+    for i in (0, 2, 4, 5):
+        fully_shard(m[i], mesh=mesh["rep", "shard"])  # type: ignore[index]
+    fully_shard(m, mesh=mesh["rep", "shard"])  # type: ignore[index]
+    rep, shard, _ = mesh.get_coordinate()  # type: ignore[attr-defined]
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    guard = SDCGuard(m, opt, loss_fn, GuardConfig(faults=faults, consensus_every=2))
+    try:
+        for s in range(steps):
+            guard.backward(torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * s + 2 * rep + shard)), step=s)
+            guard.step()
+            opt.zero_grad()
+    except SilentCorruptionDetected as e:
+        return [e.incident.kind, e.incident.ranks, e.incident.detected_step]
+    return {k: c.passed for k, c in guard.counters().items()}
+
+
+def hsdp_tp(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings_off()
+    torch.manual_seed(100 + rank)  # each rank its own dropout stream
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "shard", "tp"))
+    return {"clean": hsdp_tp_run(mesh, [], 4), "reduced": hsdp_tp_run(mesh, ["allreduce:5:2:elem=10"], 3),
+            "weight": hsdp_tp_run(mesh, ["weights:5:1:bitflip=22"], 3)}
+
+
+@pytest.mark.timeout(200)
+def test_hsdp_with_tensor_parallel_on_2x2x2_is_quiet_and_names_a_faulty_rank():
+    """8 processes, the suite's one: replicate 2 x shard 2 x tp 2. A wrong reduced shard on rank 5 is named at its
+    step; a weight bit flipped on rank 5 (its piece has two holders, one per replica group) is named at the next
+    consensus by its own witness: the copy changed at rest."""
+    got = run_ranks(hsdp_tp, 8, timeout=180, retire=True)
+    assert all(r == got[0] for r in got), "every rank reaches the same verdict"
+    s = got[0]
+    assert s["clean"]["checksum"] == 4 and s["clean"]["consensus"] == 2, s["clean"]
+    assert s["reduced"] == ["checksum", [5], 2]
+    assert s["weight"] == ["consensus", [5], 2]

@@ -15,7 +15,7 @@ collective in the caller.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import blake3
 import torch
@@ -23,47 +23,58 @@ from torch.distributed.tensor import DTensor
 
 from .. import decisions
 from ..lanes import lanes_on
+from .rest import tiebreak
 
-__all__ = ["BoxVotes", "box_rows", "boxes_of", "judge"]
+__all__ = ["BoxVotes", "box_rows", "boxes_of", "judge", "local_state"]
 
 
-def boxes_of(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer
+def boxes_of(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer, scope: str = ""
              ) -> tuple[list[torch.Tensor], list[int]]:
-    """This rank's local tensors of the parameters and their optimizer state, and each one's box key."""
-    tensors, keys = [], []
+    """This rank's local tensors of the parameters and their optimizer state, and each one's box key (``scope``
+    tells apart modules that reuse names: a pipeline's stages)."""
+    entries = list(_entries(named, optimizer))
+    return [_local(t) for _, t in entries], [_key(scope, name, t) for name, t in entries]
+
+
+def local_state(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors of :func:`boxes_of`, in its order, without their keys (cheap enough for every step)."""
+    return [_local(t) for _, t in _entries(named, optimizer)]
+
+
+def _entries(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer
+             ) -> Iterator[tuple[str, torch.Tensor]]:
     for name, p in named:
-        tensors.append(_local(p))
-        keys.append(_key(name, p))
+        yield name, p
         for k, v in sorted(optimizer.state.get(p, {}).items()):
             if isinstance(v, torch.Tensor):
-                tensors.append(_local(v))
-                keys.append(_key(f"{name}/{k}", v if isinstance(v, DTensor) else None))
-    return tensors, keys
+                yield f"{name}/{k}", v
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
-def _key(name: str, t: torch.Tensor | None) -> int:
-    """The box's hash: the name and, per mesh dimension the tensor is not replicated over, this rank's coordinate
-    (``_StridedShard``, FSDP's placement over tensor parallel, is no ``Shard`` to ``is_shard()``, so every
+def _key(scope: str, name: str, t: torch.Tensor) -> int:
+    """The box's hash: the scope, the name and, per mesh dimension the tensor is not replicated over, this rank's
+    coordinate (``_StridedShard``, FSDP's placement over tensor parallel, is no ``Shard`` to ``is_shard()``, so every
     placement but ``Replicate`` counts). A plain tensor, such as a step count, is one box held by every rank that
-    holds the name."""
-    parts: list[object] = [name]
+    holds the name. The mesh's ranks are not part of it: a norm weight sharded by FSDP over each TP rank's own
+    ``dp`` sub-mesh is one piece per ``dp`` coordinate, held alike by every TP rank."""
+    parts: list[object] = [scope, name]
     if isinstance(t, DTensor):
         coord: Sequence[int] = t.device_mesh.get_coordinate() or []
-        # The mesh's ranks too: pipeline stages shard over meshes of their own and may reuse a name.
-        parts += [tuple(t.device_mesh.mesh.reshape(-1).tolist())]
         parts += [(i, coord[i], repr(pl)) for i, pl in enumerate(t.placements) if not pl.is_replicate()]
     digest = blake3.blake3(repr(parts).encode()).digest(8)
     return int.from_bytes(digest, "little", signed=True) >> 1  # 63 bits: never the padding value below
 
 
-def box_rows(tensors: Sequence[torch.Tensor], keys: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``int64[n, 3]``: each tensor's box key and lanes (a few kernels for the lot, no host sync)."""
+def box_rows(tensors: Sequence[torch.Tensor], keys: Sequence[int], moved: Callable[[torch.Tensor], torch.Tensor],
+             device: torch.device) -> torch.Tensor:
+    """``int64[n, 4]``: each tensor's box key, lanes and whether it changed at rest (``moved(lanes)``, the rank's
+    witness), in a few kernels for the lot and with no host sync."""
     lanes = lanes_on(list(tensors), device) if tensors else torch.zeros(0, 2, dtype=torch.int64, device=device)
-    return torch.cat([torch.tensor(list(keys), dtype=torch.int64, device=device).view(-1, 1), lanes.view(-1, 2)], 1)
+    key = torch.tensor(list(keys), dtype=torch.int64, device=device).view(-1, 1)
+    return torch.cat([key, lanes.view(-1, 2), moved(lanes.view(-1, 2)).view(-1, 1)], 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +85,8 @@ class BoxVotes:
     split: int  # boxes whose holders disagree
     suspects: list[int]  # ranks a strict majority of some box's holders outvoted
     undecided: int  # disagreeing boxes with no strict majority of three or more: no host can be named
-    every_copy_differs: int  # disagreeing boxes whose three or more holders all differ: software, not a host
+    every_copy_differs: int  # disagreeing boxes whose 3+ holders all differ, or all changed at rest: software
+    at_rest: list[int] = dataclasses.field(default_factory=list)  # ranks named by their own witness (rest.py)
 
     @property
     def agree(self) -> bool:
@@ -83,11 +95,17 @@ class BoxVotes:
     def detail(self) -> str:
         """What the disagreement says, for the incident."""
         parts = [f"{self.split} of {self.compared} replicated pieces of the state disagree"]
-        if self.suspects:
-            parts.append(f"a strict majority of each piece's holders outvotes rank(s) {self.suspects}")
+        outvoted = [r for r in self.suspects if r not in self.at_rest]
+        if outvoted:
+            parts.append(f"a strict majority of each piece's holders outvotes rank(s) {outvoted}")
+        if self.at_rest:
+            parts.append(f"rank(s) {self.at_rest} hold a copy that changed at rest, after their own optimizer update "
+                         "wrote it, while the other holders' copies still match what their updates wrote (a memory "
+                         "fault, or code that writes into the state on those ranks only)")
         if self.every_copy_differs:
-            parts.append(f"on {self.every_copy_differs} piece(s) every copy differs: software divergence (replicas "
-                         "that never started alike, or code that differs between them), so no host is named")
+            parts.append(f"on {self.every_copy_differs} piece(s) every copy differs, or every holder's copy changed "
+                         "at rest: software divergence (replicas that never started alike, or code that writes into "
+                         "them differently), so no host is named")
         elif self.undecided:
             parts.append(f"{self.undecided} piece(s) have no strict majority of three or more holders, so no host "
                          "is named for them")
@@ -95,26 +113,31 @@ class BoxVotes:
 
 
 def judge(rows: Sequence[Sequence[Sequence[int]]]) -> BoxVotes:
-    """Vote per box over every rank's ``(key, lane_a, lane_b)`` rows (rows with key -1 are padding)."""
-    held: dict[int, list[tuple[int, tuple[int, int]]]] = {}
+    """Vote per box over every rank's ``(key, lane_a, lane_b, changed at rest)`` rows (key -1: padding). A box that
+    no strict majority decides is broken by ``rest.tiebreak`` where its holders' own witnesses can."""
+    held: dict[int, list[tuple[int, tuple[int, int], bool]]] = {}
     for rank, mine in enumerate(rows):
-        for key, a, b in mine:
+        for key, a, b, moved in mine:
             if key != -1:
-                held.setdefault(int(key), []).append((rank, (int(a), int(b))))
+                held.setdefault(int(key), []).append((rank, (int(a), int(b)), bool(moved)))
     compared = split = undecided = every = 0
     suspects: set[int] = set()
+    rested: set[int] = set()
     for holders in held.values():
         if len(holders) < 2:
             continue
         compared += 1
-        unanimous, _, named = decisions.vote([lanes for _, lanes in holders])
+        unanimous, _, named = decisions.vote([lanes for _, lanes, _ in holders])
         if unanimous:
             continue
         split += 1
         if named:
             suspects |= {holders[i][0] for i in named}
-        elif len(holders) >= 3 and len({lanes for _, lanes in holders}) == len(holders):
+        elif witnessed := tiebreak(holders):
+            rested |= set(witnessed)
+        elif all(moved for *_, moved in holders) or (
+                len(holders) >= 3 and len({lanes for _, lanes, _ in holders}) == len(holders)):
             every += 1
         else:
             undecided += 1
-    return BoxVotes(compared, split, sorted(suspects), undecided, every)
+    return BoxVotes(compared, split, sorted(suspects | rested), undecided, every, sorted(rested))

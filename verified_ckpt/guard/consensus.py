@@ -24,6 +24,7 @@ from .. import decisions
 from ..fingerprint import lanes_hex
 from ..history import Event
 from ..lanes import lanes_on
+from .rest import tiebreak
 from .stats import Verdict
 
 __all__ = ["StateProbe", "judge", "state_lanes", "state_tensors"]
@@ -42,8 +43,12 @@ def state_lanes(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.
     """Exact fingerprint lanes of a replica's state as one ``int64[2]`` on ``device`` (no host sync)."""
     if not tensors:
         return torch.zeros(2, dtype=torch.int64, device=device)
-    lanes = lanes_on(tensors, device)  # a few kernels for the whole state, not a chain per tensor
-    w = torch.arange(len(tensors), device=device, dtype=torch.int64) * 2 + 1
+    return combined(lanes_on(tensors, device))  # a few kernels for the whole state, not a chain per tensor
+
+
+def combined(lanes: torch.Tensor) -> torch.Tensor:
+    """Per-tensor lanes (``int64[n, 2]``) folded, in order, into the state's ``int64[2]``."""
+    w = torch.arange(lanes.shape[0], device=lanes.device, dtype=torch.int64) * 2 + 1
     return (lanes * w[:, None]).sum(0)
 
 
@@ -68,23 +73,28 @@ _FOREACH_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
 
 
 class StateProbe:
-    """What one replica contributes to a consensus, as one int64 row: state lanes, buffer lanes, non-finite count."""
+    """What one replica contributes to a consensus, as one int64 row: state lanes, buffer lanes, whether its state
+    changed at rest (``moved``: the guard's witness, ``rest.py``), non-finite count."""
 
     def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
-                 buffers: Sequence[torch.Tensor], device: torch.device) -> None:
+                 buffers: Sequence[torch.Tensor], device: torch.device,
+                 moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.params, self.optimizer, self.buffers, self.device = list(params), optimizer, list(buffers), device
+        self.moved = moved
 
     def row(self) -> torch.Tensor:
         tensors = state_tensors(self.params, self.optimizer)
         floats = [t for t in tensors + [b.detach() for b in self.buffers] if t.is_floating_point() and t.numel()]
         bad = nonfinite_count(floats, self.device)
         buffers = lanes_on([b.detach() for b in self.buffers], self.device).reshape(-1)
-        return torch.cat([state_lanes(tensors, self.device), buffers, bad.view(1)])
+        lanes = lanes_on(tensors, self.device) if tensors else torch.zeros(0, 2, dtype=torch.int64, device=self.device)
+        moved = self.moved(lanes).amax().view(1) if tensors else torch.zeros(1, dtype=torch.int64, device=self.device)
+        return torch.cat([combined(lanes), buffers, moved, bad.view(1)])
 
-    def split(self, row: Sequence[int]) -> tuple[tuple[int, int], list[tuple[int, int]], int]:
-        """(state lanes, lanes per buffer, non-finite tensors) of one gathered row."""
+    def split(self, row: Sequence[int]) -> tuple[tuple[int, int], list[tuple[int, int]], bool, int]:
+        """(state lanes, lanes per buffer, changed at rest, non-finite tensors) of one gathered row."""
         buffers = [(row[2 + 2 * i], row[3 + 2 * i]) for i in range(len(self.buffers))]
-        return (row[0], row[1]), buffers, row[-1]
+        return (row[0], row[1]), buffers, bool(row[-2]), row[-1]
 
 
 def judge(step: int, rows: Sequence[Sequence[int]], probe: StateProbe, replicated: list[bool], names: Sequence[str],
@@ -93,7 +103,7 @@ def judge(step: int, rows: Sequence[Sequence[int]], probe: StateProbe, replicate
     still judged from now on."""
     parts = [probe.split(r) for r in rows]
     world = len(rows)
-    bad = [r for r, p in enumerate(parts) if p[2]]
+    bad = [r for r, p in enumerate(parts) if p[3]]
     nonfinite = Verdict("nonfinite_state", True) if not bad else Verdict(
         "nonfinite_state", False, bad if len(bad) < world else [],
         f"NaN/Inf in the parameters, optimizer state or buffers of rank(s) {bad}"
@@ -101,11 +111,17 @@ def judge(step: int, rows: Sequence[Sequence[int]], probe: StateProbe, replicate
         first_suspect)
     fps = [lanes_hex(p[0]) for p in parts]
     unanimous, _, suspects = decisions.vote(fps)
+    rested = [] if unanimous or suspects else tiebreak([(r, p[0], p[2]) for r, p in enumerate(parts)])
+    suspects = suspects or rested
     rows_of: Callable[[], list[Event]] = _ledger_rows(step, [p[0] for p in parts], suspects, unanimous)
     if unanimous:
         state = Verdict("consensus", True, rows=rows_of)
     else:
         detail = "replica fingerprints disagree: " + ", ".join(f"rank {r} {fp[:12]}" for r, fp in enumerate(fps))
+        if rested:
+            detail += (f"; rank(s) {rested} hold state that changed at rest, after their own optimizer update wrote it, "
+                       "while the other replica's still matches what its update wrote (a memory fault, or code that "
+                       "writes into the state on that rank only)")
         state = Verdict("consensus", False, suspects, detail, first_suspect, rows_of)
     still, disputed = decisions.buffer_votes([p[1] for p in parts], replicated)
     if disputed:

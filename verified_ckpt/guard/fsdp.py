@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..errors import GuardUsageError
 from ..history import NO_RANK, Event
 from .audit import exchange_batches
-from .boxes import box_rows, boxes_of
+from .boxes import box_rows, boxes_of, local_state
 from .budget import Costs
 from .sharded import (
     MeshView,
@@ -46,8 +47,10 @@ ONE_REPLICA = ("SDCGuard on a 1-D (pure FSDP) data-parallel mesh: every rank hol
                "FSDP shards has no replica to compare with; the per-step checks and audits (each rank recomputes "
                "another's microbatches) run, consensus compares only what tensor-parallel ranks replicate and checks "
                "that the state is finite, and saves stay unverified (docs/GUARD.md).")
-TWO_GROUPS = ("SDCGuard on HSDP with two replica groups: a disagreement between them shows that one is wrong but "
-              "cannot tell which, so such incidents name no host. Use 3 or more replica groups to have suspects named.")
+TWO_GROUPS = ("SDCGuard on HSDP with two replica groups: a disagreement between them that no change at rest explains "
+              "shows that one is wrong but cannot tell which, so such incidents name no host; a rank whose shard changed "
+              "at rest, after its own update wrote it, is named. Use 3 or more replica groups to have every suspect "
+              "named.")
 
 
 def is_fsdp(model: Any) -> bool:
@@ -218,21 +221,32 @@ class ShardedLayout:
         Returns every rank's fingerprint as hex when the replicas of every shard agree (empty on a 1-D mesh).
         """
         g = self.g
-        tensors, keys = boxes_of(g.module.named_parameters(), g.optimizer)
-        mine = box_rows(tensors, keys, g.device)
+        tensors, keys = boxes_of(g.module.named_parameters(), g.optimizer, self.scope)
+        mine = box_rows(tensors, keys, g.rest.moved, g.device)
         # Ranks may hold different numbers of pieces (optimizer state not yet made everywhere): padded rows.
         n = int(g.comm.all_gather_rows(torch.tensor([mine.shape[0]], device=g.device)).max())
-        padded = torch.cat([mine, torch.full((n - mine.shape[0], 3), -1, dtype=torch.int64, device=g.device)])
+        padded = torch.cat([mine, torch.full((n - mine.shape[0], 4), -1, dtype=torch.int64, device=g.device)])
         gathered = g.comm.all_gather_rows(torch.cat([state_row(g.params, g.optimizer, g.device), padded.view(-1)]))
         rows = [r[:3] for r in gathered.tolist()]
-        boxes = [gathered[r, 3:].view(-1, 3).tolist() for r in range(g.world)]
+        boxes = [gathered[r, 3:].view(-1, 4).tolist() for r in range(g.world)]
         verdicts, fps = judge_state(step, rows, boxes, g._last_pass("consensus") + 1)
+        # From now on the witness fingerprints only the pieces that have exactly two holders: with one there is
+        # nothing to compare, with three or more a majority decides.
+        holders = Counter(int(k) for mine_ in boxes for k, *_ in mine_ if k != -1)
+        g.rest.judged([i for i, k in enumerate(keys) if holders[k] == 2])
         for v in verdicts:
             g.judge.judge(step, v)
         return fps if self.view.replicas > 1 else []
 
     def state_lanes(self) -> torch.Tensor:
         return state_row(self.g.params, self.g.optimizer, self.g.device)[:2]
+
+    def local_state(self) -> list[torch.Tensor]:
+        """The consensus's pieces, in its order, for the at-rest witness (``rest.py``)."""
+        return local_state(self.g.module.named_parameters(), self.g.optimizer)
+
+    witnessed = True  # until the first consensus has counted each piece's holders
+    scope = ""  # what tells this module's names apart from another's (a pipeline's stage)
 
     # ------------------------------------------------------------ audits
     def audit_fresh(self, s: int, mine: list[tuple[Any, Any]], arrive: bool = False) -> None:

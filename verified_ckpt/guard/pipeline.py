@@ -12,8 +12,8 @@ What differs from one sharded model is about the job as a whole:
   step, including the stages that hold no loss: a stage that stopped alone would leave its neighbours blocked
   in the schedule's sends and receives. Stages reduce different numbers of buffers, so each rank's row says
   its own length and the rows are padded to the longest (measured at the first step, one more gather).
-- Consensus is per piece of state (``boxes``), whose key holds the ranks of the tensor's mesh, so that modules
-  split by hand, whose stages may reuse names, are never compared across stages.
+- Consensus is per piece of state (``boxes``), whose key holds the stage's index, so that modules split by
+  hand, whose stages may reuse names, are never compared across stages.
 - The stages' own shape inference, a forward and an input gradient on empty tensors at the first step, is not
   training computation: the checks and the faults skip it.
 
@@ -105,6 +105,7 @@ class PipelineLayout(ShardedLayout):
 
     def __init__(self, g: SDCGuard, schedule: Any) -> None:
         self.schedule, self.stage = schedule, stage_of(schedule)
+        self.scope = f"stage {self.stage.stage_index}"  # stages reuse parameter names: their pieces are apart
         submod: Any = self.stage.submod
         if not isinstance(submod, FSDPModule) or id(submod) != id(g.model):
             raise GuardUsageError(f"give SDCGuard the stage's module, fully_shard-ed over the stage's data-parallel "

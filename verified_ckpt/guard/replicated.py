@@ -33,9 +33,11 @@ if TYPE_CHECKING:
 
 __all__ = ["TWO_REPLICAS", "ReplicatedLayout"]
 
-TWO_REPLICAS = ("SDCGuard with two replicas: a failed consensus, checksum or audit shows that one of them is wrong but "
-                "cannot tell which (no majority, no third rank to break a tie), so such incidents name no host. "
-                "Use 3 or more data-parallel replicas to have suspects named (docs/GUARD.md).")
+TWO_REPLICAS = ("SDCGuard with two replicas: a failed audit, or a disagreement of the replicas' state that no change at "
+                "rest explains, shows that one of them is wrong but cannot tell which (no majority, no third rank to "
+                "break a tie), so such incidents name no host; a replica whose state changed at rest, after its own "
+                "update wrote it, is named. Use 3 or more data-parallel replicas to have every suspect named "
+                "(docs/GUARD.md).")
 
 
 def module_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -60,7 +62,8 @@ class ReplicatedLayout:
                                   f"{type(inner).__name__}")
         cfg = g.cfg
         named_buffers = list(g.module.named_buffers())
-        self.probe = StateProbe(g.params, g.optimizer, g.buffers, g.device)
+        # Looked up at each consensus: the guard builds its witness after its layout (from the layout's state).
+        self.probe = StateProbe(g.params, g.optimizer, g.buffers, g.device, lambda lanes: g.rest.moved(lanes))  # noqa: PLW0108
         self._buffer_names = [n for n, _ in named_buffers]
         self._replicated = [True] * len(g.buffers)  # DDP starts every replica from rank 0's buffers
         self.auditor = Auditor(g.module, g.params, loss_fn=g.loss_fn, comm=g.comm, project=g.project, cfg=cfg,
@@ -228,9 +231,19 @@ class ReplicatedLayout:
         rows = g.comm.all_gather_rows(self.probe.row()).tolist()
         verdicts, fps, self._replicated = consensus.judge(step, rows, self.probe, self._replicated, self._buffer_names,
                                                           g._last_pass("consensus") + 1)
+        g.rest.judged(None)
         for v in verdicts:
             g.judge.judge(step, v)
         return fps
 
     def state_lanes(self) -> torch.Tensor:
-        return consensus.state_lanes(consensus.state_tensors(self.g.params, self.g.optimizer), self.g.device)
+        return consensus.state_lanes(self.local_state(), self.g.device)
+
+    def local_state(self) -> list[torch.Tensor]:
+        """What the consensus compares, in its order (the at-rest witness fingerprints the same)."""
+        return consensus.state_tensors(self.g.params, self.g.optimizer)
+
+    @property
+    def witnessed(self) -> bool:
+        """Whether a disagreement may need the at-rest witness (``rest.py``): two replicas, where no majority decides."""
+        return self.g.world == 2

@@ -30,6 +30,7 @@ from .fsdp import ShardedLayout, is_fsdp
 from .judge import Bookkeeping, Judge
 from .pipeline import PipelineLayout
 from .replicated import TWO_REPLICAS, ReplicatedLayout
+from .rest import RestWitness
 from .schedule import Schedule
 from .stats import Projector
 
@@ -105,6 +106,7 @@ class SDCGuard(Bookkeeping):
         self._kept: tuple[int | None, list[Any]] = (None, [])  # the last step and its first microbatch (save audits)
         self.layout: Layout = PipelineLayout(self, pipeline) if pipeline is not None else kind(self)
         self.abft = self.layout.abft
+        self.rest = RestWitness(self.layout.local_state, self.device, on=self.world >= 2 and self.layout.witnessed)
         self.sched = Schedule(self.cfg, audits=self.audits_enabled, abft=self.abft is not None, replicas=self.world,
                               watch=self.watch)
 
@@ -211,9 +213,11 @@ class SDCGuard(Bookkeeping):
         s = self._step
         try:
             self.layout.check_before_update(s)
+            self.rest.before_update()
             t0 = time.perf_counter()
             self.optimizer.step()
             self.sched.watch.update = time.perf_counter() - t0
+            self.rest.after_update()
             self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
             if self.sched.plan.consensus and self.world >= 2:
                 t0 = time.perf_counter()
@@ -272,6 +276,7 @@ class SDCGuard(Bookkeeping):
     def prepare_resume(self) -> None:
         """State was just restored into this process: whatever the layout must rebuild before the next step (DDP's
         bucket layout, see ``ReplicatedLayout.prepare_resume``)."""
+        self.rest.reset()
         self.layout.prepare_resume()
 
     def schedule(self) -> Rates | None:

@@ -109,7 +109,7 @@ def _consensus_times(model: torch.nn.Module, opt: torch.optim.Optimizer, width: 
     ropt = torch.optim.AdamW(replica.parameters(), lr=1e-3)
     replica(torch.randn(4, width)).square().mean().backward()
     ropt.step()
-    rest = RestWitness(lambda: [], torch.device("cpu"), on=False)  # a DDP consensus of more than two replicas
+    rest = RestWitness(list, torch.device("cpu"), on=False)  # a DDP consensus of more than two replicas
     probe, comm = StateProbe(list(replica.parameters()), ropt, [], torch.device("cpu"), rest.moved), Communicator()
     out: dict[str, list[float]] = {"consensus hsdp": [], "consensus ddp": []}
     for _ in range(repeats):

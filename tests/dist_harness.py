@@ -15,6 +15,8 @@ leave global patches behind (restore them in ``finally``).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import multiprocessing as mp
 import multiprocessing.connection
@@ -22,7 +24,7 @@ import os
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -113,6 +115,35 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
     by mesh, and an equal mesh in the next call's process group would reuse plans naming the process groups
     destroyed after this one ("Could not resolve the process group"). A job inits once, so only warm pools meet it.
     """
+    with cores(world):
+        return _run_ranks(fn, world, args, timeout, killed, retire)
+
+
+@contextlib.contextmanager
+def cores(world: int) -> Iterator[None]:
+    """Share the host's cores between the suite's workers (``make test`` runs two): a job of six or more ranks runs
+    while no other multi-rank job does, smaller ones run side by side. Gloo ranks that wait for cores held by the
+    other worker's ranks make every collective crawl: a 6- or 8-rank job beside another ran 2-3x slower and slowed
+    its neighbour as much. A turnstile lets a waiting large job in before new small ones (the suite's timeouts
+    bound every wait). Outside xdist there is no other worker: nothing to share."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        yield
+        return
+    folder = os.path.join(tempfile.gettempdir(), f"vckpt-cores-{run}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "turnstile"), "a+") as turnstile, open(os.path.join(folder, "ranks"), "a+") as held:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if world >= 6:
+            fcntl.flock(held, fcntl.LOCK_EX)  # the turnstile stays closed until this job is done
+        else:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+            fcntl.flock(held, fcntl.LOCK_SH)
+        yield
+
+
+def _run_ranks(fn: Callable[..., Any], world: int, args: tuple, timeout: float, killed: frozenset[int],
+               retire: bool) -> list[Any]:
     if killed:
         return _run_fresh(fn, world, args, timeout, killed)
     pool = _POOLS.pop(world, None) or _Pool(world)

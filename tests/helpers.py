@@ -68,10 +68,13 @@ def free_port() -> int:
 
 def torchrun(script: str, nproc: int, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """``script`` under ``torchrun`` with ``nproc`` ranks on loopback, one thread each; output captured."""
+    from dist_harness import cores
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), script, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with cores(nproc):
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 class Kernels(TorchDispatchMode):

@@ -445,18 +445,16 @@ def hsdp_tp(rank: int, world: int) -> dict:
     warnings_off()
     torch.manual_seed(100 + rank)  # each rank its own dropout stream
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "shard", "tp"))
-    return {"clean": hsdp_tp_run(mesh, [], 4), "reduced": hsdp_tp_run(mesh, ["allreduce:5:2:elem=10"], 3),
-            "weight": hsdp_tp_run(mesh, ["weights:5:1:bitflip=22"], 3)}
+    return {"clean": hsdp_tp_run(mesh, [], 4), "weight": hsdp_tp_run(mesh, ["weights:5:1:bitflip=22"], 3)}
 
 
 @pytest.mark.timeout(200)
 def test_hsdp_with_tensor_parallel_on_2x2x2_is_quiet_and_names_a_faulty_rank():
-    """8 processes, the suite's one: replicate 2 x shard 2 x tp 2. A wrong reduced shard on rank 5 is named at its
-    step; a weight bit flipped on rank 5 (its piece has two holders, one per replica group) is named at the next
-    consensus by its own witness: the copy changed at rest."""
+    """8 processes, the suite's one: replicate 2 x shard 2 x tp 2. A weight bit flipped on rank 5 (its piece has two
+    holders, one per replica group) is named at the next consensus by its own witness: the copy changed at rest.
+    (A wrong reduced shard on this layout's axes is the contract suite's, on 4 ranks.)"""
     got = run_ranks(hsdp_tp, 8, timeout=180, retire=True)
     assert all(r == got[0] for r in got), "every rank reaches the same verdict"
     s = got[0]
     assert s["clean"]["checksum"] == 4 and s["clean"]["consensus"] == 2, s["clean"]
-    assert s["reduced"] == ["checksum", [5], 2]
     assert s["weight"] == ["consensus", [5], 2]

@@ -25,29 +25,31 @@ from .. import decisions
 from ..lanes import lanes_on
 from .rest import tiebreak
 
-__all__ = ["BoxVotes", "box_rows", "boxes_of", "judge", "local_state"]
+__all__ = ["BoxVotes", "box_rows", "boxes_of", "judge", "local_params"]
 
 
 def boxes_of(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer, scope: str = ""
-             ) -> tuple[list[torch.Tensor], list[int]]:
-    """This rank's local tensors of the parameters and their optimizer state, and each one's box key (``scope``
-    tells apart modules that reuse names: a pipeline's stages)."""
+             ) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """This rank's local tensors of the parameters and their optimizer state, each one's box key (``scope`` tells
+    apart modules that reuse names: a pipeline's stages), and where the parameters themselves are among them."""
     entries = list(_entries(named, optimizer))
-    return [_local(t) for _, t in entries], [_key(scope, name, t) for name, t in entries]
+    params = [i for i, (_, _, is_param) in enumerate(entries) if is_param]
+    return [_local(t) for _, t, _ in entries], [_key(scope, name, t) for name, t, _ in entries], params
 
 
-def local_state(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors of :func:`boxes_of`, in its order, without their keys (cheap enough for every step)."""
-    return [_local(t) for _, t in _entries(named, optimizer)]
+def local_params(named: Iterable[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """This rank's local tensors of the parameters, in :func:`boxes_of`'s order (cheap enough for every step)."""
+    return [_local(p) for _, p in named]
 
 
 def _entries(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer
-             ) -> Iterator[tuple[str, torch.Tensor]]:
+             ) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, whether it is the parameter itself): each parameter, then its optimizer state."""
     for name, p in named:
-        yield name, p
+        yield name, p, True
         for k, v in sorted(optimizer.state.get(p, {}).items()):
             if isinstance(v, torch.Tensor):
-                yield f"{name}/{k}", v
+                yield f"{name}/{k}", v, False
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

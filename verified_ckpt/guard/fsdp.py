@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..errors import GuardUsageError
 from ..history import NO_RANK, Event
 from .audit import exchange_batches
-from .boxes import box_rows, boxes_of, local_state
+from .boxes import box_rows, boxes_of, local_params
 from .budget import Costs
 from .sharded import (
     MeshView,
@@ -221,8 +221,14 @@ class ShardedLayout:
         Returns every rank's fingerprint as hex when the replicas of every shard agree (empty on a 1-D mesh).
         """
         g = self.g
-        tensors, keys = boxes_of(g.module.named_parameters(), g.optimizer, self.scope)
-        mine = box_rows(tensors, keys, g.rest.moved, g.device)
+        tensors, keys, params = boxes_of(g.module.named_parameters(), g.optimizer, self.scope)
+
+        def moved(lanes: torch.Tensor) -> torch.Tensor:  # the witness watches the parameters, not their moments
+            flags = torch.zeros(lanes.shape[0], dtype=torch.int64, device=lanes.device)
+            flags[params] = g.rest.moved(lanes[params])
+            return flags
+
+        mine = box_rows(tensors, keys, moved, g.device)
         # Ranks may hold different numbers of pieces (optimizer state not yet made everywhere): padded rows.
         n = int(g.comm.all_gather_rows(torch.tensor([mine.shape[0]], device=g.device)).max())
         padded = torch.cat([mine, torch.full((n - mine.shape[0], 4), -1, dtype=torch.int64, device=g.device)])
@@ -233,7 +239,7 @@ class ShardedLayout:
         # From now on the witness fingerprints only the pieces that have exactly two holders: with one there is
         # nothing to compare, with three or more a majority decides.
         holders = Counter(int(k) for mine_ in boxes for k, *_ in mine_ if k != -1)
-        g.rest.judged([i for i, k in enumerate(keys) if holders[k] == 2])
+        g.rest.judged([n for n, i in enumerate(params) if holders[keys[i]] == 2])
         for v in verdicts:
             g.judge.judge(step, v)
         return fps if self.view.replicas > 1 else []
@@ -241,9 +247,9 @@ class ShardedLayout:
     def state_lanes(self) -> torch.Tensor:
         return state_row(self.g.params, self.g.optimizer, self.g.device)[:2]
 
-    def local_state(self) -> list[torch.Tensor]:
-        """The consensus's pieces, in its order, for the at-rest witness (``rest.py``)."""
-        return local_state(self.g.module.named_parameters(), self.g.optimizer)
+    def local_params(self) -> list[torch.Tensor]:
+        """This rank's pieces of the parameters, for the at-rest witness (``rest.py``)."""
+        return local_params(self.g.module.named_parameters())
 
     witnessed = True  # until the first consensus has counted each piece's holders
     scope = ""  # what tells this module's names apart from another's (a pipeline's stage)

@@ -62,8 +62,9 @@ class ReplicatedLayout:
                                   f"{type(inner).__name__}")
         cfg = g.cfg
         named_buffers = list(g.module.named_buffers())
-        # Looked up at each consensus: the guard builds its witness after its layout (from the layout's state).
-        self.probe = StateProbe(g.params, g.optimizer, g.buffers, g.device, lambda lanes: g.rest.moved(lanes))  # noqa: PLW0108
+        # Looked up at each consensus: the guard builds its witness after its layout (from the layout's parameters).
+        # The witness watches the parameters, which come first in the state's order.
+        self.probe = StateProbe(g.params, g.optimizer, g.buffers, g.device, lambda lanes: g.rest.moved(lanes[:len(g.params)]))
         self._buffer_names = [n for n, _ in named_buffers]
         self._replicated = [True] * len(g.buffers)  # DDP starts every replica from rank 0's buffers
         self.auditor = Auditor(g.module, g.params, loss_fn=g.loss_fn, comm=g.comm, project=g.project, cfg=cfg,
@@ -237,11 +238,11 @@ class ReplicatedLayout:
         return fps
 
     def state_lanes(self) -> torch.Tensor:
-        return consensus.state_lanes(self.local_state(), self.g.device)
+        return consensus.state_lanes(consensus.state_tensors(self.g.params, self.g.optimizer), self.g.device)
 
-    def local_state(self) -> list[torch.Tensor]:
-        """What the consensus compares, in its order (the at-rest witness fingerprints the same)."""
-        return consensus.state_tensors(self.g.params, self.g.optimizer)
+    def local_params(self) -> list[torch.Tensor]:
+        """The parameters, for the at-rest witness (``rest.py``)."""
+        return [p.detach() for p in self.g.params]
 
     @property
     def witnessed(self) -> bool:

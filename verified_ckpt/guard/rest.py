@@ -1,17 +1,19 @@
-"""Which of two disagreeing copies changed at rest: each rank's witness of its own state between optimizer updates.
+"""Which of two disagreeing copies changed at rest: each rank's witness of its own parameters between updates.
 
 Consensus names a rank when a strict majority of three or more holders outvotes it. With two holders (two DDP
 replicas, HSDP with two replica groups, a norm weight held alike by the two TP ranks of a ``dp x tp`` mesh) a
 disagreement shows that one copy is wrong, not which. The witness supplies the evidence. Each rank fingerprints
-the state its optimizer has just written, and again when the next update begins or a consensus looks. The
-optimizer is the only writer in between, so a change there happened at rest, on that rank: a memory fault, or
-code that writes into the state on that rank only. A disagreeing piece whose holders that did not change all
-agree names the holders that changed and differ from them (:func:`tiebreak`). When every holder changed (code that
-writes into every rank's weights, a restore) or none did (the fault came through a computation, which the
-per-step checks own), nobody is named, as before.
+its parameters as its optimizer has just written them, and again when the next update begins or a consensus
+looks. The optimizer is the only writer in between, so a change there happened at rest, on that rank: a memory
+fault, or code that writes into the weights on that rank only. A disagreeing piece whose holders that did not
+change all agree names the holders that changed and differ from them (:func:`tiebreak`). When every holder changed
+(code that writes into every rank's weights, a restore) or none did (the fault came through a computation, which
+the per-step checks own), nobody is named, as before.
 
-The cost is two fingerprint passes per step over the witnessed tensors, on their device, with no host sync. Only
-pieces with exactly two holders are witnessed once the first consensus has counted them; before it, everything.
+The cost is two fingerprint passes per step over the witnessed parameters, on their device, with no host sync.
+Only pieces with exactly two holders are witnessed once the first consensus has counted them; before it, every
+parameter. The optimizer's moments are not witnessed (they would triple the cost): a disagreement there is
+reported without a name, as before.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ __all__ = ["RestWitness", "tiebreak"]
 
 
 class RestWitness:
-    """One rank's record of its state between updates (the tensors in the order its layout's consensus uses)."""
+    """One rank's record of its parameters between updates (``tensors()``: its local pieces, in a fixed order)."""
 
     def __init__(self, tensors: Callable[[], list[torch.Tensor]], device: torch.device, *, on: bool = True) -> None:
         self._tensors, self.device, self.on = tensors, device, on
@@ -58,8 +60,8 @@ class RestWitness:
             self._post = self._lanes(self._tensors())
 
     def moved(self, lanes: torch.Tensor) -> torch.Tensor:
-        """``int64[n]``: 1 for each of the layout's ``n`` tensors that changed at rest since the last consensus, given
-        their lanes now (``int64[n, 2]``, which the consensus computes anyway)."""
+        """``int64[n]``: 1 for each of the ``n`` parameters that changed at rest since the last consensus, given their
+        lanes now (``int64[n, 2]``, which the consensus computes anyway)."""
         flags = torch.zeros(lanes.shape[0], dtype=torch.int64, device=lanes.device)
         if not self.on:
             return flags

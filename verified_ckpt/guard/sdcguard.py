@@ -106,7 +106,7 @@ class SDCGuard(Bookkeeping):
         self._kept: tuple[int | None, list[Any]] = (None, [])  # the last step and its first microbatch (save audits)
         self.layout: Layout = PipelineLayout(self, pipeline) if pipeline is not None else kind(self)
         self.abft = self.layout.abft
-        self.rest = RestWitness(self.layout.local_state, self.device, on=self.world >= 2 and self.layout.witnessed)
+        self.rest = RestWitness(self.layout.local_params, self.device, on=self.world >= 2 and self.layout.witnessed)
         self.sched = Schedule(self.cfg, audits=self.audits_enabled, abft=self.abft is not None, replicas=self.world,
                               watch=self.watch)
 

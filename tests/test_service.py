@@ -34,7 +34,8 @@ def service(*runs: str, env: dict | None = None, extra: tuple[str, ...] = (), sc
                             env={**os.environ, "VCKPT_SERVICE_TOKEN": TOKEN, **(env or {})})
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
     try:
-        until(lambda: _ready(client), what="the service to be ready", proc=proc)
+        # Ready after its first pass over the runs: under the suite's load that can take most of a minute.
+        until(lambda: _ready(client), what="the service to be ready", proc=proc, timeout=90.0)
         yield client, proc
     finally:
         client.close()

@@ -1,0 +1,111 @@
+"""Verdicts as exit codes: one table for training scripts, the examples, the integrations and the CLI.
+
+A scheduler acts on a process's exit code and on little else. ``torchrun`` exits 1 whenever a worker fails, so
+the verdict also travels in torchelastic's error file (:func:`record_verdict`), which ``torchrun``'s failure
+summary prints, and in the run itself, which ``vckpt status`` and ``vckpt supervise`` read.
+
+=====  =====================================================================================================
+code   meaning
+=====  =====================================================================================================
+0      success
+1      a check failed (``vckpt verify``: a checkpoint is corrupt or not restorable)
+2      usage or input error
+3      the store could not be reached or written
+4      silent data corruption, suspect hosts named: keep the job off them and resume from the rollback target
+5      silent data corruption, no host named (two replicas, or a fault inside the collective): resume, and if
+       it recurs rerun the interval with one host swapped out
+6      software divergence or a configuration the checks cannot explain: no host is to blame
+7      no rollback target: the checkpoint to resume from is corrupt or missing
+=====  =====================================================================================================
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from typing import NoReturn
+
+from ..errors import (
+    CheckpointNotFound,
+    CheckpointNotRestorable,
+    CorruptCheckpoint,
+    GuardConfigurationError,
+    SilentCorruptionDetected,
+    StorageError,
+    VerifiedCkptError,
+)
+from ..records import Incident
+
+__all__ = ["ExitCode", "exit_code_for", "exit_on", "incident_code", "record_verdict"]
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    CHECK_FAILED = 1
+    USAGE = 2
+    STORE_UNREACHABLE = 3
+    SDC_HOSTS_NAMED = 4
+    SDC_UNATTRIBUTED = 5
+    SOFTWARE = 6
+    NO_ROLLBACK_TARGET = 7
+
+    @property
+    def meaning(self) -> str:
+        return _MEANING[self]
+
+
+_MEANING = {
+    ExitCode.OK: "success",
+    ExitCode.CHECK_FAILED: "a check failed",
+    ExitCode.USAGE: "usage or input error",
+    ExitCode.STORE_UNREACHABLE: "the store could not be reached or written",
+    ExitCode.SDC_HOSTS_NAMED: "silent data corruption, suspect hosts named",
+    ExitCode.SDC_UNATTRIBUTED: "silent data corruption, no host named",
+    ExitCode.SOFTWARE: "software divergence or configuration, no host to blame",
+    ExitCode.NO_ROLLBACK_TARGET: "no rollback target (corrupt or missing)",
+}
+
+
+def incident_code(incident: Incident) -> ExitCode:
+    """The verdict an incident stands for: hosts named, software divergence, or no host named."""
+    if incident.exclude_hosts:
+        return ExitCode.SDC_HOSTS_NAMED
+    return ExitCode.SOFTWARE if incident.software else ExitCode.SDC_UNATTRIBUTED
+
+
+def exit_code_for(err: BaseException) -> ExitCode:
+    """The exit code a training job should end with after ``err`` (the table above)."""
+    if isinstance(err, SilentCorruptionDetected):
+        return incident_code(err.incident)  # type: ignore[arg-type]
+    if isinstance(err, GuardConfigurationError):
+        return ExitCode.SOFTWARE
+    if isinstance(err, (CorruptCheckpoint, CheckpointNotRestorable, CheckpointNotFound)):
+        return ExitCode.NO_ROLLBACK_TARGET
+    if isinstance(err, StorageError):
+        return ExitCode.STORE_UNREACHABLE
+    if isinstance(err, VerifiedCkptError):
+        return ExitCode.USAGE
+    return ExitCode.CHECK_FAILED
+
+
+def record_verdict(err: BaseException) -> ExitCode:
+    """Write torchelastic's error file (``TORCHELASTIC_ERROR_FILE``, which ``torchrun`` sets for each worker) with
+    the verdict and the suspects, so that ``torchrun``'s failure summary shows them whichever rank it reports as
+    the root cause; return the exit code. Without the variable nothing is written."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    code = exit_code_for(err)
+    ErrorHandler().record_exception(Verdict(f"exit {int(code)}, {code.meaning}: {err}"))
+    return code
+
+
+class Verdict(RuntimeError):
+    """What the error file reports (its type name heads ``torchrun``'s message)."""
+
+
+def exit_on(err: BaseException) -> NoReturn:
+    """End the process with ``err``'s verdict: the error file written, one line on stderr, the table's exit code.
+    Call it in a training script's ``except SilentCorruptionDetected`` (or any verified-ckpt error)."""
+    code = record_verdict(err)
+    print(f"verified-ckpt: exit {int(code)} ({code.meaning}): {err}", file=sys.stderr, flush=True)
+    sys.exit(int(code))

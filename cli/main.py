@@ -1,11 +1,7 @@
 """``vckpt``: inspect, verify and recover verified checkpoints from a shell.
 
-Exit codes (also in README and docs/CLI.md):
-    0  success
-    1  a check failed (verification found problems, a checkpoint is not restorable)
-    2  usage or input error (bad URL, missing run or step, malformed manifest, bad option)
-    3  the store could not be reached or written
-    4  `vckpt status` only: the run has an open silent-data-corruption incident
+Exit codes, the library's table (``verified_ckpt.recovery.exits``, docs/CLI.md): 0 ok, 1 a check failed, 2 usage,
+3 store unreachable, 4/5/6 an open SDC incident (hosts named / none named / software), 7 no rollback target.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ import click
 
 from verified_ckpt import (
     CheckpointNotRestorable,
-    CorruptCheckpoint,
     InvalidState,
     ManifestError,
     Status,
@@ -28,13 +23,16 @@ from verified_ckpt import (
     VerifiedCkptError,
     render_html,
 )
+from verified_ckpt.recovery import verdict_of
 
+from .options import exit_code_for, parse_storage_options
 from .output import Output, escape, human_size, status_text
+from .recovery import register
 
 if TYPE_CHECKING:  # imported by the command that runs: --help needs no run machinery (tests/test_cli_startup.py)
     from verified_ckpt import CheckpointManager, Incident
 
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_STORAGE, EXIT_OPEN_INCIDENT = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_STORAGE = 0, 1, 2, 3  # the first rows of recovery.exits.ExitCode
 SIGNATURE_TEXT = {
     "valid": "[green]valid[/] (HMAC-SHA256, key configured)",
     "unsigned": "[yellow]unsigned[/] (no signing key configured; see docs/SECURITY.md)",
@@ -42,37 +40,6 @@ SIGNATURE_TEXT = {
     "missing": "[bold red]MISSING[/] (a key is configured but the manifest is unsigned)",
     "invalid": "[bold red]INVALID[/] (edited after signing, or another key)",
 }
-
-
-def exit_code_for(err: BaseException) -> int:
-    if isinstance(err, ManifestError):
-        return EXIT_USAGE
-    if isinstance(err, (CorruptCheckpoint, CheckpointNotRestorable)):
-        return EXIT_CHECK_FAILED
-    if isinstance(err, StorageError):
-        return EXIT_STORAGE
-    return EXIT_USAGE
-
-
-def parse_storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs; dotted keys nest (``client_kwargs.region_name=x``); values parse as JSON when they can."""
-    opts: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--storage-option")
-        try:
-            value: Any = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        node = opts
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise click.BadParameter(f"{key!r} conflicts with an earlier option", param_hint="--storage-option")
-        node[leaf] = value
-    return opts
 
 
 def run_command(fn: Callable[..., int | None]) -> Callable[..., None]:
@@ -343,8 +310,9 @@ def rollback_cmd(mgr: CheckpointManager, out: Output, dry_run: bool) -> int:
 def status_cmd(mgr: CheckpointManager, out: Output) -> int:
     """One line of health for schedulers: open incidents, hosts to exclude, rollback target, newest restorable.
 
-    Exit 0 when no incident is open, 4 when one is (SDC: exclude the hosts, restart with resume()),
-    1 when checkpoints exist but none is restorable.
+    Exit 0 when no incident is open; with open incidents, 4 when they name hosts (exclude them, restart with
+    resume()), 5 when they name none, 6 for software divergence (no host to blame); 1 when checkpoints exist
+    but none is restorable.
     """
     mgr.require_run()
     view = mgr.view()
@@ -358,10 +326,10 @@ def status_cmd(mgr: CheckpointManager, out: Output) -> int:
             "unreadable_records": view.unreadable}
     _warn_unreadable(out, view.unreadable)
     if open_incidents:
-        code = EXIT_OPEN_INCIDENT
+        code = int(verdict_of(open_incidents))
     else:
         code = EXIT_CHECK_FAILED if view.infos and not restorable else EXIT_OK
-    data["health"] = {EXIT_OK: "ok", EXIT_OPEN_INCIDENT: "open-incident", EXIT_CHECK_FAILED: "nothing-restorable"}[code]
+    data["health"] = {EXIT_OK: "ok", EXIT_CHECK_FAILED: "nothing-restorable"}.get(code, "open-incident")
 
     def human(console: Any) -> None:
         where = f"rollback target step {target.step} ({target.id})" if target is not None else "no rollback target"
@@ -443,6 +411,8 @@ def serve_cmd(runs: tuple[str, ...], discover: tuple[str, ...], storage_options:
         sys.exit(EXIT_USAGE)
     serve(cfg, log_to_stderr=True)
 
+
+register(main)
 
 if __name__ == "__main__":
     main()

@@ -37,14 +37,17 @@ import models
 from verified_ckpt import (
     CheckpointManager,
     CheckpointNotRestorable,
+    ExitCode,
     GuardConfig,
     RNGState,
     SDCGuard,
     SilentCorruptionDetected,
     state_fingerprint,
 )
+from verified_ckpt.recovery import record_verdict
 
-EXIT_OK, EXIT_USAGE, EXIT_INCIDENT = 0, 2, 4
+# The library's exit-code table (verified_ckpt.recovery.exits): 4 hosts named, 5 none named, 6 software.
+EXIT_OK, EXIT_USAGE = int(ExitCode.OK), int(ExitCode.USAGE)
 IN, HIDDEN, OUT, BATCH = 16, 64, 4, 32
 
 
@@ -106,7 +109,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def _incident(e: SilentCorruptionDetected) -> dict[str, Any]:
     d = e.incident.to_dict()
     return {"kind": d["kind"], "ranks": d["ranks"], "hosts": d["exclude_hosts"], "first_suspect_step": d["first_suspect_step"],
-            "detected_step": d["detected_step"], "detail": d["detail"]}
+            "detected_step": d["detected_step"], "detail": d["detail"], "exit_code": int(record_verdict(e))}
+
+
+def exit_code(result: dict[str, Any]) -> int:
+    """The job's exit code: 0 when it completed, else the last incident's verdict (under torchrun, each rank's
+    error file already says it: ``_incident``)."""
+    if result["completed"]:
+        return EXIT_OK
+    return int(result["incidents"][-1]["exit_code"]) if result["incidents"] else int(ExitCode.CHECK_FAILED)
 
 
 def workload(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
@@ -277,7 +288,7 @@ def report(result: dict[str, Any], as_json: bool) -> int:
             print(f"INCIDENT {inc['kind']} at step {inc['detected_step']}: suspect ranks {inc['ranks']} "
                   f"(exclude hosts: {', '.join(inc['hosts']) or 'none named'}); "
                   f"suspect from step {inc['first_suspect_step']}")
-    return EXIT_OK if result["completed"] else EXIT_INCIDENT
+    return exit_code(result)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,7 +312,7 @@ def launch(args: argparse.Namespace, train_fn: Train) -> int:
             dist.barrier()  # no rank tears its process group down while another still talks to it
         finally:
             dist.destroy_process_group()
-        code = EXIT_OK if result["completed"] else EXIT_INCIDENT
+        code = exit_code(result)
         if int(os.environ["RANK"]) == 0:
             code = report(result, args.json)
         _exit_now(code)

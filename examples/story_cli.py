@@ -1,5 +1,5 @@
 """What the Hugging Face and Lightning examples share: their common options, the test suite's ``--story DIR``
-mode, and exit code 4 (as ``ddp_train.py``) when the guard stops the job on an incident."""
+mode, and the library's exit-code table (as ``ddp_train.py``) when the guard stops the job on an incident."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from verified_ckpt import SilentCorruptionDetected
-
-EXIT_INCIDENT = 4
+from verified_ckpt.recovery import record_verdict
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -42,5 +41,5 @@ def run(ap: argparse.ArgumentParser, a: argparse.Namespace, story: Callable[[str
             train(out)
         except SilentCorruptionDetected as e:
             print(f"incident: {e}", file=sys.stderr)
-            return EXIT_INCIDENT
+            return int(record_verdict(e))  # the exit-code table; torchelastic's error file under torchrun
     return 0

@@ -72,7 +72,7 @@ CASES = {
     "list": (["list", "{run}"], 0, "{id1}", set()),
     "show": (["show", "{run}", "1"], 0, "{id1}  step 1", set()),
     "incidents": (["incidents", "{run}"], 0, "ECC errors on host", set()),
-    "status": (["status", "{run}"], 4, "open-incident: 1 open incident(s) (manual@2)", set()),
+    "status": (["status", "{run}"], 5, "open-incident: 1 open incident(s) (manual@2)", set()),  # no host named
     "ledger": (["ledger", "{run}"], 0, "6 events, steps 1..3", {"numpy", "zarr"}),
     # Unverified checkpoints (a guard needs 2+ replicas to make one restorable): exit 1, after choosing.
     "rollback --dry-run": (["rollback", "{run}", "--dry-run"], 1, "no restorable checkpoint to roll back to", set()),

@@ -83,7 +83,7 @@ def test_resume_after_an_incident_records_the_rollback_and_later_saves_are_resto
     run = str(tmp_path / "run")
     run_ranks(job, 3, run, 20, False)
     CheckpointManager(run).flag(15, reason="host reported ECC errors")
-    assert CliRunner().invoke(vckpt, ["status", run]).exit_code == 4
+    assert CliRunner().invoke(vckpt, ["status", run]).exit_code == 5  # open, and it names no host
     resumed = run_ranks(job, 3, run, 30, True)
     assert [r["start"] for r in resumed] == [11, 11, 11]
     statuses = [(i.step, i.status) for i in CheckpointManager(run).list()]

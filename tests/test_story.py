@@ -20,10 +20,16 @@ pytestmark = pytest.mark.timeout(180)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def job(run: str, *extra: str) -> None:
-    cmd = [sys.executable, "examples/ddp_train.py", "--world-size", "2", "--steps", "9", "--save-every", "3",
-           "--run", run, "--json", *extra]
-    subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT, check=False)
+# The launch command vckpt supervise runs: the first attempt computes a wrong gradient on rank 1 at step 7, a
+# restart (VCKPT_ATTEMPT 1) resumes from the rollback target with nothing injected.
+LAUNCH = ["sh", "-c", 'if [ "$VCKPT_ATTEMPT" = 0 ]; then set -- --inject grad:1:7:scale=10; fi; '
+          'exec "$0" examples/ddp_train.py --world-size 2 --steps 9 --save-every 3 --run "$RUN" --resume --json "$@"',
+          sys.executable]
+# The hook writes the hosts it is asked to exclude, then holds the restart until the test has read the run (the
+# interleaving is the test's, not a timer's); bounded, as every wait.
+HOOK = ("import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(' '.join(sys.argv[3:])); "
+        "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); end = time.monotonic() + 120\n"
+        "while not os.path.exists(sys.argv[2]) and time.monotonic() < end: time.sleep(0.05)")
 
 
 def told(run: str) -> dict:
@@ -36,18 +42,34 @@ def told(run: str) -> dict:
                     what="a first pass of the service")
     line = next(x for x in human.splitlines() if x.startswith("exclude from scheduling"))
     return {"status": status["exclude_hosts"], "incidents": line, "report": report["exclude_hosts"],
-            "service": api["exclude_hosts"], "recovery": report["recovery"], "health": status["health"]}
+            "service": api["exclude_hosts"], "recovery": report["recovery"], "health": status["health"],
+            "node": CliRunner().invoke(cli, ["node-health", run]).exit_code}
 
 
-def test_status_incidents_report_and_service_agree_before_and_after_the_recovery(tmp_path):
+def test_a_supervised_job_is_restarted_off_the_suspect_host_and_every_reader_agrees_before_and_after(tmp_path):
     host = socket.gethostname()
-    stopped = str(tmp_path / "stopped")
-    job(stopped, "--inject", "grad:1:7:scale=10")  # caught at step 7, the job stops: the incident is open
-    now = told(stopped)
-    assert now["status"] == now["report"] == now["service"] == [host] and now["incidents"].endswith(host)
-    assert now["recovery"] is None and now["health"] == "open-incident"
-    job(stopped, "--resume")  # the restart resumes from the rollback target and finishes
-    after = told(stopped)
+    run, seen, go = str(tmp_path / "run"), str(tmp_path / "excluded"), str(tmp_path / "go")
+    hook = f"{sys.executable} -c \"{HOOK}\" {seen} {go} {{hosts}}"
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "verified_ckpt_cli.main", "supervise", "--run", run, "--backoff", "0", "--on-exclude",
+         hook, "--", *LAUNCH], cwd=ROOT, env={**os.environ, "RUN": run}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        until(lambda: os.path.exists(seen), what="the supervisor's exclusion hook", timeout=150, proc=supervisor)
+        assert open(seen).read().split() == [host]  # the hook is handed the suspect host
+        now = told(run)  # the first attempt stopped at step 7: the incident is open
+        assert now["status"] == now["report"] == now["service"] == [host] and now["incidents"].endswith(host)
+        assert now["recovery"] is None and now["health"] == "open-incident" and now["node"] == 1
+        open(go, "w").close()
+        out, err = supervisor.communicate(timeout=150)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.communicate()
+    assert supervisor.returncode == 0, err[-3000:]
+    assert "attempt 0 exited 4: restart (exit 4)" in err and "attempt 1 exited 0: done" in err, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["completed"]  # the restart resumed and finished
+    after = told(run)
     assert after["status"] == after["report"] == after["service"] == []
-    assert "every incident is answered" in after["incidents"] and after["health"] == "ok"
+    assert "every incident is answered" in after["incidents"] and after["health"] == "ok" and after["node"] == 0
     assert after["recovery"] == {"detected_step": 7, "rolled_back_to": 6}

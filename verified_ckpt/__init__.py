@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .lanes import state_fingerprint, tensor_fingerprint
     from .manifest import CheckpointInfo, Manifest
     from .records import Host, Incident, Problem, Rollback, VerificationResult
+    from .recovery import ExitCode, exit_code_for, exit_on
     from .report import render_html
     from .rng import RNGState
     from .status import Status
@@ -46,7 +47,8 @@ _LAZY = {
     "GuardConfig": "guard", "SDCGuard": "guard", "state_fingerprint": "lanes", "tensor_fingerprint": "lanes",
     "CheckpointInfo": "manifest", "Manifest": "manifest", "Host": "records", "Incident": "records",
     "Problem": "records", "Rollback": "records", "VerificationResult": "records", "render_html": "report",
-    "RNGState": "rng", "Status": "status", "discover_runs": "store",
+    "RNGState": "rng", "Status": "status", "discover_runs": "store", "ExitCode": "recovery",
+    "exit_code_for": "recovery", "exit_on": "recovery",
 }
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "CheckpointNotRestorable",
     "Communicator",
     "CorruptCheckpoint",
+    "ExitCode",
     "Fingerprint",
     "GuardConfig",
     "GuardConfigurationError",
@@ -81,6 +84,8 @@ __all__ = [
     "VerificationResult",
     "VerifiedCkptError",
     "discover_runs",
+    "exit_code_for",
+    "exit_on",
     "render_html",
     "state_fingerprint",
     "tensor_fingerprint",

@@ -94,6 +94,7 @@ class Incident:
     to_step: int | None = None
     at: str = ""
     source: str = "guard"
+    software: bool = False  # software divergence: no host is to blame (``recovery.exits``: exit 6)
     signature: str = "unsigned"
 
     @property
@@ -133,7 +134,8 @@ class Incident:
             first_suspect_step=r.step("first_suspect_step"), ranks=r.ranks("ranks"), hosts=r.hosts("hosts"),
             detail=r.text("detail", MAX_TEXT, default=""), id=r.ident("id"),
             reason=r.text("reason", MAX_TEXT, default=""), to_step=r.step("to_step", optional=True),
-            at=r.text("at", 64), source=r.text("source", 32, default="guard"), signature=signature,
+            at=r.text("at", 64), source=r.text("source", 32, default="guard"),
+            software=r.flag("software") if "software" in d else False, signature=signature,
         )
 
 

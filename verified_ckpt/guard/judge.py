@@ -107,7 +107,8 @@ class Judge:
         ranks = [] if everyone and len(among) > 1 else sorted(v.ranks)
         detail = f"{v.detail} ({EVERY_RANK})" if everyone and len(among) > 1 else v.detail
         inc = Incident(kind=v.kind, detected_step=step, first_suspect_step=step if v.first_suspect is None else v.first_suspect,
-                       ranks=ranks, hosts=[self.host_of(r) for r in ranks], detail=detail)
+                       ranks=ranks, hosts=[self.host_of(r) for r in ranks], detail=detail,
+                       software=v.software and not ranks)
         self.incidents.append(inc)
         if self.rank == 0:  # every rank raises; one line per incident
             log.warning("incident: %s", inc.summary())

@@ -321,7 +321,8 @@ def judge_state(step: int, rows: Sequence[Sequence[int]], boxes: Sequence[Sequen
     if votes.agree:
         return [nonfinite, Verdict("consensus", True, rows=ledger)], fps
     detail = votes.detail() + " (" + ", ".join(f"rank {r} {fps[r][:12]}" for r in range(world)) + ")"
-    return [nonfinite, Verdict("consensus", False, suspects, detail, first_suspect, ledger)], fps
+    software = not suspects and votes.every_copy_differs > 0
+    return [nonfinite, Verdict("consensus", False, suspects, detail, first_suspect, ledger, software=software)], fps
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,7 @@ class Verdict:
     rows: Callable[[], list[Event]] | None = None
     margin: float | None = None  # how close a passing check came to its bound (deviation / bound)
     among: tuple[int, ...] | None = None  # the ranks the check compared (``None``: every rank); ``ranks`` lie in it
+    software: bool = False  # no host is to blame: copies that never agreed, or code that writes them differently
 
 
 class Projector:

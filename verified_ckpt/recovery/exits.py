@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import sys
+from collections.abc import Iterable
 from typing import NoReturn
 
 from ..errors import (
@@ -36,7 +37,7 @@ from ..errors import (
 )
 from ..records import Incident
 
-__all__ = ["ExitCode", "exit_code_for", "exit_on", "incident_code", "record_verdict"]
+__all__ = ["ExitCode", "exit_code_for", "exit_on", "incident_code", "record_verdict", "verdict_of"]
 
 
 class ExitCode(enum.IntEnum):
@@ -73,6 +74,16 @@ def incident_code(incident: Incident) -> ExitCode:
     return ExitCode.SOFTWARE if incident.software else ExitCode.SDC_UNATTRIBUTED
 
 
+def verdict_of(incidents: Iterable[Incident]) -> ExitCode:
+    """The verdict of several open incidents: software divergence first (excluding hosts cannot help), then hosts
+    named, then none named; ``OK`` when there is none."""
+    codes = {incident_code(i) for i in incidents}
+    for code in (ExitCode.SOFTWARE, ExitCode.SDC_HOSTS_NAMED, ExitCode.SDC_UNATTRIBUTED):
+        if code in codes:
+            return code
+    return ExitCode.OK
+
+
 def exit_code_for(err: BaseException) -> ExitCode:
     """The exit code a training job should end with after ``err`` (the table above)."""
     if isinstance(err, SilentCorruptionDetected):
@@ -95,7 +106,10 @@ def record_verdict(err: BaseException) -> ExitCode:
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     code = exit_code_for(err)
-    ErrorHandler().record_exception(Verdict(f"exit {int(code)}, {code.meaning}: {err}"))
+    try:  # raised from ``err``: the file's traceback, which the summary prints, then ends with the verdict
+        raise Verdict(f"exit {int(code)}, {code.meaning}: {err}") from err
+    except Verdict as verdict:
+        ErrorHandler().record_exception(verdict)
     return code
 
 

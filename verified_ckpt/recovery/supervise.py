@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from ..records import Incident
-from .exits import ExitCode, incident_code
+from .exits import ExitCode, verdict_of
 
 __all__ = ["Attempt", "Decision", "decide"]
 
@@ -63,7 +63,7 @@ def decide(attempts: Sequence[Attempt], *, max_restarts: int, can_exclude: bool)
             return Decision("stop", last.code, [], f"the job failed (exit {last.code}) with no incident, "
                             f"{restarts} restart(s) spent")
         return Decision("restart", last.code, [], f"the job failed (exit {last.code}) with no incident: restarting")
-    verdict = max((incident_code(i) for i in last.incidents), key=_severity)
+    verdict = verdict_of(last.incidents)
     hosts = sorted({h for i in last.incidents for h in i.exclude_hosts})
     what = "; ".join(f"{i.kind} at step {i.detected_step} (suspect from {i.first_suspect_step})" for i in last.incidents)
     if verdict is ExitCode.SOFTWARE:
@@ -84,6 +84,3 @@ def decide(attempts: Sequence[Attempt], *, max_restarts: int, can_exclude: bool)
     return Decision("restart", verdict, hosts, f"{what}: restarting from the rollback target (step "
                     f"{last.target_step})" + (f", off {', '.join(hosts)}" if hosts else ""))
 
-
-def _severity(code: ExitCode) -> int:
-    return {ExitCode.SOFTWARE: 3, ExitCode.SDC_HOSTS_NAMED: 2, ExitCode.SDC_UNATTRIBUTED: 1}.get(code, 0)

@@ -1,0 +1,96 @@
+"""``vckpt node-health`` and ``vckpt supervise``: what a cluster's health tooling and a job's wrapper call.
+
+``node-health`` follows a Node-Problem-Detector custom plugin's convention: exit 0 healthy, 1 problem, anything
+else unknown (here 2 for a usage error, 3 for a store that cannot be read), with one line on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from typing import Any
+
+import click
+
+from verified_ckpt import VerifiedCkptError
+from verified_ckpt.recovery import node_health, supervise
+
+from .options import exit_code_for, parse_storage_options
+
+__all__ = ["node_health_cmd", "register", "supervise_cmd"]
+
+STORAGE_HELP = "fsspec storage option (repeatable); AWS_* environment variables also apply."
+
+
+@click.command("node-health")
+@click.argument("runs", nargs=-1, required=True)
+@click.option("--host", default=None, help="The host to ask about (default: this machine's name).")
+@click.option("--storage-option", "-o", "storage_options", multiple=True, metavar="KEY=VALUE", help=STORAGE_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+def node_health_cmd(runs: tuple[str, ...], host: str | None, storage_options: tuple[str, ...], as_json: bool) -> None:
+    """Whether HOST is named by an open incident of any of RUNS (exit 0 healthy, 1 suspect).
+
+    For a Node-Problem-Detector custom plugin, a Slurm prolog or epilog, or a Kubernetes readiness command. An
+    incident stops naming the host once a rollback answers it (``vckpt rollback``, or the job's resume()).
+    """
+    from verified_ckpt import CheckpointManager
+
+    name = host or socket.gethostname()
+    pairs = []
+    try:
+        options = parse_storage_options(storage_options)
+        for url in runs:
+            mgr = CheckpointManager(url, storage_options=options)
+            mgr.require_run()
+            pairs.append((url, mgr.view().open_incidents()))
+    except click.BadParameter as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(2)
+    except VerifiedCkptError as e:
+        click.echo(f"{name}: unknown - {e}", err=True)
+        sys.exit(exit_code_for(e) if exit_code_for(e) != 1 else 2)
+    health = node_health(name, pairs)
+    click.echo(json.dumps(health.to_dict()) if as_json else health.line())
+    sys.exit(0 if health.healthy else 1)
+
+
+@click.command("supervise", context_settings={"allow_interspersed_args": False})
+@click.option("--run", "run_url", required=True, help="The run the job saves to (its verdicts are read there).")
+@click.option("--max-restarts", type=click.IntRange(0, 100), default=3, show_default=True,
+              help="Restarts allowed in all.")
+@click.option("--backoff", type=click.FloatRange(0, 3600), default=5.0, show_default=True,
+              help="Seconds before the first restart, doubled for each next one (at most 300).")
+@click.option("--on-exclude", default=None, metavar="COMMAND",
+              help="Run before a restart with {hosts} replaced by the hosts to keep the job off; it must succeed.")
+@click.option("--storage-option", "-o", "storage_options", multiple=True, metavar="KEY=VALUE", help=STORAGE_HELP)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def supervise_cmd(run_url: str, max_restarts: int, backoff: float, on_exclude: str | None,
+                  storage_options: tuple[str, ...], command: tuple[str, ...]) -> None:
+    """Run COMMAND (after ``--``) and, after a silent-data-corruption verdict, restart it from the rollback target,
+    kept off the suspect hosts; stop with the exit-code table's verdict when restarting cannot help.
+
+    {exclude} in COMMAND becomes the hosts excluded so far, comma separated (Slurm's --exclude form); the job
+    also sees VCKPT_ATTEMPT and VCKPT_EXCLUDED_HOSTS. The job should resume with ``CheckpointManager.resume()``.
+    """
+    def log(message: str) -> None:
+        click.echo(f"vckpt supervise: {message}", err=True)
+
+    options: dict[str, Any] | None = None
+    try:
+        options = parse_storage_options(storage_options) or None
+        code = supervise(list(command), run_url, max_restarts=max_restarts, backoff_s=backoff, on_exclude=on_exclude,
+                         storage_options=options, log=log)
+    except click.BadParameter as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(2)
+    except VerifiedCkptError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(exit_code_for(e))
+    sys.exit(code)
+
+
+def register(group: click.Group) -> None:
+    """Add this module's commands to the ``vckpt`` group."""
+    group.add_command(node_health_cmd)
+    group.add_command(supervise_cmd)

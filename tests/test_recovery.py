@@ -1,0 +1,131 @@
+"""Recovery without a person, the pure parts and the CLI: the exit-code table, torchelastic's error file, node
+health and the supervisor's rules. (The supervised job itself runs in tests/test_story.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from verified_ckpt import (
+    CheckpointManager,
+    CheckpointNotRestorable,
+    ExitCode,
+    GuardConfigurationError,
+    Host,
+    Incident,
+    SilentCorruptionDetected,
+    StorageError,
+    exit_code_for,
+)
+from verified_ckpt.recovery import Attempt, decide, record_verdict, verdict_of
+from verified_ckpt_cli.main import main as vckpt
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def incident(ident: str = "a1", hosts: tuple[str, ...] = ("node-3",), software: bool = False, step: int = 7,
+             first: int | None = None) -> Incident:
+    return Incident(kind="checksum", detected_step=step, first_suspect_step=step if first is None else first,
+                    ranks=list(range(len(hosts))), hosts=[Host(i, h, "cpu") for i, h in enumerate(hosts)],
+                    detail="x", id=ident, software=software)
+
+
+def test_every_verdict_has_its_own_code_and_errors_map_onto_the_table():
+    assert len({int(c) for c in ExitCode}) == len(ExitCode) == 8
+    assert exit_code_for(SilentCorruptionDetected(incident())) is ExitCode.SDC_HOSTS_NAMED
+    assert exit_code_for(SilentCorruptionDetected(incident(hosts=()))) is ExitCode.SDC_UNATTRIBUTED
+    assert exit_code_for(SilentCorruptionDetected(incident(hosts=(), software=True))) is ExitCode.SOFTWARE
+    assert exit_code_for(GuardConfigurationError("every rank", kind="abft", step=0)) is ExitCode.SOFTWARE
+    assert exit_code_for(CheckpointNotRestorable("none")) is ExitCode.NO_ROLLBACK_TARGET
+    assert exit_code_for(StorageError("down")) is ExitCode.STORE_UNREACHABLE
+    # Several open incidents: software first (excluding hosts cannot help), then hosts named.
+    assert verdict_of([incident(hosts=()), incident()]) is ExitCode.SDC_HOSTS_NAMED
+    assert verdict_of([incident(), incident(hosts=(), software=True)]) is ExitCode.SOFTWARE
+    assert verdict_of([]) is ExitCode.OK
+
+
+def test_the_error_file_torchrun_reads_names_the_verdict_and_the_suspect(tmp_path, monkeypatch):
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    code = record_verdict(SilentCorruptionDetected(incident()))
+    message = json.loads(path.read_text())["message"]["message"]
+    assert code == 4 and message.startswith("Verdict: exit 4, silent data corruption, suspect hosts named: ")
+    assert "suspect: rank 0 on node-3" in message
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    path.unlink()
+    assert record_verdict(SilentCorruptionDetected(incident(hosts=()))) == 5 and not path.exists()
+
+
+def test_a_software_divergence_verdict_survives_the_record_round_trip():
+    inc = incident(hosts=(), software=True)
+    back = Incident.from_record(json.loads(json.dumps(inc.to_record())))
+    assert back.software and exit_code_for(SilentCorruptionDetected(back)) is ExitCode.SOFTWARE
+    old = inc.to_record()
+    del old["software"]  # a record written before the field existed
+    assert not Incident.from_record(old).software
+
+
+def test_the_supervisors_rules():
+    named, none = incident(), incident("b2", hosts=())
+    go = decide([Attempt(4, [named], 6)], max_restarts=3, can_exclude=True)
+    assert (go.action, go.code, go.exclude) == ("restart", 4, ["node-3"])
+    assert decide([Attempt(0, [], 6)], max_restarts=3, can_exclude=True).action == "done"
+    # A restart could land on the named host when nothing can keep the job off it.
+    held = decide([Attempt(4, [named], 6)], max_restarts=3, can_exclude=False)
+    assert (held.action, held.code) == ("stop", 4)
+    # No host named: a restart needs no exclusion.
+    assert decide([Attempt(5, [none], 6)], max_restarts=3, can_exclude=False).action == "restart"
+    # The same interval again, on another host or none: software, the data, or a fault that moves.
+    again = decide([Attempt(4, [named], 6), Attempt(4, [incident("c3", hosts=("node-5",), step=8, first=7)], 6)],
+                   max_restarts=3, can_exclude=True)
+    assert (again.action, again.code) == ("stop", 6) and "same interval" in again.reason
+    # A later interval after a restart is a new fault: restart again while the budget lasts.
+    later = [Attempt(4, [named], 6), Attempt(4, [incident("d4", step=20)], 18)]
+    assert decide(later, max_restarts=3, can_exclude=True).action == "restart"
+    assert decide(later, max_restarts=1, can_exclude=True).code == 4
+    assert decide([Attempt(4, [named], None)], max_restarts=3, can_exclude=True).code == 7
+    assert decide([Attempt(4, [incident(hosts=(), software=True)], 6)], max_restarts=3, can_exclude=True).code == 6
+    # A crash with no incident is retried in place, within the budget, then ends with the job's own code.
+    assert decide([Attempt(1, [], 6)], max_restarts=1, can_exclude=False).action == "restart"
+    assert decide([Attempt(1, [], 6), Attempt(1, [], 6)], max_restarts=1, can_exclude=False).code == 1
+
+
+def test_node_health_names_the_host_an_open_incident_names_and_no_other(tmp_path):
+    run = str(tmp_path / "run")
+    CheckpointManager(run).save(1, {"w": torch.ones(2)})  # its topology records this host for rank 0
+    me = socket.gethostname()
+    assert CliRunner().invoke(vckpt, ["node-health", run]).exit_code == 0
+    CheckpointManager(run).flag(1, ranks=[0], reason="xid 79 on gpu 0")
+    r = CliRunner().invoke(vckpt, ["node-health", run, str(tmp_path / "empty-but-absent")])
+    assert r.exit_code == 2 and "unknown" in r.output  # a run that cannot be read: the plugin's "unknown"
+    r = CliRunner().invoke(vckpt, ["node-health", run])
+    assert r.exit_code == 1 and r.output.startswith(f"{me}: SUSPECT") and "manual at step 1" in r.output
+    r = CliRunner().invoke(vckpt, ["node-health", "--host", "some-other-node", run, "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["healthy"] is True
+
+
+def test_the_node_problem_detector_plugin_script_reports_through_its_exit_code(tmp_path):
+    run = str(tmp_path / "run")
+    CheckpointManager(run).save(1, {"w": torch.ones(2)})
+    plugin = os.path.join(ROOT, "examples", "node_health", "vckpt-node-health.sh")
+    env = {**os.environ, "VCKPT_RUNS": run, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    ok = subprocess.run([plugin], capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert ok.returncode == 0 and "healthy" in ok.stdout
+    CheckpointManager(run).flag(1, ranks=[0], reason="ecc errors")
+    bad = subprocess.run([plugin], capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert bad.returncode == 1 and "SUSPECT" in bad.stdout
+
+
+def test_supervise_refuses_a_missing_command_and_a_bad_option_in_one_line():
+    r = CliRunner().invoke(vckpt, ["supervise", "--run", "/tmp/x"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    r = CliRunner().invoke(vckpt, ["supervise", "--run", "/tmp/x", "--max-restarts", "-1", "--", "true"])
+    assert r.exit_code == 2 and "Traceback" not in r.output

@@ -129,3 +129,21 @@ def test_supervise_refuses_a_missing_command_and_a_bad_option_in_one_line():
     assert r.exit_code == 2 and "Traceback" not in r.output
     r = CliRunner().invoke(vckpt, ["supervise", "--run", "/tmp/x", "--max-restarts", "-1", "--", "true"])
     assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+def test_the_alert_rules_load_and_use_only_the_services_metrics():
+    import re
+    import shutil
+
+    from verified_ckpt.service.metrics import Metrics
+
+    rules = os.path.join(ROOT, "docs", "alerts", "vckpt.rules.yml")
+    names = {m.name for m in Metrics().registry.collect()}
+    used = set(re.findall(r"\b(vckpt_[a-z_]+)\b", open(rules).read()))
+    assert used and used <= names | {n + "_total" for n in names}, used - names
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        assert not os.environ.get("VCKPT_REQUIRE_PROMTOOL"), "promtool is required here (.ci/run installs it)"
+        pytest.skip("promtool is not installed (Debian: prometheus)")
+    done = subprocess.run([promtool, "check", "rules", rules], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0 and "SUCCESS: 4 rules found" in done.stdout, done.stdout + done.stderr

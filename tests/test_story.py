@@ -40,10 +40,14 @@ def told(run: str) -> dict:
     with service(run) as (client, _):
         api = until(lambda: (r := client.get(f"/api/runs/{run_key(run)}").json())["passes"] and r,
                     what="a first pass of the service")
+        host = socket.gethostname()
+        node = client.get(f"/api/hosts/{host}/health")
+        gauge = f'vckpt_suspect_host{{host="{host}",run="{run_key(run)}"}} 1.0' in client.get("/metrics").text
     line = next(x for x in human.splitlines() if x.startswith("exclude from scheduling"))
     return {"status": status["exclude_hosts"], "incidents": line, "report": report["exclude_hosts"],
             "service": api["exclude_hosts"], "recovery": report["recovery"], "health": status["health"],
-            "node": CliRunner().invoke(cli, ["node-health", run]).exit_code}
+            "node": CliRunner().invoke(cli, ["node-health", run]).exit_code,
+            "service node": (node.status_code, node.json()["healthy"], gauge)}
 
 
 def test_a_supervised_job_is_restarted_off_the_suspect_host_and_every_reader_agrees_before_and_after(tmp_path):
@@ -60,6 +64,7 @@ def test_a_supervised_job_is_restarted_off_the_suspect_host_and_every_reader_agr
         now = told(run)  # the first attempt stopped at step 7: the incident is open
         assert now["status"] == now["report"] == now["service"] == [host] and now["incidents"].endswith(host)
         assert now["recovery"] is None and now["health"] == "open-incident" and now["node"] == 1
+        assert now["service node"] == (503, False, True)  # the service's node health and its suspect-host gauge
         open(go, "w").close()
         out, err = supervisor.communicate(timeout=150)
     finally:
@@ -72,4 +77,5 @@ def test_a_supervised_job_is_restarted_off_the_suspect_host_and_every_reader_agr
     after = told(run)
     assert after["status"] == after["report"] == after["service"] == []
     assert "every incident is answered" in after["incidents"] and after["health"] == "ok" and after["node"] == 0
+    assert after["service node"] == (200, True, False)
     assert after["recovery"] == {"detected_step": 7, "rolled_back_to": 6}

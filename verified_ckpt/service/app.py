@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from .. import CheckpointManager, InvalidState, VerifiedCkptError
 from ..jsonx import JSONBudgetError, Limits, decode_object, short_repr
+from ..recovery.health import node_health
 from .metrics import Metrics
 from .watch import Watcher
 
@@ -96,6 +97,16 @@ class _Api:
         except VerifiedCkptError as e:
             return JSONResponse({"error": str(e).splitlines()[0]}, status_code=409)
         return JSONResponse(result)
+
+    async def host_health(self, request: Request) -> Response:
+        """``vckpt node-health`` over every watched run's last published view: 200 healthy, 503 suspect (a probe's
+        failure), 503 with ``"unknown"`` while a run has not been read."""
+        watchers = list(self.watchers.values())
+        unread = [w.url for w in watchers if w.state.view is None]
+        health = node_health(request.path_params["host"], [(w.url, w.state.view.open_incidents())
+                                                            for w in watchers if w.state.view is not None])
+        body: dict[str, Any] = dict(health.to_dict(), unread=unread, line=health.line())
+        return JSONResponse(body, status_code=200 if health.healthy and not unread else 503)
 
     async def dashboard(self, request: Request) -> Response:
         return HTMLResponse(_dashboard([w.state.summary() for w in list(self.watchers.values())],
@@ -170,6 +181,7 @@ def build_app(watchers: dict[str, Watcher], metrics: Metrics, token: str | None)
         Route("/api/runs/{key}/flag", api.write, methods=["POST"]),
         Route("/api/runs/{key}/rollback", api.write, methods=["POST"]),
         Route("/runs/{key}/report", api.per_run(api.report)), Route("/", api.dashboard),
+        Route("/api/hosts/{host}/health", api.host_health),
     ])
 
 

@@ -34,6 +34,17 @@ class Metrics:
         self.store_errors = Counter("vckpt_store_errors", "Passes over a run that failed to read its store", ["run"],
                                     registry=r)
         self.run_up = Gauge("vckpt_run_up", "1 when the last pass over the run succeeded, else 0", ["run"], registry=r)
+        self.suspect_host = Gauge("vckpt_suspect_host", "1 for each host an open incident of the run names",
+                                  ["run", "host"], registry=r)
+        self._suspects: dict[str, set[str]] = {}
+
+    def suspects(self, run: str, hosts: list[str]) -> None:
+        """One series per host the run's open incidents name; a host no longer named loses its series."""
+        for gone in self._suspects.get(run, set()) - set(hosts):
+            self.suspect_host.remove(run, gone)
+        for host in hosts:
+            self.suspect_host.labels(run, host).set(1)
+        self._suspects[run] = set(hosts)
 
     def statuses(self, run: str, counts: dict[Status, int]) -> None:
         for status in Status:

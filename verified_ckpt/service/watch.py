@@ -192,4 +192,5 @@ class Watcher:
         self.metrics.newest_age.labels(self.key).set(now - epoch(newest.created_at) if newest else -1)
         self.metrics.scrub_lag.labels(self.key).set(p.lag_s)
         self.metrics.open_incidents.labels(self.key).set(summary["open_incidents"])
+        self.metrics.suspects(self.key, summary["exclude_hosts"])
 

@@ -95,7 +95,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=["exact", "tolerance"], default="exact")
     ap.add_argument("--no-guard", action="store_true", help="plain DDP, for overhead comparisons")
     ap.add_argument("--no-abft", action="store_true", help="switch off the per-step gradient checks (ABFT)")
-    ap.add_argument("--run", default=None, help="checkpoint run URL (local folder, s3://...); enables saves")
+    # Under torchrun spell it --run-url: torchrun's parser takes a bare --run for its own --run-path (torch 2.13).
+    ap.add_argument("--run", "--run-url", dest="run", default=None,
+                    help="checkpoint run URL (local folder, s3://...); enables saves")
     ap.add_argument("--save-every", type=int, default=0, help="save a verified checkpoint every K steps")
     ap.add_argument("--resume", action="store_true", help="continue from the rollback target of --run")
     ap.add_argument("--async-save", action="store_true", help="non-blocking saves (upload in the background)")

@@ -2,8 +2,8 @@
 default dropout; its blocks are HF's Conv1D layers) on random token sequences of random lengths (labels padded
 with -100, so the Trainer's ``num_items_in_batch`` matters), two accumulated microbatches per step.
 
-    torchrun --nproc-per-node 3 examples/hf_train.py --run /tmp/hf-run            # train, saving every 4 steps
-    torchrun --nproc-per-node 3 examples/hf_train.py --run /tmp/hf-run --resume   # continue from the run
+    torchrun --nproc-per-node 3 examples/hf_train.py --run-url /tmp/hf-run            # train, saving every 4 steps
+    torchrun --nproc-per-node 3 examples/hf_train.py --run-url /tmp/hf-run --resume   # continue from the run
 
 ``--grad-fault RANK:STEP:FACTOR`` multiplies one rank's gradient of ``transformer.h.0.mlp.c_fc.weight`` at one
 step, once (a hook on the parameter, as a faulty GPU would hand back a wrong result); the guard raises, the

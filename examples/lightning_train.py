@@ -1,7 +1,7 @@
 """A Lightning DDP job with verified checkpoints and the SDC guard at its defaults: an MLP with dropout on random data.
 
-    torchrun --nproc-per-node 3 examples/lightning_train.py --run /tmp/pl-run            # 3 epochs, a save per epoch
-    torchrun --nproc-per-node 3 examples/lightning_train.py --run /tmp/pl-run --resume   # continue from the run
+    torchrun --nproc-per-node 3 examples/lightning_train.py --run-url /tmp/pl-run            # 3 epochs, a save per epoch
+    torchrun --nproc-per-node 3 examples/lightning_train.py --run-url /tmp/pl-run --resume   # continue from the run
 
 ``--grad-fault RANK:STEP:FACTOR`` multiplies one rank's gradient of the first layer's weight at one step, once, the
 way a faulty GPU would hand back a wrong result (a hook on the parameter, not the guard's own injection); the guard

@@ -47,7 +47,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=["exact", "tolerance"], default="exact")
     ap.add_argument("--inject", action="append", default=[], metavar="SITE:RANK:STEP[:MODE]")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--run", default=None, help="checkpoint run URL; enables saves")
+    # Under torchrun spell it --run-url: torchrun's parser takes a bare --run for its own --run-path (torch 2.13).
+    ap.add_argument("--run", "--run-url", dest="run", default=None, help="checkpoint run URL; enables saves")
     ap.add_argument("--save-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--on-incident", choices=["stop", "rollback"], default="stop")

@@ -17,7 +17,8 @@ from verified_ckpt.recovery import record_verdict
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", help="run URL (checkpoints)")
+    # Under torchrun spell it --run-url: torchrun's parser takes a bare --run for its own --run-path (torch 2.13).
+    ap.add_argument("--run", "--run-url", dest="run", help="run URL (checkpoints)")
     ap.add_argument("--inject", action="append", default=[], help="fault spec SITE:RANK:STEP[:MODE] (testing)")
     ap.add_argument("--resume", action="store_true", help="continue from the run (the rollback target after an incident)")
     ap.add_argument("--story", metavar="DIR", help="run the test suite's story into DIR")

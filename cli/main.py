@@ -25,14 +25,13 @@ from verified_ckpt import (
 )
 from verified_ckpt.recovery import verdict_of
 
-from .options import exit_code_for, parse_storage_options
+from .options import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, exit_code_for, parse_storage_options
 from .output import Output, escape, human_size, status_text
 from .recovery import register
 
 if TYPE_CHECKING:  # imported by the command that runs: --help needs no run machinery (tests/test_cli_startup.py)
     from verified_ckpt import CheckpointManager, Incident
 
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_STORAGE = 0, 1, 2, 3  # the first rows of recovery.exits.ExitCode
 SIGNATURE_TEXT = {
     "valid": "[green]valid[/] (HMAC-SHA256, key configured)",
     "unsigned": "[yellow]unsigned[/] (no signing key configured; see docs/SECURITY.md)",

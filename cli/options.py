@@ -7,14 +7,17 @@ from typing import Any
 
 import click
 
-from verified_ckpt import CheckpointNotRestorable, CorruptCheckpoint, ManifestError, StorageError
+from verified_ckpt import CheckpointNotRestorable, CorruptCheckpoint, ExitCode, ManifestError, StorageError
 
-__all__ = ["exit_code_for", "parse_storage_options"]
+__all__ = ["EXIT_CHECK_FAILED", "EXIT_OK", "EXIT_STORAGE", "EXIT_USAGE", "exit_code_for", "parse_storage_options"]
 
-EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_STORAGE = 1, 2, 3  # recovery.exits.ExitCode's
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_STORAGE = (int(c) for c in (
+    ExitCode.OK, ExitCode.CHECK_FAILED, ExitCode.USAGE, ExitCode.STORE_UNREACHABLE))
 
 
 def exit_code_for(err: BaseException) -> int:
+    """A command's code for a library error. Unlike a training job's (``recovery.exit_code_for``), a corrupt or
+    unrestorable checkpoint is a failed check here (1), not a lost rollback target (7)."""
     if isinstance(err, ManifestError):
         return EXIT_USAGE
     if isinstance(err, (CorruptCheckpoint, CheckpointNotRestorable)):

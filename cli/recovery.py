@@ -16,7 +16,7 @@ import click
 from verified_ckpt import VerifiedCkptError
 from verified_ckpt.recovery import node_health, supervise
 
-from .options import exit_code_for, parse_storage_options
+from .options import EXIT_CHECK_FAILED, EXIT_USAGE, exit_code_for, parse_storage_options
 
 __all__ = ["node_health_cmd", "register", "supervise_cmd"]
 
@@ -46,10 +46,11 @@ def node_health_cmd(runs: tuple[str, ...], host: str | None, storage_options: tu
             pairs.append((url, mgr.view().open_incidents()))
     except click.BadParameter as e:
         click.echo(f"error: {e.format_message()}", err=True)
-        sys.exit(2)
+        sys.exit(EXIT_USAGE)
     except VerifiedCkptError as e:
         click.echo(f"{name}: unknown - {e}", err=True)
-        sys.exit(exit_code_for(e) if exit_code_for(e) != 1 else 2)
+        code = exit_code_for(e)
+        sys.exit(EXIT_USAGE if code == EXIT_CHECK_FAILED else code)  # 1 would read as "suspect" to the plugin
     health = node_health(name, pairs)
     click.echo(json.dumps(health.to_dict()) if as_json else health.line())
     sys.exit(0 if health.healthy else 1)
@@ -83,7 +84,7 @@ def supervise_cmd(run_url: str, max_restarts: int, backoff: float, on_exclude: s
                          storage_options=options, log=log)
     except click.BadParameter as e:
         click.echo(f"error: {e.format_message()}", err=True)
-        sys.exit(2)
+        sys.exit(EXIT_USAGE)
     except VerifiedCkptError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(exit_code_for(e))

@@ -44,7 +44,7 @@ from verified_ckpt import (
     SilentCorruptionDetected,
     state_fingerprint,
 )
-from verified_ckpt.recovery import record_verdict
+from verified_ckpt.recovery import exit_code_for, record_verdict
 
 # The library's exit-code table (verified_ckpt.recovery.exits): 4 hosts named, 5 none named, 6 software.
 EXIT_OK, EXIT_USAGE = int(ExitCode.OK), int(ExitCode.USAGE)
@@ -102,7 +102,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--resume", action="store_true", help="continue from the rollback target of --run")
     ap.add_argument("--async-save", action="store_true", help="non-blocking saves (upload in the background)")
     ap.add_argument("--on-incident", choices=["stop", "rollback"], default="stop",
-                    help="stop (exit 4) or roll back in-process to the rollback target and continue")
+                    help="stop (exit with the verdict: 4, 5 or 6) or roll back in-process to the rollback target and continue")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -111,12 +111,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def _incident(e: SilentCorruptionDetected) -> dict[str, Any]:
     d = e.incident.to_dict()
     return {"kind": d["kind"], "ranks": d["ranks"], "hosts": d["exclude_hosts"], "first_suspect_step": d["first_suspect_step"],
-            "detected_step": d["detected_step"], "detail": d["detail"], "exit_code": int(record_verdict(e))}
+            "detected_step": d["detected_step"], "detail": d["detail"], "exit_code": int(exit_code_for(e))}
 
 
 def exit_code(result: dict[str, Any]) -> int:
     """The job's exit code: 0 when it completed, else the last incident's verdict (under torchrun, each rank's
-    error file already says it: ``_incident``)."""
+    error file already says it: ``loop`` writes it where the job stops)."""
     if result["completed"]:
         return EXIT_OK
     return int(result["incidents"][-1]["exit_code"]) if result["incidents"] else int(ExitCode.CHECK_FAILED)
@@ -224,10 +224,12 @@ def loop(args: argparse.Namespace, one_step: Callable[[int], None], state: dict[
                 try:
                     info = mgr.rollback(state)
                 except CheckpointNotRestorable:
+                    record_verdict(e)
                     break
                 rollbacks.append({"from_step": step, "to_step": info.step})
                 step = info.step + 1
                 continue
+            record_verdict(e)  # the job stops on it: torchelastic's error file (under torchrun) says so
             break
     if mgr is not None:
         mgr.wait()  # a pending background save must commit (or fail loudly) before we report
@@ -237,6 +239,7 @@ def loop(args: argparse.Namespace, one_step: Callable[[int], None], state: dict[
             guard.consensus(args.steps)
         except SilentCorruptionDetected as e:
             incidents.append(_incident(e))
+            record_verdict(e)
             completed = False
     return step, completed, incidents, rollbacks
 

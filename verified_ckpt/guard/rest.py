@@ -46,17 +46,23 @@ class RestWitness:
         if self._post is None or now.shape != self._post.shape:
             return  # nothing to compare with, or the state grew (the first update creates the moments)
         changed = (now != self._post).any(1)
-        same = self._moved is not None and self._moved.shape == changed.shape
-        self._moved = self._moved | changed if same and self._moved is not None else changed
+        moved = self._moved
+        self._moved = moved | changed if moved is not None and moved.shape == changed.shape else changed
+
+    @property
+    def _watching(self) -> bool:
+        """Whether there is anything to fingerprint between updates (after the first consensus on pure FSDP, or
+        where a majority decides every piece, there is not: the step then pays nothing)."""
+        return self.on and self._kept != []
 
     def before_update(self) -> None:
         """The update is about to write: whatever changed since the last one changed at rest."""
-        if self.on:
+        if self._watching:
             self._changed(self._lanes(self._tensors()))
             self._post = None
 
     def after_update(self) -> None:
-        if self.on:
+        if self._watching:
             self._post = self._lanes(self._tensors())
 
     def moved(self, lanes: torch.Tensor) -> torch.Tensor:

@@ -223,8 +223,9 @@ def loop(args: argparse.Namespace, one_step: Callable[[int], None], state: dict[
             if args.on_incident == "rollback" and mgr is not None:
                 try:
                     info = mgr.rollback(state)
-                except CheckpointNotRestorable:
-                    record_verdict(e)
+                except CheckpointNotRestorable as gone:
+                    # Nothing to resume from: that, not the incident, is what a scheduler must act on (exit 7).
+                    incidents[-1]["exit_code"] = int(record_verdict(gone))
                     break
                 rollbacks.append({"from_step": step, "to_step": info.step})
                 step = info.step + 1
@@ -329,7 +330,11 @@ def run_spawned(args: argparse.Namespace, train_fn: Train | None = None) -> dict
     with tempfile.TemporaryDirectory() as tmp:
         args.result_file = os.path.join(tmp, "result.json")
         init = f"file://{os.path.join(tmp, 'store')}"
-        mp.spawn(_spawned, args=(args.world_size, init, args, train_fn), nprocs=args.world_size, join=True)
+        # Forked from a server that imported torch (and this script) once, not spawned: a spawned rank spends
+        # seconds of CPU importing them again, which on a small machine is most of a short run's time.
+        mp.set_forkserver_preload(["__main__", "torch", "torch.distributed", "verified_ckpt"])
+        mp.start_processes(_spawned, args=(args.world_size, init, args, train_fn), nprocs=args.world_size, join=True,
+                           start_method="forkserver")
         with open(args.result_file) as f:
             return json.load(f)
 

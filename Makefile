@@ -26,7 +26,7 @@ lint: $(STAMP)
 # Two workers, a test file each at a time (module fixtures run once): on a 2-core host the suite's I/O-bound
 # tests (S3, the service, crash points) overlap the CPU-bound multi-rank ones.
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(PY) -m pip install -q boto3 "botocore==$$($(PY) -c 'import botocore; print(botocore.__version__)')"

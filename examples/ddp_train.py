@@ -91,6 +91,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="mlp (default), gpt (TinyGPT: dropout 0.1, tied head), bnmlp (BatchNorm and dropout)")
     ap.add_argument("--lr-schedule", choices=["step", "warmup-cosine"], default="step")
     ap.add_argument("--inject", action="append", default=[], metavar="SITE:RANK:STEP[:MODE]")
+    ap.add_argument("--bad-batch", default=None, metavar="RANK:STEP",
+                    help="one rank's batch of one step holds an Inf (a data fault: every host computes the same NaN)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", choices=["exact", "tolerance"], default="exact")
     ap.add_argument("--no-guard", action="store_true", help="plain DDP, for overhead comparisons")
@@ -136,6 +138,25 @@ def workload(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
     return models.BNMLP(), _autocast(loss_fn) if args.autocast else loss_fn, make_batch
 
 
+def poisoned(batch_of: Any, bad_rank: int, bad_step: int) -> Any:
+    """``batch_of`` with an Inf in the first input of rank ``bad_rank``'s batch at step ``bad_step``."""
+    def batch(seed: int, step: int, rank: int, micro: int = 0) -> Any:
+        b = batch_of(seed, step, rank, micro)
+        if (rank, step) == (bad_rank, bad_step) and isinstance(b, tuple):
+            x = b[0].clone()
+            x.view(-1)[0] = float("inf")
+            return (x, *b[1:])
+        return b
+
+    return batch
+
+
+def replay_model() -> tuple[torch.nn.Module, Any]:
+    """For ``vckpt replay RUN --incident ID --model examples/ddp_train.py:replay_model``: the default model
+    (``--model mlp``, no autocast) and its loss; the bundle supplies the weights."""
+    return build_model(0), loss_fn
+
+
 def _autocast(fn: Any) -> Any:
     def under_bf16(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -157,6 +178,8 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     random.seed(args.seed * 1_000 + rank)  # every generator the saved RNGState covers is seeded
     np.random.seed(args.seed * 1_000 + rank)
     module, fn, batch_of = workload(args)
+    if args.bad_batch:
+        batch_of = poisoned(batch_of, *(int(x) for x in args.bad_batch.split(":")))
     model = DDP(module)
     torch.manual_seed(args.seed * 1_000 + rank)  # dropout draws differ per rank, as in real jobs
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)

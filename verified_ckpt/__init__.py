@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
+    BundleError,
     CheckpointNotFound,
     CheckpointNotRestorable,
     CorruptCheckpoint,
@@ -29,7 +30,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .checkpoint import CheckpointManager, RunView
+    from .checkpoint import CheckpointManager, RunView, replay_bundle
     from .comm import Communicator
     from .fingerprint import Fingerprint
     from .guard import GuardConfig, SDCGuard
@@ -48,10 +49,11 @@ _LAZY = {
     "CheckpointInfo": "manifest", "Manifest": "manifest", "Host": "records", "Incident": "records",
     "Problem": "records", "Rollback": "records", "VerificationResult": "records", "render_html": "report",
     "RNGState": "rng", "Status": "status", "discover_runs": "store", "ExitCode": "recovery",
-    "exit_code_for": "recovery", "exit_on": "recovery",
+    "exit_code_for": "recovery", "exit_on": "recovery", "replay_bundle": "checkpoint",
 }
 
 __all__ = [
+    "BundleError",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFound",
@@ -87,6 +89,7 @@ __all__ = [
     "exit_code_for",
     "exit_on",
     "render_html",
+    "replay_bundle",
     "state_fingerprint",
     "tensor_fingerprint",
 ]

@@ -40,6 +40,10 @@ class ManifestError(CorruptCheckpoint):
     """A manifest or record is malformed, truncated or unsafe."""
 
 
+class BundleError(VerifiedCkptError):
+    """A replay bundle is missing, damaged, altered, or unreadable (``vckpt replay``); nothing was loaded from it."""
+
+
 class UnsafePath(CorruptCheckpoint):
     """A stored path resolves outside the run (a symlink on a local disk); it is never followed."""
 

@@ -165,6 +165,7 @@ class RunStore:
         self.root = root.rstrip("/") or root
         self.ledger = LedgerObjects(self)
         self.records = RecordObjects(self)
+        self.replays = ReplayObjects(self)
 
     # -- paths -----------------------------------------------------------
     def _join(self, *parts: str) -> str:
@@ -479,6 +480,37 @@ class RunStore:
     def delete_file(self, cid: str, name: str) -> None:
         with self._io(f"deleting {cid}/{name}"), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._shard_path(cid, name))
+
+class ReplayObjects:
+    """The run's replay bundles under ``replay/`` (``bundle.py``): a tensors object and the record that digests it."""
+
+    def __init__(self, run: RunStore) -> None:
+        self.run = run
+
+    def write(self, incident: str, record: bytes, data: bytes) -> None:
+        """The tensors, then the record: a reader finds the record only once the tensors it digests exist."""
+        run = self.run
+        base = run._join("replay", _plain(incident, "incident id"))
+        with run._io(f"writing the replay bundle of incident {incident}", writing=True):
+            run._mkdir(run._join("replay"), exist_ok=True)
+            run._put_whole(f"{base}.safetensors", data)
+            run._put_whole(f"{base}.json", record)
+
+    def read(self, incident: str, suffix: str, max_bytes: int) -> bytes | None:
+        """One object of a bundle (``json`` or ``safetensors``), refused unread above ``max_bytes``; None if absent."""
+        run = self.run
+        path = run._readable(run._join("replay", f"{_plain(incident, 'incident id')}.{suffix}"))
+        with run._io(f"reading the replay bundle of incident {incident}"):
+            try:
+                size = int(run.fs.size(path))
+                if size > max_bytes:
+                    raise ManifestError(f"the replay bundle of incident {incident} ({suffix}) is {size} bytes, more "
+                                        f"than the {max_bytes} its record allows; it is never read")
+                data: bytes = run.fs.cat_file(path)
+                return data
+            except FileNotFoundError:
+                return None
+
 
 class RecordObjects:
     """The run's records under ``records/<kind>/``: appended whole (never overwritten), listed whole."""

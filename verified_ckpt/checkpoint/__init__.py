@@ -3,10 +3,11 @@
 ``saving`` (write path, commit last), ``reading`` (checked reads, one reader
 with named modes), ``loading`` (into live objects), ``catalog`` (run view,
 records, selection, retention, gc), ``manager`` (the facade that holds the
-invariants).
+invariants), ``replays`` (a replay bundle read back, checked).
 """
 
 from .catalog import RunView
 from .manager import CheckpointManager
+from .replays import replay_bundle
 
-__all__ = ["CheckpointManager", "RunView"]
+__all__ = ["CheckpointManager", "RunView", "replay_bundle"]

@@ -87,6 +87,7 @@ class CheckpointManager:
         self._recovery = Recovery(self._store, self._catalog, self._journal, io_workers, self._restored, lambda: self.comm.rank)
         if guard is not None:
             guard.add_incident_listener(self._journal.incident)
+            guard.add_capture_listener(self._journal.replay)  # on every rank: taking a capture is collective
             if self._journal.ledger is not None:  # other ranks build no rows
                 guard.add_event_listener(self._journal.rows)
             warning = decisions.node_local_warning(self._store.is_local_disk, [h.host for h in guard.topology])

@@ -32,7 +32,7 @@ from ..lanes import tensor_lanes
 from .config import GuardConfig
 from .stats import Projector, StepStats, Verdict
 
-__all__ = ["Auditor", "Recomputed", "exchange_batches"]
+__all__ = ["Auditor", "Recomputed", "exchange_batches", "recompute"]
 
 
 def exchange_batches(comm: Communicator, step: int, mine: list[tuple[Any, Any]],
@@ -203,29 +203,46 @@ class Auditor:
 
     def _recompute(self, microbatches: Sequence[Any], layout: dict[int, list[int]]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The loss and gradient fingerprint of ``microbatches`` with the current (pre-update) weights."""
-        dev = self.params[0].device if self.params else torch.device("cpu")
-        acc: list[torch.Tensor] | None = None
-        loss_total = torch.zeros((), dtype=torch.float64, device=dev)
-        cuda = [dev] if dev.type == "cuda" else []
-        for mb, (cpu_rng, cuda_rng) in microbatches:
-            with torch.random.fork_rng(devices=cuda), torch.enable_grad():
-                torch.set_rng_state(cpu_rng)
-                if cuda_rng is not None and cuda:
-                    torch.cuda.set_rng_state(cuda_rng, dev)
-                loss = self.loss_fn(self.module, mb)
-                grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-            full = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.params, strict=True)]
-            # Same order of additions as autograd's accumulation into .grad.
-            acc = full if acc is None else [x + g for x, g in zip(acc, full, strict=True)]
-            loss_total = loss_total + loss.detach().to(torch.float64)
-        assert acc is not None
-        lanes = torch.zeros(2, dtype=torch.int64, device=dev)
-        parts, sizes = [], []
-        for index, members in sorted(layout.items()):
-            flat = torch.cat([acc[i].reshape(-1) for i in members])
-            lanes += tensor_lanes(flat) * (2 * index + 1)
-            parts.append(self.project.part(*self.project.split(flat)))
-            sizes.append(flat.numel())
-        # Finished as the owner's per-bucket projections are (``gather_step_stats``): equal grads, equal bits.
-        return loss_total, self.project.total(parts, sizes), lanes
+        return recompute(self.module, self.params, self.loss_fn, microbatches, layout, self.project)
+
+    def recompute_round(self, jobs: dict[int, int], batches: list[list[Any]], layout: dict[int, list[int]]
+                        ) -> dict[int, Recomputed]:
+        """Collective: each rank in ``jobs`` recomputes ``jobs[rank]``'s microbatches; every rank learns every
+        result (a replay bundle's reference recomputation)."""
+        return self._round(jobs, batches, layout)
+
+
+def recompute(module: torch.nn.Module, params: Sequence[torch.Tensor], loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+              microbatches: Sequence[Any], layout: dict[int, list[int]], project: Projector,
+              on_bucket: Callable[[int, torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loss and gradient fingerprint of ``microbatches`` (``(batch, (cpu_rng, cuda_rng))`` pairs) with
+    ``module``'s current weights, bucket by bucket as ``layout`` groups ``params``: what an audit or a replay
+    recomputes. ``on_bucket(index, flat)`` may change a bucket's gradient before it is fingerprinted (a replay's
+    simulated fault, where the training step's fault hit the reduction's bucket)."""
+    dev = params[0].device if params else torch.device("cpu")
+    acc: list[torch.Tensor] | None = None
+    loss_total = torch.zeros((), dtype=torch.float64, device=dev)
+    cuda = [dev] if dev.type == "cuda" else []
+    for mb, (cpu_rng, cuda_rng) in microbatches:
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None and cuda:
+                torch.cuda.set_rng_state(cuda_rng, dev)
+            loss = loss_fn(module, mb)
+            grads = torch.autograd.grad(loss, list(params), allow_unused=True)
+        full = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=True)]
+        # Same order of additions as autograd's accumulation into .grad.
+        acc = full if acc is None else [x + g for x, g in zip(acc, full, strict=True)]
+        loss_total = loss_total + loss.detach().to(torch.float64)
+    assert acc is not None
+    lanes = torch.zeros(2, dtype=torch.int64, device=dev)
+    parts, sizes = [], []
+    for index, members in sorted(layout.items()):
+        flat = torch.cat([acc[i].reshape(-1) for i in members])
+        if on_bucket is not None:
+            on_bucket(index, flat)
+        lanes += tensor_lanes(flat) * (2 * index + 1)
+        parts.append(project.part(*project.split(flat)))
+        sizes.append(flat.numel())
+    # Finished as the owner's per-bucket projections are (``gather_step_stats``): equal grads, equal bits.
+    return loss_total, project.total(parts, sizes), lanes

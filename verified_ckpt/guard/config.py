@@ -60,6 +60,9 @@ class GuardConfig:
         arrival_timeout_s: how long a save, consensus or audit waits for every rank to arrive
             before failing with an error naming the missing ranks (a save called on rank 0 only).
         faults: fault-injection specs ``SITE:RANK:STEP[:MODE]`` (testing only).
+        replay_max_bytes: the most a replay bundle may hold (the step's weights and buffers, plus the suspects'
+            microbatches), written when a gradient check names a rank (DDP, with a ``CheckpointManager``); a step
+            whose state exceeds it gets no bundle, with a warning. 0: never write one (docs/RECOVERY.md).
     """
 
     overhead: float = 0.03
@@ -83,6 +86,7 @@ class GuardConfig:
     audit_before_save: bool = True
     arrival_timeout_s: float = 300.0
     faults: tuple[str, ...] = ()
+    replay_max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not (isinstance(self.overhead, (int, float)) and 0 < self.overhead <= 1):
@@ -109,6 +113,12 @@ class GuardConfig:
         patterns: object = self.abft_exclude  # a bare string would be taken as one pattern per character
         if not isinstance(patterns, tuple) or not all(isinstance(p, str) for p in patterns):
             raise ValueError(f"abft_exclude must be a tuple of parameter-name patterns, got {self.abft_exclude!r}")
+        self._check_io()
+        FaultPlan(self.faults)  # raises ValueError naming a bad spec
+
+    def _check_io(self) -> None:
+        """What the guard waits for and writes: the arrival bound, the replay bundle bound."""
         if not self.arrival_timeout_s > 0:
             raise ValueError(f"arrival_timeout_s must be > 0, got {self.arrival_timeout_s!r}")
-        FaultPlan(self.faults)  # raises ValueError naming a bad spec
+        if not isinstance(self.replay_max_bytes, int) or isinstance(self.replay_max_bytes, bool) or self.replay_max_bytes < 0:
+            raise ValueError(f"replay_max_bytes must be an int >= 0 (0: no replay bundles), got {self.replay_max_bytes!r}")

@@ -20,9 +20,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import batches, decisions
 from ..errors import GuardUsageError
 from ..history import NO_RANK, Event
-from . import abft, checksum, consensus, nonfinite
+from . import abft, capture, checksum, consensus, nonfinite
 from .abft import GradientChecks
 from .audit import Auditor, exchange_batches
+from .capture import Capture
 from .consensus import StateProbe
 from .schedule import AUDIT_SLICES
 from .stats import StepStats, Verdict, gather_step_stats, step_rows
@@ -80,6 +81,7 @@ class ReplicatedLayout:
         if self.ddp is not None:
             self.tap.install(self.ddp)
         self._warmup_pending = False
+        self.gathered: list[StepStats] = []
         g.faults.hook_compute(g.module, g.rank, lambda: g._kept[0] if g._step is None else g._step,
                               lambda: self.tap.warming)
 
@@ -157,6 +159,7 @@ class ReplicatedLayout:
         costs = g.sched.watch.take()
         t0 = time.perf_counter()
         gathered = gather_step_stats(g.comm, self.tap.buckets, g._losses, g.project, inputs, costs.row())
+        self.gathered = gathered  # what each rank recorded, for a replay capture if a check fails
         g.sched.decide(s, [x.costs for x in gathered], time.perf_counter() - t0, g.device.type == "cpu")
         g._report_schedule(s)
         self._check_gradients(s, gathered)
@@ -224,6 +227,11 @@ class ReplicatedLayout:
         with self.paused():  # recomputation is not this step's gradient computation
             verdict = run(everyone)
         g.judge.judge(s, verdict)
+
+    def capture(self, step: int, suspects: list[int], kind: str) -> Capture | None:
+        """Collective: what a replay of step ``step`` needs (``capture.py``), on rank 0; called by the guard when a
+        check before the update names ``suspects``."""
+        return capture.take(self, step, suspects, kind, self.gathered)
 
     def consensus(self, step: int) -> list[str]:
         """The round itself (every replica's whole state). A scheduled one needs no check-in: every rank derived

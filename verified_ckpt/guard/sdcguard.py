@@ -13,9 +13,10 @@ absorb the bad value. The checks themselves live one per module and return verdi
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -23,8 +24,10 @@ from .. import batches
 from ..comm import Communicator
 from ..errors import GuardConfigurationError, GuardUsageError, SilentCorruptionDetected
 from ..faults import FaultPlan
+from ..records import Incident
 from ..rng import microbatch_state
 from .budget import Rates, Stopwatch
+from .capture import Capture
 from .config import GuardConfig
 from .fsdp import ShardedLayout, is_fsdp
 from .judge import Bookkeeping, Judge
@@ -37,6 +40,7 @@ from .stats import Projector
 __all__ = ["TWO_REPLICAS", "SDCGuard"]
 
 Layout = ReplicatedLayout | ShardedLayout | PipelineLayout
+log = logging.getLogger("verified_ckpt")
 
 
 class SDCGuard(Bookkeeping):
@@ -104,6 +108,7 @@ class SDCGuard(Bookkeeping):
         self._rng: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._losses: list[torch.Tensor] = []
         self._kept: tuple[int | None, list[Any]] = (None, [])  # the last step and its first microbatch (save audits)
+        self._capture_listeners: list[Callable[[Capture], None]] = []
         self.layout: Layout = PipelineLayout(self, pipeline) if pipeline is not None else kind(self)
         self.abft = self.layout.abft
         self.rest = RestWitness(self.layout.local_params, self.device, on=self.world >= 2 and self.layout.witnessed)
@@ -211,8 +216,10 @@ class SDCGuard(Bookkeeping):
         if self._step is None or not self._batches:
             raise GuardUsageError("call guard.backward(batch, step=...) before guard.step()")
         s = self._step
+        before = True  # a failure before the update leaves the step's weights for a replay capture
         try:
             self.layout.check_before_update(s)
+            before = False
             self.rest.before_update()
             t0 = time.perf_counter()
             self.optimizer.step()
@@ -223,7 +230,12 @@ class SDCGuard(Bookkeeping):
                 t0 = time.perf_counter()
                 self.layout.consensus(s)
                 self.sched.watch.consensus = time.perf_counter() - t0
-        except (SilentCorruptionDetected, GuardConfigurationError):
+        except SilentCorruptionDetected as e:
+            if before:
+                self._capture(s, e)
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        except GuardConfigurationError:
             self.optimizer.zero_grad(set_to_none=True)
             raise
         else:
@@ -235,6 +247,26 @@ class SDCGuard(Bookkeeping):
             self.faults.step_done(s)
             self._reset_step()
             self._step = None
+
+    def add_capture_listener(self, fn: Callable[[Capture], None]) -> None:
+        """Call ``fn(capture)`` on rank 0 with what a replay of a failed step needs (``capture.py``), after the
+        incident listeners and before the incident is raised. Register it on every rank: taking it is collective."""
+        self._capture_listeners.append(fn)
+
+    def _capture(self, s: int, e: SilentCorruptionDetected) -> None:
+        """The replay capture of an incident raised before the update, where a listener wants one: every rank
+        registers the same listeners, so every rank takes part or none."""
+        inc = cast("Incident", e.incident)
+        take = getattr(self.layout, "capture", None)
+        if not self._capture_listeners or take is None or not inc.ranks:
+            return
+        got = take(s, list(inc.ranks), inc.kind)
+        if got is None and self.rank == 0:
+            log.warning("SDCGuard: no replay bundle for the %s incident at step %d (the state and microbatches exceed "
+                        "replay_max_bytes=%d, or no healthy rank is left to recompute)", inc.kind, s,
+                        self.cfg.replay_max_bytes)
+        for fn in self._capture_listeners if got is not None else []:
+            fn(got)
 
     def audit_now(self) -> bool:
         """Audit the last step's first microbatch again, now, with the current weights: every rank recomputes its own

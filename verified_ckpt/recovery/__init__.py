@@ -1,11 +1,22 @@
 """Recovery without a person: verdicts as exit codes (``exits``), whether a host is suspect (``health``), and the
-supervisor that restarts a job from its rollback target, off the suspect hosts (``supervise``, ``supervisor``).
-Imports no torch: the CLI's ``node-health`` and ``supervise`` start fast."""
+supervisor that restarts a job from its rollback target, off the suspect hosts (``supervise``, ``supervisor``),
+and the replay that tells a faulty host from a transient fault (``replay``). Imports no torch until a replay is
+asked for: the CLI's ``node-health`` and ``supervise`` start fast."""
+
+from typing import Any
 
 from .exits import ExitCode, exit_code_for, exit_on, incident_code, record_verdict, verdict_of
 from .health import NodeHealth, node_health
 from .supervise import Attempt, Decision, decide
 from .supervisor import supervise
 
-__all__ = ["Attempt", "Decision", "ExitCode", "NodeHealth", "decide", "exit_code_for", "exit_on", "incident_code",
-           "node_health", "record_verdict", "supervise", "verdict_of"]
+__all__ = ["Attempt", "Decision", "ExitCode", "NodeHealth", "Outcome", "Replayed", "decide", "exit_code_for", "exit_on",
+           "incident_code", "load_model", "node_health", "record_verdict", "replay", "supervise", "verdict_of"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Outcome", "Replayed", "load_model", "replay"):
+        from . import replay as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module 'verified_ckpt.recovery' has no attribute {name!r}")

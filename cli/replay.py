@@ -1,0 +1,71 @@
+"""``vckpt replay``: recompute a recorded failing step on this host and say whose fault it was.
+
+Exit codes (the table's): 0 not reproduced (a transient fault, or another host's), 4 reproduced on this host,
+6 no host to blame (software or data), 1 inconclusive or a bundle refused (altered or damaged), 2 usage (no
+bundle for that incident, a model that is not the trained one), 3 the store cannot be read.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from verified_ckpt import VerifiedCkptError
+
+from .options import EXIT_CHECK_FAILED, EXIT_USAGE, exit_code_for, parse_storage_options
+
+__all__ = ["replay_cmd"]
+
+
+@click.command("replay")
+@click.argument("run")
+@click.option("--incident", "incident", required=True, help="The incident id (`vckpt status RUN --json`).")
+@click.option("--model", "model_spec", required=True, metavar="FILE.py:FUNC|MODULE:FUNC",
+              help="A function returning (model, loss_fn): the trained architecture, unwrapped, and its loss.")
+@click.option("--host", default=None, help="The name to report this host by (default: this machine's name).")
+@click.option("--rank", "ranks", type=int, multiple=True, help="Replay only this suspect rank (repeatable).")
+@click.option("--inject", "faults", multiple=True, metavar="SITE:RANK:STEP[:MODE]",
+              help="Simulate a fault during the recomputation (drills and tests: a persistent fault on this host).")
+@click.option("--storage-option", "-o", "storage_options", multiple=True, metavar="KEY=VALUE",
+              help="fsspec storage option (repeatable); AWS_* environment variables also apply.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+def replay_cmd(run: str, incident: str, model_spec: str, host: str | None, ranks: tuple[int, ...],
+               faults: tuple[str, ...], storage_options: tuple[str, ...], as_json: bool) -> None:
+    """Replay INCIDENT's failing step of RUN on this host: reproduced (exit 4), not reproduced (0), or no host to
+    blame (6). Run it on the suspect host and on a healthy one before replacing a node (docs/RECOVERY.md)."""
+    from verified_ckpt import BundleError, CheckpointManager, replay_bundle
+    from verified_ckpt.recovery.replay import load_model, replay
+
+    try:
+        options = parse_storage_options(storage_options)
+        CheckpointManager(run, storage_options=options).require_run()
+        bundle, tensors = replay_bundle(run, incident, options)
+    except click.BadParameter as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(EXIT_USAGE)
+    except BundleError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_USAGE if "has no replay bundle" in str(e) else EXIT_CHECK_FAILED)
+    except VerifiedCkptError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(exit_code_for(e))
+    try:
+        model, loss_fn = load_model(model_spec)
+        results = replay(bundle, tensors, model, loss_fn, host=host, faults=faults, ranks=ranks)
+    except (VerifiedCkptError, ValueError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_USAGE)
+    if as_json:
+        click.echo(json.dumps({"incident": incident, "step": bundle.step, "kind": bundle.kind, "bundle_bytes": bundle.nbytes,
+                               "signature": bundle.signature, "replays": [r.to_dict() for r in results]}))
+    else:
+        for r in results:
+            click.echo(f"incident {incident}, step {bundle.step} ({bundle.kind}): {r.line}")
+    sys.exit(max((int(r.outcome.code) for r in results), key=_severity))
+
+
+def _severity(code: int) -> int:
+    """Several suspects: the verdict that asks the most (reproduced, then no host, then inconclusive, then none)."""
+    return {4: 3, 6: 2, 1: 1, 0: 0}[code]

@@ -1,0 +1,98 @@
+"""What a later replay needs, taken when a gradient check fails before the update (``vckpt replay``,
+docs/RECOVERY.md).
+
+A replay recomputes a suspect's step on another host, or on the suspect again once the job has moved off it,
+and compares with what the suspect computed. That needs the step's weights (the update was withheld, so every
+replica still holds them), each suspect's microbatches and the random states they started from, what the
+suspect recorded of its gradient before the reduction (the loss and the checksum's projections, the exact lanes
+where the step had them), and a healthy rank's recomputation of the same microbatches now, with the same
+weights: the reference a replay's result is judged against. If the reference equals what the suspect recorded,
+any host computes it: the cause is the software or the data, and no host is to blame.
+
+Taken collectively (every rank raises the same incident at the same point), only where a replay can recompute
+exactly what was checked: the replicated layout, an incident that names ranks, and a state that fits
+``GuardConfig.replay_max_bytes``. One forward and backward on one healthy rank per suspect, at an incident only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import batches
+from .audit import Recomputed, exchange_batches
+
+if TYPE_CHECKING:
+    from .replicated import ReplicatedLayout
+
+__all__ = ["Capture", "Suspect", "take"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Suspect:
+    """One named rank: what it recorded, a healthy rank's recomputation, its microbatches (structure, tensors)."""
+
+    rank: int
+    host: str
+    recorded: Recomputed
+    reference_rank: int
+    reference: Recomputed
+    microbatches: list[tuple[Any, list[torch.Tensor], torch.Tensor, torch.Tensor | None]]  # spec, leaves, cpu, cuda rng
+
+
+@dataclasses.dataclass(frozen=True)
+class Capture:
+    """Everything a replay bundle holds, on rank 0 (the writer)."""
+
+    step: int
+    kind: str
+    layout: dict[int, list[int]]
+    lanes: int
+    seed: int
+    mode: str
+    rtol: float
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    suspects: list[Suspect]
+
+    @property
+    def nbytes(self) -> int:
+        state = sum(t.numel() * t.element_size() for t in [*self.params.values(), *self.buffers.values()])
+        leaves = sum(t.numel() * t.element_size() for s in self.suspects for _, ts, _, _ in s.microbatches for t in ts)
+        return state + leaves
+
+
+def state_bytes(layout: ReplicatedLayout) -> int:
+    g = layout.g
+    return sum(t.numel() * t.element_size() for t in [*g.params, *g.buffers])
+
+
+def take(layout: ReplicatedLayout, step: int, suspects: list[int], kind: str, gathered: list[Any]) -> Capture | None:
+    """Collective. The capture of step ``step`` on rank 0 (``None`` on the others, and on every rank when it cannot
+    be taken: no healthy rank to recompute, or the state and microbatches exceed the bound)."""
+    g = layout.g
+    healthy = [r for r in range(g.world) if r not in suspects]
+    if not suspects or not healthy or g.cfg.replay_max_bytes <= 0 or state_bytes(layout) > g.cfg.replay_max_bytes:
+        return None
+    everyone = exchange_batches(g.comm, step, list(zip(g._batches, g._rng, strict=True)), g.batch_for)
+    leaves = sum(t.numel() * t.element_size() for r in suspects for mb, _ in everyone[r] for t in batches.encode(mb)[0])
+    if state_bytes(layout) + leaves > g.cfg.replay_max_bytes:
+        return None
+    refs = {t: healthy[i % len(healthy)] for i, t in enumerate(suspects)}
+    with layout.paused():  # as an audit: a recomputation, not this step's gradients
+        done = {t: layout.auditor.recompute_round({refs[t]: t}, everyone, layout.tap.layout)[refs[t]] for t in suspects}
+    if g.rank != 0:
+        return None
+    named = []
+    for t in suspects:
+        mbs = []
+        for mb, (cpu, cuda) in everyone[t]:
+            ts, spec = batches.encode(mb)
+            mbs.append((spec, [x.detach().cpu() for x in ts], cpu.cpu(), None if cuda is None else cuda.cpu()))
+        named.append(Suspect(t, g.host_of(t).host, Recomputed.recorded(gathered[t]), refs[t], done[t], mbs))
+    module = g.module
+    return Capture(step, kind, {i: list(m) for i, m in layout.tap.layout.items()}, g.project.k, g.project.seed,
+                   g.cfg.mode, g.cfg.rtol, {n: p.detach().cpu() for n, p in module.named_parameters()},
+                   {n: b.detach().cpu() for n, b in module.named_buffers()}, named)

@@ -147,3 +147,25 @@ def test_the_alert_rules_load_and_use_only_the_services_metrics():
         pytest.skip("promtool is not installed (Debian: prometheus)")
     done = subprocess.run([promtool, "check", "rules", rules], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0 and "SUCCESS: 4 rules found" in done.stdout, done.stdout + done.stderr
+
+
+def supervised(run: str, *job: str) -> subprocess.CompletedProcess[str]:
+    """The DDP example (2 local ranks) under `vckpt supervise`, with a hook that excludes nothing for real."""
+    cmd = [sys.executable, "-m", "verified_ckpt_cli.main", "supervise", "--run", run, "--backoff", "0", "--max-restarts",
+           "3", "--on-exclude", "true {hosts}", "--", sys.executable, "examples/ddp_train.py", "--world-size", "2",
+           "--run", run, "--resume", "--json", *job]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150, check=False)
+
+
+@pytest.mark.timeout(200)
+def test_the_supervisor_stops_a_real_job_whose_interval_fails_again_and_one_with_nothing_to_roll_back_to(tmp_path):
+    # The fault is there on every attempt: the restart resumes from step 6 and step 7 fails again. The host named
+    # the first time is excluded by then, so no host is to blame: software, the data, or a fault that moves.
+    again = supervised(str(tmp_path / "again"), "--steps", "9", "--save-every", "3", "--inject", "grad:1:7:scale=10")
+    assert again.returncode == 6, again.stderr[-3000:]
+    assert "attempt 0 exited 4: restart (exit 4)" in again.stderr and "same interval failed again" in again.stderr
+    assert again.stderr.count("vckpt supervise: attempt") == 4  # two attempts, each announced and decided: bounded
+    # No checkpoint was ever saved: nothing to resume from, its own code.
+    gone = supervised(str(tmp_path / "gone"), "--steps", "5", "--inject", "grad:1:3:scale=10")
+    assert gone.returncode == 7 and "no rollback target is left" in gone.stderr, gone.stderr[-3000:]
+    assert "attempt 1" not in gone.stderr

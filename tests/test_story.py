@@ -1,5 +1,7 @@
-"""One story after recovery: `vckpt status`, `vckpt incidents`, the report and the service say the same about a run
-(the hosts to exclude are those the open incidents name), before and after the rollback that answers an incident."""
+"""One story of recovery without a person: a 3-rank job under real `torchrun`, run by `vckpt supervise`, is caught,
+restarted off the suspect host and resumed from the rollback target to the clean run's final weights; `vckpt
+status`, `vckpt incidents`, `vckpt node-health`, the report and the service say the same about the run (the hosts
+to exclude are those the open incidents name), before and after the rollback that answers the incident."""
 
 from __future__ import annotations
 
@@ -20,11 +22,14 @@ pytestmark = pytest.mark.timeout(180)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# The launch command vckpt supervise runs: the first attempt computes a wrong gradient on rank 1 at step 7, a
-# restart (VCKPT_ATTEMPT 1) resumes from the rollback target with nothing injected.
+# The launch command vckpt supervise runs: real torchrun, 3 ranks on loopback, a fresh port per attempt. The
+# first attempt computes a wrong gradient on rank 1 at step 7; a restart (VCKPT_ATTEMPT 1) resumes from the
+# rollback target with nothing injected.
+PORT = f"$({sys.executable} -c 'import socket; s=socket.socket(); s.bind((\"127.0.0.1\", 0)); print(s.getsockname()[1])')"
+ARGS = ["--steps", "9", "--save-every", "3", "--resume", "--json"]
 LAUNCH = ["sh", "-c", 'if [ "$VCKPT_ATTEMPT" = 0 ]; then set -- --inject grad:1:7:scale=10; fi; '
-          'exec "$0" examples/ddp_train.py --world-size 2 --steps 9 --save-every 3 --run "$RUN" --resume --json "$@"',
-          sys.executable]
+          f'exec "$0" -m torch.distributed.run --nproc-per-node 3 --master-addr 127.0.0.1 --master-port {PORT} '
+          f'examples/ddp_train.py --run-url "$RUN" {" ".join(ARGS)} "$@"', sys.executable]
 # The hook writes the hosts it is asked to exclude, then holds the restart until the test has read the run (the
 # interleaving is the test's, not a timer's); bounded, as every wait.
 HOOK = ("import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(' '.join(sys.argv[3:])); "
@@ -72,8 +77,14 @@ def test_a_supervised_job_is_restarted_off_the_suspect_host_and_every_reader_agr
             supervisor.kill()
             supervisor.communicate()
     assert supervisor.returncode == 0, err[-3000:]
-    assert "attempt 0 exited 4: restart (exit 4)" in err and "attempt 1 exited 0: done" in err, err[-3000:]
-    assert json.loads(out.strip().splitlines()[-1])["completed"]  # the restart resumed and finished
+    # torchrun exits 1 whatever its workers' codes; the supervisor reads the verdict (4) from the run.
+    assert "attempt 0 exited 1: restart (exit 4)" in err and "attempt 1 exited 0: done" in err, err[-3000:]
+    final = json.loads(out.strip().splitlines()[-1])
+    assert final["completed"]  # the restart resumed and finished
+    # ... bit for bit where the same job run clean, uninterrupted (on the example's own launcher) ends.
+    clean = subprocess.run([sys.executable, "examples/ddp_train.py", "--world-size", "3", "--run", str(tmp_path / "clean"),
+                            *ARGS], cwd=ROOT, capture_output=True, text=True, timeout=150, check=False)
+    assert final["fingerprint"] == json.loads(clean.stdout.strip().splitlines()[-1])["fingerprint"], clean.stderr[-2000:]
     after = told(run)
     assert after["status"] == after["report"] == after["service"] == []
     assert "every incident is answered" in after["incidents"] and after["health"] == "ok" and after["node"] == 0

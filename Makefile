@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-s3 test lint bench clean
+.PHONY: demo demo-s3 demo-recovery test lint bench clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	python3 -m venv $(VENV)
@@ -16,6 +16,10 @@ demo: $(STAMP)
 
 demo-s3: $(STAMP)
 	$(PY) tools/s3_demo.py
+
+# Recovery without a person: vckpt supervise around a faulty 3-rank torchrun job, then vckpt replay.
+demo-recovery: $(STAMP)
+	$(PY) examples/recovery_demo.py
 
 # Style is held by tools, not by review: ruff (lint, import order), mypy (strict), and the size rules.
 lint: $(STAMP)

@@ -289,7 +289,9 @@ def _record_variants() -> list[tuple[str, bytes]]:
     out = []
     for kind, fields in (("incident", base), ("rollback", {"at": "t", "to_checkpoint_id": "c", "to_step": 1, "answers": []}),
                          ("verification", {"kind": "verification", "checkpoint_id": "c", "step": 1, "ok": True,
-                                           "problems": [], "at": "t"})):
+                                           "problems": [], "at": "t"}),
+                         ("supervision", {"at": "t", "attempt": 0, "exit_code": 1, "action": "restart", "code": 4,
+                                          "exclude": ["h"], "reason": "r"})):
         for field in list(fields):
             for v in bad_values:
                 try:
@@ -300,10 +302,11 @@ def _record_variants() -> list[tuple[str, bytes]]:
         for v in bad_values:  # inside nested entries: hosts, problems, answers
             nested = {"incident": ("hosts", [{"rank": v, "host": "h", "device": "d"}, {"rank": 0, "host": v, "device": "d"}]),
                       "verification": ("problems", [{"kind": v, "detail": "x"}, {"kind": "digest", "detail": v}]),
-                      "rollback": ("answers", [[v], [v, "abc"]])}[kind]
+                      "rollback": ("answers", [[v], [v, "abc"]]), "supervision": ("exclude", [[v], [v, "h"]])}[kind]
             for entry in nested[1]:
                 try:
-                    out.append((kind, json.dumps({**fields, nested[0]: [entry] if kind != "rollback" else entry}).encode()))
+                    out.append((kind, json.dumps({**fields, nested[0]: [entry] if kind not in ("rollback", "supervision")
+                                                  else entry}).encode()))
                 except (UnicodeEncodeError, ValueError):
                     continue
         raw = json.dumps(fields).encode()
@@ -319,15 +322,16 @@ def test_no_command_prints_a_traceback_for_hundreds_of_hostile_records(tmp_path)
     mgr.save(1, {"w": torch.ones(2)})
     variants = _record_variants()
     assert len(variants) >= 500
-    d = {k: os.path.join(run, "records", k) for k in ("incident", "rollback", "verification")}
+    d = {k: os.path.join(run, "records", k) for k in ("incident", "rollback", "verification", "supervision")}
     for p in d.values():
         os.makedirs(p, exist_ok=True)
     runner = CliRunner()
     for i, (kind, raw) in enumerate(variants):
         path = os.path.join(d[kind], f"2026-01-01T000000.{i:06d}Z0000-fuzz.json")
         open(path, "wb").write(raw)
-        for args in (["list"], ["incidents"], ["status"], ["rollback", "--dry-run"]):
-            r = runner.invoke(vckpt, [args[0], run, *args[1:], "--json"])
+        for args in (["list"], ["incidents"], ["status"], ["rollback", "--dry-run"]) if kind != "supervision" else (
+                ["status"], ["report", "--out", os.path.join(run, "r.html")]):  # the report is what reads decisions
+            r = runner.invoke(vckpt, [args[0], run, *args[1:], *(["--json"] if args[0] != "report" else [])])
             assert r.exception is None or isinstance(r.exception, SystemExit), (raw[:200], args, repr(r.exception))
             assert r.exit_code in range(8), (raw[:200], args, r.exit_code)  # the documented codes
         os.remove(path)

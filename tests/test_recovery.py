@@ -169,3 +169,27 @@ def test_the_supervisor_stops_a_real_job_whose_interval_fails_again_and_one_with
     gone = supervised(str(tmp_path / "gone"), "--steps", "5", "--inject", "grad:1:3:scale=10")
     assert gone.returncode == 7 and "no rollback target is left" in gone.stderr, gone.stderr[-3000:]
     assert "attempt 1" not in gone.stderr
+
+
+def test_a_supervisors_decision_is_recorded_signed_and_an_edited_one_is_not_believed(tmp_path, monkeypatch):
+    from verified_ckpt.checkpoint import record_decision
+
+    monkeypatch.setenv("VCKPT_SIGNING_KEY", "supervision-test-key-0123456789")
+    run = str(tmp_path / "run")
+    assert record_decision(run, attempt=0, exit_code=1, action="restart", code=4, exclude=["n3"], reason="r") is None
+    assert not os.path.exists(run)  # a job that never created its run gets none created for a decision
+    CheckpointManager(run).save(1, {"w": torch.ones(2)})
+    record_decision(run, attempt=0, exit_code=-9, action="restart", code=4, exclude=["n3"], reason="abft at step 7")
+    record_decision(run, attempt=1, exit_code=0, action="done", code=0, exclude=[], reason="the job finished")
+    got = CheckpointManager(run).history_report()["supervision"]
+    assert [(d["attempt"], d["exit_code"], d["action"], d["exclude"]) for d in got] == [
+        (0, -9, "restart", ["n3"]), (1, 0, "done", [])]
+    before = CliRunner().invoke(vckpt, ["status", run, "--json"]).output
+    folder = os.path.join(run, "records", "supervision")
+    first = sorted(os.listdir(folder))[0]
+    doc = json.load(open(os.path.join(folder, first)))
+    doc["exclude"] = ["n4"]  # an edit: another host blamed
+    json.dump(doc, open(os.path.join(folder, first), "w"))
+    got = CheckpointManager(run).history_report()["supervision"]
+    assert [d["attempt"] for d in got] == [1]  # the edited decision tells nothing; the other still stands
+    assert CliRunner().invoke(vckpt, ["status", run, "--json"]).output == before  # and changes no status

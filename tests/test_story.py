@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from test_service import run_key, service, until
 
-from verified_ckpt import CheckpointManager
+from verified_ckpt import CheckpointManager, render_html
 from verified_ckpt_cli.main import main as cli
 
 pytestmark = pytest.mark.timeout(180)
@@ -51,6 +51,7 @@ def told(run: str) -> dict:
     line = next(x for x in human.splitlines() if x.startswith("exclude from scheduling"))
     return {"status": status["exclude_hosts"], "incidents": line, "report": report["exclude_hosts"],
             "service": api["exclude_hosts"], "recovery": report["recovery"], "health": status["health"],
+            "supervised": [(d["attempt"], d["exit_code"], d["action"], d["code"], d["exclude"]) for d in report["supervision"]],
             "node": CliRunner().invoke(cli, ["node-health", run]).exit_code,
             "service node": (node.status_code, node.json()["healthy"], gauge)}
 
@@ -69,6 +70,7 @@ def test_a_supervised_job_is_restarted_off_the_suspect_host_and_every_reader_agr
         now = told(run)  # the first attempt stopped at step 7: the incident is open
         assert now["status"] == now["report"] == now["service"] == [host] and now["incidents"].endswith(host)
         assert now["recovery"] is None and now["health"] == "open-incident" and now["node"] == 1
+    assert now["supervised"] == [(0, 1, "restart", 4, [host])]  # the supervisor's decision, recorded in the run
         assert now["service node"] == (503, False, True)  # the service's node health and its suspect-host gauge
         open(go, "w").close()
         out, err = supervisor.communicate(timeout=150)
@@ -90,3 +92,6 @@ def test_a_supervised_job_is_restarted_off_the_suspect_host_and_every_reader_agr
     assert "every incident is answered" in after["incidents"] and after["health"] == "ok" and after["node"] == 0
     assert after["service node"] == (200, True, False)
     assert after["recovery"] == {"detected_step": 7, "rolled_back_to": 6}
+    assert after["supervised"] == [(0, 1, "restart", 4, [host]), (1, 0, "done", 0, [])]
+    page = render_html(CheckpointManager(run).history_report())
+    assert 'data-testid="supervision-row-1"' in page and "the job finished" in page  # the report shows the recovery

@@ -218,10 +218,12 @@ def redact_url(url: str) -> str:
 
 def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: Sequence[dict[str, Any]],
                 incidents: Sequence[Incident], answered: Sequence[bool], target: dict[str, Any] | None,
-                exclude_hosts: Sequence[str] = (), recovery: tuple[int, int] | None = None) -> dict[str, Any]:
+                exclude_hosts: Sequence[str] = (), recovery: tuple[int, int] | None = None,
+                supervision: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """The input of ``report.render_html``: the ledger's per-step series and votes, checkpoints
     with their derived status, incidents' flagged intervals, the rollback target, the hosts the open
-    incidents name, and the recovery (detected step, rolled back to) once every incident is answered."""
+    incidents name, the recovery (detected step, rolled back to) once every incident is answered, and
+    ``vckpt supervise``'s decisions (attempt, exit code, action, verdict, hosts excluded, why)."""
     cols = cols if cols is not None else Columns.of([])
     return {
         "run": redact_url(run),
@@ -240,4 +242,6 @@ def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: 
         "rollback_target": target,
         "exclude_hosts": list(exclude_hosts),
         "recovery": {"detected_step": recovery[0], "rolled_back_to": recovery[1]} if recovery else None,
+        "supervision": [{k: d[k] for k in ("at", "attempt", "exit_code", "action", "code", "exclude", "reason")}
+                        for d in supervision],
     }

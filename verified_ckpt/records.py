@@ -2,7 +2,7 @@
 
 Manifests are immutable; what is learnt later is an append-only record under
 ``<run>/records/<kind>/``: an :class:`Incident` (a failed check, or a flag set
-by hand), a :class:`Rollback`, or a :class:`VerificationResult`. Each kind has
+by hand), a :class:`Rollback`, a :class:`VerificationResult`, or a supervisor's decision (:class:`Supervision`). Each kind has
 a strict ``from_record`` (types, ranges, lengths) and ``to_record`` (the
 stored form, sealed by ``signing``).
 
@@ -31,12 +31,12 @@ from .manifest import MAX_STEP, SEGMENT
 from .signing import Signature, Signer
 
 __all__ = [
-    "INCIDENT", "KINDS", "MAX_RECORD_BYTES", "MAX_TEXT", "ROLLBACK", "UNANSWERABLE", "VERIFICATION", "Host", "Incident",
-    "InvalidRecord", "Problem", "Rollback", "VerificationResult", "encoded", "parse",
+    "INCIDENT", "KINDS", "MAX_RECORD_BYTES", "MAX_TEXT", "ROLLBACK", "SUPERVISION", "UNANSWERABLE", "VERIFICATION", "Host",
+    "Incident", "InvalidRecord", "Problem", "Rollback", "Supervision", "VerificationResult", "encoded", "parse",
 ]
 
-INCIDENT, ROLLBACK, VERIFICATION = "incident", "rollback", "verification"
-KINDS = (INCIDENT, ROLLBACK, VERIFICATION)
+INCIDENT, ROLLBACK, VERIFICATION, SUPERVISION = "incident", "rollback", "verification", "supervision"
+KINDS = (INCIDENT, ROLLBACK, VERIFICATION, SUPERVISION)
 MAX_RECORD_BYTES = 1 << 20
 UNANSWERABLE = "9999-12-31T23:59:59+00:00"  # later than any rollback record
 _LIMITS = Limits(max_bytes=MAX_RECORD_BYTES, max_depth=16)
@@ -165,6 +165,36 @@ class Rollback:
                    answers=r.idents("answers"), signature=signature)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Supervision:
+    """A decision of ``vckpt supervise`` after one attempt of the job (``recovery/supervise``): what the attempt
+    exited with, and whether the job was restarted (off ``exclude``), stopped with ``code`` or done. Believed only
+    when trusted; it changes no status, it tells the recovery's story."""
+
+    at: str
+    attempt: int
+    exit_code: int  # the launcher's status (negative: killed by that signal)
+    action: str  # done | restart | stop
+    code: int  # the supervisor's verdict, the exit-code table's
+    exclude: list[str]
+    reason: str
+    signature: str = "unsigned"
+
+    def to_record(self) -> dict[str, Any]:
+        return {"at": self.at, "attempt": self.attempt, "exit_code": self.exit_code, "action": self.action,
+                "code": self.code, "exclude": list(self.exclude), "reason": self.reason}
+
+    @classmethod
+    def from_record(cls, d: dict[str, Any], signature: str = "unsigned") -> Supervision:
+        r = _Fields(d, SUPERVISION)
+        action = r.text("action", 16)
+        if action not in ("done", "restart", "stop"):
+            raise RecordError(f"field 'action' must be done, restart or stop, got {short_repr(action)}")
+        return cls(at=r.text("at", 64), attempt=r.step("attempt"), exit_code=r.small_int("exit_code"), action=action,
+                   code=r.small_int("code"), exclude=r.texts("exclude", 256), reason=r.text("reason", MAX_TEXT),
+                   signature=signature)
+
+
 @dataclasses.dataclass(frozen=True)
 class VerificationResult:
     """The outcome of re-reading one checkpoint, as returned and as recorded."""
@@ -218,9 +248,10 @@ class Unreadable:
         return f"{self.kind} record {self.name} could not be read ({self.why})"
 
 
-Record = Incident | Rollback | VerificationResult
+Record = Incident | Rollback | VerificationResult | Supervision
 _PARSERS: dict[str, Callable[..., Record]] = {
     INCIDENT: Incident.from_record, ROLLBACK: Rollback.from_record, VERIFICATION: VerificationResult.from_record,
+    SUPERVISION: Supervision.from_record,
 }
 
 
@@ -264,7 +295,7 @@ def parse(kind: str, name: str, raw: bytes | None, problem: str | None, signer: 
         return _PARSERS[kind](doc, sig.value)
     except RecordError as e:
         unreadable = Unreadable(kind, name, short_repr(str(e))[1:-1])
-        if signer.key is None or kind == ROLLBACK:
+        if signer.key is None or kind in (ROLLBACK, SUPERVISION):  # neither can hide a failure
             return unreadable
         return _untrusted(INCIDENT, {"id": "unreadable", "kind": "unreadable-record"},
                           f"{unreadable}, although a signing key is configured: it may have been a failure someone "
@@ -342,6 +373,18 @@ class _Fields:
         if not isinstance(v, list) or len(v) > _MAX_ITEMS:
             raise RecordError(f"field {key!r} must be a list, got {short_repr(v)}")
         return v
+
+    def small_int(self, key: str) -> int:
+        v = self._get(key)
+        if type(v) is not int or not -256 <= v <= 255:
+            raise RecordError(f"field {key!r} must be an exit status (an int from -256 to 255), got {short_repr(v)}")
+        return v
+
+    def texts(self, key: str, limit: int) -> list[str]:
+        v = self._list(key)
+        if not all(isinstance(x, str) and 0 < len(x) <= limit for x in v):
+            raise RecordError(f"field {key!r} must list strings of at most {limit} characters, got {short_repr(v)}")
+        return list(v)
 
     def ranks(self, key: str) -> list[int]:
         v = self._list(key)

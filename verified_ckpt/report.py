@@ -272,6 +272,11 @@ def render_html(data: dict[str, Any]) -> str:
         for n, i in enumerate(incidents)
     ]
     hosts = "".join(f"<li>{_e(h)}</li>" for h in data["exclude_hosts"]) or '<li class="empty">none</li>'
+    sup = [(f"supervision-row-{n}", [str(int(d["attempt"])), str(int(d["exit_code"])), _e(d["action"]),
+                                     str(int(d["code"])), ", ".join(_e(h) for h in d["exclude"]), _e(d["reason"])])
+           for n, d in enumerate(data.get("supervision", []))]
+    supervised = "" if not sup else ("<h2>Recovery by <code>vckpt supervise</code></h2>\n" + _table(
+        "supervision", ["attempt", "exited", "decision", "verdict", "hosts excluded", "why"], sup))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'">
@@ -287,5 +292,6 @@ def render_html(data: dict[str, Any]) -> str:
 {_table("incidents", ["kind", "interval", "detected at", "ranks", "hosts", "answered", "detail"], incs)}
 <h2>Hosts to exclude from scheduling (named by open incidents)</h2>
 <ul data-testid="exclude-hosts">{hosts}</ul>
+{supervised}
 </body></html>
 """

@@ -35,12 +35,14 @@ from ..records import (
     KINDS,
     MAX_TEXT,
     ROLLBACK,
+    SUPERVISION,
     VERIFICATION,
     Host,
     Incident,
     InvalidRecord,
     Record,
     Rollback,
+    Supervision,
     Unreadable,
     VerificationResult,
     encoded,
@@ -97,6 +99,7 @@ class RunRecords:
     rollbacks: list[Rollback]
     verifications: dict[str, list[VerificationResult]]
     unreadable: list[str]
+    supervision: list[Supervision] = dataclasses.field(default_factory=list)  # vckpt supervise's decisions, oldest first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +112,7 @@ class RunView:
     incidents: list[Incident]
     rollbacks: list[Rollback]
     verifications: dict[str, list[VerificationResult]] = dataclasses.field(default_factory=dict)  # by checkpoint id
+    supervision: list[Supervision] = dataclasses.field(default_factory=list)  # vckpt supervise's decisions
 
     def rollback_target(self) -> tuple[CheckpointInfo | None, list[tuple[str, int, str]]]:
         return decisions.rollback_target(self.infos)
@@ -134,7 +138,7 @@ class RunView:
         return history.report_data(
             self.url, utc_now(), ledger, [{"id": i.id, "step": i.step, "status": i.status.value} for i in self.infos],
             self.incidents, self.answered(), {"id": target.id, "step": target.step} if target is not None else None,
-            self.exclude_hosts(), self.recovery())
+            self.exclude_hosts(), self.recovery(), [d.to_record() for d in self.supervision])
 
     def flagged_by(self, incident: Incident) -> list[CheckpointInfo]:
         """The checkpoints ``incident`` makes suspect."""
@@ -188,9 +192,12 @@ class Catalog:
                     got.rollbacks.append(rec)
                 elif isinstance(rec, VerificationResult):
                     got.verifications.setdefault(rec.id, []).append(rec)
+                elif isinstance(rec, Supervision):
+                    got.supervision.append(rec)
                 elif isinstance(rec, Unreadable):
                     got.unreadable.append(str(rec))
         got.incidents.sort(key=lambda r: r.at)
+        got.supervision.sort(key=lambda r: r.at)
         return got
 
     def verification_records(self) -> list[tuple[str, VerificationResult]]:
@@ -223,6 +230,9 @@ class Catalog:
         """Why a checkpoint of ``step`` created at ``created_at`` is suspect by the run's incidents (records only)."""
         recs = self.records((INCIDENT, ROLLBACK, VERIFICATION))
         return decisions.incident_reasons(step, created_at, recs.incidents, recs.rollbacks)
+
+    def record_supervision(self, decision: Supervision) -> None:
+        self.append(SUPERVISION, decision.to_record())
 
     def record_verification(self, result: VerificationResult) -> None:
         self.append(VERIFICATION, result.to_record())
@@ -321,7 +331,7 @@ class Catalog:
         with concurrent.futures.ThreadPoolExecutor(self.io_workers) as pool:
             infos = list(pool.map(load, listed))
         return RunView(self.url, recs.unreadable, sorted(infos, key=lambda i: (i.created_at, i.step, i.id)), incidents, rollbacks,
-                       verifications)
+                       verifications, recs.supervision)
 
     # -------------------------------------------------------- selection
     def get(self, infos: list[CheckpointInfo], ref: int | str) -> CheckpointInfo:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .supervise import Attempt, decide
+from .supervise import Attempt, Decision, decide
 
 __all__ = ["supervise"]
 
@@ -51,6 +51,7 @@ def supervise(command: Sequence[str], run: str, *, max_restarts: int = 3, backof
         decision = decide(attempts, max_restarts=max_restarts, can_exclude=on_exclude is not None)
         log(f"attempt {len(attempts) - 1} exited {code}: {decision.action} (exit {int(decision.code)}): "
             f"{decision.reason}")
+        _record(run, len(attempts) - 1, code, decision, storage_options, log)
         if decision.action != "restart":
             return int(decision.code)
         fresh = [h for h in decision.exclude if h not in excluded]
@@ -59,6 +60,20 @@ def supervise(command: Sequence[str], run: str, *, max_restarts: int = 3, backof
         excluded += fresh
         time.sleep(delay)
         delay = min(delay * 2, 300.0)
+
+
+def _record(run: str, attempt: int, code: int, decision: Decision, storage_options: dict[str, Any] | None,
+            log: Callable[[str], None]) -> None:
+    """The decision, in the run (the report's recovery table); a store that refuses it is logged, not fatal: the
+    job's recovery matters more than its story."""
+    from ..checkpoint.supervision import record_decision
+    from ..errors import VerifiedCkptError
+
+    try:
+        record_decision(run, attempt=attempt, exit_code=code, action=decision.action, code=int(decision.code),
+                        exclude=decision.exclude, reason=decision.reason, storage_options=storage_options)
+    except VerifiedCkptError as e:
+        log(f"could not record the decision in the run: {e}")
 
 
 def _run(argv: list[str], env: dict[str, str]) -> int:

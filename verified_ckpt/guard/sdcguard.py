@@ -260,7 +260,11 @@ class SDCGuard(Bookkeeping):
         take = getattr(self.layout, "capture", None)
         if not self._capture_listeners or take is None or not inc.ranks:
             return
-        got = take(s, list(inc.ranks), inc.kind)
+        try:
+            got = take(s, list(inc.ranks), inc.kind)
+        except Exception as err:  # noqa: BLE001 - the incident that follows matters more than its bundle
+            log.warning("SDCGuard: no replay bundle for the %s incident at step %d: %s", inc.kind, s, err)
+            return
         if got is None and self.rank == 0:
             log.warning("SDCGuard: no replay bundle for the %s incident at step %d (the state and microbatches exceed "
                         "replay_max_bytes=%d, or no healthy rank is left to recompute)", inc.kind, s,

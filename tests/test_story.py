@@ -70,7 +70,7 @@ def test_a_supervised_job_is_restarted_off_the_suspect_host_and_every_reader_agr
         now = told(run)  # the first attempt stopped at step 7: the incident is open
         assert now["status"] == now["report"] == now["service"] == [host] and now["incidents"].endswith(host)
         assert now["recovery"] is None and now["health"] == "open-incident" and now["node"] == 1
-    assert now["supervised"] == [(0, 1, "restart", 4, [host])]  # the supervisor's decision, recorded in the run
+        assert now["supervised"] == [(0, 1, "restart", 4, [host])]  # the supervisor's decision, recorded in the run
         assert now["service node"] == (503, False, True)  # the service's node health and its suspect-host gauge
         open(go, "w").close()
         out, err = supervisor.communicate(timeout=150)

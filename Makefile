@@ -28,9 +28,11 @@ lint: $(STAMP)
 	$(PY) tools/size_check.py verified_ckpt cli
 
 # Two workers, a test file each at a time (module fixtures run once): on a 2-core host the suite's I/O-bound
-# tests (S3, the service, crash points) overlap the CPU-bound multi-rank ones.
+# tests (S3, the service, crash points) overlap the CPU-bound multi-rank ones. Bytecode is written even where the
+# environment says not to (PYTHONDONTWRITEBYTECODE): the suite starts hundreds of processes (ranks, CLIs, jobs),
+# and each compiled this checkout's modules again, 1.4 CPU-seconds for the DDP example's imports.
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(PY) -m pip install -q boto3 "botocore==$$($(PY) -c 'import botocore; print(botocore.__version__)')"

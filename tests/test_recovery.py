@@ -159,14 +159,14 @@ def supervised(run: str, *job: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.timeout(200)
 def test_the_supervisor_stops_a_real_job_whose_interval_fails_again_and_one_with_nothing_to_roll_back_to(tmp_path):
-    # The fault is there on every attempt: the restart resumes from step 6 and step 7 fails again. The host named
+    # The fault is there on every attempt: the restart resumes from step 2 and step 3 fails again. The host named
     # the first time is excluded by then, so no host is to blame: software, the data, or a fault that moves.
-    again = supervised(str(tmp_path / "again"), "--steps", "9", "--save-every", "3", "--inject", "grad:1:7:scale=10")
+    again = supervised(str(tmp_path / "again"), "--steps", "4", "--save-every", "2", "--inject", "grad:1:3:scale=10")
     assert again.returncode == 6, again.stderr[-3000:]
     assert "attempt 0 exited 4: restart (exit 4)" in again.stderr and "same interval failed again" in again.stderr
     assert again.stderr.count("vckpt supervise: attempt") == 4  # two attempts, each announced and decided: bounded
     # No checkpoint was ever saved: nothing to resume from, its own code.
-    gone = supervised(str(tmp_path / "gone"), "--steps", "5", "--inject", "grad:1:3:scale=10")
+    gone = supervised(str(tmp_path / "gone"), "--steps", "3", "--inject", "grad:1:2:scale=10")
     assert gone.returncode == 7 and "no rollback target is left" in gone.stderr, gone.stderr[-3000:]
     assert "attempt 1" not in gone.stderr
 

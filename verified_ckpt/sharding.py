@@ -23,19 +23,20 @@ import json
 import math
 import zlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.tensor import DTensor
 
 from .comm import Communicator
+from .dtensors import is_dtensor
 from .errors import CorruptCheckpoint, InvalidState
 from .flatten import OPTIMIZER_STATE
 from .layout import Chunk, LayoutEntry, chunk_name
 from .tensorspec import dtype_name
+
+if TYPE_CHECKING:  # imported where a DTensor is met: a job without one never loads them (``dtensors``)
+    from torch.distributed.checkpoint.planner import ReadItem
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["Box", "Split", "assemble", "box_of", "chunks_for", "sharded_targets", "split", "to_dtensor"]
 
@@ -80,7 +81,7 @@ def split(tensors: Mapping[str, torch.Tensor], comm: Communicator) -> Split:
     Raises:
         InvalidState: a placement that cannot be stored, or ranks that hold one name as different tensors.
     """
-    sharded = {n: t for n, t in tensors.items() if isinstance(t, DTensor)}
+    sharded = {n: t for n, t in tensors.items() if is_dtensor(t)}
     replicated = {n: t for n, t in tensors.items() if n not in sharded}
     for n, t in sharded.items():
         _check_placements(n, t)
@@ -128,6 +129,9 @@ def chunks_for(entry: LayoutEntry, box: Box | None, shapes: Mapping[str, list[in
 
 def _reads(entry: LayoutEntry, box: Box, shapes: Mapping[str, list[int]]) -> list[tuple[Chunk, ReadItem]]:
     """DCP's resharding read items for ``box``, each with the stored chunk it reads from."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
     md = TensorStorageMetadata(
         properties=TensorProperties(dtype=getattr(torch, entry.dtype)), size=torch.Size(entry.shape),
         chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(shapes[c.tensor]))
@@ -167,6 +171,8 @@ def assemble(name: str, entry: LayoutEntry, box: Box | None, shapes: Mapping[str
 
 def to_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
     """``local`` as this rank's piece of a DTensor laid out like ``like``."""
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
                               stride=like.stride())
 
@@ -189,6 +195,6 @@ def sharded_targets(state: Mapping[str, Any], live: Mapping[str, torch.Tensor],
         if t is None and (found := OPTIMIZER_STATE.match(n)) and found.group(1) in params:
             ps, i = params[found.group(1)], int(found.group(2))
             t = ps[i] if i < len(ps) else None
-        if isinstance(t, DTensor) and list(t.shape) == e.shape:
+        if is_dtensor(t) and list(t.shape) == e.shape:
             out[n] = t
     return out

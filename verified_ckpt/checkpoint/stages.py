@@ -20,9 +20,9 @@ import zlib
 
 import blake3
 import torch
-from torch.distributed.tensor import DTensor
 
 from ..comm import Communicator
+from ..dtensors import is_dtensor
 from ..errors import InvalidState
 from ..flatten import Flat
 from ..jsonx import canonical_json
@@ -41,7 +41,7 @@ def merge(flat: Flat, comm: Communicator) -> tuple[Flat, dict[str, torch.Tensor]
     if not comm.active:
         return flat, {}
     shared = sorted(k for k in flat.skeleton if k not in flat.per_rank)
-    plain = sorted(n for n, t in flat.tensors.items() if not isinstance(t, DTensor))
+    plain = sorted(n for n, t in flat.tensors.items() if not is_dtensor(t))
     digest = blake3.blake3(canonical_json({"entries": shared, "tensors": plain})).hexdigest().encode()
     if len(set(comm.gather_bytes(digest))) == 1:
         return flat, {}
@@ -68,5 +68,5 @@ def merge(flat: Flat, comm: Communicator) -> tuple[Flat, dict[str, torch.Tensor]
            if holders_of[n][zlib.crc32(n.encode()) % len(holders_of[n])] == comm.rank}
     book = tuple(sorted(set().union(*(e["bookkeeping"] for e in everyone))))
     # The DTensors stay: ``sharding.split`` lays them out from the ranks that hold them.
-    rest: dict[str, torch.Tensor] = {n: t for n, t in flat.tensors.items() if isinstance(t, DTensor)}
+    rest: dict[str, torch.Tensor] = {n: t for n, t in flat.tensors.items() if is_dtensor(t)}
     return dataclasses.replace(flat, tensors=rest, skeleton=skeleton, bookkeeping=book), own

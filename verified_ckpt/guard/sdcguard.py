@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .. import batches
 from ..comm import Communicator
+from ..dtensors import is_fsdp
 from ..errors import GuardConfigurationError, GuardUsageError, SilentCorruptionDetected
 from ..faults import FaultPlan
 from ..records import Incident
@@ -29,9 +30,7 @@ from ..rng import microbatch_state
 from .budget import Rates, Stopwatch
 from .capture import Capture
 from .config import GuardConfig
-from .fsdp import ShardedLayout, is_fsdp
 from .judge import Bookkeeping, Judge
-from .pipeline import PipelineLayout
 from .replicated import TWO_REPLICAS, ReplicatedLayout
 from .rest import RestWitness
 from .schedule import Schedule
@@ -39,7 +38,11 @@ from .stats import Projector
 
 __all__ = ["TWO_REPLICAS", "SDCGuard"]
 
-Layout = ReplicatedLayout | ShardedLayout | PipelineLayout
+if TYPE_CHECKING:  # the sharded layouts load torch.distributed.fsdp and .tensor: imported when a model needs them
+    from .fsdp import ShardedLayout
+    from .pipeline import PipelineLayout
+
+    Layout = ReplicatedLayout | ShardedLayout | PipelineLayout
 log = logging.getLogger("verified_ckpt")
 
 
@@ -89,7 +92,11 @@ class SDCGuard(Bookkeeping):
         self.model, self.optimizer, self.batch_for = model, optimizer, batch_for
         self.loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = loss_fn or _no_loss_fn
         sharded = pipeline is not None or is_fsdp(model)  # a pipeline's stages are fully_shard-ed
-        kind: type[ReplicatedLayout] | type[ShardedLayout] = ShardedLayout if sharded else ReplicatedLayout
+        kind: type[ReplicatedLayout] | type[ShardedLayout] = ReplicatedLayout
+        if sharded:
+            from .fsdp import ShardedLayout
+
+            kind = ShardedLayout
         self.module = kind.module_of(model)
         self.params = list(self.module.parameters())
         self.buffers = list(self.module.buffers())
@@ -109,7 +116,12 @@ class SDCGuard(Bookkeeping):
         self._losses: list[torch.Tensor] = []
         self._kept: tuple[int | None, list[Any]] = (None, [])  # the last step and its first microbatch (save audits)
         self._capture_listeners: list[Callable[[Capture], None]] = []
-        self.layout: Layout = PipelineLayout(self, pipeline) if pipeline is not None else kind(self)
+        if pipeline is not None:
+            from .pipeline import PipelineLayout
+
+            self.layout: Layout = PipelineLayout(self, pipeline)
+        else:
+            self.layout = kind(self)
         self.abft = self.layout.abft
         self.rest = RestWitness(self.layout.local_params, self.device, on=self.world >= 2 and self.layout.witnessed)
         self.sched = Schedule(self.cfg, audits=self.audits_enabled, abft=self.abft is not None, replicas=self.world,
@@ -153,10 +165,10 @@ class SDCGuard(Bookkeeping):
         this rank's ``schedule.step(*args, target=target, losses=...)`` (the inputs on the first stage, ``target`` on
         the last). Returns the summed loss of the step's microbatches on the last stage, zero on the others (every
         stage's rows carry it from the last after :meth:`step`). Then call :meth:`step`, on every rank."""
-        if not isinstance(self.layout, PipelineLayout):
+        if self.layout.kind != "pipeline":
             raise GuardUsageError("pipeline_step needs SDCGuard(..., pipeline=schedule); train with backward() here")
         self.begin(None, step=step)
-        loss = self.layout.run(args, kwargs, target)
+        loss = cast("PipelineLayout", self.layout).run(args, kwargs, target)
         self._losses.append(loss)
         return loss
 
@@ -184,7 +196,7 @@ class SDCGuard(Bookkeeping):
                     backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Backpropagate ``loss`` of the batch given to :meth:`begin`; ``backward(loss)`` runs instead of
         ``loss.backward()`` (a framework's own, with its hooks). Returns the loss, detached."""
-        if isinstance(self.layout, PipelineLayout):
+        if self.layout.kind == "pipeline":
             raise GuardUsageError("under a pipeline schedule, train with guard.pipeline_step(...): the schedule runs "
                                   "the backward")
         if len(self._batches) != len(self._rng) or len(self._losses) >= len(self._batches):

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from dist_harness import run_ranks
 from test_service import run_key, service, until
 
 from verified_ckpt import CheckpointManager, render_html
@@ -35,6 +36,12 @@ LAUNCH = ["sh", "-c", 'if [ "$VCKPT_ATTEMPT" = 0 ]; then set -- --inject grad:1:
 HOOK = ("import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(' '.join(sys.argv[3:])); "
         "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); end = time.monotonic() + 120\n"
         "while not os.path.exists(sys.argv[2]) and time.monotonic() < end: time.sleep(0.05)")
+
+
+def run_example(rank: int, world: int, run: str) -> dict:
+    import ddp_train
+
+    return ddp_train.train(rank, world, ddp_train.parse(["--run", run, *ARGS]))
 
 
 def told(run: str) -> dict:
@@ -83,10 +90,9 @@ def test_a_supervised_job_is_restarted_off_the_suspect_host_and_every_reader_agr
     assert "attempt 0 exited 1: restart (exit 4)" in err and "attempt 1 exited 0: done" in err, err[-3000:]
     final = json.loads(out.strip().splitlines()[-1])
     assert final["completed"]  # the restart resumed and finished
-    # ... bit for bit where the same job run clean, uninterrupted (on the example's own launcher) ends.
-    clean = subprocess.run([sys.executable, "examples/ddp_train.py", "--world-size", "3", "--run", str(tmp_path / "clean"),
-                            *ARGS], cwd=ROOT, capture_output=True, text=True, timeout=150, check=False)
-    assert final["fingerprint"] == json.loads(clean.stdout.strip().splitlines()[-1])["fingerprint"], clean.stderr[-2000:]
+    # ... bit for bit where the same job run clean, uninterrupted, ends.
+    clean = run_ranks(run_example, 3, str(tmp_path / "clean"), timeout=150)[0]  # the same train(), 3 warm ranks
+    assert clean["completed"] and final["fingerprint"] == clean["fingerprint"]
     after = told(run)
     assert after["status"] == after["report"] == after["service"] == []
     assert "every incident is answered" in after["incidents"] and after["health"] == "ok" and after["node"] == 0

@@ -58,11 +58,12 @@ def replay_cmd(run: str, incident: str, model_spec: str, host: str | None, ranks
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_USAGE)
     if as_json:
-        click.echo(json.dumps({"incident": incident, "step": bundle.step, "kind": bundle.kind, "bundle_bytes": bundle.nbytes,
+        click.echo(json.dumps({"incident": incident, "step": bundle.recipe.step, "kind": bundle.recipe.kind,
+                               "bundle_bytes": bundle.nbytes,
                                "signature": bundle.signature, "replays": [r.to_dict() for r in results]}))
     else:
         for r in results:
-            click.echo(f"incident {incident}, step {bundle.step} ({bundle.kind}): {r.line}")
+            click.echo(f"incident {incident}, step {bundle.recipe.step} ({bundle.recipe.kind}): {r.line}")
     sys.exit(max((int(r.outcome.code) for r in results), key=_severity))
 
 

@@ -23,7 +23,7 @@ from safetensors.torch import save as save_tensors
 
 from .errors import BundleError
 from .guard.audit import Recomputed
-from .guard.capture import Capture
+from .guard.capture import Capture, Recipe
 from .jsonx import JSONBudgetError, Limits, canonical_json, decode_object
 from .signing import Signature, Signer
 
@@ -47,13 +47,7 @@ class BundleSuspect:
 @dataclasses.dataclass(frozen=True)
 class Bundle:
     incident: str
-    step: int
-    kind: str
-    layout: dict[int, list[int]]
-    lanes: int
-    seed: int
-    mode: str
-    rtol: float
+    recipe: Recipe
     params: list[str]
     buffers: list[str]
     suspects: list[BundleSuspect]
@@ -95,9 +89,10 @@ def encode(cap: Capture, incident: str, signer: Signer) -> tuple[bytes, bytes]:
         suspects.append({"rank": s.rank, "host": s.host, "recorded": _fp(s.recorded), "reference_rank": s.reference_rank,
                          "reference": _fp(s.reference), "microbatches": mbs})
     data = save_tensors(tensors)
-    record = {"bundle": VERSION, "incident": incident, "step": cap.step, "kind": cap.kind,
-              "layout": [[i, m] for i, m in sorted(cap.layout.items())], "lanes": cap.lanes, "seed": cap.seed,
-              "mode": cap.mode, "rtol": float(cap.rtol).hex(), "params": list(cap.params), "buffers": list(cap.buffers),
+    r = cap.recipe
+    record = {"bundle": VERSION, "incident": incident, "step": r.step, "kind": r.kind,
+              "layout": [[i, m] for i, m in sorted(r.layout.items())], "lanes": r.lanes, "seed": r.seed,
+              "mode": r.mode, "rtol": float(r.rtol).hex(), "params": list(cap.params), "buffers": list(cap.buffers),
               "suspects": suspects, "nbytes": len(data), "digest": blake3.blake3(data).hexdigest()}
     return canonical_json(signer.seal(record)), data
 
@@ -122,10 +117,10 @@ def decode(raw: bytes, signer: Signer, incident: str) -> Bundle:
         suspects = [BundleSuspect(int(s["rank"]), str(s["host"]), _unfp(s["recorded"]), int(s["reference_rank"]),
                                   _unfp(s["reference"]), [(m["spec"], int(m["leaves"]), bool(m["cuda"]))
                                                           for m in s["microbatches"]]) for s in doc["suspects"]]
-        return Bundle(incident, int(doc["step"]), str(doc["kind"]), {int(i): [int(x) for x in m] for i, m in doc["layout"]},
-                      int(doc["lanes"]), int(doc["seed"]), str(doc["mode"]), float.fromhex(doc["rtol"]),
-                      [str(n) for n in doc["params"]], [str(n) for n in doc["buffers"]], suspects, int(doc["nbytes"]),
-                      str(doc["digest"]), state.value)
+        recipe = Recipe(int(doc["step"]), str(doc["kind"]), {int(i): [int(x) for x in m] for i, m in doc["layout"]},
+                        int(doc["lanes"]), int(doc["seed"]), str(doc["mode"]), float.fromhex(doc["rtol"]))
+        return Bundle(incident, recipe, [str(n) for n in doc["params"]], [str(n) for n in doc["buffers"]], suspects,
+                      int(doc["nbytes"]), str(doc["digest"]), state.value)
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
         raise BundleError(f"the replay bundle of incident {incident} is malformed (not written by this version?); "
                           "it is never replayed") from None

@@ -27,7 +27,7 @@ from .audit import Recomputed, exchange_batches
 if TYPE_CHECKING:
     from .replicated import ReplicatedLayout
 
-__all__ = ["Capture", "Suspect", "take"]
+__all__ = ["Capture", "Recipe", "Suspect", "take"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +43,9 @@ class Suspect:
 
 
 @dataclasses.dataclass(frozen=True)
-class Capture:
-    """Everything a replay bundle holds, on rank 0 (the writer)."""
+class Recipe:
+    """How the failed step was fingerprinted, which a replay must repeat: the step, the check that failed, the
+    reduction's buckets (parameter positions), the checksum's projections, and how results are compared."""
 
     step: int
     kind: str
@@ -53,15 +54,16 @@ class Capture:
     seed: int
     mode: str
     rtol: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Capture:
+    """Everything a replay bundle holds, on rank 0 (the writer)."""
+
+    recipe: Recipe
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     suspects: list[Suspect]
-
-    @property
-    def nbytes(self) -> int:
-        state = sum(t.numel() * t.element_size() for t in [*self.params.values(), *self.buffers.values()])
-        leaves = sum(t.numel() * t.element_size() for s in self.suspects for _, ts, _, _ in s.microbatches for t in ts)
-        return state + leaves
 
 
 def state_bytes(layout: ReplicatedLayout) -> int:
@@ -74,11 +76,12 @@ def take(layout: ReplicatedLayout, step: int, suspects: list[int], kind: str, ga
     be taken: no healthy rank to recompute, or the state and microbatches exceed the bound)."""
     g = layout.g
     healthy = [r for r in range(g.world) if r not in suspects]
-    if not suspects or not healthy or g.cfg.replay_max_bytes <= 0 or state_bytes(layout) > g.cfg.replay_max_bytes:
+    state = state_bytes(layout)
+    if not suspects or not healthy or g.cfg.replay_max_bytes <= 0 or state > g.cfg.replay_max_bytes:
         return None
     everyone = exchange_batches(g.comm, step, list(zip(g._batches, g._rng, strict=True)), g.batch_for)
     leaves = sum(t.numel() * t.element_size() for r in suspects for mb, _ in everyone[r] for t in batches.encode(mb)[0])
-    if state_bytes(layout) + leaves > g.cfg.replay_max_bytes:
+    if state + leaves > g.cfg.replay_max_bytes:
         return None
     refs = {t: healthy[i % len(healthy)] for i, t in enumerate(suspects)}
     with layout.paused():  # as an audit: a recomputation, not this step's gradients
@@ -93,6 +96,7 @@ def take(layout: ReplicatedLayout, step: int, suspects: list[int], kind: str, ga
             mbs.append((spec, [x.detach().cpu() for x in ts], cpu.cpu(), None if cuda is None else cuda.cpu()))
         named.append(Suspect(t, g.host_of(t).host, Recomputed.recorded(gathered[t]), refs[t], done[t], mbs))
     module = g.module
-    return Capture(step, kind, {i: list(m) for i, m in layout.tap.layout.items()}, g.project.k, g.project.seed,
-                   g.cfg.mode, g.cfg.rtol, {n: p.detach().cpu() for n, p in module.named_parameters()},
+    recipe = Recipe(step, kind, {i: list(m) for i, m in layout.tap.layout.items()}, g.project.k, g.project.seed,
+                    g.cfg.mode, g.cfg.rtol)
+    return Capture(recipe, {n: p.detach().cpu() for n, p in module.named_parameters()},
                    {n: b.detach().cpu() for n, b in module.named_buffers()}, named)

@@ -41,7 +41,7 @@ from .stats import StepFigures, Verdict, host_row, step_rows
 if TYPE_CHECKING:
     from .sdcguard import SDCGuard
 
-__all__ = ["ShardedLayout", "is_fsdp"]
+__all__ = ["ShardedLayout"]
 
 ONE_REPLICA = ("SDCGuard on a 1-D (pure FSDP) data-parallel mesh: every rank holds a different shard, so the state "
                "FSDP shards has no replica to compare with; the per-step checks and audits (each rank recomputes "
@@ -51,12 +51,6 @@ TWO_GROUPS = ("SDCGuard on HSDP with two replica groups: a disagreement between 
               "shows that one is wrong but cannot tell which, so such incidents name no host; a rank whose shard changed "
               "at rest, after its own update wrote it, is named. Use 3 or more replica groups to have every suspect "
               "named.")
-
-
-def is_fsdp(model: Any) -> bool:
-    """Whether ``model`` or a module inside it was wrapped by FSDP2's ``fully_shard`` (Lightning's
-    ``ModelParallelStrategy`` shards modules inside the ``LightningModule``, not the module itself)."""
-    return isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def fsdp_roots(model: torch.nn.Module) -> list[FSDPModule]:

@@ -169,7 +169,8 @@ def replay(bundle: Bundle, tensors: dict[str, torch.Tensor], model: torch.nn.Mod
     params = _load_state(model, bundle, tensors)
     device = params[0].device if params else torch.device("cpu")
     plan = FaultPlan(faults)
-    project = Projector(bundle.lanes, bundle.seed, device)
+    r = bundle.recipe
+    project = Projector(r.lanes, r.seed, device)
     chosen = [s for s in bundle.suspects if not ranks or s.rank in ranks]
     if not chosen:
         raise InvalidState(f"the bundle's suspects are ranks {[s.rank for s in bundle.suspects]}; pick one of them")
@@ -177,22 +178,22 @@ def replay(bundle: Bundle, tensors: dict[str, torch.Tensor], model: torch.nn.Mod
         raise InvalidState("a simulated compute fault replays one suspect at a time: add --rank R")
     out = []
     for s in chosen:
-        plan.hook_compute(model, s.rank, lambda: bundle.step)
+        plan.hook_compute(model, s.rank, lambda: r.step)
 
         def hit(index: int, flat: torch.Tensor, rank: int = s.rank) -> None:
             if index == 0:  # where the guard's tap applies a ``grad`` fault
-                plan.apply("grad", rank, bundle.step, flat)
+                plan.apply("grad", rank, r.step, flat)
 
         model.train()
-        loss, proj, lanes = recompute(model, params, loss_fn, _microbatches(s, tensors, device), bundle.layout, project, hit)
+        loss, proj, lanes = recompute(model, params, loss_fn, _microbatches(s, tensors, device), r.layout, project, hit)
         got = Recomputed(float(loss), proj.tolist(), (int(lanes[0]), int(lanes[1])))
-        outcome = judge(s.recorded, s.reference, got, bundle.mode, bundle.rtol)
+        outcome = judge(s.recorded, s.reference, got, r.mode, r.rtol)
         out.append(Replayed(s.rank, s.host, here, outcome, _line(outcome, s, here, bundle)))
     return out
 
 
 def _line(outcome: Outcome, s: BundleSuspect, here: str, bundle: Bundle) -> str:
-    who = f"rank {s.rank}'s step {bundle.step} (on {s.host})"
+    who = f"rank {s.rank}'s step {bundle.recipe.step} (on {s.host})"
     on = "this host, the one the incident names" if here == s.host else f"this host ({here}), which the incident does not name"
     return {
         Outcome.REPRODUCED: f"reproduced on {on}: {who} computes the same wrong result again, a persistent fault: "

@@ -94,7 +94,7 @@ CHILD = textwrap.dedent("""
     elif point == "during-manifest":
         def partial(self, cid, data):
             path = f"{self.checkpoint_dir(cid)}/manifest.json"
-            with self.fs.open(path, "wb") as f:
+            with self.backend.fs.open(path, "wb") as f:
                 f.write(data[: len(data) // 2])
                 f.flush()
                 die()

@@ -273,13 +273,15 @@ def test_symlinks_out_of_the_run_are_never_followed(local_url, tmp_path, no_key)
 
 # -- limits ----------------------------------------------------------------------------------
 def test_oversized_manifest_is_refused_before_it_is_read(local_url, no_key, monkeypatch):
-    from verified_ckpt import store as store_mod
+    from fsspec.implementations.local import LocalFileSystem
+
+    from verified_ckpt.store import run as store_mod
 
     mgr, info = saved_run(local_url)
     monkeypatch.setattr(store_mod, "MAX_MANIFEST_BYTES", 1000)
     reads = []
-    real = store_mod.LocalFileSystem.cat_file
-    monkeypatch.setattr(store_mod.LocalFileSystem, "cat_file", lambda self, p, *a, **k: reads.append(p) or real(self, p, *a, **k))
+    real = LocalFileSystem.cat_file
+    monkeypatch.setattr(LocalFileSystem, "cat_file", lambda self, p, *a, **k: reads.append(p) or real(self, p, *a, **k))
     [listed] = mgr.list()
     assert listed.status is Status.CORRUPT and "more than the 1000 allowed" in listed.reasons[0]
     assert not any(p.endswith("manifest.json") for p in reads)

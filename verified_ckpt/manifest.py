@@ -32,6 +32,7 @@ MAX_MANIFEST_BYTES = 64 << 20  # about 250,000 tensors; real manifests use ~250 
 # a manifest says can point outside its checkpoint folder.
 # (\Z, not $: "$" would also accept a name followed by a newline.)
 SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
+MANIFEST_NAME = "manifest.json"  # the commit marker in a checkpoint's folder, written last
 # Deepest JSON nesting a manifest may have: a state skeleton plus the manifest's own levels.
 MAX_DEPTH = MAX_SKELETON_DEPTH + 4
 _MAX_BYTES = 1 << 62  # no size, and no tensor, is larger
@@ -215,7 +216,7 @@ def _shards(raw: list[Any], bad: _Bad) -> list[ShardEntry]:
                 and isinstance(s.get("digest"), str) and isinstance(s.get("tensors"), list)):
             raise bad("a shard entry lacks path, size, digest or tensors")
         path = s["path"]
-        if not SEGMENT.match(path) or path == "manifest.json":
+        if not SEGMENT.match(path) or path == MANIFEST_NAME:
             raise bad(f"shard path {short_repr(path)} is not a plain file name inside the checkpoint folder")
         if not 8 <= s["size"] <= _MAX_BYTES or not _HEX64.match(s["digest"]):
             raise bad(f"shard {path!r} has an invalid size or digest")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import CorruptCheckpoint, InvalidState
-from ..manifest import Manifest
+from ..manifest import MANIFEST_NAME, Manifest
 from ..shards import write_shard
 from ..skeleton import TENSOR, escape
 from ..store import ExportFolder
@@ -40,7 +40,7 @@ def export_native(reader: Reader, m: Manifest, dest: str) -> None:
     if problems:
         folder.discard()
         raise _failed(m, problems[0].kind, problems[0].detail)
-    folder.write("manifest.json", m.to_json())
+    folder.write(MANIFEST_NAME, m.to_json())
 
 
 def export_hf(reader: Reader, m: Manifest, dest: str) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection
 
 from .. import decisions
 from ..errors import ManifestError
-from ..manifest import CheckpointInfo, Manifest
+from ..manifest import MANIFEST_NAME, CheckpointInfo, Manifest
 from ..records import VERIFICATION, VerificationResult
 from ..signing import Signature
 from ..status import Status
@@ -57,12 +57,12 @@ def gc(catalog: Catalog, grace_s: float, dry_run: bool) -> list[str]:
     removed = []
     for cid, files in sorted(catalog.store.checkpoint_files().items()):
         names = {n for n, _ in files}
-        if "manifest.json" in names:
+        if MANIFEST_NAME in names:
             try:
                 m = Manifest.from_json(catalog.store.read_manifest(cid), where=cid)
             except ManifestError:
                 continue
-            keep = {s.path for s in m.shards} | {"manifest.json"}
+            keep = {s.path for s in m.shards} | {MANIFEST_NAME}
         else:
             keep = set()
         if lease.alive(files, now):  # a save still writing here: whatever the grace, nothing of it goes

@@ -34,7 +34,7 @@ from ..guard import SDCGuard
 from ..jsonx import canonical_json
 from ..lanes import lanes_of
 from ..layout import LayoutEntry
-from ..manifest import CheckpointInfo, Manifest, ShardEntry, TensorEntry
+from ..manifest import MANIFEST_NAME, CheckpointInfo, Manifest, ShardEntry, TensorEntry
 from ..sharding import split
 from ..shards import supported, write_shard
 from ..signing import Signer
@@ -250,7 +250,7 @@ class Saver:
             manifest_bytes = self.comm.broadcast_bytes(manifest_bytes)
             self.comm.barrier()
         elif rank != 0:
-            manifest_bytes = self._await(lambda: self.store.read_optional(job.cid, "manifest.json"), job.cid, "manifest")
+            manifest_bytes = self._await(lambda: self.store.read_optional(job.cid, MANIFEST_NAME), job.cid, "manifest")
         doc = Manifest.decode_json(manifest_bytes, job.cid)
         return dataclasses.replace(info(Manifest.from_dict(doc, job.cid), []), signature=self.signer.check(doc).value)
 

@@ -1,0 +1,45 @@
+"""Runs as places: one spelling of each run's URL, and the runs found under a prefix (``vckpt serve --discover``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import fsspec
+
+from ..manifest import SEGMENT
+from .backend import Backend, capabilities
+from .paths import RUN_META
+
+__all__ = ["canonical_url", "discover_runs"]
+
+
+def discover_runs(prefix: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """URLs of the runs in the folders directly under ``prefix`` (any fsspec URL; a folder holding ``run.json``
+    or ``checkpoints/``), sorted.
+
+    Raises:
+        InvalidRunURL: the prefix cannot be opened.
+        StorageError: the store could not be listed.
+    """
+    b = Backend(prefix, storage_options)
+    with b.io("listing runs"):
+        b.fs.invalidate_cache()
+        try:
+            found = b.fs.glob(b.join("*", RUN_META)) + b.fs.glob(b.join("*", "checkpoints"))
+        except FileNotFoundError:
+            return []
+    names = sorted({p.rstrip("/").split("/")[-2] for p in found})
+    return [f"{prefix.rstrip('/')}/{n}" for n in names if SEGMENT.match(n)]
+
+
+def canonical_url(url: str, storage_options: dict[str, Any] | None = None) -> str:
+    """One spelling of the place ``url`` names: ``svc/run``, its absolute path and its ``file://`` URL are one run
+    (``file:///abs/svc/run``), and so are ``s3://b/p`` and ``s3://b/p/``. A URL fsspec cannot open is its own."""
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        if capabilities(fs).links:
+            root = os.path.realpath(root)  # "..", and links to the same folder
+        return str(fs.unstrip_protocol(root.rstrip("/") or root))
+    except Exception:  # noqa: BLE001 - any URL gets a spelling; opening it fails later, with its own message
+        return url

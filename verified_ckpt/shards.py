@@ -119,7 +119,7 @@ def write_shard(f: BinaryIO, items: dict[str, torch.Tensor], metadata: dict[str,
     return size, hasher.hexdigest()
 
 
-def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Header:  # size: flat checklist
+def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Header:
     """Validate and parse a safetensors header before anything is allocated from it.
 
     Everything a header declares is checked against the real file before it is

@@ -28,7 +28,7 @@ def escape(segment: str) -> str:
     return segment.replace("~", "~0").replace("/", "~1")
 
 
-def skeleton_problem(value: Any, refs: set[str] | None = None) -> str | None:  # size: flat checklist
+def skeleton_problem(value: Any, refs: set[str] | None = None) -> str | None:
     """Why ``value`` is not a skeleton value :func:`flatten` could have written; ``None`` if it is.
 
     Iterative (no recursion, whatever the nesting) and linear in the size of

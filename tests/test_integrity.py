@@ -144,6 +144,7 @@ def rotten(rank: int, world: int, run: str) -> dict:
                 mgr.save(step, {"model": model.module, "optim": opt})
             finally:
                 saving.write_shard = write_shard
+    mgr.wait()  # retention runs after the commit, off the save
     return {"statuses": [(i.step, i.status.value) for i in CheckpointManager(run).list()]}
 
 

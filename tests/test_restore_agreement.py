@@ -106,6 +106,60 @@ def test_every_rank_restores_rank_0s_choice_and_the_others_do_not_list_the_run(t
     assert len({r["fingerprint"] for r in got}) == 1
 
 
+def resumed(rank: int, world: int, run: str) -> dict:
+    """Guarded saves at 10 and 20 and an open incident from 15: resume must roll back to 10 and answer it. Counts
+    how often each rank lists the run's checkpoints and builds a view of the run while resuming."""
+    import ddp_train
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from verified_ckpt import GuardConfig, SDCGuard
+
+    def job() -> tuple[CheckpointManager, torch.nn.Module, torch.optim.Optimizer, SDCGuard]:
+        model = DDP(ddp_train.build_model(0))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig())
+        return CheckpointManager(run, guard=guard), model, opt, guard
+
+    mgr, model, opt, guard = job()
+    for s in range(1, 21):
+        guard.backward(ddp_train.make_batch(0, s, rank), step=s)
+        guard.step()
+        opt.zero_grad()
+        if s % 10 == 0:
+            mgr.save(s, {"model": model.module, "optim": opt})
+    mgr.wait()
+    if rank == 0:
+        mgr.flag(15, reason="a bad node")
+    dist.barrier()
+    counts = {"committed": 0, "view": 0}
+    committed, view = RunStore.committed, Catalog.view
+
+    def counting_committed(self):
+        counts["committed"] += 1
+        return committed(self)
+
+    def counting_view(self):
+        counts["view"] += 1
+        return view(self)
+
+    RunStore.committed, Catalog.view = counting_committed, counting_view
+    try:
+        resumer, fresh, opt2, _ = job()
+        nxt = resumer.resume({"model": fresh.module, "optim": opt2})
+    finally:
+        RunStore.committed, Catalog.view = committed, view
+    return {"next": nxt, "counts": counts, "fingerprint": fingerprint(fresh.module, opt2, {}),
+            "open": [i.id for i in CheckpointManager(run).view().open_incidents()] if rank == 0 else None}
+
+
+def test_at_resume_rank_0_reads_the_run_once_and_every_rank_restores_from_its_manifest_bytes(tmp_path):
+    got = run_ranks(resumed, 3, str(tmp_path / "run"))
+    assert [r["next"] for r in got] == [11, 11, 11] and len({r["fingerprint"] for r in got}) == 1
+    assert got[0]["counts"] == {"committed": 1, "view": 1}  # the rollback answers the incident from that one read
+    assert [r["counts"] for r in got[1:]] == [{"committed": 0, "view": 0}] * 2
+    assert got[0]["open"] == []
+
+
 # -------------------------------------------------------------- all or nothing
 class Custom:
     """A stateful object of the user's own."""

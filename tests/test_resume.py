@@ -140,6 +140,7 @@ def test_restore_with_an_open_incident_points_to_resume(local_url):
         mgr.restore({"w": torch.zeros(2)}, allow_unverified=True)
     with pytest.warns(UserWarning, match=r"suspect.*resume\(state\)"):
         mgr.save(6, {"w": torch.ones(2)})
+        mgr.wait()  # the warning comes from the step after the commit, which reads the run
 
 
 def test_status_exit_codes(local_url):

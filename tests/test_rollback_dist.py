@@ -116,6 +116,7 @@ def test_keep_last_never_deletes_the_rollback_target(tmp_path):
     CheckpointManager(run).flag(15, reason="flagged by hand")
     mgr = CheckpointManager(run, keep_last=1)
     mgr.save(30, {"w": torch.ones(2)})  # unverified (no guard), newer than everything
+    mgr.wait()  # retention runs after the commit, off the save
     infos = mgr.list()
     assert [i.step for i in infos] == [10, 20, 30]  # the only restorable one (10) is the target: kept
     assert mgr.rollback_target()[0].step == 10

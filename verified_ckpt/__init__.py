@@ -30,7 +30,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .checkpoint import CheckpointManager, RunView, replay_bundle
+    from .checkpoint import CheckpointManager, OpenCheckpoint, RankReport, RunView, SaveSession, replay_bundle
     from .comm import Communicator
     from .fingerprint import Fingerprint
     from .guard import GuardConfig, SDCGuard
@@ -49,7 +49,8 @@ _LAZY = {
     "CheckpointInfo": "manifest", "Manifest": "manifest", "Host": "records", "Incident": "records",
     "Problem": "records", "Rollback": "records", "VerificationResult": "records", "render_html": "report",
     "RNGState": "rng", "Status": "status", "discover_runs": "store", "ExitCode": "recovery",
-    "exit_code_for": "recovery", "exit_on": "recovery", "replay_bundle": "checkpoint",
+    "exit_code_for": "recovery", "exit_on": "recovery", "replay_bundle": "checkpoint", "OpenCheckpoint": "checkpoint",
+    "RankReport": "checkpoint", "SaveSession": "checkpoint",
 }
 
 __all__ = [
@@ -72,13 +73,16 @@ __all__ = [
     "LedgerNotFound",
     "Manifest",
     "ManifestError",
+    "OpenCheckpoint",
     "Problem",
     "RNGState",
+    "RankReport",
     "RanksDidNotArrive",
     "Rollback",
     "RunNotFound",
     "RunView",
     "SDCGuard",
+    "SaveSession",
     "SilentCorruptionDetected",
     "Status",
     "StorageError",

@@ -22,6 +22,7 @@ from ..manifest import Manifest
 from ..sharding import assemble, box_of, chunks_for, sharded_targets, to_dtensor
 from ..tensorspec import dtype_name
 from .fitting import check_fits
+from .opening import read_failure
 from .reading import RESTORE, Reader
 
 __all__ = ["apply", "check_after", "restore_into"]
@@ -51,11 +52,7 @@ def restore_into(reader: Reader, state: Mapping[str, Any], m: Manifest, url: str
             names.update(chunks_for(m.layout[n], boxes[n], shapes))
         loaded, problems = reader.read(m, RESTORE, names=names)
         if problems:
-            p = problems[0]
-            raise CorruptCheckpoint(
-                f"checkpoint {m.checkpoint_id} (step {m.step}) failed its {p.kind} check: {p.detail}; "
-                f"run `vckpt verify {url} --step {m.step}` and restore an earlier checkpoint"
-            )
+            raise read_failure(m, problems[0], url)
         for n in sharded:
             piece = assemble(n, m.layout[n], boxes[n], shapes, loaded)
             loaded[n] = to_dtensor(piece, targets[n]) if n in targets else piece

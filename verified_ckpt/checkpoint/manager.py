@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import builtins
 import concurrent.futures
+import logging
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -35,9 +36,13 @@ if TYPE_CHECKING:
     from ..comm import Communicator
     from ..flatten import Flat
     from ..guard import SDCGuard
-    from .saving import SaveJob, Saver
+    from .opening import OpenCheckpoint
+    from .saving import Saver
+    from .session import SaveSession
 
 __all__ = ["CheckpointManager"]
+
+log = logging.getLogger("verified_ckpt")
 
 
 class CheckpointManager:
@@ -78,6 +83,7 @@ class CheckpointManager:
         self._comm = comm if comm is not None else guard.comm if guard is not None else None
         self._saver: Saver | None = None
         self._pending: concurrent.futures.Future[CheckpointInfo] | None = None
+        self._housekeeping: concurrent.futures.Future[None] | None = None
         self.resumed_from: str | None = None
         self.pinned: set[str] = set()  # ids retention keeps, as it keeps the rollback target (a Trainer's best model)
         # Evidence counts checks from now on: failures before the first save make it suspect.
@@ -128,28 +134,80 @@ class CheckpointManager:
         from .saving import checked_flat, training_tensors
 
         self.wait()
-        saver, job = self._prepare(step, checked_flat(step, state, self.comm.rank, training_tensors(state, self.guard)))
+        session = self._begin(step, checked_flat(step, state, self.comm.rank, training_tensors(state, self.guard)))
         if blocking:
-            return saver.finish(job, collective=True)
-        self._pending = saver.start(job)
+            return self._saver_for().finish(session, collective=True)
+        self._pending = self._saver_for().start(session)
         return self._pending
 
-    def _prepare(self, step: int, flat: Flat) -> tuple[Saver, SaveJob]:
-        """The synchronous, collective part of every save (also of ``dcp.save`` through the verified writer)."""
-        from .saving import Saver
+    def begin_save(self, step: int) -> SaveSession:
+        """Start a save whose tensors the caller writes itself (a DCP writer, say); call it on every rank.
 
-        self._saver = self._saver or Saver(self._store, self._signer, self.comm, self.guard, self._tracker,
-                                           self._catalog, keep_last=self.keep_last, shard_bytes=self.shard_bytes,
-                                           io_workers=self.io_workers, report_timeout_s=self.report_timeout_s, pinned=self.pinned)
-        job = self._saver.prepare(step, flat, self.resumed_from)
+        Collective, like :meth:`save`'s start: the guard's consensus, the evidence and status, one checkpoint
+        id. Each rank then ``write``s its tensors, rank 0 ``commit``s every rank's report, and every rank may
+        ``publish`` (``checkpoint.session`` has the call table). Waits for a pending save first.
+
+        Raises:
+            InvalidState: ``step`` is not an int >= 0.
+            SilentCorruptionDetected: the replicas disagree; nothing is written.
+        """
+        from ..flatten import Flat
+        from .saving import checked_flat
+
+        self.wait()
+        checked_flat(step, {})
+        return self._begin(step, Flat({}, {}))
+
+    def _begin(self, step: int, flat: Flat) -> SaveSession:
+        from .session import SaveSession
+
+        saver = self._saver_for()
+        job = saver.prepare(step, flat, self.resumed_from)
         # Before any manifest can claim this save's consensus, the ledger holds it.
         self._journal.log([Event(step, "save", NO_RANK, "pass" if job.status is Status.RESTORABLE else "none")])
-        return self._saver, job
+        return SaveSession(saver, job, self._committed)
+
+    def _saver_for(self) -> Saver:
+        from .saving import Saver
+
+        if self._saver is None:
+            self._saver = Saver(self._store, self._signer, self.comm, self.guard, self._tracker, self._catalog,
+                                keep_last=self.keep_last, shard_bytes=self.shard_bytes, io_workers=self.io_workers,
+                                report_timeout_s=self.report_timeout_s, pinned=self.pinned)
+        return self._saver
+
+    def _committed(self, info: CheckpointInfo) -> None:
+        """Rank 0, once a save is committed: what reads the run (retention, the open-incident warning) runs in the
+        background, so no save waits for it; the next save and :meth:`wait` join it."""
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vckpt-housekeeping")
+        self._housekeeping = pool.submit(_housekeep, self._saver_for(), info)
+        pool.shutdown(wait=False)
 
     def wait(self) -> CheckpointInfo | None:
-        """Wait for a pending non-blocking save; return its info or raise its failure."""
+        """Wait for a pending non-blocking save (return its info or raise its failure), then for the housekeeping
+        after the last commit (retention; its failures are logged, never raised)."""
         pending, self._pending = self._pending, None
-        return pending.result() if pending is not None else None
+        try:
+            return pending.result() if pending is not None else None
+        finally:
+            house, self._housekeeping = self._housekeeping, None
+            if house is not None:
+                house.result()
+
+    # --------------------------------------------------------------- open
+    def open(self, *, step: int | None = None, checkpoint_id: str | None = None,
+             allow_unverified: bool = False) -> OpenCheckpoint:
+        """Choose a checkpoint once for every rank, for a caller that loads it itself; call it on every rank.
+
+        Rank 0 chooses (as :meth:`restore` would) and broadcasts the manifest's bytes: every rank holds the same
+        ``info``. ``read(names)`` then reads through the checked path and the ranks agree before it returns;
+        ``applied()`` records the restore (``checkpoint.opening`` has the call table).
+
+        Raises:
+            CheckpointNotFound, CheckpointNotRestorable: on every rank alike.
+        """
+        self.wait()
+        return self._recovery.open_chosen(self.comm, step, checkpoint_id, allow_unverified)
 
     # ------------------------------------------------------------ the run
     def exists(self) -> bool:
@@ -258,7 +316,8 @@ class CheckpointManager:
             CorruptCheckpoint: stored bytes do not match the manifest.
             InvalidState: ``state`` does not fit the checkpoint.
         """
-        return self._recovery.restore_chosen(state, self.comm, step, checkpoint_id, allow_unverified)
+        return self._recovery.restore(state, self.open(step=step, checkpoint_id=checkpoint_id,
+                                                       allow_unverified=allow_unverified))
 
     def _restored(self, chosen: CheckpointInfo) -> None:
         """What a restore changes in this job: the lineage, the evidence baseline, the guard's DDP layout."""
@@ -338,6 +397,13 @@ class CheckpointManager:
         """Everything ``vckpt report`` draws, as plain data (see ``history.report_data``)."""
         self.require_run()
         return self.view().report_data(self.ledger())
+
+
+def _housekeep(saver: Saver, info: CheckpointInfo) -> None:
+    try:
+        saver.housekeep(info)
+    except Exception as e:  # noqa: BLE001 - a failed retention pass must not fail the next save; the next commit retries
+        log.warning("retention after %s failed (%s); nothing more was deleted, and the next save tries again", info.id, e)
 
 
 def _check_options(keep_last: int | None, shard_bytes: int, io_workers: int) -> None:

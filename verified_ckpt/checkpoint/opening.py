@@ -9,6 +9,9 @@ checkpoints. A refusal (nothing restorable, no such step) is raised on every ran
 :func:`agree` is the second half: after each rank has read and checked what it needs, one collective tells
 every rank whether all of them succeeded, and if any failed, every rank raises the same error before anything
 is left applied (``loading``).
+
+:class:`OpenCheckpoint` is the public form of both (``CheckpointManager.open``): what a caller that loads by
+itself (the DCP reader) works from, and what the manager's own restore is built on.
 """
 
 from __future__ import annotations
@@ -23,9 +26,13 @@ from ..manifest import CheckpointInfo, Manifest
 from ..status import Status
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
+    import torch
 
-__all__ = ["agree", "decide"]
+    from ..comm import Communicator
+    from ..records import Problem
+    from .reading import Reader
+
+__all__ = ["OpenCheckpoint", "agree", "decide", "read_failure"]
 
 # The errors a choice or a checked read raises on purpose, by name: what every rank raises when any rank did.
 _KNOWN: dict[str, type[VerifiedCkptError]] = {
@@ -88,3 +95,59 @@ def agree(comm: Communicator, error: BaseException | None) -> None:
     known = _KNOWN.get(first["error"])
     message = first["message"] if known is not None else f"{first['error']}: {first['message']}"
     raise (known or errors.InvalidState)(f"rank {rank}: {message}") from error
+
+
+def read_failure(m: Manifest, p: Problem, url: str) -> errors.CorruptCheckpoint:
+    """The error for checkpoint ``m`` failing check ``p`` while being read for a restore."""
+    return errors.CorruptCheckpoint(f"checkpoint {m.checkpoint_id} (step {m.step}) failed its {p.kind} check: {p.detail}; "
+                                    f"run `vckpt verify {url} --step {m.step}` and restore an earlier checkpoint")
+
+
+class OpenCheckpoint:
+    """One checkpoint, the same on every rank, for a caller that loads it itself.
+
+    ============  ========================================  ============================================
+    who           call                                      what it does
+    ============  ========================================  ============================================
+    every rank    ``CheckpointManager.open(...)``            collective: rank 0 chooses, every rank parses
+                                                            the same manifest bytes (``info``)
+    every rank    ``opened.read(names)``                     collective: this rank's checked reads, then
+                                                            one agreement; any rank's failure is raised
+                                                            on every rank, before anything is loaded
+    every rank    ``opened.applied()``                       after loading: the job now holds it (lineage,
+                                                            evidence baseline, ledger row, the guard)
+    ============  ========================================  ============================================
+    """
+
+    def __init__(self, info: CheckpointInfo, reader: Reader, comm: Communicator, url: str,
+                 on_applied: Callable[[CheckpointInfo], CheckpointInfo]) -> None:
+        assert info.manifest is not None
+        self.info, self.manifest = info, info.manifest
+        self.reader, self.comm, self.url, self._on_applied = reader, comm, url, on_applied
+
+    def read(self, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` (all when ``None``), every byte checked, once every rank's reads passed.
+
+        Raises:
+            CorruptCheckpoint: on every rank, when any rank's bytes failed a check (nothing was returned anywhere).
+        """
+        from .reading import RESTORE
+
+        error: BaseException | None = None
+        loaded: dict[str, torch.Tensor] = {}
+        try:
+            loaded, problems = self.reader.read(self.manifest, RESTORE, names=names)
+            if problems:
+                error = read_failure(self.manifest, problems[0], self.url)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would wait forever
+            error = e
+        self.agree(error)
+        return loaded
+
+    def agree(self, error: BaseException | None) -> None:
+        """Whether every rank succeeded (collective; :func:`agree`)."""
+        agree(self.comm, error)
+
+    def applied(self) -> CheckpointInfo:
+        """Tell the manager the checkpoint is loaded into the live state; returns it."""
+        return self._on_applied(self.info)

@@ -29,7 +29,7 @@ from ..status import Status
 from ..store import RunStore, utc_now
 from .catalog import Catalog, RunView
 from .journal import Journal
-from .opening import agree, decide
+from .opening import OpenCheckpoint, decide
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -47,34 +47,36 @@ class Recovery:
         self.store, self.catalog, self.journal, self.io_workers = store, catalog, journal, io_workers
         self.on_restored, self.rank = on_restored, rank
 
-    def restore(self, state: Mapping[str, Any], comm: Communicator,
-                choose: Callable[[], tuple[CheckpointInfo | None, dict[str, Any]]]) -> CheckpointInfo:
-        """Rank 0 runs ``choose``; every rank loads that checkpoint (from the manifest bytes rank 0 read), all or
-        nothing on every rank. Collective."""
+    def open(self, comm: Communicator, choose: Callable[[], tuple[CheckpointInfo | None, dict[str, Any]]]
+             ) -> OpenCheckpoint:
+        """Rank 0 runs ``choose``; every rank holds that checkpoint, from the manifest bytes rank 0 read. Collective."""
+        from .reading import Reader
+
         chosen, facts = decide(comm, choose)
         if facts.get("warning"):
-            warnings.warn(facts["warning"], stacklevel=3)
+            warnings.warn(facts["warning"], stacklevel=4)
         assert chosen is not None
-        self._load(state, chosen, comm)
-        return self._loaded(chosen)
+        return OpenCheckpoint(chosen, Reader(self.store, self.io_workers), comm, self.store.url, self._loaded)
 
-    def restore_chosen(self, state: Mapping[str, Any], comm: Communicator, step: int | None, checkpoint_id: str | None,
-                       allow_unverified: bool) -> CheckpointInfo:
-        """``CheckpointManager.restore``: rank 0 picks the checkpoint asked for, refusing what its status forbids."""
+    def open_chosen(self, comm: Communicator, step: int | None, checkpoint_id: str | None,
+                    allow_unverified: bool) -> OpenCheckpoint:
+        """``CheckpointManager.open``: rank 0 picks the checkpoint asked for, refusing what its status forbids."""
         def choose() -> tuple[CheckpointInfo, dict[str, Any]]:
             view = self.catalog.view()
             chosen = self.catalog.restorable(step, checkpoint_id, allow_unverified, view)
             return chosen, {"warning": open_incident_warning(view) if step is None and checkpoint_id is None else None}
 
-        return self.restore(state, comm, choose)
+        return self.open(comm, choose)
 
-    def _load(self, state: Mapping[str, Any], chosen: CheckpointInfo, comm: Communicator) -> None:
+    def restore(self, state: Mapping[str, Any], opened: OpenCheckpoint) -> CheckpointInfo:
+        """Load ``opened`` into ``state`` on every rank, all or nothing on every rank. Collective."""
+        self._load(state, opened)
+        return opened.applied()
+
+    def _load(self, state: Mapping[str, Any], opened: OpenCheckpoint) -> None:
         from .loading import restore_into
-        from .reading import Reader
 
-        assert chosen.manifest is not None
-        restore_into(Reader(self.store, self.io_workers), state, chosen.manifest.for_rank(self.rank()), self.store.url,
-                     agree=lambda error: agree(comm, error))
+        restore_into(opened.reader, state, opened.manifest.for_rank(self.rank()), opened.url, agree=opened.agree)
 
     def _loaded(self, chosen: CheckpointInfo) -> CheckpointInfo:
         self.journal.log([Event(chosen.step, "restore", NO_RANK, "none")])
@@ -85,36 +87,43 @@ class Recovery:
 
     def rollback(self, state: Mapping[str, Any], comm: Communicator) -> CheckpointInfo:
         """Rank 0 chooses and records the rollback; every rank restores the same checkpoint."""
-        restored = self.restore(state, comm, lambda: (self.catalog.record_rollback(dry_run=False)[0], {}))
+        restored = self.restore(state, self.open(comm, lambda: (self.catalog.record_rollback(dry_run=False)[0], {})))
         comm.barrier()
         return restored
 
     def resume(self, state: Mapping[str, Any], comm: Communicator, *, start: int, allow_unverified: bool) -> int:
         """Restore the checkpoint to continue from on every rank; return the next step (``start`` on a fresh start)."""
+        from .reading import Reader
+
         skipped: list[str] = []
+        seen: list[RunView] = []  # rank 0's one read of the run per choice, reused to answer incidents
         while True:
-            chosen, choice = decide(comm, lambda: self._plan(skipped, allow_unverified), "resume")
+            chosen, choice = decide(comm, lambda: self._plan(skipped, allow_unverified, seen), "resume")
             if chosen is None:
-                return self._fresh(choice, skipped, start)
+                return self._fresh(choice, skipped, start, seen)
+            opened = OpenCheckpoint(chosen, Reader(self.store, self.io_workers), comm, self.store.url, self._loaded)
             try:
-                self._load(state, chosen, comm)
+                self._load(state, opened)
             except CorruptCheckpoint as e:  # some rank's bytes were wrong (every rank raises it alike)
                 self._skip(chosen, str(e), comm.rank == 0)
                 skipped.append(chosen.id)
                 continue
             if comm.rank == 0 and choice["answer"]:
-                self.catalog.answer_incidents(self.catalog.view(), chosen)
+                self.catalog.answer_incidents(seen[-1], chosen)
             if comm.rank == 0 and choice["newer"] and not choice["answer"]:
                 log.warning("resume: continuing from %s (step %d), not from the newer checkpoint(s) %s, which are "
                             "not restorable (`vckpt list %s` says why)", chosen.id, chosen.step,
                             "; ".join(choice["newer"][:5]), self.catalog.url)
             comm.barrier()
-            self._loaded(chosen)
+            opened.applied()
             return chosen.step + 1
 
-    def _plan(self, skipped: list[str], allow_unverified: bool) -> tuple[CheckpointInfo | None, dict[str, Any]]:
-        """Rank 0's choice: the checkpoint (``None``: none), whether it answers open incidents, what it passes over."""
+    def _plan(self, skipped: list[str], allow_unverified: bool, seen: list[RunView]
+              ) -> tuple[CheckpointInfo | None, dict[str, Any]]:
+        """Rank 0's choice: the checkpoint (``None``: none), whether it answers open incidents, what it passes over.
+        The view it read is appended to ``seen``."""
         view = self.catalog.view()
+        seen.append(view)
         allowed = {Status.RESTORABLE} | ({Status.UNVERIFIED} if allow_unverified else set())
         usable = [i for i in view.infos if i.status in allowed and i.id not in skipped]
         answer = bool(view.open_incidents())
@@ -127,13 +136,13 @@ class Recovery:
                  if chosen is not None and (i.step, i.created_at) > (chosen.step, chosen.created_at) and i.status not in allowed]
         return chosen, {"answer": answer, "unverified": unverified, "any": bool(view.infos), "newer": newer}
 
-    def _fresh(self, choice: dict[str, Any], skipped: list[str], start: int) -> int:
+    def _fresh(self, choice: dict[str, Any], skipped: list[str], start: int, seen: list[RunView]) -> int:
         if skipped:
             raise CheckpointNotRestorable(
                 f"no checkpoint of {self.catalog.url} could be restored: {', '.join(skipped)} failed verification "
                 "while restoring; `vckpt list` shows why - restore an export, or start afresh on purpose")
         if choice["answer"]:
-            self.catalog.answer_incidents(self.catalog.view(), None)  # a fresh start is a new lineage too
+            self.catalog.answer_incidents(seen[-1], None)  # a fresh start is a new lineage too
         if choice["unverified"] and not choice["answer"]:
             warnings.warn(f"resume: {choice['unverified']} unverified checkpoint(s) in {self.catalog.url} and none "
                           "restorable; starting afresh - pass allow_unverified=True to continue from the newest",

@@ -1,32 +1,30 @@
 """The write path: every rank writes its share of the shards, rank 0 commits the manifest last.
 
-A save runs in two parts. :meth:`Saver.prepare` is synchronous and
-collective: the guard's consensus (when there is a guard), the evidence and
-status, one checkpoint id for every rank. :meth:`Saver.finish` writes this
-rank's shards (about 1/W of them), gathers every rank's shard report, and
-rank 0 writes the manifest, the commit marker. A blocking save gathers the
-reports with collectives; a non-blocking one runs ``finish`` on a background
-thread where no collective may run, so ranks leave their reports beside the
-shards and rank 0 polls the store for them, within a bound.
+:meth:`Saver.prepare` is the synchronous, collective start of a save (``CheckpointManager.begin_save``): the
+guard's consensus (when there is a guard), the evidence and status, one checkpoint id for every rank.
+:meth:`Saver.finish` is the manager's own use of the resulting ``SaveSession`` (``session``): this rank's
+shards (about 1/W of them), every rank's report, rank 0's commit, every rank's publish. A blocking save gathers
+the reports with collectives; a non-blocking one runs ``finish`` on a background thread where no collective may
+run, so reports and the manifest pass through a ``Rendezvous`` in the store, within a bound. What reads the
+run (retention, the open-incident warning) is :meth:`Saver.housekeep`, run after the commit, off the save.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import logging
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..comm import Communicator, describe_device
-from ..errors import InvalidState, StorageError
+from ..errors import InvalidState
 from ..evidence import EvidenceTracker, remedies
 from ..fingerprint import Fingerprint, combine
 from ..flatten import Flat, bookkeeping, flatten, is_per_rank
@@ -34,7 +32,7 @@ from ..guard import SDCGuard
 from ..jsonx import canonical_json
 from ..lanes import lanes_of
 from ..layout import LayoutEntry
-from ..manifest import MANIFEST_NAME, CheckpointInfo, Manifest, ShardEntry, TensorEntry
+from ..manifest import CheckpointInfo, Manifest, ShardEntry, TensorEntry
 from ..sharding import split
 from ..shards import supported, write_shard
 from ..signing import Signer
@@ -45,6 +43,7 @@ from ..tensorspec import MAX_NDIM, dtype_name
 from . import housekeeping
 from .catalog import Catalog, info
 from .lease import Lease
+from .session import RankReport, Rendezvous, SaveSession
 from .stages import merge
 
 __all__ = ["UNGUARDED", "SaveJob", "Saver", "checked_flat"]
@@ -200,66 +199,57 @@ class Saver:
         self._host_copies = out
         return out
 
-    def start(self, job: SaveJob) -> concurrent.futures.Future[CheckpointInfo]:
-        """Finish ``job`` on a background thread, from host copies taken now (the only blocking cost)."""
+    def start(self, session: SaveSession) -> concurrent.futures.Future[CheckpointInfo]:
+        """Finish ``session`` on a background thread, from host copies taken now (the only blocking cost)."""
+        job = session.job
         copies = self.snapshot(job.flat.tensors | job.mine)
         job.flat = dataclasses.replace(job.flat, tensors={n: copies[n] for n in job.flat.tensors})
         job.mine = {n: copies[n] for n in job.mine}
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vckpt-async-save")
-        fut = pool.submit(self.finish, job, collective=False)
+        fut = pool.submit(self.finish, session, collective=False)
         pool.shutdown(wait=False)
         return fut
 
-    def finish(self, job: SaveJob, *, collective: bool) -> CheckpointInfo:
+    def finish(self, session: SaveSession, *, collective: bool) -> CheckpointInfo:
         """Write this rank's shards and commit; every rank returns the committed checkpoint.
 
-        Collectives only when ``collective`` (the caller's thread).
+        Collectives only when ``collective`` (the caller's thread); otherwise reports and the manifest pass
+        through a ``Rendezvous`` in the store.
         """
-        rank, world = self.comm.rank, self.comm.world
+        job, rank, world = session.job, self.comm.rank, self.comm.world
         # Alone, this rank's own tensors go with the rest: a single process writes the files it always did.
         alone = not self.comm.active
+        rendezvous = Rendezvous(self.store, job.cid, world, self.report_timeout_s)
         plan = self._plan(job.flat.tensors | job.mine if alone else job.flat.tensors)
         try:
-            entries, fps = self._write(job.cid, plan, range(rank, len(plan), world), "shard-{:05d}")
-            mine = self.write(job.cid, {} if alone else job.mine, f"chunks-r{rank:05d}-{{:05d}}")
+            report = self._write(job.cid, plan, range(rank, len(plan), world), "shard-{:05d}")
+            report += self.write(job.cid, {} if alone else job.mine, f"chunks-r{rank:05d}-{{:05d}}")
         except BaseException as e:
-            if job.lease is not None:
-                job.lease.release()
+            session.abort()
             if self.comm.active and not collective:
-                with contextlib.suppress(Exception):  # tell rank 0 not to wait for us
-                    self.store.write_aside(job.cid, f"rank-{rank:05d}.error", str(e).encode())
+                rendezvous.post_error(rank, str(e))  # rank 0 stops waiting for us
             raise
-        mine["shards"] += [dataclasses.asdict(e) for e in entries]
-        mine["fps"] |= {n: str(fp) for n, fp in fps.items()}
-        if not self.comm.active:
-            reports = [mine]
-        elif collective:
-            reports = [json.loads(b) for b in self.comm.gather_bytes(json.dumps(mine).encode())]
-        else:
-            self.store.write_aside(job.cid, f"rank-{rank:05d}.json", json.dumps(mine).encode())
-            reports = self._collect_reports(job.cid) if rank == 0 else []
-        manifest_bytes = b""
-        if rank == 0:
-            manifest_bytes = self.commit(job, reports)
-            if self.comm.active and not collective:
-                for r in range(world):
-                    with contextlib.suppress(Exception):
-                        self.store.delete_file(job.cid, f"rank-{r:05d}.json")
-        if self.comm.active and collective:
-            # Every rank returns only after the commit, with the same manifest in hand.
-            manifest_bytes = self.comm.broadcast_bytes(manifest_bytes)
-            self.comm.barrier()
-        elif rank != 0:
-            manifest_bytes = self._await(lambda: self.store.read_optional(job.cid, MANIFEST_NAME), job.cid, "manifest")
-        doc = Manifest.decode_json(manifest_bytes, job.cid)
-        return dataclasses.replace(info(Manifest.from_dict(doc, job.cid), []), signature=self.signer.check(doc).value)
+        if alone:
+            return session.commit([report])
+        if collective:
+            reports = [RankReport.from_json(b, r) for r, b in enumerate(self.comm.gather_bytes(report.to_json()))]
+            if rank == 0:
+                session.commit(reports)
+            return session.publish()  # every rank returns only after the commit, with the same manifest in hand
+        rendezvous.post(rank, report)
+        if rank != 0:
+            return self.committed(job.cid, rendezvous.await_manifest())
+        committed = session.commit(rendezvous.collect())
+        rendezvous.clear()
+        return committed
 
-    def commit(self, job: SaveJob, reports: list[dict[str, Any]]) -> bytes:
-        """Rank 0: write the manifest of ``job`` from every rank's shard report, last; return its bytes.
+    def committed(self, cid: str, manifest_bytes: bytes) -> CheckpointInfo:
+        """The committed checkpoint ``cid`` from its manifest's bytes, with its signature checked."""
+        doc = Manifest.decode_json(manifest_bytes, cid)
+        return dataclasses.replace(info(Manifest.from_dict(doc, cid), []), signature=self.signer.check(doc).value)
 
-        A report is ``{"shards": [ShardEntry as dict], "fps": {name: hex}, "specs": {name: [dtype, shape]}}``;
-        ``specs`` names the tensors rank 0 does not hold itself.
-        """
+    def commit(self, job: SaveJob, reports: list[RankReport]) -> bytes:
+        """Rank 0: write the manifest of ``job`` from every rank's shard report, last; return its bytes."""
         try:
             manifest = self._manifest(self.catalog.run_id(), job, reports)
             manifest_bytes = canonical_json(self.signer.seal(manifest.to_dict()))
@@ -277,10 +267,15 @@ class Saver:
             log.warning("saved %s (step %d, %s, %.1f MiB, %.2f s): %s%s", job.cid, job.step, manifest.status.value, mib,
                         took, "; ".join(manifest.reasons) or "no reason recorded",
                         f" - to make saves restorable: {'; '.join(fixes)}" if fixes else "")
-        self._warn_if_flagged(manifest)
+        return manifest_bytes
+
+    def housekeep(self, committed: CheckpointInfo) -> None:
+        """Rank 0, after a commit, off the save's path (it reads the run): warn once if the new checkpoint is suspect
+        by an open incident, then apply retention."""
+        assert committed.manifest is not None
+        self._warn_if_flagged(committed.manifest)
         if self.keep_last is not None:
             housekeeping.apply_retention(self.catalog, self.keep_last, self.pinned, self._read_back)
-        return manifest_bytes
 
     def _read_back(self, info: CheckpointInfo) -> bool:
         """Read ``info`` back and verify it (recorded), before retention deletes older checkpoints."""
@@ -290,12 +285,11 @@ class Saver:
         [result] = verify_all(self.catalog, Reader(self.store, self.io_workers), [info], jobs=1, progress=None)
         return result.ok
 
-    def write(self, cid: str, tensors: dict[str, torch.Tensor], pattern: str) -> dict[str, Any]:
+    def write(self, cid: str, tensors: dict[str, torch.Tensor], pattern: str) -> RankReport:
         """Write ``tensors``, which only this rank writes, into shards named by ``pattern``; return its report."""
         plan = self._plan(tensors)
-        entries, fps = self._write(cid, plan, range(len(plan)), pattern) if tensors else ([], {})
-        return {"shards": [dataclasses.asdict(e) for e in entries], "fps": {n: str(fp) for n, fp in fps.items()},
-                "specs": {n: [dtype_name(t.dtype), list(t.shape)] for n, t in tensors.items()}}
+        report = self._write(cid, plan, range(len(plan)), pattern) if tensors else RankReport()
+        return dataclasses.replace(report, specs={n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()})
 
     def _warn_if_flagged(self, m: Manifest) -> None:
         """A save while an incident is open is suspect: say so once, with the way out."""
@@ -306,7 +300,7 @@ class Saver:
             self._warned_open = True
             warnings.warn(f"checkpoint {m.checkpoint_id} is suspect: {flagged[0]}; it stays suspect (and so will later "
                           "saves) until a rollback answers the incident - call resume(state) or `vckpt rollback`",
-                          stacklevel=4)
+                          stacklevel=2)
 
     def _plan(self, flat_tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         shards: list[dict[str, torch.Tensor]] = [{}]
@@ -320,8 +314,7 @@ class Saver:
             filled += n
         return shards
 
-    def _write(self, cid: str, plan: list[dict[str, torch.Tensor]], indices: range, pattern: str
-               ) -> tuple[list[ShardEntry], dict[str, Fingerprint]]:
+    def _write(self, cid: str, plan: list[dict[str, torch.Tensor]], indices: range, pattern: str) -> RankReport:
         names = [n for i in indices for n in plan[i]]
         fps = dict(zip(names, lanes_of([plan[i][n] for i in indices for n in plan[i]]), strict=True))
 
@@ -333,18 +326,18 @@ class Saver:
             return ShardEntry(path, size, digest, sorted(plan[i]))
 
         with concurrent.futures.ThreadPoolExecutor(self.io_workers, thread_name_prefix="vckpt-io") as pool:
-            return list(pool.map(one, indices)), fps
+            return RankReport(tuple(pool.map(one, indices)), {n: str(fp) for n, fp in fps.items()})
 
-    def _manifest(self, run_id: str, job: SaveJob, reports: list[dict[str, Any]]) -> Manifest:
-        shards = sorted((ShardEntry(**e) for r in reports for e in r["shards"]), key=lambda e: e.path)
-        fps = {n: Fingerprint.from_hex(fp) for r in reports for n, fp in r["fps"].items()}
-        specs = {n: (t.dtype, list(t.shape)) for n, t in (job.flat.tensors | job.mine).items()}
-        specs |= {n: (getattr(torch, d), shape) for r in reports for n, (d, shape) in r.get("specs", {}).items()}
+    def _manifest(self, run_id: str, job: SaveJob, reports: list[RankReport]) -> Manifest:
+        shards = sorted((e for r in reports for e in r.shards), key=lambda e: e.path)
+        fps = {n: Fingerprint.from_hex(fp) for r in reports for n, fp in r.fingerprints.items()}
+        specs = {n: (dtype_name(t.dtype), list(t.shape)) for n, t in (job.flat.tensors | job.mine).items()}
+        specs |= {n: (d, list(shape)) for r in reports for n, (d, shape) in r.specs.items()}
         tensors = {}
         for s in shards:
             for n in s.tensors:
                 dtype, shape = specs[n]
-                tensors[n] = TensorEntry(dtype_name(dtype), shape, s.path, str(fps[n]))
+                tensors[n] = TensorEntry(dtype, shape, s.path, str(fps[n]))
         # Per-rank entries differ between ranks by design: the state fingerprint, the one every rank's live
         # state must reproduce (``state_fingerprint``), leaves them out; their tensors keep their own fingerprints.
         own = set().union(*(tensor_refs(v) for k in job.flat.per_rank for v in job.flat.skeleton[k]["value"].values()))
@@ -357,29 +350,3 @@ class Saver:
             evidence=job.evidence, status=job.status, reasons=job.reasons, resumed_from=job.resumed_from,
             layout=job.layout, bookkeeping=sorted(n for n in job.flat.bookkeeping if n in tensors),
         )
-
-    def _collect_reports(self, cid: str) -> list[dict[str, Any]]:
-        reports = []
-        for r in range(self.comm.world):
-            def look(r: int = r) -> bytes | None:
-                err = self.store.read_optional(cid, f"rank-{r:05d}.error")
-                if err is not None:
-                    raise StorageError(f"rank {r} failed to write its shards of {cid}: "
-                                       f"{err.decode(errors='replace')[:300]}; the checkpoint is not committed")
-                return self.store.read_optional(cid, f"rank-{r:05d}.json")
-
-            reports.append(json.loads(self._await(look, cid, f"rank {r}'s shard report")))
-        return reports
-
-    def _await(self, probe: Callable[[], bytes | None], cid: str, what: str) -> bytes:
-        deadline = time.monotonic() + self.report_timeout_s
-        delay = 0.02
-        while True:
-            got = probe()
-            if got is not None:
-                return got
-            if time.monotonic() > deadline:
-                raise StorageError(f"{what} for {cid} did not appear within {self.report_timeout_s:.0f}s; "
-                                   "the checkpoint is not committed - check the other ranks' logs")
-            time.sleep(delay)  # polling the store: no collective may run off the training thread
-            delay = min(delay * 2, 0.5)

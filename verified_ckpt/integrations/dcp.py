@@ -43,18 +43,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..checkpoint.catalog import info
-from ..checkpoint.opening import agree, decide
-from ..errors import CorruptCheckpoint, InvalidState, StorageError, VerifiedCkptError
-from ..flatten import Flat, flatten, unflatten
+from .. import RankReport
+from ..errors import InvalidState, StorageError, VerifiedCkptError
+from ..flatten import flatten, unflatten
 from ..layout import Chunk, LayoutEntry, chunk_name
 from ..manifest import CheckpointInfo, Manifest
 from ..skeleton import TENSOR
 from ..tensorspec import dtype_name
 
 if TYPE_CHECKING:
-    from ..checkpoint.manager import CheckpointManager
-    from ..checkpoint.saving import SaveJob, Saver
+    from .. import CheckpointManager, OpenCheckpoint, SaveSession
 
 __all__ = ["VerifiedStorageReader", "VerifiedStorageWriter"]
 
@@ -71,12 +69,11 @@ class VerifiedStorageWriter(StorageWriter):
 
     def __init__(self, manager: CheckpointManager, step: int) -> None:
         self.manager, self.step = manager, step
-        self._saver: Saver | None = None
-        self._job: SaveJob | None = None
+        self.session: SaveSession | None = None
         self.info: CheckpointInfo | None = None  # the committed checkpoint (on the coordinator)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self._saver = self._job = None
+        self.session = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -84,8 +81,7 @@ class VerifiedStorageWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         # Collective, on every rank, before any data moves: consensus, status and one checkpoint id.
-        self.manager.wait()
-        self._saver, self._job = self.manager._prepare(self.step, Flat({}, {}))
+        self.session = self.manager.begin_save(self.step)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -94,7 +90,7 @@ class VerifiedStorageWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        assert self._saver is not None and self._job is not None, "set_up_storage_writer runs first"
+        assert self.session is not None, "set_up_storage_writer runs first"
         tensors: dict[str, torch.Tensor] = {}
         values: dict[str, Any] = {}
         for item in plan.items:
@@ -105,19 +101,20 @@ class VerifiedStorageWriter(StorageWriter):
                 assert isinstance(data, torch.Tensor)
                 tensors[chunk_name(item.index.fqn, tuple(item.index.offset or ()))] = data.detach()
         rank = self.manager.comm.rank
-        report = self._saver.write(self._job.cid, tensors, f"dcp-r{rank:05d}-{{:05d}}")
-        # DCP hands every rank's results to the coordinator: the first one carries this rank's shard report.
+        report = self.session.write(tensors, f"dcp-r{rank:05d}")
+        # DCP hands every rank's results to the coordinator: the first one carries this rank's report, as the
+        # bytes the coordinator decodes within bounds.
         results = [WriteResult(index=item.index, size_in_bytes=0,
-                               storage_data={"report": report, "values": values} if i == 0 else None)
+                               storage_data={"rank": rank, "report": report.to_json(), "values": values} if i == 0 else None)
                    for i, item in enumerate(plan.items)]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        assert self._saver is not None and self._job is not None
+        assert self.session is not None
         firsts = [r[0].storage_data for r in results if r and r[0].storage_data]
-        reports = [f["report"] for f in firsts]
+        reports = [RankReport.from_json(f["report"], f["rank"]) for f in firsts]
         values = {k: v for f in firsts for k, v in f["values"].items()}
         layout, skeleton = {}, {}
         for fqn, md in metadata.state_dict_metadata.items():
@@ -127,8 +124,7 @@ class VerifiedStorageWriter(StorageWriter):
                 skeleton[fqn] = {TENSOR: fqn}
             else:
                 skeleton[fqn] = values[fqn]
-        self._job.layout, self._job.flat = layout, Flat({}, {_ENTRY: {"stateful": False, "value": skeleton}})
-        self.info = info(Manifest.from_json(self._saver.commit(self._job, reports), self._job.cid), [])
+        self.info = self.session.commit(reports, layout=layout, state={_ENTRY: {"stateful": False, "value": skeleton}})
 
     def storage_meta(self) -> None:
         return None
@@ -162,12 +158,17 @@ class VerifiedStorageReader(StorageReader):
     def __init__(self, manager: CheckpointManager, *, step: int | None = None, checkpoint_id: str | None = None,
                  allow_unverified: bool = False) -> None:
         self.manager = manager
-        self.choice = (step, checkpoint_id, allow_unverified)
-        self.info: CheckpointInfo | None = None
+        self.step, self.checkpoint_id, self.allow_unverified = step, checkpoint_id, allow_unverified
+        self.opened: OpenCheckpoint | None = None
         self.error: VerifiedCkptError | None = None
 
+    @property
+    def info(self) -> CheckpointInfo | None:
+        """The checkpoint being loaded (every rank holds the same one once ``read_metadata`` ran)."""
+        return self.opened.info if self.opened is not None else None
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self.info = None
+        self.opened = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -176,8 +177,8 @@ class VerifiedStorageReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP calls this on every rank: one decision (rank 0's) for all of them, from the same manifest bytes.
         try:
-            self.info, _ = decide(self.manager.comm,
-                                  lambda: (self.manager._catalog.restorable(*self.choice), {}))
+            self.opened = self.manager.open(step=self.step, checkpoint_id=self.checkpoint_id,
+                                            allow_unverified=self.allow_unverified)
         except VerifiedCkptError as refused:
             self.error = refused  # DCP catches this one and fails with "metadata is None": ``load`` raises it instead
             raise
@@ -218,19 +219,13 @@ class VerifiedStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        from ..checkpoint.reading import RESTORE, Reader
-
         m = self.manager_manifest()
         by_chunk: dict[str, list[Any]] = defaultdict(list)
         for item in plan.items:
             if item.type == LoadItemType.TENSOR:
                 by_chunk[chunk_name(item.storage_index.fqn, tuple(item.storage_index.offset or ()))].append(item)
-        loaded, problems = Reader(self.manager._store, self.manager.io_workers).read(m, RESTORE, names=set(by_chunk))
-        error = None
-        if problems:
-            error = CorruptCheckpoint(f"checkpoint {m.checkpoint_id} (step {m.step}) failed its {problems[0].kind} "
-                                      f"check: {problems[0].detail}; nothing was loaded - restore an earlier checkpoint")
-        agree(self.manager.comm, error)  # every rank raises alike, before any copies a value
+        assert self.opened is not None
+        loaded = self.opened.read(set(by_chunk))  # every rank raises alike, before any copies a value
         values = self._values(m)
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
@@ -243,8 +238,7 @@ class VerifiedStorageReader(StorageReader):
                 dest = planner.resolve_tensor(item).detach()
                 dest.copy_(src)
                 planner.commit_tensor(item, dest)
-        assert self.info is not None
-        self.manager._recovery._loaded(self.info)  # the lineage, the ledger and the guard learn of the restore
+        self.opened.applied()  # the lineage, the ledger and the guard learn of the restore
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -1,0 +1,59 @@
+"""The integrations are built on the manager's public API only: no private attribute of ``CheckpointManager`` is
+reached, and none of the manager's internal modules is imported (the public two-phase save and checked open,
+``begin_save`` and ``open``, are what a framework's own save and load path uses)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PKG = ROOT / "verified_ckpt"
+# The manager's own parts: what it delegates to, never what an integration calls.
+INTERNAL = {"saving", "recovery", "catalog", "reading", "loading", "opening", "session", "journal", "housekeeping",
+            "lease", "stages", "verification", "fitting"}
+
+
+def manager_privates() -> set[str]:
+    tree = ast.parse((PKG / "checkpoint" / "manager.py").read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CheckpointManager"]
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_")
+             and not n.name.endswith("__")}
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                and node.attr.startswith("_"):
+            names.add(node.attr)
+    return names
+
+
+def breaches(path: pathlib.Path, private: set[str]) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in private:
+            out.append(f"{path.name}:{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            parts = node.module.split(".")
+            if "checkpoint" in parts and parts[-1] in INTERNAL:
+                out.append(f"{path.name}:{node.lineno}: imports checkpoint.{parts[-1]}")
+            if parts[-1] == "checkpoint" and any(a.name in INTERNAL for a in node.names):
+                out.append(f"{path.name}:{node.lineno}: imports an internal module of checkpoint")
+    return out
+
+
+def test_the_manager_has_private_parts_to_protect():
+    assert {"_store", "_catalog", "_recovery", "_begin"} <= manager_privates()
+
+
+@pytest.mark.parametrize("module", sorted(p.name for p in (PKG / "integrations").glob("*.py")))
+def test_each_integration_uses_only_the_public_manager_api(module):
+    assert breaches(PKG / "integrations" / module, manager_privates()) == []
+
+
+def test_the_check_finds_a_reach_into_the_manager(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from ..checkpoint.saving import Saver\n\ndef f(manager):\n    return manager._catalog.view()\n")
+    assert len(breaches(bad, manager_privates())) == 2

@@ -1,0 +1,125 @@
+"""The public two-phase save and checked open, used as a framework's own save path would use them.
+
+``begin_save`` → ``write`` (each rank) → ``commit`` (rank 0) → ``publish`` (every rank), and ``open`` →
+``read`` → ``applied``, on real gloo ranks; a blocking save reads only what it wrote (retention runs after
+the commit, off the save); rank reports decode within bounds.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from dist_harness import run_ranks
+
+from verified_ckpt import CheckpointManager, CorruptCheckpoint, ManifestError, RankReport, Status
+from verified_ckpt.checkpoint.catalog import Catalog
+from verified_ckpt.store import RecordObjects, RunStore
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def sessions(rank: int, world: int, run: str) -> dict:
+    """Each rank writes a tensor of its own through a session; rank 0 commits; every rank opens and reads them."""
+    import torch.distributed as dist
+
+    mgr = CheckpointManager(run)
+    session = mgr.begin_save(7)
+    report = session.write({f"t{rank}": torch.full((4,), float(rank))}, f"mine-r{rank:05d}")
+    reports = [RankReport.from_json(b, r) for r, b in enumerate(mgr.comm.gather_bytes(report.to_json()))]
+    committed = session.commit(reports) if rank == 0 else None
+    published = session.publish()
+    opened = mgr.open(allow_unverified=True)
+    got = opened.read({f"t{r}" for r in range(world)})
+    opened.applied()
+    dist.barrier()
+    return {"id": session.id, "published": published.id, "committed": committed.id if committed else None,
+            "opened": opened.info.id, "values": {n: t.tolist() for n, t in sorted(got.items())},
+            "resumed_from": mgr.resumed_from, "status": published.status.value}
+
+
+def test_a_save_written_by_the_caller_through_a_session_commits_once_and_every_rank_opens_it(tmp_path):
+    got = run_ranks(sessions, 3, str(tmp_path / "run"))
+    ids = {r["id"] for r in got}
+    assert len(ids) == 1 and {r["published"] for r in got} == ids == {r["opened"] for r in got} == {got[0]["committed"]}
+    assert all(r["values"] == {f"t{i}": [float(i)] * 4 for i in range(3)} for r in got)
+    assert {r["resumed_from"] for r in got} == ids and got[0]["status"] == "unverified"
+    [info] = CheckpointManager(str(tmp_path / "run")).list()
+    assert info.step == 7 and sorted(info.manifest.tensors) == ["t0", "t1", "t2"]
+
+
+def test_a_blocking_save_does_not_read_the_run_and_retention_runs_after_it(tmp_path, monkeypatch):
+    run = str(tmp_path / "run")
+    mgr = CheckpointManager(run, keep_last=1)
+    mgr.save(1, {"w": torch.ones(3)})
+    mgr.wait()
+    reads: list[str] = []
+    for cls, name in [(RunStore, "committed"), (RecordObjects, "listing"), (Catalog, "view")]:
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda *a, _real=real, _name=name, **k: reads.append(_name) or _real(*a, **k))
+    from verified_ckpt.checkpoint.saving import Saver
+
+    gate = threading.Event()
+    real_housekeep = Saver.housekeep
+
+    def held(self, info):  # the step after the commit waits until the save has returned (bounded)
+        assert gate.wait(30), "the save waited for its housekeeping"
+        real_housekeep(self, info)
+
+    monkeypatch.setattr(Saver, "housekeep", held)
+    info = mgr.save(2, {"w": torch.zeros(3)})
+    assert reads == [] and info.step == 2  # the save read nothing of the run: no listing, no records, no view
+    gate.set()
+    mgr.wait()
+    assert "view" in reads  # retention read the run, after the save
+    # keep_last=1 keeps the newest restorable; both are unverified (no guard), so retention keeps them both
+    assert [i.step for i in CheckpointManager(run).list()] == [1, 2]
+
+
+def test_a_failed_retention_is_logged_and_does_not_fail_the_next_save(tmp_path, monkeypatch, caplog):
+    mgr = CheckpointManager(str(tmp_path / "run"), keep_last=1)
+    from verified_ckpt.checkpoint.saving import Saver as saver
+
+    def broken(self, info):
+        raise OSError("store gone")
+
+    monkeypatch.setattr(saver, "housekeep", broken)
+    mgr.save(1, {"w": torch.ones(3)})
+    with caplog.at_level("WARNING", logger="verified_ckpt"):
+        assert mgr.save(2, {"w": torch.ones(3)}).step == 2
+        mgr.wait()
+    assert "retention after" in caplog.text and "store gone" in caplog.text
+
+
+@pytest.mark.parametrize("data", [b"", b"[]", b'{"shards": 1}', b'{"shards": [], "fps": {}, "specs": {"a": ["f", [-1]]}}',
+                                  b'{"shards": [{"path": "a"}], "fps": {}, "specs": {}}', b"[" * 100000,
+                                  b'{"shards": [], "fps": {"a": 3}, "specs": {}}'])
+def test_a_malformed_rank_report_is_refused_in_one_line(data):
+    with pytest.raises(ManifestError, match="rank 2's shard report is malformed"):
+        RankReport.from_json(data, 2)
+
+
+def test_a_rank_report_round_trips():
+    from verified_ckpt.manifest import ShardEntry
+
+    r = RankReport((ShardEntry("a.safetensors", 10, "ab", ["x"]),), {"x": "00"}, {"y": ("float32", (2, 3))})
+    assert RankReport.from_json(r.to_json(), 0) == r
+
+
+def test_open_reads_refuse_flipped_bytes_and_applied_records_nothing_until_called(tmp_path):
+    import os
+
+    run = str(tmp_path / "run")
+    mgr = CheckpointManager(run)
+    info = mgr.save(1, {"w": torch.arange(64, dtype=torch.float32)})
+    folder = os.path.join(run, "checkpoints", info.id)
+    shard = os.path.join(folder, info.manifest.shards[0].path)
+    data = bytearray(open(shard, "rb").read())
+    data[-1] ^= 0xFF
+    open(shard, "wb").write(bytes(data))
+    opened = mgr.open(allow_unverified=True)
+    assert opened.info.id == info.id and opened.info.status is Status.UNVERIFIED
+    with pytest.raises(CorruptCheckpoint, match="failed its"):
+        opened.read()
+    assert mgr.resumed_from is None

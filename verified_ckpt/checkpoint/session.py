@@ -1,0 +1,217 @@
+"""The public two-phase save: what every rank writes, what rank 0 commits, and how every rank learns of it.
+
+A save of any shape (the manager's own, ``dcp.save`` through the verified writer) is the same sequence, as
+DCP's ``StorageWriter`` documents its own:
+
+============  ==========================================  ==========================================
+who           call                                        what it does
+============  ==========================================  ==========================================
+every rank    ``CheckpointManager.begin_save(step)``      collective: consensus, status and evidence,
+                                                          one checkpoint id (rank 0 leases its folder)
+each rank     ``session.write(tensors, prefix)``          this rank's shards; returns its ``RankReport``
+rank 0        ``session.commit(reports, ...)``            the manifest, written last: the commit
+every rank    ``session.publish()``                       collective: every rank holds the same
+                                                          committed ``CheckpointInfo``
+============  ==========================================  ==========================================
+
+Retention and the "saved while an incident is open" warning are not part of a save: they read the run, so
+once the manifest is written they run as their own step on rank 0 (``CheckpointManager`` runs it in the
+background and joins it at the next save or ``wait()``). A save reads only what it wrote.
+
+Reports travel by collective when the caller's thread may run one, else through a :class:`Rendezvous` of
+small objects beside the shards (a non-blocking save's background thread may not run collectives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ManifestError, StorageError
+from ..jsonx import JSONBudgetError, Limits, decode_object
+from ..layout import LayoutEntry
+from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, CheckpointInfo, ShardEntry
+from ..status import Status
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..store import RunStore
+    from .saving import SaveJob, Saver
+
+__all__ = ["RankReport", "Rendezvous", "SaveSession"]
+
+_LIMITS = Limits(max_bytes=MAX_MANIFEST_BYTES, max_depth=8)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReport:
+    """What one rank wrote: its shards, the fingerprint of every tensor in them, and the dtype and shape of the
+    tensors rank 0 does not hold itself (``specs``)."""
+
+    shards: tuple[ShardEntry, ...] = ()
+    fingerprints: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    specs: Mapping[str, tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+
+    def __add__(self, other: RankReport) -> RankReport:
+        return RankReport((*self.shards, *other.shards), {**self.fingerprints, **other.fingerprints},
+                          {**self.specs, **other.specs})
+
+    def to_json(self) -> bytes:
+        return json.dumps({"shards": [dataclasses.asdict(s) for s in self.shards], "fps": dict(self.fingerprints),
+                           "specs": {n: [d, list(s)] for n, (d, s) in self.specs.items()}}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, rank: int) -> RankReport:
+        """Decode rank ``rank``'s report within bounds, checking every field's type.
+
+        Raises:
+            ManifestError: the report is not one this library writes.
+        """
+        try:
+            d = decode_object(data, _LIMITS)
+            shards = tuple(_shard(e) for e in d["shards"])
+            fps = {str(n): _str(fp) for n, fp in d["fps"].items()}
+            specs = {str(n): (_str(dt), tuple(_int(x) for x in shape)) for n, (dt, shape) in d["specs"].items()}
+        except (JSONBudgetError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ManifestError(f"rank {rank}'s shard report is malformed ({type(e).__name__}: {str(e)[:200]}); "
+                                "the checkpoint is not committed - save again") from None
+        return cls(shards, fps, specs)
+
+
+def _str(x: Any) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"expected a string, got {type(x).__name__}")
+    return x
+
+
+def _int(x: Any) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise TypeError(f"expected an int >= 0, got {x!r}")
+    return x
+
+
+def _shard(e: Any) -> ShardEntry:
+    if not isinstance(e, dict) or set(e) != {"path", "size", "digest", "tensors"}:
+        raise TypeError("a shard entry has other fields than path, size, digest, tensors")
+    return ShardEntry(_str(e["path"]), _int(e["size"]), _str(e["digest"]), [_str(t) for t in e["tensors"]])
+
+
+class Rendezvous:
+    """Rank reports and the manifest, passed through small objects beside a save's shards (no collective).
+
+    Every rank ``post``s its report (or ``post_error``s why it has none); rank 0 ``collect``s them within a
+    bound and ``clear``s them after the commit; the other ranks ``await_manifest``. Every wait is bounded.
+    """
+
+    def __init__(self, store: RunStore, cid: str, world: int, timeout_s: float) -> None:
+        self.store, self.cid, self.world, self.timeout_s = store, cid, world, timeout_s
+
+    def post(self, rank: int, report: RankReport) -> None:
+        self.store.write_aside(self.cid, f"rank-{rank:05d}.json", report.to_json())
+
+    def post_error(self, rank: int, message: str) -> None:
+        """Tell rank 0 not to wait for this rank (best effort: the store may be what failed)."""
+        with contextlib.suppress(Exception):
+            self.store.write_aside(self.cid, f"rank-{rank:05d}.error", message.encode())
+
+    def collect(self) -> list[RankReport]:
+        """Every rank's report, in rank order.
+
+        Raises:
+            StorageError: a rank posted an error, or a report did not appear within the bound.
+        """
+        reports = []
+        for r in range(self.world):
+            def look(r: int = r) -> bytes | None:
+                err = self.store.read_optional(self.cid, f"rank-{r:05d}.error")
+                if err is not None:
+                    raise StorageError(f"rank {r} failed to write its shards of {self.cid}: "
+                                       f"{err.decode(errors='replace')[:300]}; the checkpoint is not committed")
+                return self.store.read_optional(self.cid, f"rank-{r:05d}.json")
+
+            reports.append(RankReport.from_json(self._await(look, f"rank {r}'s shard report"), r))
+        return reports
+
+    def await_manifest(self) -> bytes:
+        return self._await(lambda: self.store.read_optional(self.cid, MANIFEST_NAME), "manifest")
+
+    def clear(self) -> None:
+        for r in range(self.world):
+            with contextlib.suppress(Exception):
+                self.store.delete_file(self.cid, f"rank-{r:05d}.json")
+
+    def _await(self, probe: Callable[[], bytes | None], what: str) -> bytes:
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.02
+        while True:
+            got = probe()
+            if got is not None:
+                return got
+            if time.monotonic() > deadline:
+                raise StorageError(f"{what} for {self.cid} did not appear within {self.timeout_s:.0f}s; "
+                                   "the checkpoint is not committed - check the other ranks' logs")
+            time.sleep(delay)  # polling the store: no collective may run off the training thread
+            delay = min(delay * 2, 0.5)
+
+
+class SaveSession:
+    """One checkpoint being written (from ``CheckpointManager.begin_save``; the call table is in this module's
+    docstring). ``id``, ``step`` and ``status`` are what ``begin_save`` decided, the same on every rank."""
+
+    def __init__(self, saver: Saver, job: SaveJob, on_committed: Callable[[CheckpointInfo], None]) -> None:
+        self._saver, self.job, self._on_committed = saver, job, on_committed  # ``job``: the saver's, not API
+        self._manifest: bytes = b""
+
+    @property
+    def id(self) -> str:
+        return self.job.cid
+
+    @property
+    def step(self) -> int:
+        return self.job.step
+
+    @property
+    def status(self) -> Status:
+        return self.job.status
+
+    def write(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> RankReport:
+        """Write ``tensors``, which only this rank writes, as shards ``<prefix>-<n>.safetensors``; the report to send
+        to rank 0. ``prefix`` must differ between ranks (``dcp-r00003``, say)."""
+        return self._saver.write(self.job.cid, dict(tensors), f"{prefix}-{{:05d}}")
+
+    def commit(self, reports: Sequence[RankReport], *, layout: Mapping[str, LayoutEntry] | None = None,
+               state: Mapping[str, Any] | None = None) -> CheckpointInfo:
+        """Rank 0: write the manifest of every rank's ``reports``, last, and return the committed checkpoint.
+
+        ``layout`` (sharded tensors' chunks) and ``state`` (the skeleton: entry name to ``{"stateful", "value"}``)
+        replace what ``begin_save`` was given, for a writer that learns them only at the end (DCP).
+
+        Raises:
+            StorageError: a shard named in a report is not stored with its size; nothing is committed.
+        """
+        job = self.job
+        if layout is not None:
+            job.layout = dict(layout)
+        if state is not None:
+            job.flat = dataclasses.replace(job.flat, skeleton=dict(state))
+        self._manifest = self._saver.commit(job, list(reports))
+        committed = self._saver.committed(job.cid, self._manifest)
+        self._on_committed(committed)
+        return committed
+
+    def publish(self) -> CheckpointInfo:
+        """Every rank (collective): the committed checkpoint, from the manifest bytes rank 0 wrote."""
+        comm = self._saver.comm
+        data = comm.broadcast_bytes(self._manifest) if comm.active else self._manifest
+        comm.barrier()
+        return self._saver.committed(self.job.cid, data)
+
+    def abort(self) -> None:
+        """Give up this save (nothing is committed; gc removes what was written once its lease is gone)."""
+        if self.job.lease is not None:
+            self.job.lease.release()

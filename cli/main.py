@@ -23,14 +23,13 @@ from verified_ckpt import (
     VerifiedCkptError,
     render_html,
 )
-from verified_ckpt.recovery import verdict_of
 
 from .options import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, exit_code_for, parse_storage_options
 from .output import Output, escape, human_size, status_text
 from .recovery import register
 
 if TYPE_CHECKING:  # imported by the command that runs: --help needs no run machinery (tests/test_cli_startup.py)
-    from verified_ckpt import CheckpointManager, Incident
+    from verified_ckpt import CheckpointManager
 
 SIGNATURE_TEXT = {
     "valid": "[green]valid[/] (HMAC-SHA256, key configured)",
@@ -227,7 +226,7 @@ def flag_cmd(mgr: CheckpointManager, out: Output, *, from_step: int, to_step: in
         span = f"{from_step}..{to_step}" if to_step is not None else f"{from_step}.."
         console.print(f"flagged steps {span} as incident {inc.id}; {len(flagged)} checkpoint(s) now suspect")
 
-    out.emit({**_incident_row(inc), "suspect_checkpoints": [i.id for i in flagged]}, human)
+    out.emit({**inc.to_row(), "suspect_checkpoints": [i.id for i in flagged]}, human)
     return EXIT_OK
 
 
@@ -238,19 +237,13 @@ def _warn_unreadable(out: Output, unreadable: list[str]) -> None:
                       "inspect or remove it", markup=True, highlight=False)
 
 
-def _incident_row(inc: Incident) -> dict[str, Any]:
-    return {"id": inc.id, "kind": inc.kind, "ranks": inc.ranks, "hosts": inc.exclude_hosts,
-            "first_suspect_step": inc.first_suspect_step, "to_step": inc.to_step, "detected_step": inc.detected_step,
-            "reason": inc.reason or inc.detail, "at": inc.at, "signature": inc.signature}
-
-
 @main.command("incidents")
 @run_command
 def incidents_cmd(mgr: CheckpointManager, out: Output) -> int:
     """List incidents and the hosts to exclude from scheduling."""
     mgr.require_run()
     view = mgr.view()
-    rows = [dict(_incident_row(r), answered=a) for r, a in zip(view.incidents, view.answered(), strict=True)]
+    rows = [dict(r.to_row(), answered=a) for r, a in zip(view.incidents, view.answered(), strict=True)]
     _warn_unreadable(out, view.unreadable)
 
     def human(console: Any) -> None:
@@ -315,31 +308,10 @@ def status_cmd(mgr: CheckpointManager, out: Output) -> int:
     """
     mgr.require_run()
     view = mgr.view()
-    target, _ = view.rollback_target()
-    open_incidents = view.open_incidents()
-    restorable = [i for i in view.infos if i.status is Status.RESTORABLE]
-    hosts = view.exclude_hosts()
-    data = {"run": mgr.url, "open_incidents": [_incident_row(i) for i in open_incidents], "exclude_hosts": hosts,
-            "rollback_target": None if target is None else {"id": target.id, "step": target.step},
-            "newest_restorable_step": restorable[-1].step if restorable else None, "checkpoints": len(view.infos),
-            "unreadable_records": view.unreadable}
+    health = view.health()
     _warn_unreadable(out, view.unreadable)
-    if open_incidents:
-        code = int(verdict_of(open_incidents))
-    else:
-        code = EXIT_CHECK_FAILED if view.infos and not restorable else EXIT_OK
-    data["health"] = {EXIT_OK: "ok", EXIT_CHECK_FAILED: "nothing-restorable"}.get(code, "open-incident")
-
-    def human(console: Any) -> None:
-        where = f"rollback target step {target.step} ({target.id})" if target is not None else "no rollback target"
-        newest = data["newest_restorable_step"]
-        kinds = ", ".join(f"{i.kind}@{i.detected_step}" for i in open_incidents)
-        console.print(f"{data['health']}: {len(open_incidents)} open incident(s){' (' + kinds + ')' if kinds else ''}; "
-                      f"exclude hosts: {' '.join(hosts) or 'none'}; {where}; newest restorable step: "
-                      f"{newest if newest is not None else 'none'}", markup=False)
-
-    out.emit(data, human)
-    return code
+    out.emit(health.to_dict(), lambda console: console.print(health.line(), markup=False))
+    return health.code
 
 
 @main.command("export")

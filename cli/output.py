@@ -13,19 +13,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from verified_ckpt import Status
+from verified_ckpt import HEALTH_COLOURS, PALETTE
 
 # rich is imported where output is made: ``vckpt --help`` and argument errors never need it.
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-STATUS_STYLE = {
-    Status.RESTORABLE.value: "green",
-    Status.UNVERIFIED.value: "yellow",
-    Status.SUSPECT.value: "magenta",
-    Status.CORRUPT.value: "bold red",
-}
+STATUS_STYLE = {status: c.terminal for status, c in PALETTE.items()} | {s: c.terminal for s, c in HEALTH_COLOURS.items()}
 
 
 class Output:

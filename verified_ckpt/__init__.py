@@ -34,13 +34,14 @@ if TYPE_CHECKING:
     from .comm import Communicator
     from .fingerprint import Fingerprint
     from .guard import GuardConfig, SDCGuard
+    from .health import RunHealth
     from .lanes import state_fingerprint, tensor_fingerprint
     from .manifest import CheckpointInfo, Manifest
     from .records import Host, Incident, Problem, Rollback, VerificationResult
     from .recovery import ExitCode, exit_code_for, exit_on
     from .report import render_html
     from .rng import RNGState
-    from .status import Status
+    from .status import HEALTH_COLOURS, PALETTE, Status
     from .store import discover_runs
 
 _LAZY = {
@@ -50,10 +51,13 @@ _LAZY = {
     "Problem": "records", "Rollback": "records", "VerificationResult": "records", "render_html": "report",
     "RNGState": "rng", "Status": "status", "discover_runs": "store", "ExitCode": "recovery",
     "exit_code_for": "recovery", "exit_on": "recovery", "replay_bundle": "checkpoint", "OpenCheckpoint": "checkpoint",
-    "RankReport": "checkpoint", "SaveSession": "checkpoint",
+    "RankReport": "checkpoint", "SaveSession": "checkpoint", "PALETTE": "status", "HEALTH_COLOURS": "status",
+    "RunHealth": "health",
 }
 
 __all__ = [
+    "HEALTH_COLOURS",
+    "PALETTE",
     "BundleError",
     "CheckpointInfo",
     "CheckpointManager",
@@ -79,6 +83,7 @@ __all__ = [
     "RankReport",
     "RanksDidNotArrive",
     "Rollback",
+    "RunHealth",
     "RunNotFound",
     "RunView",
     "SDCGuard",

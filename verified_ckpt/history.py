@@ -219,7 +219,7 @@ def redact_url(url: str) -> str:
 def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: Sequence[dict[str, Any]],
                 incidents: Sequence[Incident], answered: Sequence[bool], target: dict[str, Any] | None,
                 exclude_hosts: Sequence[str] = (), recovery: tuple[int, int] | None = None,
-                supervision: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+                supervision: Sequence[dict[str, Any]] = (), health: str | None = None) -> dict[str, Any]:
     """The input of ``report.render_html``: the ledger's per-step series and votes, checkpoints
     with their derived status, incidents' flagged intervals, the rollback target, the hosts the open
     incidents name, the recovery (detected step, rolled back to) once every incident is answered, and
@@ -244,4 +244,5 @@ def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: 
         "recovery": {"detected_step": recovery[0], "rolled_back_to": recovery[1]} if recovery else None,
         "supervision": [{k: d[k] for k in ("at", "attempt", "exit_code", "action", "code", "exclude", "reason")}
                         for d in supervision],
+        "health": health,  # ``RunView.health().state``: the word ``vckpt status`` and the service say
     }

@@ -120,6 +120,13 @@ class Incident:
         d["exclude_hosts"] = self.exclude_hosts
         return d
 
+    def to_row(self) -> dict[str, Any]:
+        """What a listing shows of it (``vckpt incidents``, ``vckpt status``): hosts as names, the reason or detail."""
+        return {"id": self.id, "kind": self.kind, "ranks": self.ranks, "hosts": self.exclude_hosts,
+                "first_suspect_step": self.first_suspect_step, "to_step": self.to_step,
+                "detected_step": self.detected_step, "reason": self.reason or self.detail, "at": self.at,
+                "signature": self.signature}
+
     def to_record(self) -> dict[str, Any]:
         """The stored form (without the read-back signature state)."""
         d = self.to_dict()

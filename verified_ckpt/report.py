@@ -15,11 +15,13 @@ from collections.abc import Callable, Sequence
 from html import escape
 from typing import Any
 
+from .status import PALETTE
+
 __all__ = ["render_html"]
 
 GREEN, RED, GREY, ORANGE = "#2e9d4a", "#d62728", "#9e9e9e", "#ff9800"
 SHADE, ROLLBACK, LOSS, RECOVERED = "#f4a6a6", "#6a1b9a", "#1f77b4", "#00838f"
-STATUS_COLOURS = {"restorable": GREEN, "unverified": GREY, "suspect": ORANGE, "corrupt": RED}
+STATUS_COLOURS = {status: c.web for status, c in PALETTE.items()}  # the one status palette (``health``)
 
 # Fixed pixel geometry so that screenshots of two runs are comparable (and tests can find pixels).
 WIDTH, HEIGHT = 1100, 372
@@ -34,10 +36,7 @@ LEGEND = [
     ("circle", GREEN, "vote unanimous"),
     ("diamond", RED, "vote split (suspects)"),
     ("rect", SHADE, "incident interval"),
-    ("circle", GREEN, "checkpoint restorable"),
-    ("circle", GREY, "checkpoint unverified"),
-    ("circle", ORANGE, "checkpoint suspect"),
-    ("circle", RED, "checkpoint corrupt"),
+    *(("circle", c.web, f"checkpoint {status}") for status, c in PALETTE.items()),
     ("triangle", RED, "incident detected"),
     ("vline", ROLLBACK, "rollback target"),
     ("line", RECOVERED, "rolled back (recovered)"),

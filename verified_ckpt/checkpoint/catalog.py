@@ -16,7 +16,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import decisions, history
 from ..errors import (
@@ -52,6 +52,9 @@ from ..signing import Signer
 from ..status import Status
 from ..store import RunStore, StoredRecord, utc_now
 from .kept import Kept
+
+if TYPE_CHECKING:
+    from ..health import RunHealth
 
 __all__ = ["Catalog", "RunView", "step_from_id"]
 
@@ -132,13 +135,20 @@ class RunView:
         """``(detected step, rolled back to step)`` once every incident is answered (``decisions.recovery``)."""
         return decisions.recovery(self.incidents, self.rollbacks)
 
+    def health(self) -> RunHealth:
+        """The run's health (``health.run_health``): what ``vckpt status``, the service and the report say."""
+        from ..health import run_health
+
+        target, _ = self.rollback_target()
+        return run_health(self.url, self.infos, self.open_incidents(), self.exclude_hosts(), target, self.unreadable)
+
     def report_data(self, ledger: Columns | None) -> dict[str, Any]:
         """Everything ``vckpt report`` draws, as plain data (see ``history.report_data``)."""
         target, _ = self.rollback_target()
         return history.report_data(
             self.url, utc_now(), ledger, [{"id": i.id, "step": i.step, "status": i.status.value} for i in self.infos],
             self.incidents, self.answered(), {"id": target.id, "step": target.step} if target is not None else None,
-            self.exclude_hosts(), self.recovery(), [d.to_record() for d in self.supervision])
+            self.exclude_hosts(), self.recovery(), [d.to_record() for d in self.supervision], self.health().state)
 
     def flagged_by(self, incident: Incident) -> list[CheckpointInfo]:
         """The checkpoints ``incident`` makes suspect."""

@@ -16,6 +16,7 @@ itself (the DCP reader) works from, and what the manager's own restore is built 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from ..records import Problem
     from .reading import Reader
 
-__all__ = ["OpenCheckpoint", "agree", "decide", "read_failure"]
+__all__ = ["Choice", "OpenCheckpoint", "agree", "decide", "read_failure"]
 
 # The errors a choice or a checked read raises on purpose, by name: what every rank raises when any rank did.
 _KNOWN: dict[str, type[VerifiedCkptError]] = {
@@ -41,8 +42,27 @@ _KNOWN: dict[str, type[VerifiedCkptError]] = {
                             errors.RunNotFound, errors.InvalidRunURL, errors.LedgerNotFound)}
 
 
-def decide(comm: Communicator, choose: Callable[[], tuple[CheckpointInfo | None, dict[str, Any]]],
-           what: str = "restore") -> tuple[CheckpointInfo | None, dict[str, Any]]:
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What rank 0 learnt while choosing, which every rank acts on alike: a warning to give, whether the choice
+    answers open incidents (a rollback), and what it passes over."""
+
+    warning: str | None = None
+    answer: bool = False  # the choice is the rollback target answering open incidents
+    unverified: int = 0  # unverified checkpoints seen (a fresh start says how to continue from them)
+    any: bool = False  # the run holds checkpoints at all
+    newer: tuple[str, ...] = ()  # newer checkpoints passed over, with their status
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "newer": list(self.newer)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Choice:
+        return cls(d["warning"], d["answer"], d["unverified"], d["any"], tuple(d["newer"]))
+
+
+def decide(comm: Communicator, choose: Callable[[], tuple[CheckpointInfo | None, Choice]],
+           what: str = "restore") -> tuple[CheckpointInfo | None, Choice]:
     """Rank 0's ``choose()`` (a checkpoint, or ``None``, and plain facts about the choice), on every rank.
 
     Collective (every rank calls it; rank 0 alone runs ``choose``). The checkpoint reaches the other ranks as its
@@ -56,8 +76,8 @@ def decide(comm: Communicator, choose: Callable[[], tuple[CheckpointInfo | None,
     failure: BaseException | None = None
     if comm.rank == 0:
         try:
-            info, facts = choose()
-            payload = {"facts": facts}
+            info, choice = choose()
+            payload = {"choice": choice.to_dict()}
             if info is not None:
                 assert info.manifest is not None
                 # The manifest as rank 0 parsed (and trusted) it, in its canonical bytes: no second read of the store.
@@ -70,7 +90,7 @@ def decide(comm: Communicator, choose: Callable[[], tuple[CheckpointInfo | None,
         if failure is not None:
             raise failure
         raise _KNOWN.get(got["error"], VerifiedCkptError)(got["message"])
-    return (_info(got["info"]) if "info" in got else None), got["facts"]
+    return (_info(got["info"]) if "info" in got else None), Choice.from_dict(got["choice"])
 
 
 def _info(d: dict[str, Any]) -> CheckpointInfo:

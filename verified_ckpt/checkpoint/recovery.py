@@ -29,7 +29,7 @@ from ..status import Status
 from ..store import RunStore, utc_now
 from .catalog import Catalog, RunView
 from .journal import Journal
-from .opening import OpenCheckpoint, decide
+from .opening import Choice, OpenCheckpoint, decide
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -47,24 +47,23 @@ class Recovery:
         self.store, self.catalog, self.journal, self.io_workers = store, catalog, journal, io_workers
         self.on_restored, self.rank = on_restored, rank
 
-    def open(self, comm: Communicator, choose: Callable[[], tuple[CheckpointInfo | None, dict[str, Any]]]
-             ) -> OpenCheckpoint:
+    def open(self, comm: Communicator, choose: Callable[[], tuple[CheckpointInfo | None, Choice]]) -> OpenCheckpoint:
         """Rank 0 runs ``choose``; every rank holds that checkpoint, from the manifest bytes rank 0 read. Collective."""
         from .reading import Reader
 
-        chosen, facts = decide(comm, choose)
-        if facts.get("warning"):
-            warnings.warn(facts["warning"], stacklevel=4)
+        chosen, choice = decide(comm, choose)
+        if choice.warning:
+            warnings.warn(choice.warning, stacklevel=4)
         assert chosen is not None
         return OpenCheckpoint(chosen, Reader(self.store, self.io_workers), comm, self.store.url, self._loaded)
 
     def open_chosen(self, comm: Communicator, step: int | None, checkpoint_id: str | None,
                     allow_unverified: bool) -> OpenCheckpoint:
         """``CheckpointManager.open``: rank 0 picks the checkpoint asked for, refusing what its status forbids."""
-        def choose() -> tuple[CheckpointInfo, dict[str, Any]]:
+        def choose() -> tuple[CheckpointInfo, Choice]:
             view = self.catalog.view()
             chosen = self.catalog.restorable(step, checkpoint_id, allow_unverified, view)
-            return chosen, {"warning": open_incident_warning(view) if step is None and checkpoint_id is None else None}
+            return chosen, Choice(warning=open_incident_warning(view) if step is None and checkpoint_id is None else None)
 
         return self.open(comm, choose)
 
@@ -87,7 +86,7 @@ class Recovery:
 
     def rollback(self, state: Mapping[str, Any], comm: Communicator) -> CheckpointInfo:
         """Rank 0 chooses and records the rollback; every rank restores the same checkpoint."""
-        restored = self.restore(state, self.open(comm, lambda: (self.catalog.record_rollback(dry_run=False)[0], {})))
+        restored = self.restore(state, self.open(comm, lambda: (self.catalog.record_rollback(dry_run=False)[0], Choice())))
         comm.barrier()
         return restored
 
@@ -108,18 +107,18 @@ class Recovery:
                 self._skip(chosen, str(e), comm.rank == 0)
                 skipped.append(chosen.id)
                 continue
-            if comm.rank == 0 and choice["answer"]:
+            if comm.rank == 0 and choice.answer:
                 self.catalog.answer_incidents(seen[-1], chosen)
-            if comm.rank == 0 and choice["newer"] and not choice["answer"]:
+            if comm.rank == 0 and choice.newer and not choice.answer:
                 log.warning("resume: continuing from %s (step %d), not from the newer checkpoint(s) %s, which are "
                             "not restorable (`vckpt list %s` says why)", chosen.id, chosen.step,
-                            "; ".join(choice["newer"][:5]), self.catalog.url)
+                            "; ".join(choice.newer[:5]), self.catalog.url)
             comm.barrier()
             opened.applied()
             return chosen.step + 1
 
     def _plan(self, skipped: list[str], allow_unverified: bool, seen: list[RunView]
-              ) -> tuple[CheckpointInfo | None, dict[str, Any]]:
+              ) -> tuple[CheckpointInfo | None, Choice]:
         """Rank 0's choice: the checkpoint (``None``: none), whether it answers open incidents, what it passes over.
         The view it read is appended to ``seen``."""
         view = self.catalog.view()
@@ -132,22 +131,22 @@ class Recovery:
             usable = [target] if target is not None and target.id not in skipped else []
         unverified = sum(i.status is Status.UNVERIFIED for i in view.infos)
         chosen = usable[-1] if usable else None
-        newer = [f"{i.id} ({i.status.value})" for i in view.infos
-                 if chosen is not None and (i.step, i.created_at) > (chosen.step, chosen.created_at) and i.status not in allowed]
-        return chosen, {"answer": answer, "unverified": unverified, "any": bool(view.infos), "newer": newer}
+        newer = tuple(f"{i.id} ({i.status.value})" for i in view.infos
+                 if chosen is not None and (i.step, i.created_at) > (chosen.step, chosen.created_at) and i.status not in allowed)
+        return chosen, Choice(answer=answer, unverified=unverified, any=bool(view.infos), newer=newer)
 
-    def _fresh(self, choice: dict[str, Any], skipped: list[str], start: int, seen: list[RunView]) -> int:
+    def _fresh(self, choice: Choice, skipped: list[str], start: int, seen: list[RunView]) -> int:
         if skipped:
             raise CheckpointNotRestorable(
                 f"no checkpoint of {self.catalog.url} could be restored: {', '.join(skipped)} failed verification "
                 "while restoring; `vckpt list` shows why - restore an export, or start afresh on purpose")
-        if choice["answer"]:
+        if choice.answer:
             self.catalog.answer_incidents(seen[-1], None)  # a fresh start is a new lineage too
-        if choice["unverified"] and not choice["answer"]:
-            warnings.warn(f"resume: {choice['unverified']} unverified checkpoint(s) in {self.catalog.url} and none "
+        if choice.unverified and not choice.answer:
+            warnings.warn(f"resume: {choice.unverified} unverified checkpoint(s) in {self.catalog.url} and none "
                           "restorable; starting afresh - pass allow_unverified=True to continue from the newest",
                           stacklevel=3)
-        elif choice["any"]:  # checkpoints exist and none is taken: days of training may be lost, say so loudly
+        elif choice.any:  # checkpoints exist and none is taken: days of training may be lost, say so loudly
             log.warning("resume: %s holds checkpoints but none is restorable (`vckpt list %s` says why) - fresh start at "
                         "step %d", self.catalog.url, self.catalog.url, start)
         else:

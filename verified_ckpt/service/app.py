@@ -26,6 +26,7 @@ from starlette.routing import Route
 from .. import CheckpointManager, InvalidState, VerifiedCkptError
 from ..jsonx import JSONBudgetError, Limits, decode_object, short_repr
 from ..recovery.health import node_health
+from ..status import HEALTH_COLOURS, PALETTE
 from .metrics import Metrics
 from .watch import Watcher
 
@@ -185,7 +186,7 @@ def build_app(watchers: dict[str, Watcher], metrics: Metrics, token: str | None)
     ])
 
 
-_COLOURS = {"restorable": "#2e7d32", "unverified": "#9e9e9e", "suspect": "#ef6c00", "corrupt": "#c62828"}
+_COLOURS = {s: c.web for s, c in PALETTE.items()} | {s: c.web for s, c in HEALTH_COLOURS.items()}
 
 
 def _dashboard(runs: list[dict[str, Any]], changes: list[tuple[str, dict[str, Any]]]) -> str:
@@ -195,8 +196,9 @@ def _dashboard(runs: list[dict[str, Any]], changes: list[tuple[str, dict[str, An
     for r in runs:
         badges = " ".join(f'<span class="b" style="background:{_COLOURS.get(s, "#555")}">{e(s)} {n}</span>'
                           for s, n in sorted(r["checkpoints"].items()))
-        target = r["rollback_target"]
-        rows.append(f"<tr><td><a href=\"/runs/{e(r['key'])}/report\">{e(r['url'])}</a></td><td>{badges}</td>"
+        target, health = r["rollback_target"], r.get("health") or "unread"
+        state = f'<span class="b" style="background:{_COLOURS.get(health, "#555")}">{e(health)}</span>'
+        rows.append(f"<tr><td><a href=\"/runs/{e(r['key'])}/report\">{e(r['url'])}</a></td><td>{state}</td><td>{badges}</td>"
                     f"<td>{'step ' + str(target['step']) if target else 'none'}</td><td>{r['open_incidents']}</td>"
                     f"<td>{e(', '.join(r['exclude_hosts']))}</td><td class=\"err\">{e(r['error'] or '')}</td></tr>")
     recent = "".join(f"<li data-testid=\"change\">{e(time.strftime('%H:%M:%S', time.gmtime(c['at'])))} "
@@ -207,6 +209,6 @@ def _dashboard(runs: list[dict[str, Any]], changes: list[tuple[str, dict[str, An
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'">
 <title>vckpt serve</title><style>body{{font:14px sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px}}.b{{color:#fff;padding:2px 6px;border-radius:3px;margin-right:4px}}
-.err{{color:#c62828}}</style></head><body><h1>Runs</h1><table><tr><th>run</th><th>checkpoints</th>
+.err{{color:#c62828}}</style></head><body><h1>Runs</h1><table><tr><th>run</th><th>health</th><th>checkpoints</th>
 <th>rollback target</th><th>open incidents</th><th>exclude hosts</th><th>error</th></tr>{''.join(rows)}</table>
 <h2>Recent changes</h2><ul>{recent or '<li>none</li>'}</ul></body></html>"""

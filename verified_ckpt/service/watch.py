@@ -67,18 +67,12 @@ class RunState:
 
 
 def _of_view(view: RunView | None) -> dict[str, Any]:
-    counts: dict[str, int] = {}
-    target = None
-    incidents: list[dict[str, Any]] = []
-    if view is not None:
-        for c in view.infos:
-            counts[c.status.value] = counts.get(c.status.value, 0) + 1
-        t, _ = view.rollback_target()
-        target = {"id": t.id, "step": t.step} if t else None
-        incidents = [dict(i.to_dict(), answered=a) for i, a in zip(view.incidents, view.answered(), strict=True)]
-    return {"checkpoints": counts, "rollback_target": target,
-            "open_incidents": sum(not i["answered"] for i in incidents),
-            "exclude_hosts": view.exclude_hosts() if view is not None else []}
+    """The view-derived part of a run's API entry, from ``RunView.health()`` (what ``vckpt status`` says)."""
+    h = view.health() if view is not None else None
+    return {"checkpoints": dict(h.by_status) if h else {},
+            "rollback_target": {"id": h.rollback_target[0], "step": h.rollback_target[1]} if h and h.rollback_target else None,
+            "open_incidents": len(h.open_incidents) if h else 0, "exclude_hosts": list(h.exclude_hosts) if h else [],
+            "health": h.state if h else None}
 
 
 class Watcher:

@@ -1,8 +1,13 @@
-"""The store contract on memory:// and a local folder (S3 joins in the S3 issue)."""
+"""The store contract on memory://, a local folder, a file:// URL and a real S3 server (SeaweedFS on loopback)."""
 
 import pytest
+import s3fs
 
-from store_contract import StoreContract
+from store_contract import LocalDiskContract, StoreContract
+from verified_ckpt.errors import StorageError
+from verified_ckpt.store import RunStore
+
+pytestmark = pytest.mark.timeout(60)
 
 
 class TestMemoryStore(StoreContract):
@@ -11,20 +16,24 @@ class TestMemoryStore(StoreContract):
         return memory_url
 
 
-class TestLocalStore(StoreContract):
+class TestLocalStore(StoreContract, LocalDiskContract):
+    local_disk = True
+
     @pytest.fixture
     def url(self, local_url):
         return local_url
 
 
-class TestFileURLStore(StoreContract):
+class TestFileURLStore(StoreContract, LocalDiskContract):
+    local_disk = True
+
     @pytest.fixture
     def url(self, tmp_path):
         return f"file://{tmp_path}/run"
 
 
 class TestS3Store(StoreContract):
-    """The same contract against a real S3 server (SeaweedFS on loopback) through s3fs."""
+    """The same contract against a real S3 server through s3fs, and what only an object store can refuse."""
 
     @pytest.fixture(autouse=True)
     def _options(self, s3_server):
@@ -33,3 +42,15 @@ class TestS3Store(StoreContract):
     @pytest.fixture
     def url(self, s3_bucket):
         return f"s3://{s3_bucket}/run"
+
+    def test_a_denied_bucket_is_one_line_naming_the_credentials_and_no_secret(self, url):
+        bad = {**self.storage_options, "secret": "wrong-secret-vckpt"}
+        s3fs.S3FileSystem.clear_instance_cache()
+        store = RunStore(url, bad)
+        for attempt in (lambda: store.commit_manifest("c1", b"{}"), lambda: store.records.append("incident", b"{}"),
+                        lambda: store.write_aside("c1", "rank-00000.json", b"{}")):
+            with pytest.raises(StorageError, match="denied: check the credentials") as e:
+                attempt()
+            assert "\n" not in str(e.value) and "wrong-secret-vckpt" not in str(e.value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        assert list(RunStore(url, self.storage_options).committed()) == []  # nothing was written

@@ -71,6 +71,8 @@ class RecordObjects:
             for info in listed:
                 p, changed, size = str(info["name"]), stamp(info), info.get("size")
                 name = p.rstrip("/").rsplit("/", 1)[-1]
+                if p.rstrip("/") == d.rstrip("/"):
+                    continue  # the folder itself: an object store lists an emptied prefix as its own entry
                 if known is not None and changed and isinstance(size, int) and known(name, size, changed):
                     out.append(StoredRecord(name, None, None, size, changed))
                     continue

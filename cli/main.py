@@ -24,7 +24,7 @@ from verified_ckpt import (
     render_html,
 )
 
-from .options import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, exit_code_for, parse_storage_options
+from .options import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, as_flags, exit_code_for, parse_storage_options
 from .output import Output, escape, human_size, status_text
 from .recovery import register
 
@@ -56,7 +56,7 @@ def run_command(fn: Callable[..., int | None]) -> Callable[..., None]:
             code = fn(mgr, out, **kwargs) or EXIT_OK
         except VerifiedCkptError as e:
             # Messages quote lists and paths such as "[0, 1]": escape them so rich shows them verbatim.
-            out.err.print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
+            out.err.print(f"[red]error:[/] {escape(as_flags(str(e)))}", markup=True, highlight=False)
             code = exit_code_for(e)
         sys.exit(code)
 
@@ -378,7 +378,7 @@ def serve_cmd(runs: tuple[str, ...], discover: tuple[str, ...], storage_options:
                             request_timeout_s=request_s)
         missing_extra()
     except ServiceError as e:
-        err.print(f"[red]error:[/] {escape(str(e))}", markup=True, highlight=False)
+        err.print(f"[red]error:[/] {escape(as_flags(str(e)))}", markup=True, highlight=False)
         sys.exit(EXIT_USAGE)
     serve(cfg, log_to_stderr=True)
 

@@ -1,18 +1,39 @@
-"""What every ``vckpt`` command shares: ``--storage-option`` pairs, and a library error's exit code."""
+"""What every ``vckpt`` command shares: ``--storage-option`` pairs, a library error's exit code, and its message
+in the CLI's words (the library names its parameters; a command's user typed flags)."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import click
 
 from verified_ckpt import CheckpointNotRestorable, CorruptCheckpoint, ExitCode, ManifestError, StorageError
 
-__all__ = ["EXIT_CHECK_FAILED", "EXIT_OK", "EXIT_STORAGE", "EXIT_USAGE", "exit_code_for", "parse_storage_options"]
+__all__ = ["EXIT_CHECK_FAILED", "EXIT_OK", "EXIT_STORAGE", "EXIT_USAGE", "as_flags", "exit_code_for",
+           "parse_storage_options"]
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_STORAGE = (int(c) for c in (
     ExitCode.OK, ExitCode.CHECK_FAILED, ExitCode.USAGE, ExitCode.STORE_UNREACHABLE))
+
+
+# The library's parameters as the commands spell them. Library messages name a parameter with an underscore or
+# as ``name=``, so these never match ordinary words.
+_FLAGS = [(re.compile(p), f) for p, f in [
+    (r"\bgrace_s\b", "--grace"), (r"\bjobs=", "--jobs"), (r"\bfrom_step\b", "--from-step"),
+    (r"\bto_step\b", "--to-step"), (r"\breason=", "--reason TEXT"), (r"\bdest=", "--to"),
+    (r'\bformat="(\w+)"', r"--format \1"), (r"\bmodel=", "--model "), (r"\brank=R\b", "--rank R"),
+    (r"\ballow_unverified=True\b", "--allow-unverified"), (r"\bon_exclude\b", "--on-exclude"),
+    (r"\bkeep_last\b", "--keep-last"), (r"\(runs=\)", "(RUN ...)"), (r"\(discover=\)", "(--discover PREFIX)"),
+]]
+
+
+def as_flags(message: str) -> str:
+    """A library message with its parameter names as the CLI's flags (``grace_s`` -> ``--grace``)."""
+    for pattern, flag in _FLAGS:
+        message = pattern.sub(flag, message)
+    return message
 
 
 def exit_code_for(err: BaseException) -> int:

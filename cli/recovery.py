@@ -16,7 +16,7 @@ import click
 from verified_ckpt import VerifiedCkptError
 from verified_ckpt.recovery import node_health, supervise
 
-from .options import EXIT_CHECK_FAILED, EXIT_USAGE, exit_code_for, parse_storage_options
+from .options import EXIT_CHECK_FAILED, EXIT_USAGE, as_flags, exit_code_for, parse_storage_options
 
 __all__ = ["node_health_cmd", "register", "supervise_cmd"]
 
@@ -75,7 +75,7 @@ def supervise_cmd(run_url: str, max_restarts: int, backoff: float, on_exclude: s
     also sees VCKPT_ATTEMPT and VCKPT_EXCLUDED_HOSTS. The job should resume with ``CheckpointManager.resume()``.
     """
     def log(message: str) -> None:
-        click.echo(f"vckpt supervise: {message}", err=True)
+        click.echo(f"vckpt supervise: {as_flags(message)}", err=True)
 
     options: dict[str, Any] | None = None
     try:
@@ -86,7 +86,7 @@ def supervise_cmd(run_url: str, max_restarts: int, backoff: float, on_exclude: s
         click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(EXIT_USAGE)
     except VerifiedCkptError as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {as_flags(str(e))}", err=True)
         sys.exit(exit_code_for(e))
     sys.exit(code)
 

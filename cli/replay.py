@@ -14,7 +14,7 @@ import click
 
 from verified_ckpt import VerifiedCkptError
 
-from .options import EXIT_CHECK_FAILED, EXIT_USAGE, exit_code_for, parse_storage_options
+from .options import EXIT_CHECK_FAILED, EXIT_USAGE, as_flags, exit_code_for, parse_storage_options
 
 __all__ = ["replay_cmd"]
 
@@ -46,16 +46,16 @@ def replay_cmd(run: str, incident: str, model_spec: str, host: str | None, ranks
         click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(EXIT_USAGE)
     except BundleError as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {as_flags(str(e))}", err=True)
         sys.exit(EXIT_USAGE if "has no replay bundle" in str(e) else EXIT_CHECK_FAILED)
     except VerifiedCkptError as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {as_flags(str(e))}", err=True)
         sys.exit(exit_code_for(e))
     try:
         model, loss_fn = load_model(model_spec)
         results = replay(bundle, tensors, model, loss_fn, host=host, faults=faults, ranks=ranks)
     except (VerifiedCkptError, ValueError) as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {as_flags(str(e))}", err=True)
         sys.exit(EXIT_USAGE)
     if as_json:
         click.echo(json.dumps({"incident": incident, "step": bundle.recipe.step, "kind": bundle.recipe.kind,

@@ -57,3 +57,38 @@ def test_the_check_finds_a_reach_into_the_manager(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from ..checkpoint.saving import Saver\n\ndef f(manager):\n    return manager._catalog.view()\n")
     assert len(breaches(bad, manager_privates())) == 2
+
+
+# ------------------------------------------------------------------ errors at the seams
+def test_every_config_object_refuses_a_bad_value_as_invalid_config():
+    from verified_ckpt import CheckpointManager, GuardConfig, InvalidConfig, VerifiedCkptError
+    from verified_ckpt.service import ServiceConfig
+
+    for make, needle in [(lambda: GuardConfig(overhead=2.0), "overhead must be"),
+                         (lambda: CheckpointManager("memory://seams/x", keep_last=0), "keep_last must be"),
+                         (lambda: ServiceConfig(runs=("r",), poll_s=0), "poll_s must be > 0")]:
+        with pytest.raises(InvalidConfig, match=needle) as e:
+            make()
+        assert isinstance(e.value, ValueError) and isinstance(e.value, VerifiedCkptError)
+
+
+def test_library_messages_name_parameters_and_the_cli_says_flags(tmp_path):
+    from click.testing import CliRunner
+
+    from verified_ckpt import CheckpointManager, InvalidState
+    from verified_ckpt_cli.main import main as vckpt
+
+    run = str(tmp_path / "run")
+    mgr = CheckpointManager(run)
+    import torch
+
+    mgr.save(1, {"w": torch.ones(2)})
+    with pytest.raises(InvalidState, match="grace_s must be >= 0") as e:
+        mgr.gc(grace_s=-1)
+    assert "--" not in str(e.value)
+    with pytest.raises(InvalidState, match="to_step 1 is before from_step 3"):
+        mgr.flag(3, to_step=1, reason="x")
+    got = CliRunner().invoke(vckpt, ["gc", run, "--grace", "-1"])
+    assert got.exit_code == 2 and "--grace must be >= 0" in got.stderr and "grace_s" not in got.stderr
+    got = CliRunner().invoke(vckpt, ["flag", run, "--from-step", "3", "--to-step", "1", "--reason", "x"])
+    assert got.exit_code == 2 and "--to-step 1 is before --from-step 3" in got.stderr

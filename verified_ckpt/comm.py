@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import batches
-from .errors import RanksDidNotArrive
+from .errors import InvalidConfig, RanksDidNotArrive
 from .records import Host
 
 __all__ = ["Communicator", "describe_device"]
@@ -52,7 +52,7 @@ class Communicator:
 
     def __init__(self, group: Any = None, *, device: torch.device | None = None, arrival_timeout_s: float = 300.0) -> None:
         if not arrival_timeout_s > 0:
-            raise ValueError(f"arrival_timeout_s must be > 0, got {arrival_timeout_s!r}")
+            raise InvalidConfig(f"arrival_timeout_s must be > 0, got {arrival_timeout_s!r}")
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if self.distributed else 1

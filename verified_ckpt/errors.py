@@ -48,6 +48,10 @@ class UnsafePath(CorruptCheckpoint):
     """A stored path resolves outside the run (a symlink on a local disk); it is never followed."""
 
 
+class InvalidConfig(VerifiedCkptError, ValueError):
+    """A configuration value is out of range: ``GuardConfig``, ``CheckpointManager``'s options, the service's."""
+
+
 class InvalidState(VerifiedCkptError, TypeError):
     """The state passed to save or restore cannot be stored or does not fit."""
 

@@ -267,14 +267,14 @@ class Catalog:
     def flag(self, from_step: int, to_step: int | None, ranks: Sequence[int], reason: str) -> Incident:
         """Record an incident by hand (see ``CheckpointManager.flag``)."""
         if not isinstance(from_step, int) or from_step < 0:
-            raise InvalidState(f"--from-step must be an int >= 0, got {from_step!r}")
+            raise InvalidState(f"from_step must be an int >= 0, got {from_step!r}")
         if to_step is not None and to_step < from_step:
-            raise InvalidState(f"--to-step {to_step} is before --from-step {from_step}; give an interval in order")
+            raise InvalidState(f"to_step {to_step} is before from_step {from_step}; give an interval in order")
         if not isinstance(reason, str) or not reason.strip():
-            raise InvalidState("a reason is required: say why these steps are flagged (--reason TEXT)")
+            raise InvalidState("a reason is required: say why these steps are flagged (reason=)")
         if len(reason) > MAX_TEXT:
             raise InvalidRecord(f"the reason is {len(reason)} characters, more than the {MAX_TEXT} a record holds; "
-                                "shorten it (--reason TEXT)")
+                                "shorten it (reason=)")
         self.require_run()
         infos = self.view().infos
         topo: dict[str, Any] = next((i.manifest.topology for i in reversed(infos) if i.manifest), {"ranks": []})
@@ -395,7 +395,7 @@ class Catalog:
         why = info.reasons[-1] if info.reasons else "no reason recorded"
         head = "no checkpoint is restorable; the newest, " if nothing_restorable else ""
         if info.status is Status.UNVERIFIED and not allow_unverified:
-            nxt = "pass allow_unverified=True (CLI: --allow-unverified) to accept it"
+            nxt = "pass allow_unverified=True to accept it"
         else:
             nxt = f"restore an earlier restorable checkpoint (`vckpt list {self.url} --restorable`)"
         return f"{head}checkpoint {info.id} (step {info.step}) is {info.status.value}: {why}; {nxt}"

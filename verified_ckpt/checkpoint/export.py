@@ -73,14 +73,14 @@ def _model_tensors(m: Manifest) -> dict[str, str]:
     value = entry.get("value") if isinstance(entry, dict) else None
     if not isinstance(value, dict):
         raise InvalidState(f"checkpoint {m.checkpoint_id} has no {MODEL_ENTRY!r} entry holding a state_dict, which "
-                           "--format hf exports (the name the HF and Lightning integrations use); use --format native")
+                           "format=\"hf\" exports (the name the HF and Lightning integrations use); use format=\"native\"")
     by_ref: dict[str, str] = {}
     for key, v in value.items():
         ref = v.get(TENSOR) if isinstance(v, dict) and len(v) == 1 else None
         if not isinstance(ref, str):
             continue  # not a tensor (a module's extra state): save_pretrained writes tensors only
         if ref not in m.tensors:
-            raise InvalidState(f"checkpoint {m.checkpoint_id} stores {key!r} sharded (an FSDP2 save); --format hf "
+            raise InvalidState(f"checkpoint {m.checkpoint_id} stores {key!r} sharded (an FSDP2 save); format=\"hf\" "
                                "needs whole tensors - restore it into the model and call save_pretrained")
         # A shared tensor is stored under the name it had first in the state_dict; the manifest's keys are sorted.
         if ref not in by_ref or ref == f"{MODEL_ENTRY}/{escape(key)}":

@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import decisions
-from ..errors import InvalidState
+from ..errors import InvalidConfig, InvalidState
 from ..evidence import EvidenceTracker
 from ..history import NO_RANK, Columns, Event
 from ..ledger import read_ledger
@@ -351,7 +351,7 @@ class CheckpointManager:
         references, nor folders whose manifest is unreadable (evidence). Returns ``cid/file`` paths.
         """
         if grace_s < 0:
-            raise InvalidState(f"--grace must be >= 0 seconds, got {grace_s}")
+            raise InvalidState(f"grace_s must be >= 0 seconds, got {grace_s}")
         return housekeeping.gc(self._catalog, grace_s, dry_run)
 
     def verify(self, step: int | str | Collection[str | CheckpointInfo] | None = None, *, jobs: int = 1, progress:
@@ -370,7 +370,7 @@ class CheckpointManager:
         from .verification import verify_all
 
         if not isinstance(jobs, int) or jobs < 1:
-            raise InvalidState(f"--jobs must be an int >= 1, got {jobs!r}")
+            raise InvalidState(f"jobs= must be an int >= 1, got {jobs!r}")
         listed = [i for i in step if isinstance(i, CheckpointInfo)] if isinstance(step, Collection) else []
         wanted = None if step is None else {step} if isinstance(step, (int, str)) else {getattr(i, "id", i) for i in step}
         infos = listed or [i for i in self.list() if wanted is None or i.step in wanted or i.id in wanted]
@@ -410,4 +410,4 @@ def _check_options(keep_last: int | None, shard_bytes: int, io_workers: int) -> 
     for name, value, ok in [("keep_last", keep_last, keep_last is None or (isinstance(keep_last, int) and keep_last >= 1)),
                             ("shard_bytes", shard_bytes, shard_bytes >= 1), ("io_workers", io_workers, io_workers >= 1)]:
         if not ok:
-            raise ValueError(f"{name} must be {'None or ' if name == 'keep_last' else ''}an int >= 1, got {value!r}")
+            raise InvalidConfig(f"{name} must be {'None or ' if name == 'keep_last' else ''}an int >= 1, got {value!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..errors import InvalidConfig
 from ..faults import FaultPlan
 from .budget import BUDGET
 
@@ -90,35 +91,35 @@ class GuardConfig:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.overhead, (int, float)) and 0 < self.overhead <= 1):
-            raise ValueError(f"overhead must be in (0, 1] (a share of step time: 0.03 is 3 %), got {self.overhead!r}")
+            raise InvalidConfig(f"overhead must be in (0, 1] (a share of step time: 0.03 is 3 %), got {self.overhead!r}")
         for name in ("consensus_every", "audit_every", "abft_every"):
             v = getattr(self, name)
             if v == BUDGET or (v is None and name == "audit_every"):
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 none = ", None" if name == "audit_every" else ""
-                raise ValueError(f"{name} must be 'budget'{none} or an int >= 1, got {v!r}")
+                raise InvalidConfig(f"{name} must be 'budget'{none} or an int >= 1, got {v!r}")
         if self.mode not in ("exact", "tolerance"):
-            raise ValueError(f"mode must be 'exact' or 'tolerance', got {self.mode!r}")
+            raise InvalidConfig(f"mode must be 'exact' or 'tolerance', got {self.mode!r}")
         if not self.rtol > 0:
-            raise ValueError(f"rtol must be > 0, got {self.rtol!r}")
+            raise InvalidConfig(f"rtol must be > 0, got {self.rtol!r}")
         if not 1 <= self.checksum_lanes <= 16:
-            raise ValueError(f"checksum_lanes must be in 1..16, got {self.checksum_lanes!r}")
+            raise InvalidConfig(f"checksum_lanes must be in 1..16, got {self.checksum_lanes!r}")
         if not self.checksum_slack >= 1:
-            raise ValueError(f"checksum_slack must be >= 1, got {self.checksum_slack!r}")
+            raise InvalidConfig(f"checksum_slack must be >= 1, got {self.checksum_slack!r}")
         if not self.outlier_factor > 1:
-            raise ValueError(f"outlier_factor must be > 1, got {self.outlier_factor!r}")
+            raise InvalidConfig(f"outlier_factor must be > 1, got {self.outlier_factor!r}")
         if not self.abft_slack >= 1:
-            raise ValueError(f"abft_slack must be >= 1, got {self.abft_slack!r}")
+            raise InvalidConfig(f"abft_slack must be >= 1, got {self.abft_slack!r}")
         patterns: object = self.abft_exclude  # a bare string would be taken as one pattern per character
         if not isinstance(patterns, tuple) or not all(isinstance(p, str) for p in patterns):
-            raise ValueError(f"abft_exclude must be a tuple of parameter-name patterns, got {self.abft_exclude!r}")
+            raise InvalidConfig(f"abft_exclude must be a tuple of parameter-name patterns, got {self.abft_exclude!r}")
         self._check_io()
         FaultPlan(self.faults)  # raises ValueError naming a bad spec
 
     def _check_io(self) -> None:
         """What the guard waits for and writes: the arrival bound, the replay bundle bound."""
         if not self.arrival_timeout_s > 0:
-            raise ValueError(f"arrival_timeout_s must be > 0, got {self.arrival_timeout_s!r}")
+            raise InvalidConfig(f"arrival_timeout_s must be > 0, got {self.arrival_timeout_s!r}")
         if not isinstance(self.replay_max_bytes, int) or isinstance(self.replay_max_bytes, bool) or self.replay_max_bytes < 0:
-            raise ValueError(f"replay_max_bytes must be an int >= 0 (0: no replay bundles), got {self.replay_max_bytes!r}")
+            raise InvalidConfig(f"replay_max_bytes must be an int >= 0 (0: no replay bundles), got {self.replay_max_bytes!r}")

@@ -111,7 +111,7 @@ def load_model(spec: str) -> tuple[torch.nn.Module, LossFn]:
     """
     where, _, name = spec.rpartition(":")
     if not where or not name.isidentifier():
-        raise InvalidState(f"--model {spec!r} is not FILE.py:FUNC or package.module:FUNC")
+        raise InvalidState(f"model={spec!r} is not FILE.py:FUNC or package.module:FUNC")
     try:
         if where.endswith(".py"):
             path = os.path.abspath(where)
@@ -125,10 +125,10 @@ def load_model(spec: str) -> tuple[torch.nn.Module, LossFn]:
             module = importlib.import_module(where)
         got = getattr(module, name)()
     except Exception as e:  # noqa: BLE001 - the user's code: any failure becomes one line
-        raise InvalidState(f"--model {spec}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}; "
+        raise InvalidState(f"model={spec}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}; "
                            "it must name a function returning (model, loss_fn)") from None
     if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.nn.Module) and callable(got[1])):
-        raise InvalidState(f"--model {spec} returned {type(got).__name__}, not (torch.nn.Module, loss_fn)")
+        raise InvalidState(f"model={spec} returned {type(got).__name__}, not (torch.nn.Module, loss_fn)")
     return got[0], got[1]
 
 
@@ -136,7 +136,7 @@ def _load_state(module: torch.nn.Module, bundle: Bundle, tensors: dict[str, torc
     params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
     if list(params) != bundle.params or sorted(buffers) != sorted(bundle.buffers):
         missing = sorted(set(bundle.params) ^ set(params))[:3] or ["(parameter order)"]
-        raise InvalidState(f"the model --model builds is not the one trained: its parameters differ from the bundle's "
+        raise InvalidState(f"the model that model= builds is not the one trained: its parameters differ from the bundle's "
                            f"({', '.join(missing)}); build the same architecture")
     with torch.no_grad():
         for i, n in enumerate(bundle.params):
@@ -175,7 +175,7 @@ def replay(bundle: Bundle, tensors: dict[str, torch.Tensor], model: torch.nn.Mod
     if not chosen:
         raise InvalidState(f"the bundle's suspects are ranks {[s.rank for s in bundle.suspects]}; pick one of them")
     if plan.has_site("compute") and len(chosen) > 1:
-        raise InvalidState("a simulated compute fault replays one suspect at a time: add --rank R")
+        raise InvalidState("a simulated compute fault replays one suspect at a time: add rank=R")
     out = []
     for s in chosen:
         plan.hook_compute(model, s.rank, lambda: r.step)

@@ -77,7 +77,7 @@ def decide(attempts: Sequence[Attempt], *, max_restarts: int, can_exclude: bool)
                         f"{what}: the same interval failed again after a restart that kept the job off the hosts "
                         "named before: software, the data, or a fault that moves - no host is to blame")
     if hosts and not can_exclude:
-        return Decision("stop", verdict, hosts, f"{what}: hosts {', '.join(hosts)} are named and no --on-exclude "
+        return Decision("stop", verdict, hosts, f"{what}: hosts {', '.join(hosts)} are named and no on_exclude "
                         "hook can keep the restarted job off them")
     if restarts >= max_restarts:
         return Decision("stop", verdict, hosts, f"{what}: {restarts} restart(s) spent")

@@ -99,9 +99,9 @@ def _hook(template: str, hosts: list[str], log: Callable[[str], None]) -> bool:
     try:
         done = subprocess.run(argv, timeout=HOOK_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
-        log(f"the --on-exclude hook failed ({e}): not restarting onto hosts it could not exclude")
+        log(f"the on_exclude hook failed ({e}): not restarting onto hosts it could not exclude")
         return False
     if done.returncode != 0:
-        log(f"the --on-exclude hook exited {done.returncode}: not restarting onto hosts it could not exclude")
+        log(f"the on_exclude hook exited {done.returncode}: not restarting onto hosts it could not exclude")
     return done.returncode == 0
 

@@ -17,13 +17,15 @@ import os
 import threading
 from typing import Any
 
+from ..errors import InvalidConfig
+
 __all__ = ["ServiceConfig", "ServiceError", "missing_extra", "run_key", "serve"]
 
 log = logging.getLogger("verified_ckpt.service")
 MIN_TOKEN = 32  # characters of a token that guards a non-loopback bind (a guessable one guards nothing)
 
 
-class ServiceError(ValueError):
+class ServiceError(InvalidConfig):
     """A configuration the service refuses to start with (the message says what to change)."""
 
 
@@ -61,7 +63,7 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         if not self.runs and not self.discover:
-            raise ServiceError("give at least one run URL to watch, or --discover PREFIX")
+            raise ServiceError("give at least one run URL to watch (runs=), or a prefix to discover runs under (discover=)")
         for name in ("poll_s", "scrub_interval_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ServiceError(f"{name} must be > 0, got {getattr(self, name)!r}")

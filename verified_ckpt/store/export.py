@@ -28,7 +28,7 @@ class ExportFolder:
         self.dest = os.path.abspath(dest)
         self.written: list[str] = []
         if os.path.exists(self.dest) and (not os.path.isdir(self.dest) or os.listdir(self.dest)):
-            raise InvalidState(f"{dest} exists and is not an empty folder; choose a new folder for --to")
+            raise InvalidState(f"{dest} exists and is not an empty folder; choose a new folder for dest=")
         with self._io(f"creating {self.dest}"):
             self.fs.makedirs(self.dest, exist_ok=True)
 
@@ -38,7 +38,7 @@ class ExportFolder:
             yield
         except OSError as e:
             raise StorageError(f"{what} failed ({e.strerror or type(e).__name__}); free some space or choose a "
-                               "writable folder for --to") from None
+                               "writable folder for dest=") from None
 
     def write(self, name: str, data: bytes | memoryview | Callable[[BinaryIO], object]) -> None:
         """Write ``data``, or let ``data(f)`` stream into the open file (a large export is never held twice)."""

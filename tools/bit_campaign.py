@@ -35,10 +35,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-import campaign
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from campaign_table import report
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_train
@@ -136,7 +136,7 @@ def main() -> None:
              *[f"{table[key].get(c, 0)}/{sum(table[key].values())}" for c in cols],
              ", ".join(f"{k} {v}" for k, v in sorted(checks[key].items()))]
             for key in sorted(table, key=lambda k: (k[0], list(BITS).index(k[1]) if k[1] in BITS else -1, not k[2]))]
-    campaign.report(f"bit campaign: 3 gloo ranks, example MLP fp32, {args.per_class} per class, config {args.config}",
+    report(f"bit campaign: 3 gloo ranks, example MLP fp32, {args.per_class} per class, config {args.config}",
                     ["site", "bits", "audit step", *cols, "by check"], rows, args.json_out,
                     {"args": vars(args), "trials": trials})
 

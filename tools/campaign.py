@@ -20,7 +20,6 @@ tolerance mode) and counts false alarms over every step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -28,12 +27,11 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-from rich.console import Console
-from rich.table import Table
+
+from campaign_table import report
 
 import ddp_train
 
-TEXT_COLUMNS = {"configuration", "class", "site", "bits", "by check"}
 MODES = ["nan", "inf", "scale=0.5", "scale=1.001", "scale=10", "bitflip=low", "bitflip=high"]
 
 
@@ -50,19 +48,6 @@ def draw(rng: random.Random, world: int, steps: int) -> tuple[str, str]:
     if mode.startswith("bitflip"):
         cls += "-low" if int(mode.split("=")[1]) < 12 else "-high"
     return f"{site}:{rng.randrange(world)}:{steps_part}:{mode}", cls
-
-
-def report(title: str, columns: list[str], rows: list[list[str]], json_out: str | None, payload: dict) -> None:
-    """Print a campaign's table (text columns left, counts right) and keep every run as JSON when asked."""
-    t = Table(title=title)
-    for c in columns:
-        t.add_column(c, justify="left" if c in TEXT_COLUMNS else "right")
-    for row in rows:
-        t.add_row(*row)
-    Console(width=200).print(t)
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(payload, f, indent=1)
 
 
 def judge(spec: str, result: dict) -> str:
@@ -121,15 +106,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", dest="json_out", default=None, help="write every run's outcome to this file")
     ap.add_argument("--clean-only", action="store_true", help="only the clean configurations (false alarms)")
-    ap.add_argument("--bits", action="store_true", help="the campaign by bit position (tools/bit_campaign.py)")
     ap.add_argument("--clean-steps", type=int, default=400, help="steps per clean configuration")
-    args, rest = ap.parse_known_args()
-    if args.bits:
-        import bit_campaign
-
-        sys.argv = [sys.argv[0], *rest]
-        bit_campaign.main()
-        return
+    args = ap.parse_args()
     if args.clean_only:
         clean_campaign(args)
         return

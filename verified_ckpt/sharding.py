@@ -22,7 +22,7 @@ import dataclasses
 import json
 import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -142,6 +142,13 @@ def _reads(entry: LayoutEntry, box: Box, shapes: Mapping[str, list[int]]) -> lis
     return [(entry.chunks[item.storage_index.index or 0], item) for item in items]
 
 
+def region(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The view of ``t`` that starts at ``offsets`` and spans ``lengths`` (what one DCP read item names)."""
+    for d, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
+        t = t.narrow(d, o, n)
+    return t
+
+
 def assemble(name: str, entry: LayoutEntry, box: Box | None, shapes: Mapping[str, list[int]],
              loaded: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The piece ``box`` of ``name`` (the whole tensor when ``None``), built from verified chunks in ``loaded``.
@@ -158,11 +165,8 @@ def assemble(name: str, entry: LayoutEntry, box: Box | None, shapes: Mapping[str
     out = torch.empty(box[1], dtype=getattr(torch, entry.dtype), device=device)
     covered = torch.zeros(box[1], dtype=torch.uint8)
     for c, item in reads:
-        src, dst, cov = loaded[c.tensor], out, covered
-        for d, (so, do, n) in enumerate(zip(item.storage_offsets, item.dest_offsets, item.lengths, strict=True)):
-            src, dst, cov = src.narrow(d, so, n), dst.narrow(d, do, n), cov.narrow(d, do, n)
-        dst.copy_(src)
-        cov += 1
+        region(out, item.dest_offsets, item.lengths).copy_(region(loaded[c.tensor], item.storage_offsets, item.lengths))
+        region(covered, item.dest_offsets, item.lengths).add_(1)
     # Chunks that overlap would each be copied: only an exact tiling covers every element once.
     if out.numel() and not bool((covered == 1).all()):
         raise CorruptCheckpoint(f"{name}: the stored chunks do not cover it exactly once; the layout is inconsistent")

@@ -48,6 +48,7 @@ from ..errors import InvalidState, StorageError, VerifiedCkptError
 from ..flatten import flatten, unflatten
 from ..layout import Chunk, LayoutEntry, chunk_name
 from ..manifest import CheckpointInfo, Manifest
+from ..sharding import region
 from ..skeleton import TENSOR
 from ..tensorspec import dtype_name
 
@@ -232,11 +233,8 @@ class VerifiedStorageReader(StorageReader):
                 _set_value(planner, item.dest_index.fqn, unflatten(values[item.storage_index.fqn], {}))
         for name, items in by_chunk.items():
             for item in items:
-                src = loaded[name]
-                for d, (o, n) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
-                    src = src.narrow(d, o, n)
                 dest = planner.resolve_tensor(item).detach()
-                dest.copy_(src)
+                dest.copy_(region(loaded[name], item.storage_offsets, item.lengths))
                 planner.commit_tensor(item, dest)
         self.opened.applied()  # the lineage, the ledger and the guard learn of the restore
         fut: Future[None] = Future()

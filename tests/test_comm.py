@@ -47,7 +47,7 @@ def test_unguarded_multi_rank_save_has_every_rank_write_its_share(tmp_path, bloc
     assert not (shares[0] & shares[1] or shares[0] & shares[2] or shares[1] & shares[2])
     [info] = CheckpointManager(run).list()
     assert {s.path for s in info.manifest.shards} == set().union(*shares)
-    assert info.status is Status.UNVERIFIED and info.manifest.topology["world_size"] == 3
+    assert info.status is Status.UNVERIFIED and info.manifest.topology.world_size == 3
     fresh = {k: torch.zeros(512) for k in _state(0) if k != "meta"} | {"meta": None}
     CheckpointManager(run).restore(fresh, allow_unverified=True)
     assert state_fingerprint(fresh) == state_fingerprint(_state(0))

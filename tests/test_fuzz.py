@@ -196,8 +196,8 @@ def check_usable(m: Manifest) -> None:
         assert tensor_refs(entry["value"]) <= set(m.tensors)
         unflatten(entry["value"], dummies)
     history.consensus_claim_problems(m.evidence, None)
-    for r in m.topology.get("ranks", []):
-        hash(r.get("rank"))
+    for h in m.topology.ranks:
+        assert isinstance(h.rank, int) and isinstance(h.host, str) and isinstance(h.device, str)
 
 
 # ------------------------------------------------------------ manifest: tests

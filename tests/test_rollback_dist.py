@@ -107,7 +107,7 @@ def test_guarded_save_records_evidence_and_writes_shards_in_parallel(tmp_path):
     assert len(set(ev["consensus"]["fingerprints"].values())) == 1
     assert ev["checks_since_previous"]["audit"]["passed"] == 2 and ev["audits_since_restorable"] == 2
     assert ev["checks_since_previous"]["checksum"] == {"passed": 10, "failed": 0, "last_pass": 10}
-    assert info.manifest.topology["world_size"] == 3 and len(info.manifest.topology["ranks"]) == 3
+    assert info.manifest.topology.world_size == 3 and len(info.manifest.topology.ranks) == 3
 
 
 def test_keep_last_never_deletes_the_rollback_target(tmp_path):

@@ -92,7 +92,7 @@ def test_hsdp_save_writes_each_chunk_once_with_its_global_layout(hsdp_run):
     run, _ = hsdp_run
     [info] = CheckpointManager(run).list()
     m = info.manifest
-    assert m.topology["world_size"] == 6
+    assert m.topology.world_size == 6
     w = m.layout["model/1.weight"]
     assert w.shape == [9, 15] and len(w.chunks) == 2  # sharded over 2, replicated over 3: stored once per shard
     assert sorted(c.offsets[0] for c in w.chunks) == [0, 5]

@@ -88,7 +88,19 @@ class Columns:
         )
 
 
-def checks(cols: Columns) -> list[dict[str, Any]]:
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One check in the ledger: consecutive rows with the same (step, kind)."""
+
+    step: int
+    kind: str
+    rows: tuple[int, int]  # [lo, hi) in ledger order
+    failed: bool
+    ranks: list[int]
+    failed_ranks: list[int]
+
+
+def checks(cols: Columns) -> list[Check]:
     """Group rows into checks: consecutive rows with the same (step, kind), in ledger order."""
     import numpy as np
 
@@ -102,13 +114,10 @@ def checks(cols: Columns) -> list[dict[str, Any]]:
     fail = VERDICTS.index("fail")
     for lo, hi in itertools.pairwise(starts):
         verdicts = cols.verdict[lo:hi]
-        out.append({
-            "step": int(cols.step[lo]), "kind": KINDS[int(cols.kind[lo])], "rows": (lo, hi),
-            "failed": bool((verdicts == fail).any()),
-            "ranks": cols.rank[lo:hi].tolist(),
-            "failed_ranks": sorted({int(r) for r, v in zip(cols.rank[lo:hi], verdicts, strict=True)
-                                    if v == fail and r != NO_RANK}),
-        })
+        out.append(Check(int(cols.step[lo]), KINDS[int(cols.kind[lo])], (lo, hi), bool((verdicts == fail).any()),
+                         cols.rank[lo:hi].tolist(),
+                         sorted({int(r) for r, v in zip(cols.rank[lo:hi], verdicts, strict=True)
+                                 if v == fail and r != NO_RANK})))
     return out
 
 
@@ -118,10 +127,10 @@ def summarize(cols: Columns) -> dict[str, Any]:
     groups = checks(cols)
     counts: dict[str, dict[str, int]] = {}
     for g in groups:
-        c = counts.setdefault(g["kind"], {"checks": 0, "failed": 0})
+        c = counts.setdefault(g.kind, {"checks": 0, "failed": 0})
         c["checks"] += 1
-        c["failed"] += int(g["failed"])
-    unanimous = [g["step"] for g in groups if g["kind"] == "consensus" and not g["failed"]]
+        c["failed"] += int(g.failed)
+    unanimous = [g.step for g in groups if g.kind == "consensus" and not g.failed]
     covered = [i for i in range(len(cols)) if KINDS[int(cols.kind[i])] == "coverage"] if "coverage" in counts else []
     planned = [i for i in range(len(cols)) if KINDS[int(cols.kind[i])] == "budget"] if "budget" in counts else []
     return {
@@ -129,10 +138,10 @@ def summarize(cols: Columns) -> dict[str, Any]:
         "steps": [int(cols.step.min()), int(cols.step.max())] if len(cols) else None,
         "counts": counts,
         "last_unanimous_consensus": unanimous[-1] if unanimous else None,
-        "divergence": [{"step": g["step"], "kind": g["kind"], "ranks": g["failed_ranks"]}
-                       for g in groups if g["failed"] and g["kind"] != "incident"],
-        "audits": [{"step": g["step"], "audited_ranks": sorted(set(g["ranks"])), "failed": g["failed"],
-                    "disputed_ranks": g["failed_ranks"]} for g in groups if g["kind"] == "audit"],
+        "divergence": [{"step": g.step, "kind": g.kind, "ranks": g.failed_ranks}
+                       for g in groups if g.failed and g.kind != "incident"],
+        "audits": [{"step": g.step, "audited_ranks": sorted(set(g.ranks)), "failed": g.failed,
+                    "disputed_ranks": g.failed_ranks} for g in groups if g.kind == "audit"],
         # What ABFT checked, as measured at each (re)start's first step: shares of parameters and of backward FLOPs.
         "coverage": [{"step": int(cols.step[i]), "params": float(cols.loss[i]), "flops": float(cols.grad_norm[i])}
                      for i in covered],
@@ -151,9 +160,9 @@ def passing_consensus(cols: Columns) -> dict[int, list[dict[int, str]]]:
     """
     out: dict[int, list[dict[int, str]]] = {}
     for g in checks(cols):
-        if g["kind"] == "consensus" and not g["failed"]:
-            lo, hi = g["rows"]
-            out.setdefault(g["step"], []).append(
+        if g.kind == "consensus" and not g.failed:
+            lo, hi = g.rows
+            out.setdefault(g.step, []).append(
                 {int(cols.rank[i]): lanes_hex(cols.lanes[i].tolist()) for i in range(lo, hi)})
     return out
 
@@ -190,22 +199,22 @@ def step_series(cols: Columns) -> dict[str, list[Any]]:
     loss: dict[int, float | None] = {}
     agree: dict[int, bool] = {}
     for g in checks(cols):
-        if g["kind"] not in ("step", "audit", "consensus"):
+        if g.kind not in ("step", "audit", "consensus"):
             continue
-        agree[g["step"]] = agree.get(g["step"], True) and not g["failed"]
-        if g["kind"] == "step":
-            lo, hi = g["rows"]
+        agree[g.step] = agree.get(g.step, True) and not g.failed
+        if g.kind == "step":
+            lo, hi = g.rows
             vals = cols.loss[lo:hi]
             vals = vals[np.isfinite(vals)]
-            loss[g["step"]] = float(vals.mean()) if vals.size else None
+            loss[g.step] = float(vals.mean()) if vals.size else None
     agree = {st: ok for st, ok in agree.items() if st in loss}
     steps = sorted(agree)
     return {"step": steps, "loss": [loss[s] for s in steps], "agree": [agree[s] for s in steps]}
 
 
 def consensus_votes(cols: Columns) -> list[dict[str, Any]]:
-    return [{"step": g["step"], "unanimous": not g["failed"], "suspects": g["failed_ranks"]}
-            for g in checks(cols) if g["kind"] == "consensus"]
+    return [{"step": g.step, "unanimous": not g.failed, "suspects": g.failed_ranks}
+            for g in checks(cols) if g.kind == "consensus"]
 
 
 def redact_url(url: str) -> str:

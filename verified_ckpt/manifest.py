@@ -15,6 +15,7 @@ from typing import Any
 
 from .errors import ManifestError
 from .evidence import evidence_problem
+from .hosts import Topology
 from .jsonx import JSONBudgetError, Limits, canonical_json, decode_object, short_repr
 from .layout import LayoutEntry, parse_layout
 from .skeleton import MAX_DEPTH as MAX_SKELETON_DEPTH
@@ -64,7 +65,7 @@ class Manifest:
     checkpoint_id: str
     step: int
     created_at: str
-    topology: dict[str, Any]
+    topology: Topology
     shards: list[ShardEntry]
     tensors: dict[str, TensorEntry]
     state_fingerprint: str
@@ -106,6 +107,7 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["topology"] = self.topology.to_dict()
         d["status"] = self.status.value
         if not self.layout:
             del d["layout"]
@@ -164,7 +166,7 @@ class Manifest:
             raise bad("bookkeeping must list distinct names of the manifest's tensors")
         return cls(
             run_id=d["run_id"], checkpoint_id=d["checkpoint_id"], step=d["step"], created_at=d["created_at"],
-            topology=d["topology"], shards=shards, tensors=tensors, state_fingerprint=d["state_fingerprint"],
+            topology=Topology.from_dict(d["topology"]), shards=shards, tensors=tensors, state_fingerprint=d["state_fingerprint"],
             state=d["state"], evidence=d["evidence"], status=status, reasons=list(d["reasons"]),
             resumed_from=d.get("resumed_from"), layout=layout, bookkeeping=list(kept),
         )

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import InvalidState, ManifestError
+from .hosts import Host
 from .jsonx import JSONBudgetError, Limits, canonical_json, decode_object, short_repr
 from .manifest import MAX_STEP, SEGMENT
 from .signing import Signature, Signer
@@ -51,18 +52,6 @@ class RecordError(ManifestError):
 
 class InvalidRecord(InvalidState, ValueError):
     """A record the reader would refuse was about to be written; nothing was stored (the message names the field)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Host:
-    """Where a rank ran: what an operator needs to pull a bad GPU."""
-
-    rank: int
-    host: str
-    device: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "host": self.host, "device": self.device}
 
 
 @dataclasses.dataclass(frozen=True)

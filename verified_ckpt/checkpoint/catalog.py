@@ -28,6 +28,7 @@ from ..errors import (
     RunNotFound,
 )
 from ..history import Columns
+from ..hosts import Topology
 from ..ledger import read_ledger
 from ..manifest import MAX_MANIFEST_BYTES, CheckpointInfo, Manifest
 from ..records import (
@@ -37,7 +38,6 @@ from ..records import (
     ROLLBACK,
     SUPERVISION,
     VERIFICATION,
-    Host,
     Incident,
     InvalidRecord,
     Record,
@@ -277,10 +277,9 @@ class Catalog:
                                 "shorten it (reason=)")
         self.require_run()
         infos = self.view().infos
-        topo: dict[str, Any] = next((i.manifest.topology for i in reversed(infos) if i.manifest), {"ranks": []})
-        known = {r["rank"]: Host(r["rank"], r.get("host", "unknown"), r.get("device", "unknown")) for r in topo["ranks"]}
+        topo = next((i.manifest.topology for i in reversed(infos) if i.manifest), Topology())
         inc = Incident(kind="manual", detected_step=from_step, first_suspect_step=from_step, ranks=sorted(ranks),
-                       hosts=[known.get(r, Host(r, "unknown", "unknown")) for r in sorted(ranks)], detail=reason.strip(),
+                       hosts=[topo.host_of(r) for r in sorted(ranks)], detail=reason.strip(),
                        reason=reason.strip(), to_step=to_step)
         return self.record_incident(inc, "manual")
 

@@ -29,6 +29,7 @@ from ..evidence import EvidenceTracker, remedies
 from ..fingerprint import Fingerprint, combine
 from ..flatten import Flat, bookkeeping, flatten, is_per_rank
 from ..guard import SDCGuard
+from ..hosts import Topology
 from ..jsonx import canonical_json
 from ..lanes import lanes_of
 from ..layout import LayoutEntry
@@ -107,7 +108,7 @@ class SaveJob:
     status: Status
     reasons: list[str]
     evidence: dict[str, Any]
-    topology: dict[str, Any]
+    topology: Topology
     resumed_from: str | None
     # Sharded tensors: the chunks this rank alone writes, and the global layout (the same on every rank).
     # ``flat.tensors`` then holds only the replicated tensors, which the ranks share out.
@@ -146,10 +147,10 @@ class Saver:
             ev, status, reasons = self.tracker.for_save(step, fingerprints, g.counters(), world=g.replicas,
                                                         audits_enabled=g.audits_enabled)
             evidence = ev.to_dict()
-        hosts = [h.to_dict() for h in self.comm.topology()]
+        hosts = list(self.comm.topology())
         if self.comm.world == 1:  # name the device the state lives on, which a single process may not have told comm
             device = next((t.device for t in flat.tensors.values() if t.device.type == "cuda"), torch.device("cpu"))
-            hosts[0]["device"] = describe_device(device)
+            hosts[0] = dataclasses.replace(hosts[0], device=describe_device(device))
         proposed = f"step-{step:010d}-{uuid.uuid4().hex[:8]}"
         # Rank 0 leases the folder before any rank writes into it: gc leaves a running save alone (``lease``).
         lease = Lease(self.store, proposed) if self.comm.rank == 0 else None
@@ -159,7 +160,7 @@ class Saver:
             if lease is not None:
                 lease.release()
             raise
-        topology = {"world_size": self.comm.world, "ranks": hosts}
+        topology = Topology(self.comm.world, tuple(hosts))
         return SaveJob(cid, step, dataclasses.replace(flat, tensors=parts.replicated), status, reasons, evidence,
                        topology, resumed_from, parts.mine | own | held, parts.layout, started, lease)
 

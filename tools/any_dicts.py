@@ -18,7 +18,7 @@ import re
 import sys
 
 PATTERN = "dict[str, Any]"
-JSON_IO = re.compile(r"^(to_dict|from_dict|to_record|from_record|to_json|from_json|decode\w*|encoded|parse\w*|seal|"
+JSON_IO = re.compile(r"^(to_dict|to_row|from_dict|to_record|from_record|to_json|from_json|decode\w*|encoded|parse\w*|seal|"
                      r"_untrusted|_check_\w+|_tensors|_topology_problem|_fp|_info|objects|_mapping|encode\w*|run_meta|write_run_meta)$")
 PROTOCOL = re.compile(r"^(state_dict|load_state_dict|training_step|_loss_of|save_checkpoint|load_checkpoint|"
                       r"_state|save|load|_values|write_data|read_metadata|run|modified|stamp)$")

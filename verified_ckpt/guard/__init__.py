@@ -1,9 +1,16 @@
-"""The training-loop checks: :class:`SDCGuard` drives them, one module per check decides.
+"""The training-loop checks: :class:`SDCGuard` drives them, a layout says how the model's gradients are reduced,
+and one module per check decides.
 
-``nonfinite``, ``checksum``, ``audit`` and ``consensus`` each return a
-:class:`~verified_ckpt.guard.stats.Verdict` and record nothing; ``tap`` takes
-the per-bucket statistics inside DDP's communication hook; ``judge`` counts the
-verdicts and turns failed ones into incidents; ``sdcguard`` holds the loop.
+- The loop: ``sdcguard`` (begin, backward, step, consensus, written once), ``config``, ``judge`` (verdicts
+  counted, failed ones turned into incidents; coverage reported), ``schedule`` and ``budget`` (how often each
+  check runs within the user's overhead budget).
+- Layouts: ``replicated`` (DDP, or one process), ``fsdp`` and ``sharded`` (FSDP2, HSDP, with tensor
+  parallel), ``pipeline`` (``torch.distributed.pipelining`` stages), ``boxes`` (consensus per held piece).
+- Checks, each returning a :class:`~verified_ckpt.guard.stats.Verdict` and recording nothing:
+  ``nonfinite``, ``checksum`` (of the all-reduce, from ``tap``'s per-bucket statistics), ``abft`` (per-step
+  verification of gradient computation), ``audit`` (cross-rank recompute with a third-rank tiebreak),
+  ``consensus``, ``rest`` (which copy changed at rest).
+- ``capture``: what a replay needs, taken when a gradient check fails before the update.
 """
 
 from .config import GuardConfig

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from html import escape
 from typing import Any
 
-from .status import PALETTE
+from .status import HEALTH_COLOURS, PALETTE
 
 __all__ = ["render_html"]
 
@@ -250,6 +250,10 @@ def render_html(data: dict[str, Any]) -> str:
     elif incidents:
         verdict += "; no checkpoint to roll back to"
     state = " bad" if open_ else " ok" if recovered is not None else ""
+    word = data.get("health")  # RunHealth.state: the word `vckpt status` and the service say, in their colours
+    health = "" if not isinstance(word, str) else (
+        f' · health <span class="dot" style="background:{HEALTH_COLOURS[word].web if word in HEALTH_COLOURS else "#000"}">'
+        f'</span><span data-testid="health">{_e(word)}</span>')
     span = _step_range(data)
     chart = _timeline(data, *span) if span else '<p class="empty" data-testid="no-history">no history recorded</p>'
     dot = '<span class="dot" style="background:{}"></span>'
@@ -282,7 +286,7 @@ def render_html(data: dict[str, Any]) -> str:
 <title>verified-ckpt report: {_e(data['run'])}</title><style>{CSS}</style></head>
 <body>
 <h1>verified-ckpt run <span data-testid="run">{_e(data['run'])}</span></h1>
-<p class="meta">generated {_e(data['generated_at'])}</p>
+<p class="meta">generated {_e(data['generated_at'])}{health}</p>
 <p class="verdict{state}" data-testid="verdict">{verdict}</p>
 {chart}
 <h2>Checkpoints</h2>

@@ -90,7 +90,8 @@ class CheckpointManager:
         self._tracker = EvidenceTracker(guard.counters() if guard is not None else {})
         # Rank 0 of a guarded job keeps the run's ledger of check events (docs/LEDGER.md).
         self._journal = Journal(self._store, self._catalog, writer=guard is not None and guard.rank == 0)
-        self._recovery = Recovery(self._store, self._catalog, self._journal, io_workers, self._restored, lambda: self.comm.rank)
+        self._recovery = Recovery(self._store, self._catalog, self._journal, io_workers, self._restored,
+                                  lambda: self.comm.rank)
         if guard is not None:
             guard.add_incident_listener(self._journal.incident)
             guard.add_capture_listener(self._journal.replay)  # on every rank: taking a capture is collective
@@ -407,7 +408,9 @@ def _housekeep(saver: Saver, info: CheckpointInfo) -> None:
 
 
 def _check_options(keep_last: int | None, shard_bytes: int, io_workers: int) -> None:
-    for name, value, ok in [("keep_last", keep_last, keep_last is None or (isinstance(keep_last, int) and keep_last >= 1)),
-                            ("shard_bytes", shard_bytes, shard_bytes >= 1), ("io_workers", io_workers, io_workers >= 1)]:
-        if not ok:
-            raise InvalidConfig(f"{name} must be {'None or ' if name == 'keep_last' else ''}an int >= 1, got {value!r}")
+    if keep_last is not None and not (isinstance(keep_last, int) and keep_last >= 1):
+        raise InvalidConfig(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+    if not (isinstance(shard_bytes, int) and shard_bytes >= 1):
+        raise InvalidConfig(f"shard_bytes must be an int >= 1, got {shard_bytes!r}")
+    if not (isinstance(io_workers, int) and io_workers >= 1):
+        raise InvalidConfig(f"io_workers must be an int >= 1, got {io_workers!r}")

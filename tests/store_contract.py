@@ -95,14 +95,14 @@ class StoreContract:
         assert list(store.committed()) == []
         assert not fs.exists(f"{root}/checkpoints/c1/s.safetensors")
 
-    @pytest.mark.parametrize("bad", ["../escape", "/abs", "a/b", "s3://bucket/x", "a\\b", "..", ".", "", "~root"])
-    def test_names_that_could_escape_are_refused_before_any_io(self, store, raw, bad):
+    def test_names_that_could_escape_are_refused_before_any_io(self, store, raw):
         fs, root = raw
-        with pytest.raises(StorageError, match="not a plain name"):
-            with store.open_shard_for_write("c1", bad):
-                pass
-        with pytest.raises(StorageError, match="not a plain name"):
-            store.commit_manifest(bad, b"{}")
+        for bad in ["../escape", "/abs", "a/b", "s3://bucket/x", "a\\b", "..", ".", "", "~root"]:
+            with pytest.raises(StorageError, match="not a plain name"):
+                with store.open_shard_for_write("c1", bad):
+                    pass
+            with pytest.raises(StorageError, match="not a plain name"):
+                store.commit_manifest(bad, b"{}")
         assert not fs.exists(f"{root}/checkpoints")
 
     # -- the rest of the surface ------------------------------------------------------------------

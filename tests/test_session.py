@@ -123,3 +123,24 @@ def test_open_reads_refuse_flipped_bytes_and_applied_records_nothing_until_calle
     with pytest.raises(CorruptCheckpoint, match="failed its"):
         opened.read()
     assert mgr.resumed_from is None
+
+
+def test_the_rendezvous_stops_at_a_posted_error_and_bounds_a_missing_report(memory_url):
+    from verified_ckpt.checkpoint.session import Rendezvous
+    from verified_ckpt.errors import StorageError
+    from verified_ckpt.store import RunStore
+
+    store = RunStore(memory_url)
+    rdv = Rendezvous(store, "c1", 3, timeout_s=600)
+    rdv.post(0, RankReport())
+    rdv.post_error(1, "disk full on node-2")
+    with pytest.raises(StorageError, match="rank 1 failed to write its shards of c1: disk full on node-2"):
+        rdv.collect()  # at once: the error, not the 600 s bound
+    store.delete_file("c1", "rank-00001.error")
+    rdv.post(1, RankReport())
+    with pytest.raises(StorageError, match="rank 2's shard report for c1 did not appear within 0s"):
+        rdv.collect(timeout_s=0.05)
+    rdv.post(2, RankReport())
+    assert rdv.collect() == [RankReport()] * 3
+    rdv.clear()
+    assert store.read_optional("c1", "rank-00000.json") is None

@@ -119,8 +119,8 @@ class Rendezvous:
         with contextlib.suppress(Exception):
             self.store.write_aside(self.cid, f"rank-{rank:05d}.error", message.encode())
 
-    def collect(self) -> list[RankReport]:
-        """Every rank's report, in rank order.
+    def collect(self, timeout_s: float | None = None) -> list[RankReport]:
+        """Every rank's report, in rank order, each within ``timeout_s`` (default: the rendezvous's own bound).
 
         Raises:
             StorageError: a rank posted an error, or a report did not appear within the bound.
@@ -134,7 +134,7 @@ class Rendezvous:
                                        f"{err.decode(errors='replace')[:300]}; the checkpoint is not committed")
                 return self.store.read_optional(self.cid, f"rank-{r:05d}.json")
 
-            reports.append(RankReport.from_json(self._await(look, f"rank {r}'s shard report"), r))
+            reports.append(RankReport.from_json(self._await(look, f"rank {r}'s shard report", timeout_s), r))
         return reports
 
     def await_manifest(self) -> bytes:
@@ -145,15 +145,16 @@ class Rendezvous:
             with contextlib.suppress(Exception):
                 self.store.delete_file(self.cid, f"rank-{r:05d}.json")
 
-    def _await(self, probe: Callable[[], bytes | None], what: str) -> bytes:
-        deadline = time.monotonic() + self.timeout_s
+    def _await(self, probe: Callable[[], bytes | None], what: str, timeout_s: float | None = None) -> bytes:
+        bound = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + bound
         delay = 0.02
         while True:
             got = probe()
             if got is not None:
                 return got
             if time.monotonic() > deadline:
-                raise StorageError(f"{what} for {self.cid} did not appear within {self.timeout_s:.0f}s; "
+                raise StorageError(f"{what} for {self.cid} did not appear within {bound:.0f}s; "
                                    "the checkpoint is not committed - check the other ranks' logs")
             time.sleep(delay)  # polling the store: no collective may run off the training thread
             delay = min(delay * 2, 0.5)

@@ -144,3 +144,47 @@ def test_the_rendezvous_stops_at_a_posted_error_and_bounds_a_missing_report(memo
     assert rdv.collect() == [RankReport()] * 3
     rdv.clear()
     assert store.read_optional("c1", "rank-00000.json") is None
+
+
+def failing(rank: int, world: int, run: str, where: str) -> dict:
+    """A blocking 3-rank save whose shard write fails on rank 1, or whose commit fails on rank 0."""
+    import time
+
+    from verified_ckpt.checkpoint import saving
+    from verified_ckpt.errors import StorageError
+
+    mgr = CheckpointManager(run, shard_bytes=256)  # six shards: every rank writes two
+    real_write, real_commit = saving.write_shard, saving.Saver.commit
+
+    def broken_write(f, tensors):
+        raise OSError("disk full on node-2")
+
+    def broken_commit(self, job, reports):
+        raise StorageError("the bucket went read-only; save again")
+
+    if where == "write" and rank == 1:
+        saving.write_shard = broken_write
+    if where == "commit" and rank == 0:
+        saving.Saver.commit = broken_commit
+    t0 = time.monotonic()
+    try:
+        mgr.save(3, {f"w{i}": torch.full((64,), float(i)) for i in range(6)})
+        got = {"error": None}
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        got = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        saving.write_shard, saving.Saver.commit = real_write, real_commit
+    return {**got, "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize("where", ["write", "commit"])
+def test_a_rank_that_fails_its_part_of_a_blocking_save_fails_every_rank_at_once(tmp_path, where):
+    run = str(tmp_path / "run")
+    got = run_ranks(failing, 3, run, where)
+    assert all(r["error"] for r in got) and all(r["seconds"] < 30 for r in got)  # no rank waits out a timeout
+    if where == "write":
+        assert "disk full on node-2" in got[1]["error"]
+        assert all("rank 1 failed to write its shards" in r["error"] and "disk full" in r["error"] for r in (got[0], got[2]))
+    else:
+        assert len({r["error"] for r in got}) == 1 and "StorageError: the bucket went read-only" in got[0]["error"]
+    assert CheckpointManager(run).list() == []

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from ..records import Problem
     from .reading import Reader
 
-__all__ = ["Choice", "OpenCheckpoint", "agree", "decide", "read_failure"]
+__all__ = ["Choice", "OpenCheckpoint", "agree", "as_raised", "decide", "read_failure"]
 
 # The errors a choice or a checked read raises on purpose, by name: what every rank raises when any rank did.
 _KNOWN: dict[str, type[VerifiedCkptError]] = {
@@ -59,6 +59,11 @@ class Choice:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Choice:
         return cls(d["warning"], d["answer"], d["unverified"], d["any"], tuple(d["newer"]))
+
+
+def as_raised(name: str, message: str) -> VerifiedCkptError:
+    """The error another rank raised (by class name), to raise here alike: one of the library's own, else the base."""
+    return _KNOWN.get(name, VerifiedCkptError)(message)
 
 
 def decide(comm: Communicator, choose: Callable[[], tuple[CheckpointInfo | None, Choice]],
@@ -89,7 +94,7 @@ def decide(comm: Communicator, choose: Callable[[], tuple[CheckpointInfo | None,
     if "error" in got:
         if failure is not None:
             raise failure
-        raise _KNOWN.get(got["error"], VerifiedCkptError)(got["message"])
+        raise as_raised(got["error"], got["message"])
     return (_info(got["info"]) if "info" in got else None), Choice.from_dict(got["choice"])
 
 

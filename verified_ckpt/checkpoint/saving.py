@@ -12,6 +12,7 @@ run (retention, the open-incident warning) is :meth:`Saver.housekeep`, run after
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
@@ -44,6 +45,7 @@ from ..tensorspec import MAX_NDIM, dtype_name
 from . import housekeeping
 from .catalog import Catalog, info
 from .lease import Lease
+from .opening import as_raised
 from .session import RankReport, Rendezvous, SaveSession
 from .stages import merge
 
@@ -222,20 +224,35 @@ class Saver:
         alone = not self.comm.active
         rendezvous = Rendezvous(self.store, job.cid, world, self.report_timeout_s)
         plan = self._plan(job.flat.tensors | job.mine if alone else job.flat.tensors)
+        failure: Exception | None = None
         try:
             report = self._write(job.cid, plan, range(rank, len(plan), world), "shard-{:05d}")
             report += self.write(job.cid, {} if alone else job.mine, f"chunks-r{rank:05d}-{{:05d}}")
         except BaseException as e:
             session.abort()
-            if self.comm.active and not collective:
-                rendezvous.post_error(rank, str(e))  # rank 0 stops waiting for us
-            raise
+            if not (self.comm.active and collective and isinstance(e, Exception)):
+                if self.comm.active and not collective:
+                    rendezvous.post_error(rank, str(e))  # rank 0 stops waiting for us
+                raise
+            failure = e  # the others learn of it in the gather below, instead of waiting for our report
         if alone:
             return session.commit([report])
         if collective:
-            reports = [RankReport.from_json(b, r) for r, b in enumerate(self.comm.gather_bytes(report.to_json()))]
+            sent = b"E" + json.dumps({"error": type(failure).__name__, "message": str(failure)}).encode() \
+                if failure is not None else b"R" + report.to_json()
+            got = self.comm.gather_bytes(sent)
+            failed = [(r, json.loads(b[1:])) for r, b in enumerate(got) if b[:1] == b"E"]
+            if failed:
+                session.abort()
+                if failure is not None:
+                    raise failure
+                r, doc = failed[0]
+                raise as_raised(doc["error"], f"rank {r} failed to write its shards of {job.cid}: {doc['message']}; "
+                                "the checkpoint is not committed")
+            reports = [RankReport.from_json(b[1:], r) for r, b in enumerate(got)]
             if rank == 0:
-                session.commit(reports)
+                with contextlib.suppress(Exception):  # publish raises it on every rank alike
+                    session.commit(reports)
             return session.publish()  # every rank returns only after the commit, with the same manifest in hand
         rendezvous.post(rank, report)
         if rank != 0:

@@ -36,6 +36,7 @@ from ..jsonx import JSONBudgetError, Limits, decode_object
 from ..layout import LayoutEntry
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, CheckpointInfo, ShardEntry
 from ..status import Status
+from .opening import as_raised
 
 if TYPE_CHECKING:
     import torch
@@ -167,6 +168,7 @@ class SaveSession:
     def __init__(self, saver: Saver, job: SaveJob, on_committed: Callable[[CheckpointInfo], None]) -> None:
         self._saver, self.job, self._on_committed = saver, job, on_committed  # ``job``: the saver's, not API
         self._manifest: bytes = b""
+        self._failure: BaseException | None = None  # rank 0's commit failed: publish raises it on every rank
 
     @property
     def id(self) -> str:
@@ -200,17 +202,42 @@ class SaveSession:
             job.layout = dict(layout)
         if state is not None:
             job.flat = dataclasses.replace(job.flat, skeleton=dict(state))
-        self._manifest = self._saver.commit(job, list(reports))
+        try:
+            self._manifest = self._saver.commit(job, list(reports))
+        except BaseException as e:
+            self._failure = e
+            raise
         committed = self._saver.committed(job.cid, self._manifest)
         self._on_committed(committed)
         return committed
 
     def publish(self) -> CheckpointInfo:
-        """Every rank (collective): the committed checkpoint, from the manifest bytes rank 0 wrote."""
+        """Every rank (collective): the committed checkpoint, from the manifest bytes rank 0 wrote.
+
+        Call it on every rank even when ``commit`` raised on rank 0: every rank then raises that error alike,
+        and none is left waiting.
+
+        Raises:
+            VerifiedCkptError: rank 0's commit failed (or was never called there): the same class and message.
+        """
         comm = self._saver.comm
-        data = comm.broadcast_bytes(self._manifest) if comm.active else self._manifest
+        if comm.rank == 0 and self._failure is not None:
+            f = self._failure
+            sent = b"E" + json.dumps({"error": type(f).__name__, "message": str(f)}).encode()
+        elif comm.rank == 0 and not self._manifest:
+            sent = b"E" + json.dumps({"error": "InvalidState",
+                                      "message": f"publish() before rank 0 committed {self.job.cid}; call "
+                                                 "session.commit(reports) on rank 0 first"}).encode()
+        else:
+            sent = b"M" + self._manifest
+        got = comm.broadcast_bytes(sent) if comm.active else sent
+        if got[:1] == b"E":
+            if comm.rank == 0 and self._failure is not None:
+                raise self._failure
+            doc = json.loads(got[1:])
+            raise as_raised(doc["error"], doc["message"])
         comm.barrier()
-        return self._saver.committed(self.job.cid, data)
+        return self._saver.committed(self.job.cid, got[1:])
 
     def abort(self) -> None:
         """Give up this save (nothing is committed; gc removes what was written once its lease is gone)."""

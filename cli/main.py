@@ -291,7 +291,7 @@ def rollback_cmd(mgr: CheckpointManager, out: Output, dry_run: bool) -> int:
         for cid, st, why in skipped:
             console.print(f"  skipped {cid} (step {st}): {why}")
         console.print(f"resume the job with CheckpointManager.resume(state) (examples: --resume), or export with "
-                      f"`vckpt restore {mgr.url} --step {target.step} --to DIR`")
+                      f"`vckpt export {mgr.url} --step {target.step} --to DIR`")
 
     out.emit(data, human)
     return EXIT_OK

@@ -25,7 +25,8 @@ _FLAGS = [(re.compile(p), f) for p, f in [
     (r"\bto_step\b", "--to-step"), (r"\breason=", "--reason TEXT"), (r"\bdest=", "--to"),
     (r'\bformat="(\w+)"', r"--format \1"), (r"\bmodel=", "--model "), (r"\brank=R\b", "--rank R"),
     (r"\ballow_unverified=True\b", "--allow-unverified"), (r"\bon_exclude\b", "--on-exclude"),
-    (r"\bkeep_last\b", "--keep-last"), (r"\(runs=\)", "(RUN ...)"), (r"\(discover=\)", "(--discover PREFIX)"),
+    (r"\bkeep_last\b", "--keep-last"), (r"field 'ranks'", "--rank"), (r"\branks= ", "--rank "),
+    (r"\(runs=\)", "(RUN ...)"), (r"\(discover=\)", "(--discover PREFIX)"),
 ]]
 
 

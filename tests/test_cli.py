@@ -118,10 +118,10 @@ def test_flag_incidents_rollback_and_export(run, tmp_path):
     r = invoke("rollback", run, "--json")
     assert r.exit_code == 1 and json.loads(r.stdout)["id"] is None
     assert "no restorable checkpoint" in r.stderr
-    r = invoke("flag", run, "--from-step", "2", "--rank", "1", "--reason", "ECC errors on host", "--json")
+    r = invoke("flag", run, "--from-step", "2", "--rank", "0", "--reason", "ECC errors on host", "--json")
     assert r.exit_code == 0, r.output
     flagged = json.loads(r.stdout)
-    assert flagged["first_suspect_step"] == 2 and flagged["ranks"] == [1] and len(flagged["suspect_checkpoints"]) == 1
+    assert flagged["first_suspect_step"] == 2 and flagged["ranks"] == [0] and len(flagged["suspect_checkpoints"]) == 1
     rows = json.loads(invoke("incidents", run, "--json").stdout)
     assert [(x["kind"], x["first_suspect_step"], x["reason"]) for x in rows] == [("manual", 2, "ECC errors on host")]
     assert {"id", "kind", "ranks", "hosts", "first_suspect_step", "detected_step", "reason"} <= set(rows[0])

@@ -83,12 +83,30 @@ def test_library_messages_name_parameters_and_the_cli_says_flags(tmp_path):
     import torch
 
     mgr.save(1, {"w": torch.ones(2)})
-    with pytest.raises(InvalidState, match="grace_s must be >= 0") as e:
+    with pytest.raises(InvalidState, match="grace_s must be a number of seconds >= 0") as e:
         mgr.gc(grace_s=-1)
     assert "--" not in str(e.value)
     with pytest.raises(InvalidState, match="to_step 1 is before from_step 3"):
         mgr.flag(3, to_step=1, reason="x")
     got = CliRunner().invoke(vckpt, ["gc", run, "--grace", "-1"])
-    assert got.exit_code == 2 and "--grace must be >= 0" in got.stderr and "grace_s" not in got.stderr
+    assert got.exit_code == 2 and "--grace must be a number of seconds >= 0" in got.stderr and "grace_s" not in got.stderr
     got = CliRunner().invoke(vckpt, ["flag", run, "--from-step", "3", "--to-step", "1", "--reason", "x"])
     assert got.exit_code == 2 and "--to-step 1 is before --from-step 3" in got.stderr
+
+
+def test_a_flag_naming_a_rank_the_run_never_had_is_refused_and_nan_is_no_grace(tmp_path):
+    from click.testing import CliRunner
+
+    import torch
+    from verified_ckpt import CheckpointManager
+    from verified_ckpt_cli.main import main as vckpt
+
+    run = str(tmp_path / "run")
+    CheckpointManager(run).save(1, {"w": torch.ones(2)})  # one rank
+    got = CliRunner().invoke(vckpt, ["flag", run, "--from-step", "1", "--rank", "99", "--reason", "x"])
+    assert got.exit_code == 2 and "--rank [99] are not ranks of this run: its checkpoints were saved by ranks 0" in got.stderr
+    assert CheckpointManager(run).incidents() == []
+    got = CliRunner().invoke(vckpt, ["flag", run, "--from-step", "1", "--rank", "-1", "--reason", "x"])
+    assert got.exit_code == 2 and "ranks=" not in got.stderr and "field" not in got.stderr
+    got = CliRunner().invoke(vckpt, ["gc", run, "--grace", "nan"])
+    assert got.exit_code == 2 and "--grace must be a number of seconds >= 0, got nan" in got.stderr

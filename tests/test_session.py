@@ -13,7 +13,7 @@ import pytest
 import torch
 from dist_harness import run_ranks
 
-from verified_ckpt import CheckpointManager, CorruptCheckpoint, ManifestError, RankReport, Status
+from verified_ckpt import CheckpointManager, CorruptCheckpoint, InvalidState, ManifestError, RankReport, Status
 from verified_ckpt.checkpoint.catalog import Catalog
 from verified_ckpt.store import RecordObjects, RunStore
 
@@ -28,6 +28,12 @@ def sessions(rank: int, world: int, run: str) -> dict:
     session = mgr.begin_save(7)
     report = session.write({f"t{rank}": torch.full((4,), float(rank))}, f"mine-r{rank:05d}")
     reports = [RankReport.from_json(b, r) for r, b in enumerate(mgr.comm.gather_bytes(report.to_json()))]
+    refused = None
+    if rank == 1:
+        try:
+            session.commit(reports)
+        except InvalidState as e:
+            refused = str(e)
     committed = session.commit(reports) if rank == 0 else None
     published = session.publish()
     opened = mgr.open(allow_unverified=True)
@@ -36,7 +42,7 @@ def sessions(rank: int, world: int, run: str) -> dict:
     dist.barrier()
     return {"id": session.id, "published": published.id, "committed": committed.id if committed else None,
             "opened": opened.info.id, "values": {n: t.tolist() for n, t in sorted(got.items())},
-            "resumed_from": mgr.resumed_from, "status": published.status.value}
+            "resumed_from": mgr.resumed_from, "status": published.status.value, "refused": refused}
 
 
 def test_a_save_written_by_the_caller_through_a_session_commits_once_and_every_rank_opens_it(tmp_path):
@@ -45,6 +51,7 @@ def test_a_save_written_by_the_caller_through_a_session_commits_once_and_every_r
     assert len(ids) == 1 and {r["published"] for r in got} == ids == {r["opened"] for r in got} == {got[0]["committed"]}
     assert all(r["values"] == {f"t{i}": [float(i)] * 4 for i in range(3)} for r in got)
     assert {r["resumed_from"] for r in got} == ids and got[0]["status"] == "unverified"
+    assert "commit() runs on rank 0 only (this is rank 1)" in got[1]["refused"]
     [info] = CheckpointManager(str(tmp_path / "run")).list()
     assert info.step == 7 and sorted(info.manifest.tensors) == ["t0", "t1", "t2"]
 
@@ -188,3 +195,69 @@ def test_a_rank_that_fails_its_part_of_a_blocking_save_fails_every_rank_at_once(
     else:
         assert len({r["error"] for r in got}) == 1 and "StorageError: the bucket went read-only" in got[0]["error"]
     assert CheckpointManager(run).list() == []
+
+
+EXITING = """
+import concurrent.futures, sys, threading, time, torch
+from verified_ckpt import CheckpointManager
+from verified_ckpt.checkpoint import saving
+run, marker = sys.argv[1], sys.argv[2]
+real = saving.Saver.housekeep
+
+def at_exit(self, info):
+    deadline = time.monotonic() + 30
+    while not threading._SHUTTING_DOWN and time.monotonic() < deadline:  # run once the interpreter begins to exit
+        time.sleep(0.01)
+    assert threading._SHUTTING_DOWN
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # what retention's read-back does
+        pool.submit(real, self, info).result()
+    open(marker, "w").write(info.id)
+
+saving.Saver.housekeep = at_exit
+CheckpointManager(run, keep_last=1).save(1, {"w": torch.ones(2)})  # and the script ends, with no wait()
+"""
+
+
+def test_what_the_last_save_leaves_running_finishes_before_the_interpreter_exits(tmp_path):
+    import subprocess
+    import sys
+
+    run, marker = str(tmp_path / "run"), str(tmp_path / "housekept")
+    proc = subprocess.run([sys.executable, "-c", EXITING, run, marker], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr and "failed" not in proc.stderr, proc.stderr[-2000:]
+    assert open(marker).read() == CheckpointManager(run).list()[0].id
+
+
+def test_a_report_set_that_cannot_make_one_checkpoint_is_refused_before_any_manifest(tmp_path):
+    from verified_ckpt import InvalidState
+    from verified_ckpt.manifest import ShardEntry
+
+    run = str(tmp_path / "run")
+    mgr = CheckpointManager(run)
+    session = mgr.begin_save(1)
+    a = session.write({"a": torch.zeros(4)}, "p0")
+    with pytest.raises(InvalidState, match="prefix='p0' was written already"):
+        session.write({"b": torch.ones(4)}, "p0")
+    with pytest.raises(InvalidState, match="not a plain file-name prefix"):
+        session.write({"b": torch.ones(4)}, "../up")
+    for reports, needle in [([a, a], "shard p0-00000.safetensors was written by ranks 0 and 1"),
+                            ([a + a], "written twice by rank 0"),
+                            ([a, RankReport((ShardEntry("p1-00000.safetensors", 1, "00", ["a"]),), {"a": "0" * 32},
+                                            {"a": ("float32", (4,))})], "tensor a is in shards"),
+                            ([RankReport((ShardEntry("g-00000.safetensors", 1, "00", ["ghost"]),), {}, {})],
+                             "lists tensor ghost in shard g-00000.safetensors without its fingerprint")]:
+        with pytest.raises(InvalidState, match=needle):
+            session.commit(reports)
+    assert mgr.list() == [] and CheckpointManager(run).gc(grace_s=0) != []  # nothing committed; gc takes the orphans
+
+
+def test_read_takes_any_iterable_and_refuses_a_name_the_checkpoint_lacks(tmp_path):
+    from verified_ckpt import InvalidState
+
+    mgr = CheckpointManager(str(tmp_path / "run"))
+    mgr.save(1, {"w": torch.arange(3.0)})
+    opened = mgr.open(allow_unverified=True)
+    assert opened.read(["w"])["w"].tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(InvalidState, match="holds no tensor 'nope'"):
+        opened.read(["w", "nope"])

@@ -28,7 +28,7 @@ from ..errors import (
     RunNotFound,
 )
 from ..history import Columns
-from ..hosts import Topology
+from ..hosts import Host, Topology
 from ..ledger import read_ledger
 from ..manifest import MAX_MANIFEST_BYTES, CheckpointInfo, Manifest
 from ..records import (
@@ -277,9 +277,16 @@ class Catalog:
                                 "shorten it (reason=)")
         self.require_run()
         infos = self.view().infos
-        topo = next((i.manifest.topology for i in reversed(infos) if i.manifest), Topology())
+        # Each rank's host from the newest checkpoint it saved (a job may have been resumed on fewer ranks).
+        hosts: dict[int, Host] = {}
+        for i in infos:
+            hosts |= {h.rank: h for h in (i.manifest.topology.ranks if i.manifest else ())}
+        outside = sorted({r for r in ranks if isinstance(r, int) and r not in hosts})
+        if outside and hosts:  # its host to exclude would be "unknown": name the mistake, record nothing
+            raise InvalidState(f"ranks= {outside} are not ranks of this run: its checkpoints were saved by ranks "
+                               f"{', '.join(map(str, sorted(hosts)))}")
         inc = Incident(kind="manual", detected_step=from_step, first_suspect_step=from_step, ranks=sorted(ranks),
-                       hosts=[topo.host_of(r) for r in sorted(ranks)], detail=reason.strip(),
+                       hosts=[hosts.get(r, Topology().host_of(r)) for r in sorted(ranks)], detail=reason.strip(),
                        reason=reason.strip(), to_step=to_step)
         return self.record_incident(inc, "manual")
 
@@ -290,7 +297,8 @@ class Catalog:
         if target is None:
             self.require_run()
             why = "; ".join(f"{cid} (step {st}) {w}" for cid, st, w in skipped[:3]) or "the run has no checkpoint"
-            raise CheckpointNotRestorable(f"no restorable checkpoint to roll back to in {self.url}: {why}")
+            raise CheckpointNotRestorable(f"no restorable checkpoint to roll back to in {self.url}: {why}; a job that "
+                                          "calls resume(state) starts afresh, or restore an export")
         if not dry_run:
             self.answer_incidents(view, target)
         return target, skipped

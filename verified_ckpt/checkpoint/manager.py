@@ -13,6 +13,7 @@ from __future__ import annotations
 import builtins
 import concurrent.futures
 import logging
+import math
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -179,10 +180,11 @@ class CheckpointManager:
 
     def _committed(self, info: CheckpointInfo) -> None:
         """Rank 0, once a save is committed: what reads the run (retention, the open-incident warning) runs in the
-        background, so no save waits for it; the next save and :meth:`wait` join it."""
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vckpt-housekeeping")
-        self._housekeeping = pool.submit(_housekeep, self._saver_for(), info)
-        pool.shutdown(wait=False)
+        background, so no save waits for it; the next save and :meth:`wait` join it, and so does the interpreter's exit."""
+        from . import background
+
+        saver = self._saver_for()
+        self._housekeeping = background.submit(lambda: _housekeep(saver, info), "vckpt-housekeeping")
 
     def wait(self) -> CheckpointInfo | None:
         """Wait for a pending non-blocking save (return its info or raise its failure), then for the housekeeping
@@ -205,7 +207,7 @@ class CheckpointManager:
         ``applied()`` records the restore (``checkpoint.opening`` has the call table).
 
         Raises:
-            CheckpointNotFound, CheckpointNotRestorable: on every rank alike.
+            RunNotFound, CheckpointNotFound, CheckpointNotRestorable: on every rank alike.
         """
         self.wait()
         return self._recovery.open_chosen(self.comm, step, checkpoint_id, allow_unverified)
@@ -351,8 +353,8 @@ class CheckpointManager:
         committed) and files a manifest does not reference. Never touches anything a manifest
         references, nor folders whose manifest is unreadable (evidence). Returns ``cid/file`` paths.
         """
-        if grace_s < 0:
-            raise InvalidState(f"grace_s must be >= 0 seconds, got {grace_s}")
+        if not (isinstance(grace_s, (int, float)) and math.isfinite(grace_s) and grace_s >= 0):
+            raise InvalidState(f"grace_s must be a number of seconds >= 0, got {grace_s}")
         return housekeeping.gc(self._catalog, grace_s, dry_run)
 
     def verify(self, step: int | str | Collection[str | CheckpointInfo] | None = None, *, jobs: int = 1, progress:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .. import errors
@@ -150,10 +150,11 @@ class OpenCheckpoint:
         self.info, self.manifest = info, info.manifest
         self.reader, self.comm, self.url, self._on_applied = reader, comm, url, on_applied
 
-    def read(self, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    def read(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """The tensors ``names`` (all when ``None``), every byte checked, once every rank's reads passed.
 
         Raises:
+            InvalidState: on every rank, when a rank asked for a name the checkpoint does not hold.
             CorruptCheckpoint: on every rank, when any rank's bytes failed a check (nothing was returned anywhere).
         """
         from .reading import RESTORE
@@ -161,7 +162,13 @@ class OpenCheckpoint:
         error: BaseException | None = None
         loaded: dict[str, torch.Tensor] = {}
         try:
-            loaded, problems = self.reader.read(self.manifest, RESTORE, names=names)
+            wanted = None if names is None else {names} if isinstance(names, str) else set(names)
+            unknown = sorted((wanted or set()) - self.manifest.tensors.keys())
+            if unknown:
+                raise errors.InvalidState(f"checkpoint {self.manifest.checkpoint_id} holds no tensor "
+                                          f"{', '.join(map(repr, unknown[:5]))}{' ...' if len(unknown) > 5 else ''}; "
+                                          "its names are opened.manifest.tensors")
+            loaded, problems = self.reader.read(self.manifest, RESTORE, names=wanted)
             if problems:
                 error = read_failure(self.manifest, problems[0], self.url)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would wait forever

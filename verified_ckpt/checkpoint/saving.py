@@ -46,7 +46,7 @@ from . import housekeeping
 from .catalog import Catalog, info
 from .lease import Lease
 from .opening import as_raised
-from .session import RankReport, Rendezvous, SaveSession
+from .session import RankReport, Rendezvous, SaveSession, reports_problem
 from .stages import merge
 
 __all__ = ["UNGUARDED", "SaveJob", "Saver", "checked_flat"]
@@ -128,7 +128,7 @@ class Saver:
                  report_timeout_s: float, pinned: set[str] | None = None) -> None:
         self.store, self.signer, self.comm, self.guard, self.tracker = store, signer, comm, guard, tracker
         self.catalog, self.keep_last, self.pinned = catalog, keep_last, pinned if pinned is not None else set()
-        self._warned_open = False
+        self._warned_open = self._warned_unverified = False
         self.shard_bytes, self.io_workers, self.report_timeout_s = shard_bytes, io_workers, report_timeout_s
         self._host_copies: dict[str, torch.Tensor] = {}  # reused by non-blocking saves
 
@@ -269,6 +269,9 @@ class Saver:
     def commit(self, job: SaveJob, reports: list[RankReport]) -> bytes:
         """Rank 0: write the manifest of ``job`` from every rank's shard report, last; return its bytes."""
         try:
+            problem = reports_problem(reports, job.flat.tensors | job.mine)
+            if problem is not None:  # before anything is written: nothing is committed
+                raise InvalidState(f"checkpoint {job.cid} cannot be committed: {problem}; nothing is committed")
             manifest = self._manifest(self.catalog.run_id(), job, reports)
             manifest_bytes = canonical_json(self.signer.seal(manifest.to_dict()))
             # The commit re-checks what it promises: every shard it names is stored, with its recorded size.
@@ -292,6 +295,11 @@ class Saver:
         by an open incident, then apply retention."""
         assert committed.manifest is not None
         self._warn_if_flagged(committed.manifest)
+        if self.keep_last is not None and committed.status is Status.UNVERIFIED and not self._warned_unverified:
+            self._warned_unverified = True  # retention keeps the newest *restorable*: with none, it deletes nothing
+            log.warning("keep_last=%d deletes nothing while saves are unverified (%s): retention keeps the newest "
+                        "restorable checkpoints and never leaves a run without one", self.keep_last,
+                        "; ".join(committed.reasons) or "no reason recorded")
         if self.keep_last is not None:
             housekeeping.apply_retention(self.catalog, self.keep_last, self.pinned, self._read_back)
 

@@ -31,10 +31,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ManifestError, StorageError
+from ..errors import InvalidState, ManifestError, StorageError
 from ..jsonx import JSONBudgetError, Limits, decode_object
 from ..layout import LayoutEntry
-from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, CheckpointInfo, ShardEntry
+from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SEGMENT, CheckpointInfo, ShardEntry
 from ..status import Status
 from .opening import as_raised
 
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from ..store import RunStore
     from .saving import SaveJob, Saver
 
-__all__ = ["RankReport", "Rendezvous", "SaveSession"]
+__all__ = ["RankReport", "Rendezvous", "SaveSession", "reports_problem"]
 
 _LIMITS = Limits(max_bytes=MAX_MANIFEST_BYTES, max_depth=8)
 
@@ -84,6 +84,31 @@ class RankReport:
         return cls(shards, fps, specs)
 
 
+def reports_problem(reports: Sequence[RankReport], known: Mapping[str, object] | None = None) -> str | None:
+    """Why ``reports`` (rank order) cannot make one checkpoint, or ``None``: a shard path written by two ranks (or
+    twice), a tensor in two shards, a tensor without its fingerprint or its dtype and shape. ``known``: the
+    tensors whose dtype and shape the committing rank holds itself. Checked before a manifest is written."""
+    paths: dict[str, int] = {}
+    where: dict[str, str] = {}
+    fps = {n for r in reports for n in r.fingerprints}
+    specs = {n for r in reports for n in r.specs} | set(known or ())
+    for rank, r in enumerate(reports):
+        for s in r.shards:
+            if s.path in paths:
+                other = "twice by rank" if paths[s.path] == rank else f"by ranks {paths[s.path]} and"
+                return (f"shard {s.path} was written {other} {rank}: give each rank, and each write, a prefix of its "
+                        "own (session.write(tensors, prefix))")
+            paths[s.path] = rank
+            for n in s.tensors:
+                if n in where:
+                    return f"tensor {n} is in shards {where[n]} and {s.path}: write each tensor once, on one rank"
+                where[n] = s.path
+                if n not in fps or n not in specs:
+                    return (f"rank {rank}'s report lists tensor {n} in shard {s.path} without its "
+                            f"{'fingerprint' if n not in fps else 'dtype and shape'}: send the report write() returned")
+    return None
+
+
 def _str(x: Any) -> str:
     if not isinstance(x, str):
         raise TypeError(f"expected a string, got {type(x).__name__}")
@@ -99,7 +124,10 @@ def _int(x: Any) -> int:
 def _shard(e: Any) -> ShardEntry:
     if not isinstance(e, dict) or set(e) != {"path", "size", "digest", "tensors"}:
         raise TypeError("a shard entry has other fields than path, size, digest, tensors")
-    return ShardEntry(_str(e["path"]), _int(e["size"]), _str(e["digest"]), [_str(t) for t in e["tensors"]])
+    path = _str(e["path"])
+    if not SEGMENT.match(path) or path in (".", ".."):
+        raise ValueError(f"shard path {path[:80]!r} is not a plain file name")
+    return ShardEntry(path, _int(e["size"]), _str(e["digest"]), [_str(t) for t in e["tensors"]])
 
 
 class Rendezvous:
@@ -169,6 +197,7 @@ class SaveSession:
         self._saver, self.job, self._on_committed = saver, job, on_committed  # ``job``: the saver's, not API
         self._manifest: bytes = b""
         self._failure: BaseException | None = None  # rank 0's commit failed: publish raises it on every rank
+        self._prefixes: set[str] = set()  # this rank's writes: a prefix used twice would overwrite a shard
 
     @property
     def id(self) -> str:
@@ -184,7 +213,17 @@ class SaveSession:
 
     def write(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> RankReport:
         """Write ``tensors``, which only this rank writes, as shards ``<prefix>-<n>.safetensors``; the report to send
-        to rank 0. ``prefix`` must differ between ranks (``dcp-r00003``, say)."""
+        to rank 0. ``prefix`` must differ between ranks and between one rank's writes (``dcp-r00003``, say).
+
+        Raises:
+            InvalidState: ``prefix`` was used already in this save, or is not a plain name.
+        """
+        if not isinstance(prefix, str) or not SEGMENT.match(f"{prefix}-00000.safetensors") or "{" in prefix:
+            raise InvalidState(f"prefix={prefix!r} is not a plain file-name prefix; use letters, digits, '.', '_', '-'")
+        if prefix in self._prefixes:
+            raise InvalidState(f"prefix={prefix!r} was written already in save {self.job.cid}: its shards would be "
+                               "overwritten; give each write a prefix of its own")
+        self._prefixes.add(prefix)
         return self._saver.write(self.job.cid, dict(tensors), f"{prefix}-{{:05d}}")
 
     def commit(self, reports: Sequence[RankReport], *, layout: Mapping[str, LayoutEntry] | None = None,
@@ -198,6 +237,9 @@ class SaveSession:
             StorageError: a shard named in a report is not stored with its size; nothing is committed.
         """
         job = self.job
+        if self._saver.comm.rank != 0:
+            raise InvalidState(f"commit() runs on rank 0 only (this is rank {self._saver.comm.rank}); send it this "
+                               "rank's report, and call publish() on every rank")
         if layout is not None:
             job.layout = dict(layout)
         if state is not None:

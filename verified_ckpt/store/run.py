@@ -190,7 +190,8 @@ class RunStore:
             if listed.get(name) != size:
                 found = "is missing" if name not in listed else f"holds {listed[name]} bytes"
                 raise StorageError(f"shard {name} of {cid} {found}, the manifest would say {size} bytes (removed by "
-                                   "gc or another process?); the checkpoint is not committed - save again")
+                                   "gc or another process, or written under one name by two ranks?); the checkpoint "
+                                   "is not committed - save again")
 
     def delete_checkpoint(self, cid: str) -> None:
         """Uncommit first (manifest), then remove shards: a crash in between leaves only orphans."""

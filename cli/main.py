@@ -24,7 +24,7 @@ from verified_ckpt import (
     render_html,
 )
 
-from .options import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, as_flags, exit_code_for, parse_storage_options
+from .options import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, OneLineErrors, as_flags, exit_code_for, parse_storage_options
 from .output import Output, escape, human_size, status_text
 from .recovery import register
 
@@ -63,7 +63,7 @@ def run_command(fn: Callable[..., int | None]) -> Callable[..., None]:
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="verified-ckpt")
 def main() -> None:
     """Inspect, verify and recover verified checkpoints. RUN is any fsspec URL."""

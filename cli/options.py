@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 import click
 
 from verified_ckpt import CheckpointNotRestorable, CorruptCheckpoint, ExitCode, ManifestError, StorageError
 
-__all__ = ["EXIT_CHECK_FAILED", "EXIT_OK", "EXIT_STORAGE", "EXIT_USAGE", "as_flags", "exit_code_for",
+__all__ = ["EXIT_CHECK_FAILED", "EXIT_OK", "EXIT_STORAGE", "EXIT_USAGE", "OneLineErrors", "as_flags", "exit_code_for",
            "parse_storage_options"]
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_STORAGE = (int(c) for c in (
@@ -28,6 +30,29 @@ _FLAGS = [(re.compile(p), f) for p, f in [
     (r"\bkeep_last\b", "--keep-last"), (r"field 'ranks'", "--rank"), (r"\branks= ", "--rank "),
     (r"\(runs=\)", "(RUN ...)"), (r"\(discover=\)", "(--discover PREFIX)"),
 ]]
+
+
+class OneLineErrors(click.Group):
+    """The ``vckpt`` group: click's usage errors (a bad flag value, an unknown option) become the one line every
+    other error is, ``error: <what>; see `<command> --help```, exit 2, instead of click's three lines."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else "vckpt"
+            click.echo(f"error: {e.format_message().rstrip('.')}; see `{where} --help`", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("aborted", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 def as_flags(message: str) -> str:

@@ -110,3 +110,21 @@ def test_a_flag_naming_a_rank_the_run_never_had_is_refused_and_nan_is_no_grace(t
     assert got.exit_code == 2 and "ranks=" not in got.stderr and "field" not in got.stderr
     got = CliRunner().invoke(vckpt, ["gc", run, "--grace", "nan"])
     assert got.exit_code == 2 and "--grace must be a number of seconds >= 0, got nan" in got.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["verify", "{run}", "--jobs", "0"], "Invalid value for '--jobs'"), (["gc", "{run}", "--grace", "abc"], "'--grace'"),
+    (["export", "{run}", "--to", "x", "--format", "xx"], "'--format'"), (["list"], "Missing argument 'RUN'"),
+    (["--bogus"], "No such option '--bogus'"), (["supervise", "--max-restarts", "-1", "--run", "{run}", "--", "true"],
+                                                "'--max-restarts'"),
+])
+def test_usage_errors_are_one_line_naming_the_flag_and_the_help(tmp_path, args, needle):
+    from click.testing import CliRunner
+
+    from verified_ckpt_cli.main import main as vckpt
+
+    run = str(tmp_path / "run")
+    got = CliRunner().invoke(vckpt, [a.format(run=run) for a in args])
+    lines = got.stderr.strip().splitlines()
+    assert got.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], got.stderr
+    assert "--help`" in lines[0] and "Traceback" not in got.stderr and got.stdout == ""

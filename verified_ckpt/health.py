@@ -46,7 +46,9 @@ class RunHealth:
                  if self.rollback_target is not None else "no rollback target")
         kinds = ", ".join(f"{i.kind}@{i.detected_step}" for i in self.open_incidents)
         newest = self.newest_restorable_step
-        return (f"{self.state}: {len(self.open_incidents)} open incident(s){' (' + kinds + ')' if kinds else ''}; "
+        held = ", ".join(f"{n} {s}" for s, n in sorted(self.by_status.items()))
+        why = f" (checkpoints: {held})" if self.state == "nothing-restorable" else ""
+        return (f"{self.state}{why}: {len(self.open_incidents)} open incident(s){' (' + kinds + ')' if kinds else ''}; "
                 f"exclude hosts: {' '.join(self.exclude_hosts) or 'none'}; {where}; newest restorable step: "
                 f"{newest if newest is not None else 'none'}")
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from ..records import Problem
     from .reading import Reader
 
-__all__ = ["Choice", "OpenCheckpoint", "agree", "as_raised", "decide", "read_failure"]
+__all__ = ["Choice", "OpenCheckpoint", "agree", "as_raised", "decide", "error_doc", "read_failure"]
 
 # The errors a choice or a checked read raises on purpose, by name: what every rank raises when any rank did.
 _KNOWN: dict[str, type[VerifiedCkptError]] = {
@@ -59,6 +59,11 @@ class Choice:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Choice:
         return cls(d["warning"], d["answer"], d["unverified"], d["any"], tuple(d["newer"]))
+
+
+def error_doc(error: BaseException) -> dict[str, str]:
+    """A failure as the JSON one rank sends the others: its class name and message (:func:`as_raised` reads it)."""
+    return {"error": type(error).__name__, "message": str(error)}
 
 
 def as_raised(name: str, message: str) -> VerifiedCkptError:
@@ -89,7 +94,7 @@ def decide(comm: Communicator, choose: Callable[[], tuple[CheckpointInfo | None,
                 payload["info"] = {**info.to_dict(), "manifest": info.manifest.to_json().decode("utf-8")}
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would wait forever
             failure = e
-            payload = {"error": type(e).__name__, "message": str(e)}
+            payload = error_doc(e)
     got = json.loads(comm.broadcast_bytes(json.dumps(payload).encode()))
     if "error" in got:
         if failure is not None:
@@ -112,7 +117,7 @@ def agree(comm: Communicator, error: BaseException | None) -> None:
         if error is not None:
             raise error
         return
-    mine = "" if error is None else json.dumps({"error": type(error).__name__, "message": str(error)})
+    mine = "" if error is None else json.dumps(error_doc(error))
     failed = [(r, json.loads(e)) for r, e in enumerate(b.decode() for b in comm.gather_bytes(mine.encode())) if e]
     if not failed:
         return

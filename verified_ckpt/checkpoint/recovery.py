@@ -49,12 +49,15 @@ class Recovery:
 
     def open(self, comm: Communicator, choose: Callable[[], tuple[CheckpointInfo | None, Choice]]) -> OpenCheckpoint:
         """Rank 0 runs ``choose``; every rank holds that checkpoint, from the manifest bytes rank 0 read. Collective."""
-        from .reading import Reader
-
         chosen, choice = decide(comm, choose)
         if choice.warning:
             warnings.warn(choice.warning, stacklevel=4)
         assert chosen is not None
+        return self._opened(chosen, comm)
+
+    def _opened(self, chosen: CheckpointInfo, comm: Communicator) -> OpenCheckpoint:
+        from .reading import Reader
+
         return OpenCheckpoint(chosen, Reader(self.store, self.io_workers), comm, self.store.url, self._loaded)
 
     def open_chosen(self, comm: Communicator, step: int | None, checkpoint_id: str | None,
@@ -92,15 +95,13 @@ class Recovery:
 
     def resume(self, state: Mapping[str, Any], comm: Communicator, *, start: int, allow_unverified: bool) -> int:
         """Restore the checkpoint to continue from on every rank; return the next step (``start`` on a fresh start)."""
-        from .reading import Reader
-
         skipped: list[str] = []
         seen: list[RunView] = []  # rank 0's one read of the run per choice, reused to answer incidents
         while True:
             chosen, choice = decide(comm, lambda: self._plan(skipped, allow_unverified, seen), "resume")
             if chosen is None:
                 return self._fresh(choice, skipped, start, seen)
-            opened = OpenCheckpoint(chosen, Reader(self.store, self.io_workers), comm, self.store.url, self._loaded)
+            opened = self._opened(chosen, comm)
             try:
                 self._load(state, opened)
             except CorruptCheckpoint as e:  # some rank's bytes were wrong (every rank raises it alike)

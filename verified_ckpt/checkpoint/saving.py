@@ -45,7 +45,7 @@ from ..tensorspec import MAX_NDIM, dtype_name
 from . import housekeeping
 from .catalog import Catalog, info
 from .lease import Lease
-from .opening import as_raised
+from .opening import as_raised, error_doc
 from .session import RankReport, Rendezvous, SaveSession, reports_problem
 from .stages import merge
 
@@ -229,8 +229,8 @@ class Saver:
             report = self._write(job.cid, plan, range(rank, len(plan), world), "shard-{:05d}")
             report += self.write(job.cid, {} if alone else job.mine, f"chunks-r{rank:05d}-{{:05d}}")
         except BaseException as e:
-            session.abort()
             if not (self.comm.active and collective and isinstance(e, Exception)):
+                session.abort()
                 if self.comm.active and not collective:
                     rendezvous.post_error(rank, str(e))  # rank 0 stops waiting for us
                 raise
@@ -238,8 +238,7 @@ class Saver:
         if alone:
             return session.commit([report])
         if collective:
-            sent = b"E" + json.dumps({"error": type(failure).__name__, "message": str(failure)}).encode() \
-                if failure is not None else b"R" + report.to_json()
+            sent = b"E" + json.dumps(error_doc(failure)).encode() if failure is not None else b"R" + report.to_json()
             got = self.comm.gather_bytes(sent)
             failed = [(r, json.loads(b[1:])) for r, b in enumerate(got) if b[:1] == b"E"]
             if failed:

@@ -36,7 +36,7 @@ from ..jsonx import JSONBudgetError, Limits, decode_object
 from ..layout import LayoutEntry
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SEGMENT, CheckpointInfo, ShardEntry
 from ..status import Status
-from .opening import as_raised
+from .opening import as_raised, error_doc
 
 if TYPE_CHECKING:
     import torch
@@ -196,6 +196,7 @@ class SaveSession:
     def __init__(self, saver: Saver, job: SaveJob, on_committed: Callable[[CheckpointInfo], None]) -> None:
         self._saver, self.job, self._on_committed = saver, job, on_committed  # ``job``: the saver's, not API
         self._manifest: bytes = b""
+        self._committed: CheckpointInfo | None = None  # rank 0's, parsed once at commit; publish hands it back
         self._failure: BaseException | None = None  # rank 0's commit failed: publish raises it on every rank
         self._prefixes: set[str] = set()  # this rank's writes: a prefix used twice would overwrite a shard
 
@@ -249,9 +250,9 @@ class SaveSession:
         except BaseException as e:
             self._failure = e
             raise
-        committed = self._saver.committed(job.cid, self._manifest)
-        self._on_committed(committed)
-        return committed
+        self._committed = self._saver.committed(job.cid, self._manifest)
+        self._on_committed(self._committed)
+        return self._committed
 
     def publish(self) -> CheckpointInfo:
         """Every rank (collective): the committed checkpoint, from the manifest bytes rank 0 wrote.
@@ -263,13 +264,11 @@ class SaveSession:
             VerifiedCkptError: rank 0's commit failed (or was never called there): the same class and message.
         """
         comm = self._saver.comm
+        if comm.rank == 0 and self._failure is None and self._committed is None:
+            self._failure = InvalidState(f"publish() before rank 0 committed {self.job.cid}; call "
+                                         "session.commit(reports) on rank 0 first")
         if comm.rank == 0 and self._failure is not None:
-            f = self._failure
-            sent = b"E" + json.dumps({"error": type(f).__name__, "message": str(f)}).encode()
-        elif comm.rank == 0 and not self._manifest:
-            sent = b"E" + json.dumps({"error": "InvalidState",
-                                      "message": f"publish() before rank 0 committed {self.job.cid}; call "
-                                                 "session.commit(reports) on rank 0 first"}).encode()
+            sent = b"E" + json.dumps(error_doc(self._failure)).encode()
         else:
             sent = b"M" + self._manifest
         got = comm.broadcast_bytes(sent) if comm.active else sent
@@ -279,6 +278,8 @@ class SaveSession:
             doc = json.loads(got[1:])
             raise as_raised(doc["error"], doc["message"])
         comm.barrier()
+        if self._committed is not None:  # rank 0 parsed these bytes when it committed them
+            return self._committed
         return self._saver.committed(self.job.cid, got[1:])
 
     def abort(self) -> None:

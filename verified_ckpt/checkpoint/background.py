@@ -1,4 +1,5 @@
-"""Work a save leaves running after it returns (retention, the open-incident warning), finished before exit.
+"""Work a save leaves running after it returns (a non-blocking save's upload and commit; retention and the
+open-incident warning after a commit), finished before exit.
 
 A job that saves at its last step and returns would otherwise lose that work: at interpreter exit
 ``concurrent.futures`` refuses new work before it joins its threads, and retention's read-back starts a reader
@@ -13,17 +14,19 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 __all__ = ["EXIT_WAIT_S", "submit"]
 
 log = logging.getLogger("verified_ckpt")
 EXIT_WAIT_S = 600.0  # at most this long at exit for what the last save left running
 
-_pending: set[concurrent.futures.Future[None]] = set()
+T = TypeVar("T")
+_pending: set[concurrent.futures.Future[Any]] = set()
 _lock = threading.Lock()
 
 
-def submit(fn: Callable[[], None], name: str) -> concurrent.futures.Future[None]:
+def submit(fn: Callable[[], T], name: str) -> concurrent.futures.Future[T]:
     """Run ``fn`` on a thread of its own; the interpreter waits for it (bounded) before it exits."""
     _hook()
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
@@ -35,7 +38,7 @@ def submit(fn: Callable[[], None], name: str) -> concurrent.futures.Future[None]
     return fut
 
 
-def _done(fut: concurrent.futures.Future[None]) -> None:
+def _done(fut: concurrent.futures.Future[Any]) -> None:
     with _lock:
         _pending.discard(fut)
 
@@ -56,5 +59,6 @@ def _finish() -> None:
         pending = list(_pending)
     _, late = concurrent.futures.wait(pending, timeout=EXIT_WAIT_S)
     if late:
-        log.warning("exit: %d housekeeping task(s) still running after %.0f s (retention after the last save); "
-                    "the next save of the run finishes them", len(late), EXIT_WAIT_S)
+        log.warning("exit: %d background task(s) of the last save still running after %.0f s; a save not yet "
+                    "committed is not restorable (gc removes it), and the next save applies retention", len(late),
+                    EXIT_WAIT_S)

@@ -208,10 +208,9 @@ class Saver:
         copies = self.snapshot(job.flat.tensors | job.mine)
         job.flat = dataclasses.replace(job.flat, tensors={n: copies[n] for n in job.flat.tensors})
         job.mine = {n: copies[n] for n in job.mine}
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vckpt-async-save")
-        fut = pool.submit(self.finish, session, collective=False)
-        pool.shutdown(wait=False)
-        return fut
+        from . import background
+
+        return background.submit(lambda: self.finish(session, collective=False), "vckpt-async-save")
 
     def finish(self, session: SaveSession, *, collective: bool) -> CheckpointInfo:
         """Write this rank's shards and commit; every rank returns the committed checkpoint.

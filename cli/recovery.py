@@ -44,9 +44,6 @@ def node_health_cmd(runs: tuple[str, ...], host: str | None, storage_options: tu
             mgr = CheckpointManager(url, storage_options=options)
             mgr.require_run()
             pairs.append((url, mgr.view().open_incidents()))
-    except click.BadParameter as e:
-        click.echo(f"error: {e.format_message()}", err=True)
-        sys.exit(EXIT_USAGE)
     except VerifiedCkptError as e:
         click.echo(f"{name}: unknown - {e}", err=True)
         code = exit_code_for(e)
@@ -82,9 +79,6 @@ def supervise_cmd(run_url: str, max_restarts: int, backoff: float, on_exclude: s
         options = parse_storage_options(storage_options) or None
         code = supervise(list(command), run_url, max_restarts=max_restarts, backoff_s=backoff, on_exclude=on_exclude,
                          storage_options=options, log=log)
-    except click.BadParameter as e:
-        click.echo(f"error: {e.format_message()}", err=True)
-        sys.exit(EXIT_USAGE)
     except VerifiedCkptError as e:
         click.echo(f"error: {as_flags(str(e))}", err=True)
         sys.exit(exit_code_for(e))

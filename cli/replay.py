@@ -42,9 +42,6 @@ def replay_cmd(run: str, incident: str, model_spec: str, host: str | None, ranks
         options = parse_storage_options(storage_options)
         CheckpointManager(run, storage_options=options).require_run()
         bundle, tensors = replay_bundle(run, incident, options)
-    except click.BadParameter as e:
-        click.echo(f"error: {e.format_message()}", err=True)
-        sys.exit(EXIT_USAGE)
     except BundleError as e:
         click.echo(f"error: {as_flags(str(e))}", err=True)
         sys.exit(EXIT_USAGE if "has no replay bundle" in str(e) else EXIT_CHECK_FAILED)

@@ -29,12 +29,13 @@ def sessions(rank: int, world: int, run: str) -> dict:
     report = session.write({f"t{rank}": torch.full((4,), float(rank))}, f"mine-r{rank:05d}")
     reports = [RankReport.from_json(b, r) for r, b in enumerate(mgr.comm.gather_bytes(report.to_json()))]
     refused = None
+    state = {f"t{r}": {"stateful": False, "value": {"__tensor__": f"t{r}"}} for r in range(world)}
     if rank == 1:
         try:
-            session.commit(reports)
+            session.commit(reports, state=state)
         except InvalidState as e:
             refused = str(e)
-    committed = session.commit(reports) if rank == 0 else None
+    committed = session.commit(reports, state=state) if rank == 0 else None
     published = session.publish()
     opened = mgr.open(allow_unverified=True)
     got = opened.read({f"t{r}" for r in range(world)})
@@ -248,8 +249,31 @@ def test_a_report_set_that_cannot_make_one_checkpoint_is_refused_before_any_mani
                             ([RankReport((ShardEntry("g-00000.safetensors", 1, "00", ["ghost"]),), {}, {})],
                              "lists tensor ghost in shard g-00000.safetensors without its fingerprint")]:
         with pytest.raises(InvalidState, match=needle):
-            session.commit(reports)
+            session.commit(reports, state={"a": {"stateful": False, "value": {"__tensor__": "a"}}})
     assert mgr.list() == [] and CheckpointManager(run).gc(grace_s=0) != []  # nothing committed; gc takes the orphans
+
+
+def test_a_commit_without_a_state_or_with_one_no_reader_takes_is_refused_and_nothing_is_committed(tmp_path):
+    run = str(tmp_path / "run")
+    mgr = CheckpointManager(run)
+    session = mgr.begin_save(1)
+    report = session.write({"a": torch.zeros(4)}, "p0")
+    with pytest.raises(InvalidState, match="pass state="):
+        session.commit([report])
+    with pytest.raises(InvalidState, match="pass state="):
+        session.commit([report], state={})
+    ghost = {"a": {"stateful": False, "value": {"__tensor__": "ghost"}}}
+    with pytest.raises(InvalidState, match="would not read back.*ghost"):
+        session.commit([report], state=ghost)
+    assert mgr.list() == []
+    with pytest.raises(InvalidState, match="state is empty"):
+        mgr.save(2, {})
+    session = mgr.begin_save(3)
+    session.commit([session.write({"a": torch.ones(4)}, "p0")],
+                   state={"a": {"stateful": False, "value": {"__tensor__": "a"}}})
+    assert session.publish().step == 3
+    opened = mgr.open(allow_unverified=True)
+    assert opened.read(["a"])["a"].tolist() == [1.0] * 4
 
 
 def test_read_takes_any_iterable_and_refuses_a_name_the_checkpoint_lacks(tmp_path):

@@ -136,6 +136,8 @@ class CheckpointManager:
         from .saving import checked_flat, training_tensors
 
         self.wait()
+        if isinstance(state, Mapping) and not state:  # nothing a restore could use (the same on every rank)
+            raise InvalidState("state is empty: pass the objects to save, e.g. {'model': model, 'optim': optimizer}")
         session = self._begin(step, checked_flat(step, state, self.comm.rank, training_tensors(state, self.guard)))
         if blocking:
             return self._saver_for().finish(session, collective=True)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..comm import Communicator, describe_device
-from ..errors import InvalidState
+from ..errors import InvalidState, ManifestError
 from ..evidence import EvidenceTracker, remedies
 from ..fingerprint import Fingerprint, combine
 from ..flatten import Flat, bookkeeping, flatten, is_per_rank
@@ -264,14 +264,20 @@ class Saver:
         doc = Manifest.decode_json(manifest_bytes, cid)
         return dataclasses.replace(info(Manifest.from_dict(doc, cid), []), signature=self.signer.check(doc).value)
 
-    def commit(self, job: SaveJob, reports: list[RankReport]) -> bytes:
-        """Rank 0: write the manifest of ``job`` from every rank's shard report, last; return its bytes."""
+    def commit(self, job: SaveJob, reports: list[RankReport]) -> tuple[bytes, CheckpointInfo]:
+        """Rank 0: write the manifest of ``job`` from every rank's shard report, last; return its bytes, and the
+        checkpoint as the reader parses them (parsed before they are written: a commit is as strict as a read)."""
         try:
             problem = reports_problem(reports, job.flat.tensors | job.mine)
             if problem is not None:  # before anything is written: nothing is committed
                 raise InvalidState(f"checkpoint {job.cid} cannot be committed: {problem}; nothing is committed")
             manifest = self._manifest(self.catalog.run_id(), job, reports)
             manifest_bytes = canonical_json(self.signer.seal(manifest.to_dict()))
+            try:
+                parsed = self.committed(job.cid, manifest_bytes)
+            except ManifestError as e:  # what no reader would take is never committed (a state= naming no tensor)
+                raise InvalidState(f"checkpoint {job.cid} cannot be committed: its manifest would not read back "
+                                   f"({e}); nothing is committed") from None
             # The commit re-checks what it promises: every shard it names is stored, with its recorded size.
             self.store.check_shards(job.cid, {s.path: s.size for s in manifest.shards})
             self.store.commit_manifest(job.cid, manifest_bytes)
@@ -286,7 +292,7 @@ class Saver:
             log.warning("saved %s (step %d, %s, %.1f MiB, %.2f s): %s%s", job.cid, job.step, manifest.status.value, mib,
                         took, "; ".join(manifest.reasons) or "no reason recorded",
                         f" - to make saves restorable: {'; '.join(fixes)}" if fixes else "")
-        return manifest_bytes
+        return manifest_bytes, parsed
 
     def housekeep(self, committed: CheckpointInfo) -> None:
         """Rank 0, after a commit, off the save's path (it reads the run): warn once if the new checkpoint is suspect

@@ -235,22 +235,27 @@ class SaveSession:
         replace what ``begin_save`` was given, for a writer that learns them only at the end (DCP).
 
         Raises:
+            InvalidState: no state (``state=``, or ``begin_save``'s), or a manifest that would not read back (a
+                state naming a tensor no report holds); nothing is committed.
             StorageError: a shard named in a report is not stored with its size; nothing is committed.
         """
         job = self.job
         if self._saver.comm.rank != 0:
             raise InvalidState(f"commit() runs on rank 0 only (this is rank {self._saver.comm.rank}); send it this "
                                "rank's report, and call publish() on every rank")
-        if layout is not None:
-            job.layout = dict(layout)
-        if state is not None:
-            job.flat = dataclasses.replace(job.flat, skeleton=dict(state))
         try:
-            self._manifest = self._saver.commit(job, list(reports))
+            if layout is not None:
+                job.layout = dict(layout)
+            if state is not None:
+                job.flat = dataclasses.replace(job.flat, skeleton=dict(state))
+            if not job.flat.skeleton:  # a checkpoint no restore could use, which verify would still pass
+                raise InvalidState(f"checkpoint {job.cid} has no state to commit: pass state= (entry name -> "
+                                   "{'stateful': bool, 'value': skeleton naming the written tensors}) to commit(); "
+                                   "nothing is committed")
+            self._manifest, self._committed = self._saver.commit(job, list(reports))
         except BaseException as e:
             self._failure = e
             raise
-        self._committed = self._saver.committed(job.cid, self._manifest)
         self._on_committed(self._committed)
         return self._committed
 

@@ -163,3 +163,28 @@ def test_hosts_to_exclude_are_the_open_incidents_and_a_recovery_is_told_once_eve
     assert exclude_hosts([first, second], [back, again]) == []
     assert recovery([first, second], [back, again]) == (31, 30)
     assert recovery([], []) is None and recovery([first], [back]) == (12, 10)
+
+
+VERDICTS = [(), ("digest",), ("size",), ("fingerprint", "read"), ("nonfinite",), ("ledger",), ("signature",),
+            ("nonfinite", "ledger")]
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+@given(st.sampled_from(list(Status)), st.lists(st.tuples(st.sampled_from(VERDICTS), st.integers(0, 5)), max_size=10))
+def test_the_records_compaction_keeps_derive_the_same_status_as_all_of_them(committed, seq):
+    from verified_ckpt.decisions import verifications_to_keep
+
+    recs = [(f"r{i:02d}", VerificationResult("c", 1, not kinds, [Problem(k, "x") for k in kinds], f"t{at}"))
+            for i, (kinds, at) in enumerate(seq)]
+    keep = verifications_to_keep(recs)
+    kept = [r for name, r in recs if name in keep]
+    assert derive_status(committed, [], kept)[0] is derive_status(committed, [], [r for _, r in recs])[0]
+    assert len(keep) <= 3 and (not recs or max(recs, key=lambda nr: (nr[1].verified_at, nr[0]))[0] in keep)
+
+
+def test_compaction_keeps_a_digest_failure_between_two_non_finite_ones():
+    from verified_ckpt.decisions import verifications_to_keep
+
+    recs = [("a", ver(False, ("nonfinite", "x"), at="t1")), ("b", ver(False, ("digest", "x"), at="t2")),
+            ("c", ver(False, ("nonfinite", "x"), at="t3")), ("d", ver(True, at="t4"))]
+    assert verifications_to_keep(recs) == {"a", "b", "d"}

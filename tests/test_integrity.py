@@ -298,3 +298,165 @@ def test_every_record_the_reader_refuses_is_refused_when_written(tmp_path):
     assert refused >= 300, refused
     assert not os.path.isdir(os.path.join(run, "records")) or all(
         not os.listdir(os.path.join(run, "records", d)) for d in os.listdir(os.path.join(run, "records")))
+
+
+# ------------------------------------------- compaction keeps what decides a status (issue 37, finding 2)
+KEY = b"k" * 32
+
+
+def _restorable_run(run: str, steps: tuple[int, ...] = (1, 2, 3)) -> CheckpointManager:
+    """A signed run of restorable checkpoints: saved unguarded (unverified), then re-sealed as restorable with the
+    run's own key (whoever holds the key can sign anything: this stands in for a guarded job's saves)."""
+    from verified_ckpt.signing import Signer
+
+    mgr = CheckpointManager(run, signing_key=KEY)
+    for s in steps:
+        mgr.save(s, {"w": torch.full((4,), float(s))})
+    for info in mgr.list():
+        path = os.path.join(run, "checkpoints", info.id, "manifest.json")
+        doc = json.load(open(path))
+        doc.update(status="restorable", reasons=[])
+        open(path, "w").write(json.dumps(Signer.of(KEY).seal(doc)))
+    return CheckpointManager(run, signing_key=KEY)
+
+
+def _verification(cid: str, step: int, at: str, kinds: tuple[str, ...]) -> dict:
+    from verified_ckpt.records import Problem, VerificationResult
+
+    return VerificationResult(cid, step, not kinds, [Problem(k, f"{k} found") for k in kinds], at).to_record()
+
+
+def _seen(run: str) -> tuple:
+    """What a user acts on: every status, the rollback target, the hosts to exclude, what could not be read."""
+    view = CheckpointManager(run, signing_key=KEY).view()
+    target, _ = view.rollback_target()
+    return ({i.id: i.status for i in view.infos}, target.id if target else None, view.exclude_hosts(),
+            len(view.incidents), sorted(view.unreadable))
+
+
+def _compact(run: str) -> int:
+    from verified_ckpt.checkpoint import housekeeping
+
+    return housekeeping.compact(CheckpointManager(run, signing_key=KEY)._catalog)
+
+
+def test_compaction_keeps_the_worst_failure_so_a_digest_failure_between_non_finite_ones_stays_corrupt(tmp_path):
+    from verified_ckpt.records import VERIFICATION
+
+    run = str(tmp_path / "run")
+    mgr = _restorable_run(run, (1,))
+    [info] = mgr.list()
+    for second, kinds in enumerate([("nonfinite",), ("digest",), ("nonfinite",)]):  # the red team's sequence
+        mgr._catalog.append(VERIFICATION, _verification(info.id, 1, f"2026-01-01T00:00:0{second}+00:00", kinds))
+    assert _seen(run)[0][info.id] is Status.CORRUPT
+    assert _compact(run) == 0  # the newest, the first failure and the worst are three records: all decide
+    assert _seen(run)[0][info.id] is Status.CORRUPT
+    mgr._catalog.append(VERIFICATION, _verification(info.id, 1, "2026-01-01T00:00:09+00:00", ()))
+    assert _compact(run) == 1 and _seen(run)[0][info.id] is Status.CORRUPT  # the old newest goes, not the digest one
+
+
+def test_compaction_cannot_race_a_commit_whose_failure_is_recorded_between_its_two_listings(tmp_path, monkeypatch):
+    """A checkpoint committed and verified corrupt while compaction runs keeps its failure record: the hook lands
+    the commit and the record right after compaction's listing of the checkpoints, wherever that listing falls."""
+    from verified_ckpt.records import VERIFICATION
+    from verified_ckpt.store import RunStore
+
+    run = str(tmp_path / "run")
+    mgr = _restorable_run(run, (1, 2))
+    real, armed = RunStore.committed, [True]
+
+    def listed_then_committed(self):
+        out = real(self)
+        if armed and armed.pop():
+            info = CheckpointManager(run, signing_key=KEY).save(3, {"w": torch.zeros(4)})
+            mgr._catalog.append(VERIFICATION, _verification(info.id, 3, "2026-01-01T00:00:00+00:00", ("digest",)))
+        return out
+
+    monkeypatch.setattr(RunStore, "committed", listed_then_committed)
+    _compact(run)
+    monkeypatch.setattr(RunStore, "committed", real)
+    assert not armed
+    statuses, target, *_ = _seen(run)
+    [new] = [cid for cid in statuses if cid.startswith("step-0000000003")]
+    assert statuses[new] is Status.CORRUPT and target != new
+
+
+def _record_ops():
+    from hypothesis import strategies as st
+
+    # Verifications weigh most (a status turns on the order of several failures of one checkpoint's), each
+    # passing, corrupting (the stored bytes) or making suspect (what was found in them).
+    verdict = st.sampled_from([(), (), ("digest",), ("size",), ("fingerprint", "read"), ("nonfinite",), ("ledger",),
+                               ("signature",), ("nonfinite", "ledger")])
+    verification = st.tuples(st.just("verification"), st.sampled_from([0, 0, 0, 1, 3]), verdict)
+    incident = st.tuples(st.just("incident"), st.integers(0, 4), st.one_of(st.none(), st.integers(0, 4)),
+                         st.lists(st.integers(0, 2), max_size=2, unique=True))
+    rollback = st.tuples(st.just("rollback"), st.integers(0, 3), st.integers(0, 3))
+    other = st.tuples(st.sampled_from(["untrusted-verification", "untrusted-incident", "unreadable"]),
+                      st.integers(0, 3))
+    return st.lists(st.tuples(st.one_of(verification, verification, verification, incident, rollback, other),
+                              st.booleans()), min_size=6, max_size=16)
+
+
+def _write_ops(run: str, ops) -> None:
+    """Records of every kind through the library's own writer (``Catalog.append``), and hostile ones beside them."""
+    from verified_ckpt.hosts import Host
+    from verified_ckpt.jsonx import canonical_json
+    from verified_ckpt.records import INCIDENT, ROLLBACK, VERIFICATION, Incident, Rollback
+    from verified_ckpt.signing import Signer
+
+    mgr = CheckpointManager(run, signing_key=KEY)
+    cat, infos = mgr._catalog, mgr.list()
+    ids = [i.id for i in infos] + ["step-0000000009-0000dead"]  # and a checkpoint no longer stored
+    incidents: list[str] = []
+    clock = 0
+    for op, tie in ops:
+        clock += 0 if tie else 1
+        at = f"2026-01-01T00:{clock // 60:02d}:{clock % 60:02d}+00:00"
+        kind, pick = op[0], op[1]
+        if kind == "verification":
+            cat.append(VERIFICATION, _verification(ids[pick], 1 + pick, at, op[2]))
+        elif kind == "incident":
+            start, length, ranks = op[1], op[2], op[3]
+            rid = f"inc{len(incidents)}"
+            incidents.append(rid)
+            cat.append(INCIDENT, Incident(kind="manual", detected_step=start, first_suspect_step=start, ranks=ranks,
+                                          hosts=[Host(r, f"node-{r}", "cpu") for r in ranks], detail="d", id=rid,
+                                          to_step=None if length is None else start + length, at=at,
+                                          source="manual").to_record())
+        elif kind == "rollback":
+            to = infos[pick] if pick < len(infos) else None
+            cat.append(ROLLBACK, Rollback(at=at, to_checkpoint_id=to.id if to else None, to_step=to.step if to else 0,
+                                          answers=incidents[-1 - op[2]:] if incidents else []).to_record())
+        elif kind == "unreadable":
+            cat.store.records.append(VERIFICATION if pick % 2 else INCIDENT, b"{not json")
+        else:  # sealed with a key this run does not hold: untrusted
+            rec = (_verification(ids[pick], 1 + pick, at, ()) if kind == "untrusted-verification" else
+                   Incident(kind="manual", detected_step=1, first_suspect_step=1, ranks=[], hosts=[], detail="d",
+                            id=f"forged{pick}", at=at).to_record())
+            cat.store.records.append(VERIFICATION if kind == "untrusted-verification" else INCIDENT,
+                                     canonical_json(Signer.of(b"x" * 32).seal(rec)))
+
+
+def test_compaction_changes_no_status_rollback_target_or_excluded_host_for_any_sequence_of_records(tmp_path_factory):
+    import shutil
+
+    from hypothesis import HealthCheck, given, settings
+
+    base = str(tmp_path_factory.mktemp("compaction") / "base")
+    _restorable_run(base)
+
+    @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(ops=_record_ops())
+    def check(ops):
+        run = str(tmp_path_factory.mktemp("example") / "run")
+        shutil.copytree(base, run)
+        _write_ops(run, ops)
+        before = _seen(run)
+        _compact(run)
+        assert _seen(run) == before
+        _compact(run)  # and again: compaction of a compacted run changes nothing either
+        assert _seen(run) == before
+
+    check()

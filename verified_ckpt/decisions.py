@@ -43,14 +43,38 @@ def derive_status(
     """
     status, why = committed, list(reasons)
     for rec in verifications:
-        if rec.ok:
+        found = found_status(rec)
+        if found is None:
             continue
-        kinds = {p.kind for p in rec.problems}
-        found = Status.CORRUPT if kinds & _CORRUPTING or not kinds else Status.SUSPECT
         status = worst(status, found)
         details = "; ".join(f"{p.kind}: {p.detail}" for p in rec.problems)
         why.append(f"verification at {rec.verified_at} failed: {details or 'no detail'}")
     return status, why
+
+
+def found_status(rec: VerificationResult) -> Status | None:
+    """What one verification record makes its checkpoint: ``None`` if it passed, ``corrupt`` if the stored bytes
+    are not what was committed (or it names no problem), else ``suspect``."""
+    if rec.ok:
+        return None
+    kinds = {p.kind for p in rec.problems}
+    return Status.CORRUPT if kinds & _CORRUPTING or not kinds else Status.SUSPECT
+
+
+def verifications_to_keep(recs: Sequence[tuple[str, VerificationResult]]) -> set[str]:
+    """Of one stored checkpoint's verification records (stored name, record), the names compaction keeps: every
+    record that decides what the checkpoint is. The newest (the latest word), the first failure (when it went
+    wrong), and the worst failure (a failure is permanent and the status is the worst of them,
+    :func:`derive_status`: a digest failure outranks a non-finite one, whatever their order)."""
+    if not recs:
+        return set()
+    ordered = sorted(recs, key=lambda nr: (nr[1].verified_at, nr[0]))
+    keep = {ordered[-1][0]}
+    failed = [(name, found) for name, rec in ordered if (found := found_status(rec)) is not None]
+    if failed:
+        keep.add(failed[0][0])
+        keep.add(max(failed, key=lambda nf: _SEVERITY[nf[1]])[0])  # max keeps the first of equals
+    return keep
 
 
 def newest(infos: Sequence[CheckpointInfo], allowed: set[Status], step: int | None = None) -> CheckpointInfo | None:

@@ -2,8 +2,9 @@
 
 Each deletes only what a rule says may go, and never what a reader still needs: retention keeps the rollback target
 and pinned checkpoints and reads the newest back before deleting older ones; gc leaves a leased folder (a save still
-writing) and anything a manifest references; compaction keeps every checkpoint's newest verification and first
-failure, and never touches incidents, rollbacks, or records it cannot read or trust.
+writing) and anything a manifest references; compaction keeps every verification record that decides a status
+(the newest, the first failure, the worst), and never touches incidents, rollbacks, or records it cannot read or
+trust.
 """
 
 from __future__ import annotations
@@ -85,20 +86,22 @@ def gc(catalog: Catalog, grace_s: float, dry_run: bool) -> list[str]:
 
 
 def compact(catalog: Catalog) -> int:
-    """Keep the record listing bounded: of each checkpoint's verification records, the newest and its first
-    failed one (a failure is permanent, ``decisions.derive_status``) stay; older passing ones, superseded,
-    go, and so do the verification records of checkpoints no longer stored. Incidents and rollbacks are never
+    """Keep the record listing bounded: of each checkpoint's verification records, those that decide its status
+    stay (``decisions.verifications_to_keep``: the newest, the first failure and the worst); superseded ones go,
+    and so do the verification records of checkpoints no longer stored. Incidents and rollbacks are never
     dropped, and unreadable or untrusted records are left for an operator. Returns how many were removed.
-    Statuses are the same before and after (the newest verification and every failure are kept)."""
+    Statuses, rollback targets and excluded hosts are the same before and after (``tests/test_integrity.py``)."""
+    # The records are listed before the checkpoints: a checkpoint committed (and verified) between the two
+    # listings is then in the second, so its records are never taken for those of a deleted checkpoint.
+    listed = catalog.verification_records()
     stored = catalog.store.committed()
     by_checkpoint: dict[str, list[tuple[str, VerificationResult]]] = {}
-    for name, rec in catalog.verification_records():
+    for name, rec in listed:
         if rec.id and Signature(rec.signature).trusted:
             by_checkpoint.setdefault(rec.id, []).append((name, rec))
     removed = 0
     for cid, recs in by_checkpoint.items():
-        recs.sort(key=lambda nr: (nr[1].verified_at, nr[0]))
-        keep = set() if cid not in stored else {recs[-1][0]} | {next((n for n, r in recs if not r.ok), "")}
+        keep = decisions.verifications_to_keep(recs) if cid in stored else set()
         for name, _ in recs:
             if name not in keep:
                 catalog.store.records.delete(VERIFICATION, name)

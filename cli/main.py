@@ -339,9 +339,12 @@ main.add_command(export_cmd, "restore")  # the name earlier versions used
 @click.option("--grace", type=float, default=3600.0, show_default=True, help="Only objects older than this many seconds.")
 def gc_cmd(mgr: CheckpointManager, out: Output, dry_run: bool, grace: float) -> int:
     """Remove orphaned shards and temporary objects (never anything a manifest references)."""
-    removed = mgr.gc(grace_s=grace, dry_run=dry_run)
+    notes: list[str] = []
+    removed = mgr.gc(grace_s=grace, dry_run=dry_run, on_note=notes.append)
+    for n in notes:
+        out.err.print(f"[yellow]warning:[/] {escape(n)}")
     verb = "would remove" if dry_run else "removed"
-    out.emit({"removed": removed, "dry_run": dry_run},
+    out.emit({"removed": removed, "dry_run": dry_run, "notes": notes},
              lambda c: c.print(f"{verb} {len(removed)} object(s)" + "".join(f"\n  {p}" for p in removed)))
     return EXIT_OK
 

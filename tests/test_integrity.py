@@ -238,6 +238,50 @@ def test_a_ledger_whose_chunks_declare_far_more_rows_than_they_store_is_refused(
         read_ledger(RunStore(run))
 
 
+def test_a_lease_from_the_future_is_reported_and_stale_once_it_has_not_moved_for_the_ttl_on_gcs_clock(tmp_path,
+                                                                                                         monkeypatch):
+    """A save that died on a host whose clock runs an hour ahead left its shards and a lease dated in the future:
+    gc says so, keeps it while it moves (a live save re-puts it), and removes it once it has stood still for the
+    stale period on gc's own clock, counted across gc runs. The clock is moved by the test, never waited for."""
+    import types
+
+    from verified_ckpt.checkpoint import housekeeping, lease
+
+    run = str(tmp_path / "run")
+    saved(run, 1)
+    cid = "step-0000000002-0000beef"
+    folder = os.path.join(run, "checkpoints", cid)
+    os.makedirs(folder)
+    start = __import__("time").time()
+    clock = types.SimpleNamespace(time=lambda: start)
+    monkeypatch.setattr(housekeeping, "time", clock)
+
+    def left(body: bytes) -> None:
+        for name, data in [("shard-00000.safetensors", b"x" * 64), (lease.LEASE, body)]:
+            path = os.path.join(folder, name)
+            open(path, "wb").write(data)
+            os.utime(path, (start + 3600, start + 3600))
+
+    def gc() -> dict:
+        r = CliRunner().invoke(vckpt, ["gc", run, "--grace", "0", "--json"])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    left(b'{"at": "one"}')
+    first = gc()
+    assert first["removed"] == [] and "dated 3600 s in the future" in first["notes"][0]
+    assert gc()["removed"] == []  # the same look again: still within the stale period
+    clock.time = lambda: start + lease.TTL_S + 1
+    left(b'{"at": "two"}')  # refreshed meanwhile: a save on the skewed host is alive
+    assert gc()["removed"] == [] and os.path.exists(os.path.join(folder, lease.LEASE))
+    clock.time = lambda: start + 2 * lease.TTL_S + 2
+    last = gc()
+    assert sorted(last["removed"]) == [f"{cid}/{n}" for n in sorted([lease.LEASE, lease.LEASE_SEEN,
+                                                                     "shard-00000.safetensors"])]
+    assert "treated as stale" in last["notes"][0] and not os.path.exists(folder)
+    assert [i.step for i in CheckpointManager(run).list()] == [1]
+
+
 # ------------------------------------------------------------------------------- records compaction
 def test_scrubs_keep_the_record_listing_bounded_and_compaction_changes_no_status(tmp_path):
     run = str(tmp_path / "run")

@@ -48,27 +48,26 @@ def apply_retention(catalog: Catalog, keep_last: int, pinned: Collection[str] = 
     compact(catalog)  # the deleted checkpoints' records go with them
 
 
-def gc(catalog: Catalog, grace_s: float, dry_run: bool) -> list[str]:
+def gc(catalog: Catalog, grace_s: float, dry_run: bool, note: Callable[[str], None] | None = None) -> list[str]:
     """Remove orphans older than ``grace_s``: folders without a manifest (saves that never
     committed) and files a manifest does not reference. Never touches anything a manifest
-    references, nor folders whose manifest is unreadable (evidence). Returns ``cid/file`` paths.
+    references, nor folders whose manifest is unreadable (evidence), nor a folder a live lease holds (a lease gc
+    cannot date is watched, ``lease.judge``; ``note`` is told about each). Returns ``cid/file`` paths.
     """
     catalog.require_run()
     now = time.time()
     removed = []
     for cid, files in sorted(catalog.store.checkpoint_files().items()):
-        names = {n for n, _ in files}
-        if MANIFEST_NAME in names:
-            try:
-                m = Manifest.from_json(catalog.store.read_manifest(cid), where=cid)
-            except ManifestError:
-                continue
-            keep = {s.path for s in m.shards} | {MANIFEST_NAME}
-        else:
-            keep = set()
-        if lease.alive(files, now):  # a save still writing here: whatever the grace, nothing of it goes
+        keep = _referenced(catalog, cid, {n for n, _ in files})
+        if keep is None:
             continue
-        doomed = [n for n, mtime in files if n not in keep and mtime is not None and now - mtime >= grace_s]
+        judged = _judge_lease(catalog, cid, files, now, dry_run)
+        if judged.note is not None and note is not None:
+            note(f"checkpoint folder {cid}: {judged.note}")
+        if judged.alive:  # a save still writing here: whatever the grace, nothing of it goes
+            continue
+        doomed = [n for n, mtime in files
+                  if n not in keep and (age := judged.age(mtime, now)) is not None and age >= grace_s]
         removed += [f"{cid}/{n}" for n in doomed]
         if dry_run:
             continue
@@ -83,6 +82,34 @@ def gc(catalog: Catalog, grace_s: float, dry_run: bool) -> list[str]:
             if not dry_run:
                 catalog.store.records.drop_staged(name)
     return removed
+
+
+def _referenced(catalog: Catalog, cid: str, names: set[str]) -> set[str] | None:
+    """What gc must keep of folder ``cid``: its manifest and the shards it references (nothing, without a
+    manifest); ``None`` when the manifest cannot be read (evidence: the folder is left as it is)."""
+    if MANIFEST_NAME not in names:
+        return set()
+    try:
+        m = Manifest.from_json(catalog.store.read_manifest(cid), where=cid)
+    except ManifestError:
+        return None
+    return {s.path for s in m.shards} | {MANIFEST_NAME}
+
+
+def _judge_lease(catalog: Catalog, cid: str, files: list[tuple[str, float | None]], now: float,
+                 dry_run: bool) -> lease.Judged:
+    """The verdict on ``cid``'s lease (none: not alive); one it cannot date costs two small reads and, the first
+    time it is seen (or after it moved), a note beside it (not in a dry run, which writes nothing)."""
+    listed = [mtime for n, mtime in files if n == lease.LEASE]
+    if not listed:
+        return lease.Judged(False)
+    if lease.dated(listed[0], now):
+        return lease.judge(listed[0], None, None, now)
+    seen = lease.Seen.from_json(catalog.store.read_optional(cid, lease.LEASE_SEEN))
+    judged = lease.judge(listed[0], catalog.store.read_optional(cid, lease.LEASE), seen, now)
+    if judged.seen is not None and not dry_run:
+        catalog.store.write_aside(cid, lease.LEASE_SEEN, judged.seen.to_json())
+    return judged
 
 
 def compact(catalog: Catalog) -> int:

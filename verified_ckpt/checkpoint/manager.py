@@ -350,14 +350,18 @@ class CheckpointManager:
         EXPORTERS[format](Reader(self._store, self.io_workers), chosen.manifest, dest)
         return chosen
 
-    def gc(self, *, grace_s: float = 3600.0, dry_run: bool = False) -> builtins.list[str]:
+    def gc(self, *, grace_s: float = 3600.0, dry_run: bool = False,
+           on_note: Callable[[str], None] | None = None) -> builtins.list[str]:
         """Remove orphans older than ``grace_s``: folders without a manifest (saves that never
         committed) and files a manifest does not reference. Never touches anything a manifest
-        references, nor folders whose manifest is unreadable (evidence). Returns ``cid/file`` paths.
+        references, nor folders whose manifest is unreadable (evidence), nor a folder a running save leases.
+        A lease dated in the future (clock skew, or one left behind) is reported to ``on_note`` (default: a
+        logged warning) and treated as stale once it has not changed for ``lease.TTL_S`` seconds on this host's
+        clock, counted across gc runs. Returns ``cid/file`` paths.
         """
         if not (isinstance(grace_s, (int, float)) and math.isfinite(grace_s) and grace_s >= 0):
             raise InvalidState(f"grace_s must be a number of seconds >= 0, got {grace_s}")
-        return housekeeping.gc(self._catalog, grace_s, dry_run)
+        return housekeeping.gc(self._catalog, grace_s, dry_run, on_note or log.warning)
 
     def verify(self, step: int | str | Collection[str | CheckpointInfo] | None = None, *, jobs: int = 1, progress:
                Callable[[int], None] | None = None, verifier: dict[str, str] | None = None) -> builtins.list[VerificationResult]:

@@ -142,9 +142,137 @@ def test_a_load_state_dict_that_raises_puts_back_everything_already_applied(loca
     into["rng"] = Exploding()
     into["model"].mid.weight.data.fill_(7.0)
     before, optim_before = snapshot(into), str(into["optim"].state_dict())
-    with pytest.raises(RuntimeError, match="cannot load this"):
+    with pytest.raises(InvalidState, match="state\\['rng'\\]: loading it raised RuntimeError: cannot load this"):
         mgr.restore(into, allow_unverified=True)
     assert snapshot(into) == before and str(into["optim"].state_dict()) == optim_before
+
+
+class _Inference(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.inference_mode():
+            self.lin = torch.nn.Linear(3, 3)
+
+
+class _Expanded(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("b", torch.zeros(3).expand(2, 3))
+
+
+class _HalfThenRaise(torch.nn.Linear):
+    """A model class with its own load_state_dict, which loads the weight and then raises."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 3)
+
+    def load_state_dict(self, sd, strict=True, assign=False):
+        with torch.no_grad():
+            self.weight.copy_(sd["weight"])
+        raise RuntimeError("half loaded")
+
+
+class _Hooked(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(3, 3)
+
+        def refuse(*_):
+            raise ValueError("a load hook refused")
+
+        self.register_load_state_dict_pre_hook(refuse)
+
+
+class _Refusing(RNGState):
+    def load_state_dict(self, sd) -> None:
+        raise OSError("a stateful object refused")
+
+
+# What fails to load, at which object: each built fresh for the restore (the failing object takes the place of
+# a healthy one of the same shape, saved from the healthy kind).
+FAILING_LOADS = {
+    "inference-mode parameters": (lambda: _Plain(), _Inference, "inference tensor"),
+    "an expanded buffer": (lambda: _Buffered(), _Expanded, "share memory"),
+    "an overridden load_state_dict": (lambda: torch.nn.Linear(3, 3), _HalfThenRaise, "half loaded"),
+    "a load hook": (lambda: torch.nn.Linear(3, 3), _Hooked, "a load hook refused"),
+    "a meta-device module": (lambda: torch.nn.Linear(3, 3), lambda: torch.nn.Linear(3, 3, device="meta"),
+                             "meta device"),
+    "a stateful object": (RNGState, _Refusing, "a stateful object refused"),
+    "an inference tensor": (lambda: torch.zeros(3), lambda: _inference_tensor(), "inference tensor"),
+}
+
+
+class _Plain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+
+class _Buffered(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("b", torch.zeros(2, 3))
+
+
+def _inference_tensor() -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.zeros(3)
+
+
+def _objects(failing: str | None, at: int, seed: float) -> dict:
+    """A module, a tensor, a dict and another module (the red team's order), with the failing kind at ``at``."""
+    torch.manual_seed(int(seed))
+    objects = {"first": torch.nn.Linear(3, 3), "t": torch.full((3,), seed), "d": {"n": seed, "x": torch.ones(2) * seed},
+               "last": torch.nn.Linear(3, 3)}
+    if failing is not None:
+        healthy, broken, _ = FAILING_LOADS[failing]
+        name = list(objects)[at]
+        objects[name] = broken() if seed < 0 else healthy()
+        if seed >= 0 and isinstance(objects[name], torch.nn.Module):
+            for p in objects[name].state_dict().values():
+                p.fill_(seed)
+    return objects
+
+
+def _values(objects: dict) -> dict:
+    def plain(v):
+        if isinstance(v, torch.nn.Module):
+            return {k: t.detach().clone() for k, t in v.state_dict().items() if not t.is_meta}
+        if isinstance(v, torch.Tensor):
+            return v.detach().clone()
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return {k: plain(v) for k, v in objects.items() if not isinstance(v, RNGState)}  # RNG state is the process's
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("failing", list(FAILING_LOADS))
+def test_a_load_that_fails_at_any_object_leaves_every_object_as_it_was_and_names_it(tmp_path, failing):
+    """Whatever fails to load (torch modules included), wherever it stands among the objects, nothing is left
+    changed and the error is the library's, naming the object."""
+    _, broken, needle = FAILING_LOADS[failing]
+    run = str(tmp_path / "run")
+    mgr = CheckpointManager(run)
+    positions = [0, 1, 3] if isinstance(broken(), torch.nn.Module) else [1] if failing == "an inference tensor" else [3]
+    for at in positions:
+        name = ["first", "t", "d", "last"][at]
+        mgr.save(at + 1, _objects(failing, at, 5.0))
+        into = _objects(failing, at, -1.0)
+        before = _values(into)
+        with pytest.raises(InvalidState, match=f"state\\[{name!r}\\].*{needle}") as e:
+            mgr.restore(into, step=at + 1, allow_unverified=True)
+        assert "\n" not in str(e.value)
+        assert _same(_values(into), before), f"{failing} at {name}: an object changed"
 
 
 def test_an_io_failure_part_way_through_a_restore_touches_nothing(local_url, monkeypatch):

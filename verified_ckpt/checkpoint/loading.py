@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpoint
+from ..dtensors import is_dtensor
+from ..errors import CorruptCheckpoint, InvalidState, VerifiedCkptError
 from ..flatten import flatten, is_stateful, unflatten
 from ..lanes import lanes_of
 from ..manifest import Manifest
@@ -73,16 +74,21 @@ def apply(state: Any, m: Manifest, loaded: dict[str, torch.Tensor],
 
     Every entry is rebuilt before any is touched, then entries load in two parts:
 
+    0. every tensor that will be copied into is checked first (:func:`unloadable`): an inference tensor, one on
+       the meta device, or one whose elements share memory makes torch's in-place copy fail part-way (or do
+       nothing), so such a target is refused before anything is applied, naming it;
     1. what could fail or alter values, each undoable: objects that may keep the tensors they are given
        (optimizers, schedulers, RNG state; each one's previous ``state_dict`` is kept by reference and loaded
        back on failure), and modules whose loading runs code of their own (load hooks, an overridden
-       ``_load_from_state_dict`` or ``set_extra_state``; their tensors are copied aside first). Their live
-       fingerprints are then checked against the checkpoint;
+       ``load_state_dict``, ``_load_from_state_dict`` or ``set_extra_state``, tensors of a subclass with its own
+       copy; their tensors are copied aside first). Their live fingerprints are then checked against the
+       checkpoint;
     2. ``agree`` (the ranks' one collective), then what cannot fail once ``fitting`` has matched keys, shapes
-       and dtypes: modules of torch's own, tensors (a copy into them), plain values. No second copy of the
-       model is made for these.
+       and dtypes and part 0 the targets: modules of torch's own, tensors (a copy into them), plain values. No
+       second copy of the model is made for these.
 
-    If anything in part 1 fails on any rank, everything applied is put back and the error is raised.
+    If anything in parts 0 or 1 fails on any rank, everything applied is put back and an ``InvalidState``
+    naming the object is raised (the same on every rank).
     """
     agree = agree or _alone
     values = {key: unflatten(m.state[key]["value"], loaded) for key in list(state)}
@@ -96,12 +102,20 @@ def apply(state: Any, m: Manifest, loaded: dict[str, torch.Tensor],
     first = sorted((k for k in values if undoable(k)), key=lambda k: isinstance(state[k], torch.nn.Module))
     undo: list[Callable[[], None]] = []
     error: BaseException | None = None
+    key = ""
     try:
+        for key in values:
+            why = unloadable(state[key])
+            if why is not None:
+                raise InvalidState(f"state[{key!r}]: {why}; nothing was restored")
         for key in first:
             undo.append(_load_one(state, key, m.state[key]["stateful"], values[key]))
         check_after({k: state[k] for k in first}, m)
-    except Exception as e:  # noqa: BLE001 - put back below, once every rank knows
+    except VerifiedCkptError as e:
         error = e
+    except Exception as e:  # noqa: BLE001 - put back below, once every rank knows
+        error = InvalidState(f"state[{key!r}]: loading it raised {type(e).__name__}: {_first_line(e)}; everything "
+                             "was put back as it was - restore into a freshly built object, or fix its loading")
     try:
         agree(error)
     except BaseException:
@@ -110,7 +124,41 @@ def apply(state: Any, m: Manifest, loaded: dict[str, torch.Tensor],
         raise
     for key, value in values.items():
         if key not in first:  # cannot fail (see above): nothing after it needs undoing
-            _load_one(state, key, m.state[key]["stateful"], value)
+            try:
+                _load_one(state, key, m.state[key]["stateful"], value)
+            except Exception as e:  # not expected after part 0; if it happens, say plainly what it left behind
+                raise InvalidState(f"state[{key!r}]: loading it raised {type(e).__name__}: {_first_line(e)}; the "
+                                   "objects loaded before it keep the checkpoint's values - restore into freshly "
+                                   "built objects") from e
+
+
+def unloadable(target: Any) -> str | None:
+    """Why the checkpoint's tensors cannot be copied into ``target`` (a module's parameters and buffers, or a
+    tensor) in place, or ``None``: the failures torch's ``copy_`` meets only part-way through a load."""
+    if isinstance(target, torch.nn.Module):
+        tensors = [(f"{'parameter' if isinstance(t, torch.nn.Parameter) else 'buffer'} {n!r}", t)
+                   for n, t in target.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)]
+    elif isinstance(target, torch.Tensor):
+        tensors = [("the tensor", target)]
+    else:
+        return None
+    for what, t in tensors:
+        local = t.to_local() if is_dtensor(t) else t  # a DTensor's own piece
+        if local.is_inference() and not torch.is_inference_mode_enabled():
+            return (f"{what} is an inference tensor (made under torch.inference_mode()), which cannot be written "
+                    "outside it; build the object outside inference_mode, then restore")
+        if local.device.type == "meta":
+            return (f"{what} is on the meta device and holds no values; materialise it first "
+                    "(module.to_empty(device=...)), then restore")
+        if local.numel() > 1 and torch._debug_has_internal_overlap(local) == 1:
+            return (f"{what} has elements that share memory (an expanded view), which a copy cannot fill; make it "
+                    "its own tensor (.clone()), then restore")
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else "no message")[:300]
 
 
 def _load_one(state: Any, key: str, stateful: bool, value: Any) -> Callable[[], None]:
@@ -119,7 +167,6 @@ def _load_one(state: Any, key: str, stateful: bool, value: Any) -> Callable[[], 
     if stateful and isinstance(target, torch.nn.Module):
         saved = {k: v.detach().clone() for k, v in target.state_dict(keep_vars=True).items()
                  if isinstance(v, torch.Tensor)} if _custom_loading(target) else {}
-        target.load_state_dict(value)
 
         def restore_module() -> None:
             with torch.no_grad():
@@ -127,12 +174,11 @@ def _load_one(state: Any, key: str, stateful: bool, value: Any) -> Callable[[], 
                     if k in saved:
                         v.copy_(saved[k])
 
-        return restore_module
+        return _undoable(lambda: target.load_state_dict(value), restore_module)
     if stateful and is_stateful(target):
         before = target.state_dict()
         # They may keep the tensors they are given, which would pin whole shard buffers in memory: own copies.
-        target.load_state_dict(_own(value))
-        return lambda: target.load_state_dict(before)
+        return _undoable(lambda: target.load_state_dict(_own(value)), lambda: target.load_state_dict(before))
     if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
         with torch.no_grad():
             target.copy_(value)  # shape and dtype matched: cannot fail, and nothing after it can (phase 3)
@@ -141,8 +187,24 @@ def _load_one(state: Any, key: str, stateful: bool, value: Any) -> Callable[[], 
     return lambda: state.__setitem__(key, target)
 
 
+def _undoable(load: Callable[[], object], put_back: Callable[[], None]) -> Callable[[], None]:
+    """Run ``load``; if it raises part-way, put back what it changed before the error goes on. Returns ``put_back``."""
+    try:
+        load()
+    except BaseException:
+        put_back()
+        raise
+    return put_back
+
+
 def _custom_loading(module: torch.nn.Module) -> bool:
-    """Whether loading ``module`` runs code other than torch's own (hooks, an overridden ``_load_from_state_dict``)."""
+    """Whether loading ``module`` runs code other than torch's own (hooks, an overridden ``load_state_dict`` or
+    ``_load_from_state_dict``, tensors of a subclass whose copy is its own): any of it may fail or alter values."""
+    if type(module).load_state_dict is not torch.nn.Module.load_state_dict:
+        return True
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) and not is_dtensor(t)
+           for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)):
+        return True
     for sub in module.modules():
         if sub._load_state_dict_pre_hooks or getattr(sub, "_load_state_dict_post_hooks", None):
             return True
@@ -170,7 +232,8 @@ def check_after(state: Mapping[str, Any], m: Manifest) -> None:
 def _load_into(target: Any, value: Any, memo: dict[int, Any]) -> Any:
     """Copy restored tensors into the caller's existing tensors where they fit; own copies elsewhere."""
     if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
-        if target.shape == value.shape and target.dtype == value.dtype and id(value) not in memo:
+        if (target.shape == value.shape and target.dtype == value.dtype and id(value) not in memo
+                and unloadable(target) is None):  # else a tensor of its own: a copy into it would fail part-way
             with torch.no_grad():
                 target.copy_(value)
             memo[id(value)] = target

@@ -138,8 +138,10 @@ def test_the_rendezvous_stops_at_a_posted_error_and_bounds_a_missing_report(memo
     from verified_ckpt.errors import StorageError
     from verified_ckpt.store import RunStore
 
+    from verified_ckpt.signing import Signer
+
     store = RunStore(memory_url)
-    rdv = Rendezvous(store, "c1", 3, timeout_s=600)
+    rdv = Rendezvous(store, "c1", 3, timeout_s=600, seal=Signer(b"s" * 32))
     rdv.post(0, RankReport())
     rdv.post_error(1, "disk full on node-2")
     with pytest.raises(StorageError, match="rank 1 failed to write its shards of c1: disk full on node-2"):
@@ -150,6 +152,9 @@ def test_the_rendezvous_stops_at_a_posted_error_and_bounds_a_missing_report(memo
         rdv.collect(timeout_s=0.05)
     rdv.post(2, RankReport())
     assert rdv.collect() == [RankReport()] * 3
+    store.write_aside("c1", "rank-00002.json", RankReport().to_json())  # unsealed: not the rank's
+    with pytest.raises(ManifestError, match="rank 2's shard report of c1 in the store is not the one rank 2 wrote"):
+        rdv.collect()
     rdv.clear()
     assert store.read_optional("c1", "rank-00000.json") is None
 
@@ -285,3 +290,106 @@ def test_read_takes_any_iterable_and_refuses_a_name_the_checkpoint_lacks(tmp_pat
     assert opened.read(["w"])["w"].tolist() == [0.0, 1.0, 2.0]
     with pytest.raises(InvalidState, match="holds no tensor 'nope'"):
         opened.read(["w", "nope"])
+
+
+# ----------------------------------------- no unverified bytes under a signature (issue 37, finding 6)
+KEY = b"k" * 32
+
+
+def _forge(rendezvous, rank: int, reseal: bool) -> str:
+    """A store writer without the key: one tensor of rank ``rank``'s shard rewritten in place (all 42.0, header
+    untouched), and its report rewritten with the shard's new digest, size and fingerprint (``lanes_of`` is
+    public). ``reseal``: the attacker holds the save's in-memory seal too (the fingerprint check alone must hold)."""
+    import json
+    import os
+    import time
+
+    import blake3
+
+    from verified_ckpt.jsonx import canonical_json
+    from verified_ckpt.lanes import lanes_of
+
+    folder = rendezvous.store.checkpoint_dir(rendezvous.cid)
+    report = os.path.join(folder, f"rank-{rank:05d}.json")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(report):  # the rank posts it once its shards are written (a bounded wait for it)
+        assert time.monotonic() < deadline, "the report never appeared"
+        time.sleep(0.01)
+    doc = json.load(open(report))
+    shard = next(s for s in doc["shards"] if any(t.startswith("model/") for t in s["tensors"]))
+    path = os.path.join(folder, shard["path"])
+    data = bytearray(open(path, "rb").read())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    name = next(t for t in shard["tensors"] if t.startswith("model/") and header[t]["dtype"] == "F32")
+    lo, hi = (8 + n + o for o in header[name]["data_offsets"])
+    forged = torch.full(header[name]["shape"], 42.0)
+    data[lo:hi] = forged.numpy().tobytes()
+    open(path, "wb").write(bytes(data))
+    shard["digest"], shard["size"] = blake3.blake3(bytes(data)).hexdigest(), len(data)
+    doc["fps"][name] = str(lanes_of([forged])[0])
+    doc.pop("signature", None)
+    open(report, "wb").write(canonical_json(rendezvous.seal.seal(doc)) if reseal else json.dumps(doc).encode())
+    return name
+
+
+def forged_save(rank: int, world: int, run: str, target: int, reseal: bool) -> dict:
+    """2 guarded ranks, a signed run, a non-blocking save; the store is forged (``_forge``) after rank ``target``
+    posted its report and before rank 0 collects the reports."""
+    import ddp_train
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from verified_ckpt import GuardConfig, SDCGuard
+    from verified_ckpt.checkpoint.session import Rendezvous
+
+    model = DDP(ddp_train.build_model(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig())
+    # Small shards: every rank writes some of the replicated state (the model is tiny).
+    mgr = CheckpointManager(run, guard=guard, signing_key=KEY, report_timeout_s=60, shard_bytes=2048)
+    for s in range(1, 6):
+        guard.backward(ddp_train.make_batch(0, s, rank), step=s)
+        guard.step()
+        opt.zero_grad()
+    forged: list[str] = []
+    if rank == 0:
+        real = Rendezvous.collect
+
+        def attacked(self, *args, **kwargs):
+            forged.append(_forge(self, target, reseal))
+            return real(self, *args, **kwargs)
+
+        Rendezvous.collect = attacked
+    try:
+        info = mgr.save(5, {"model": model.module, "optim": opt}, blocking=False).result(timeout=90)
+        outcome = {"committed": info.status.value}
+    except Exception as e:  # noqa: BLE001 - the outcome is the test's
+        outcome = {"refused": type(e).__name__, "why": str(e)}
+    finally:
+        if rank == 0:
+            Rendezvous.collect = real  # the harness reuses its processes
+    return {**outcome, "forged": forged}
+
+
+@pytest.mark.parametrize("target,reseal", [(1, False), (1, True), (0, False)],
+                         ids=["rank-1-report", "rank-1-report-resealed", "rank-0-own-report"])
+def test_a_forged_shard_and_report_in_the_store_never_commit_as_a_restorable_checkpoint(tmp_path, target, reseal):
+    from click.testing import CliRunner
+
+    from verified_ckpt_cli.main import main as vckpt
+
+    run = str(tmp_path / "run")
+    got = run_ranks(forged_save, 2, run, target, reseal)
+    assert len(got) == 2 and got[0]["forged"], f"the attack did not run: {got}"
+    env = {"VCKPT_SIGNING_KEY": KEY.decode()}
+    if target == 1:  # rank 0 reads rank 1's report from the store: refused, on every rank, nothing committed
+        needle = "agreed on" if reseal else "is not the one rank 1 wrote"
+        assert all("refused" in r and needle in r["why"] for r in got), [r.get("why") for r in got]
+        assert CheckpointManager(run, signing_key=KEY).list() == []
+    else:  # rank 0 never reads its own report back: the manifest names the shard it wrote, so the forgery is found
+        assert got[0].get("committed") == got[1].get("committed") == "restorable", got
+        r = CliRunner(env=env).invoke(vckpt, ["verify", run, "--json"])
+        assert r.exit_code == 1 and "digest" in r.output, r.output
+        [info] = CheckpointManager(run, signing_key=KEY).list()
+        assert info.status is Status.CORRUPT
+        assert CheckpointManager(run, signing_key=KEY).view().rollback_target()[0] is None

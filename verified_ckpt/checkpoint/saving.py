@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import time
 import uuid
 import warnings
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from ..comm import Communicator, describe_device
-from ..errors import InvalidState, ManifestError
+from ..errors import CorruptCheckpoint, InvalidState, ManifestError
 from ..evidence import EvidenceTracker, remedies
 from ..fingerprint import Fingerprint, combine
 from ..flatten import Flat, bookkeeping, flatten, is_per_rank
@@ -46,7 +47,7 @@ from . import housekeeping
 from .catalog import Catalog, info
 from .lease import Lease
 from .opening import as_raised, error_doc
-from .session import RankReport, Rendezvous, SaveSession, reports_problem
+from .session import RankReport, Rendezvous, SaveSession, agreed_names, agreement_problem, reports_problem
 from .stages import merge
 
 __all__ = ["UNGUARDED", "SaveJob", "Saver", "checked_flat"]
@@ -118,6 +119,12 @@ class SaveJob:
     layout: dict[str, LayoutEntry] = dataclasses.field(default_factory=dict)
     started: float = dataclasses.field(default_factory=time.monotonic)  # when save() was called (the log says how long)
     lease: Lease | None = None  # rank 0's claim on the folder while the save runs
+    # Reports that travel through the store are sealed with this key, which only the job's memory holds: rank 0
+    # drew it and sent it by the save's collective; it is never written (``Rendezvous``).
+    seal: Signer = dataclasses.field(default_factory=Signer, repr=False)
+    # Rank 0: the fingerprint every replica agreed on at this save's consensus, by tensor name, for the tensors
+    # other ranks write too (``agreement_problem``).
+    agreed: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class Saver:
@@ -140,6 +147,7 @@ class Saver:
         flat, held = merge(flat, self.comm)  # ranks holding different parts of the state (pipeline stages)
         parts = split(flat.tensors, self.comm)
         g = self.guard
+        agreed: dict[str, str] = {}
         if g is None:
             status, reasons, evidence = Status.UNVERIFIED, [UNGUARDED], {}
         else:
@@ -149,6 +157,8 @@ class Saver:
             ev, status, reasons = self.tracker.for_save(step, fingerprints, g.counters(), world=g.replicas,
                                                         audits_enabled=g.audits_enabled)
             evidence = ev.to_dict()
+            if fingerprints and self.comm.rank == 0:
+                agreed = agreed_names(parts.replicated, g.agreed())
         hosts = list(self.comm.topology())
         if self.comm.world == 1:  # name the device the state lives on, which a single process may not have told comm
             device = next((t.device for t in flat.tensors.values() if t.device.type == "cuda"), torch.device("cpu"))
@@ -157,14 +167,15 @@ class Saver:
         # Rank 0 leases the folder before any rank writes into it: gc leaves a running save alone (``lease``).
         lease = Lease(self.store, proposed) if self.comm.rank == 0 else None
         try:
-            cid = self.comm.broadcast_bytes(proposed.encode()).decode()
+            got = self.comm.broadcast_bytes(proposed.encode() + b"\0" + os.urandom(32))
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
+        cid, key = got[:got.index(b"\0")].decode(), got[got.index(b"\0") + 1:]
         topology = Topology(self.comm.world, tuple(hosts))
         return SaveJob(cid, step, dataclasses.replace(flat, tensors=parts.replicated), status, reasons, evidence,
-                       topology, resumed_from, parts.mine | own | held, parts.layout, started, lease)
+                       topology, resumed_from, parts.mine | own | held, parts.layout, started, lease, Signer(key), agreed)
 
     def _per_rank(self, flat: Flat) -> tuple[Flat, dict[str, torch.Tensor]]:
         """Every rank's value of the per-rank entries in the skeleton (one small all-gather); this rank's tensors
@@ -221,7 +232,7 @@ class Saver:
         job, rank, world = session.job, self.comm.rank, self.comm.world
         # Alone, this rank's own tensors go with the rest: a single process writes the files it always did.
         alone = not self.comm.active
-        rendezvous = Rendezvous(self.store, job.cid, world, self.report_timeout_s)
+        rendezvous = Rendezvous(self.store, job.cid, world, self.report_timeout_s, job.seal)
         plan = self._plan(job.flat.tensors | job.mine if alone else job.flat.tensors)
         failure: Exception | None = None
         try:
@@ -255,7 +266,12 @@ class Saver:
         rendezvous.post(rank, report)
         if rank != 0:
             return self.committed(job.cid, rendezvous.await_manifest())
-        committed = session.commit(rendezvous.collect())
+        try:
+            committed = session.commit(rendezvous.collect(mine=report))  # its own report is never read back
+        except BaseException as e:
+            session.abort()  # a report refused or missing: the folder's lease goes too (gc takes the orphan)
+            rendezvous.post_failure(e)  # the others stop waiting for a manifest that will not come
+            raise
         rendezvous.clear()
         return committed
 
@@ -271,6 +287,10 @@ class Saver:
             problem = reports_problem(reports, job.flat.tensors | job.mine)
             if problem is not None:  # before anything is written: nothing is committed
                 raise InvalidState(f"checkpoint {job.cid} cannot be committed: {problem}; nothing is committed")
+            problem = agreement_problem(reports, job.agreed)
+            if problem is not None:
+                raise CorruptCheckpoint(f"checkpoint {job.cid} cannot be committed: {problem}; nothing is committed "
+                                        "- save again, and check that rank's host and who can write the store")
             manifest = self._manifest(self.catalog.run_id(), job, reports)
             manifest_bytes = canonical_json(self.signer.seal(manifest.to_dict()))
             try:

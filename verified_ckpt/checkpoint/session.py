@@ -32,9 +32,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidState, ManifestError, StorageError
-from ..jsonx import JSONBudgetError, Limits, decode_object
+from ..jsonx import JSONBudgetError, Limits, canonical_json, decode_object
 from ..layout import LayoutEntry
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SEGMENT, CheckpointInfo, ShardEntry
+from ..signing import Signature, Signer
 from ..status import Status
 from .opening import as_raised, error_doc
 
@@ -44,9 +45,10 @@ if TYPE_CHECKING:
     from ..store import RunStore
     from .saving import SaveJob, Saver
 
-__all__ = ["RankReport", "Rendezvous", "SaveSession", "reports_problem"]
+__all__ = ["RankReport", "Rendezvous", "SaveSession", "agreed_names", "agreement_problem", "reports_problem"]
 
 _LIMITS = Limits(max_bytes=MAX_MANIFEST_BYTES, max_depth=8)
+_COMMIT_ERROR = "commit.error"  # beside the shards: rank 0's failed commit, for the ranks awaiting the manifest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,29 @@ def reports_problem(reports: Sequence[RankReport], known: Mapping[str, object] |
     return None
 
 
+def agreed_names(tensors: Mapping[str, torch.Tensor], agreed: Sequence[tuple[torch.Tensor, str]]) -> dict[str, str]:
+    """The agreed fingerprint (``SDCGuard.agreed``) of each of ``tensors`` that is one of the consensus's state
+    tensors (the same memory, shape, strides and dtype: a ``state_dict`` entry is a view of its parameter)."""
+    def ident(t: torch.Tensor) -> tuple[object, ...]:
+        return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device
+
+    by_memory = {ident(t): fp for t, fp in agreed}
+    return {n: by_memory[k] for n, t in tensors.items() if (k := ident(t)) in by_memory}
+
+
+def agreement_problem(reports: Sequence[RankReport], agreed: Mapping[str, str]) -> str | None:
+    """Why ``reports`` (rank order) do not hold what the replicas agreed on at the save's consensus, or ``None``:
+    every fingerprint a rank reports for a tensor of ``agreed`` must be the agreed one. A shard changed between
+    the consensus and its write (a fault in the copy), or in the store before the commit with its report rewritten
+    to match, is refused here whatever the key."""
+    for rank, r in enumerate(reports):
+        for n, fp in r.fingerprints.items():
+            if n in agreed and fp != agreed[n]:
+                return (f"rank {rank} reports tensor {n} with fingerprint {fp[:12]}, but the replicas agreed on "
+                        f"{agreed[n][:12]} at the save's consensus: what was written is not the agreed state")
+    return None
+
+
 def _str(x: Any) -> str:
     if not isinstance(x, str):
         raise TypeError(f"expected a string, got {type(x).__name__}")
@@ -135,27 +160,36 @@ class Rendezvous:
 
     Every rank ``post``s its report (or ``post_error``s why it has none); rank 0 ``collect``s them within a
     bound and ``clear``s them after the commit; the other ranks ``await_manifest``. Every wait is bounded.
+    Reports are sealed with ``seal`` (``signing``'s HMAC): a key the ranks share in memory only (the save's
+    collective sent it), so a report someone else wrote into the store, signed run or not, is refused.
     """
 
-    def __init__(self, store: RunStore, cid: str, world: int, timeout_s: float) -> None:
-        self.store, self.cid, self.world, self.timeout_s = store, cid, world, timeout_s
+    def __init__(self, store: RunStore, cid: str, world: int, timeout_s: float, seal: Signer) -> None:
+        self.store, self.cid, self.world, self.timeout_s, self.seal = store, cid, world, timeout_s, seal
 
     def post(self, rank: int, report: RankReport) -> None:
-        self.store.write_aside(self.cid, f"rank-{rank:05d}.json", report.to_json())
+        sealed = self.seal.seal(json.loads(report.to_json()))
+        self.store.write_aside(self.cid, f"rank-{rank:05d}.json", canonical_json(sealed))
 
     def post_error(self, rank: int, message: str) -> None:
         """Tell rank 0 not to wait for this rank (best effort: the store may be what failed)."""
         with contextlib.suppress(Exception):
             self.store.write_aside(self.cid, f"rank-{rank:05d}.error", message.encode())
 
-    def collect(self, timeout_s: float | None = None) -> list[RankReport]:
-        """Every rank's report, in rank order, each within ``timeout_s`` (default: the rendezvous's own bound).
+    def collect(self, timeout_s: float | None = None, mine: RankReport | None = None) -> list[RankReport]:
+        """Every rank's report, in rank order, each within ``timeout_s`` (default: the rendezvous's own bound);
+        ``mine``: rank 0's own, which is then never read back from the store.
 
         Raises:
             StorageError: a rank posted an error, or a report did not appear within the bound.
+            ManifestError: a report is malformed, or not sealed by the rank that should have written it.
         """
         reports = []
         for r in range(self.world):
+            if r == 0 and mine is not None:
+                reports.append(mine)
+                continue
+
             def look(r: int = r) -> bytes | None:
                 err = self.store.read_optional(self.cid, f"rank-{r:05d}.error")
                 if err is not None:
@@ -163,11 +197,42 @@ class Rendezvous:
                                        f"{err.decode(errors='replace')[:300]}; the checkpoint is not committed")
                 return self.store.read_optional(self.cid, f"rank-{r:05d}.json")
 
-            reports.append(RankReport.from_json(self._await(look, f"rank {r}'s shard report", timeout_s), r))
+            reports.append(self._unsealed(self._await(look, f"rank {r}'s shard report", timeout_s), r))
         return reports
 
+    def _unsealed(self, data: bytes, rank: int) -> RankReport:
+        try:
+            doc = decode_object(data, _LIMITS)
+        except JSONBudgetError:
+            doc = {}
+        if self.seal.check(doc) is not Signature.VALID:
+            raise ManifestError(f"rank {rank}'s shard report of {self.cid} in the store is not the one rank {rank} "
+                                "wrote (its seal, made with a key only the job holds, does not match): someone "
+                                "else wrote it during the save; the checkpoint is not committed - check who can "
+                                "write the store")
+        return RankReport.from_json(canonical_json({k: v for k, v in doc.items() if k != "signature"}), rank)
+
+    def post_failure(self, error: BaseException) -> None:
+        """Rank 0's commit failed: the ranks awaiting the manifest raise it at once (best effort; sealed, so a
+        failure someone else wrote is not believed)."""
+        with contextlib.suppress(Exception):
+            self.store.write_aside(self.cid, _COMMIT_ERROR, canonical_json(self.seal.seal(error_doc(error))))
+
     def await_manifest(self) -> bytes:
-        return self._await(lambda: self.store.read_optional(self.cid, MANIFEST_NAME), "manifest")
+        """The committed manifest's bytes, or rank 0's commit failure raised here alike, within the bound."""
+        def look() -> bytes | None:
+            failed = self.store.read_optional(self.cid, _COMMIT_ERROR)
+            if failed is not None:
+                try:
+                    doc = decode_object(failed, _LIMITS)
+                except JSONBudgetError:
+                    doc = {}
+                error, message = doc.get("error"), doc.get("message")
+                if self.seal.check(doc) is Signature.VALID and isinstance(error, str) and isinstance(message, str):
+                    raise as_raised(error, message)
+            return self.store.read_optional(self.cid, MANIFEST_NAME)
+
+        return self._await(look, "manifest")
 
     def clear(self) -> None:
         for r in range(self.world):

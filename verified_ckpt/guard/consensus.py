@@ -81,6 +81,13 @@ class StateProbe:
                  moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.params, self.optimizer, self.buffers, self.device = list(params), optimizer, list(buffers), device
         self.moved = moved
+        self._last: tuple[list[torch.Tensor], torch.Tensor] = ([], torch.zeros(0, 2, dtype=torch.int64))
+
+    def agreed(self) -> list[tuple[torch.Tensor, str]]:
+        """Each state tensor of the last :meth:`row` with its own fingerprint: what the replicas agreed on, tensor
+        by tensor, once that round's consensus passed (one transfer of the lanes, at a save)."""
+        tensors, lanes = self._last
+        return [(t, lanes_hex(ln)) for t, ln in zip(tensors, lanes.tolist(), strict=True)]
 
     def row(self) -> torch.Tensor:
         tensors = state_tensors(self.params, self.optimizer)
@@ -88,6 +95,7 @@ class StateProbe:
         bad = nonfinite_count(floats, self.device)
         buffers = lanes_on([b.detach() for b in self.buffers], self.device).reshape(-1)
         lanes = lanes_on(tensors, self.device) if tensors else torch.zeros(0, 2, dtype=torch.int64, device=self.device)
+        self._last = (tensors, lanes)  # kept by reference: read back only by a save (``agreed``)
         moved = self.moved(lanes).amax().view(1) if tensors else torch.zeros(1, dtype=torch.int64, device=self.device)
         return torch.cat([combined(lanes), buffers, moved, bad.view(1)])
 

@@ -241,6 +241,11 @@ class ShardedLayout:
     def state_lanes(self) -> torch.Tensor:
         return state_row(self.g.params, self.g.optimizer, self.g.device)[:2]
 
+    def agreed(self) -> list[tuple[torch.Tensor, str]]:
+        """Nothing a save could check a tensor against: this rank holds pieces, not the tensors other ranks write
+        (the single-owner fingerprint chain will, issue 38)."""
+        return []
+
     def local_params(self) -> list[torch.Tensor]:
         """This rank's pieces of the parameters, for the at-rest witness (``rest.py``)."""
         return local_params(self.g.module.named_parameters())

@@ -248,6 +248,10 @@ class ReplicatedLayout:
     def state_lanes(self) -> torch.Tensor:
         return consensus.state_lanes(consensus.state_tensors(self.g.params, self.g.optimizer), self.g.device)
 
+    def agreed(self) -> list[tuple[torch.Tensor, str]]:
+        """The last consensus's state tensors with the fingerprint every replica holds (each replica holds all)."""
+        return self.probe.agreed()
+
     def local_params(self) -> list[torch.Tensor]:
         """The parameters, for the at-rest witness (``rest.py``)."""
         return [p.detach() for p in self.g.params]

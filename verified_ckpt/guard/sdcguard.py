@@ -316,6 +316,11 @@ class SDCGuard(Bookkeeping):
         """Exact fingerprint lanes of this rank's parameters and optimizer state (its shards), on device."""
         return self.layout.state_lanes()
 
+    def agreed(self) -> list[tuple[torch.Tensor, str]]:
+        """After a passing :meth:`consensus`: each whole state tensor this rank holds with the fingerprint every
+        replica agreed on (empty where ranks hold pieces). A save checks what other ranks wrote against it."""
+        return self.layout.agreed()
+
     def _reset_step(self) -> None:
         self._batches, self._rng, self._losses = [], [], []
         self.layout.reset()

@@ -320,6 +320,9 @@ NO_PICKLE_CHILD = textwrap.dedent(r"""
     from click.testing import CliRunner
     url = sys.argv[1]
     saved = trained_state(seed=5)
+    stream = io.BytesIO(b"a data loader's stream")
+    stream.seek(2)
+    saved["blobs"] = {"tok": b"\x00tokenizer\xff", "buf": bytearray(b"mutable"), "stream": stream}
     mgr = CheckpointManager(url)
     mgr.save(5, saved)
     calls = []
@@ -336,9 +339,13 @@ NO_PICKLE_CHILD = textwrap.dedent(r"""
     import numpy
     numpy.load = refuse
     target = fresh_state()
+    target["blobs"] = None
     info = CheckpointManager(url).restore(target, allow_unverified=True)
     assert state_fingerprint({"m": target["model"], "o": target["optim"]}) == state_fingerprint(
         {"m": saved["model"], "o": saved["optim"]})
+    got = target["blobs"]
+    assert got["tok"] == b"\x00tokenizer\xff" and got["buf"] == bytearray(b"mutable")
+    assert got["stream"].getvalue() == b"a data loader's stream" and got["stream"].tell() == 2
     assert target["sched"].state_dict() == saved["sched"].state_dict()
     results = CheckpointManager(url).verify()
     assert [r.ok for r in results] == [True]

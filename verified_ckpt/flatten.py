@@ -4,7 +4,9 @@ The state is a mapping of names to objects with ``state_dict()`` /
 ``load_state_dict()`` (modules, optimizers, schedulers: the same Stateful
 convention as ``torch.distributed.checkpoint``), tensors, or plain nested
 data. Tensors go to safetensors shards; everything else goes to JSON, so
-nothing on the load path ever unpickles.
+nothing on the load path ever unpickles. Byte strings (``bytes``,
+``bytearray``, ``io.BytesIO``: tokenizer files, data-loader blobs) are raw
+bytes in a uint8 tensor of the shards, tagged with their type in the JSON.
 
 JSON cannot express tuples, non-string keys or non-finite floats, all of
 which appear in real optimizer and RNG states, so those get small tagged
@@ -15,6 +17,7 @@ and referenced by name.
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -24,9 +27,9 @@ import torch
 
 from .errors import InvalidState
 from .jsonx import canonical_json, short_repr
-from .skeleton import DICT, FLOAT, TENSOR, TUPLE, escape, malformed, skeleton_problem
+from .skeleton import BLOBS, BYTEARRAY, BYTES, BYTESIO, DICT, FLOAT, TENSOR, TUPLE, escape, malformed, skeleton_problem
 
-__all__ = ["OPTIMIZER_STATE", "Flat", "bookkeeping", "flatten", "is_per_rank", "is_stateful", "unflatten"]
+__all__ = ["OPTIMIZER_STATE", "Flat", "bookkeeping", "flatten", "flatten_value", "is_per_rank", "is_stateful", "unflatten"]
 
 # The name flatten gives an optimizer's per-parameter state tensor: ``<entry>/state/<parameter index>/<key>``.
 OPTIMIZER_STATE = re.compile(r"^([^/]+)/state/(\d+)/")
@@ -78,46 +81,14 @@ def bookkeeping(tensors: Mapping[str, torch.Tensor], live: Sequence[torch.Tensor
 
 
 def flatten(state: Mapping[str, Any]) -> Flat:
-    """Flatten ``state`` without copying tensor data.
+    """Flatten ``state`` without copying tensor data (byte strings are copied into tensors of their own).
 
     Raises:
         InvalidState: a value has a type that can be neither a tensor nor JSON.
     """
     if not isinstance(state, Mapping):
         raise InvalidState(f"state must be a mapping of names to objects, got {type(state).__name__}")
-    tensors: dict[str, torch.Tensor] = {}
-    seen: dict[tuple[Any, ...], str] = {}
-
-    def enc(value: Any, path: str) -> Any:
-        if isinstance(value, torch.Tensor):
-            if value.layout != torch.strided:
-                raise InvalidState(f"{path}: sparse tensors are not supported; call .to_dense() in state_dict()")
-            key = _alias_key(value)
-            if key in seen:
-                return {TENSOR: seen[key]}
-            seen[key] = path
-            tensors[path] = value.detach()
-            return {TENSOR: path}
-        if value is None or isinstance(value, (bool, str)):
-            return value
-        if isinstance(value, int):
-            return int(value)
-        if isinstance(value, float):
-            return value if math.isfinite(value) else {FLOAT: repr(value)}
-        if isinstance(value, (tuple, torch.Size)):
-            return {TUPLE: [enc(v, f"{path}/{i}") for i, v in enumerate(value)]}
-        if isinstance(value, list):
-            return [enc(v, f"{path}/{i}") for i, v in enumerate(value)]
-        if isinstance(value, Mapping):
-            plain = all(isinstance(k, str) and not k.startswith("__") for k in value)
-            if plain:
-                return {k: enc(v, f"{path}/{escape(k)}") for k, v in value.items()}
-            return {DICT: [[enc(k, f"{path}/<key>"), enc(v, f"{path}/{escape(str(k))}")] for k, v in value.items()]}
-        raise InvalidState(
-            f"{path}: cannot store a value of type {type(value).__name__}; only tensors and "
-            "JSON-like data (dict, list, tuple, str, int, float, bool, None) are stored - convert it in state_dict()"
-        )
-
+    enc = _Encoder()
     skeleton: dict[str, Any] = {}
     for top, obj in state.items():
         if not isinstance(top, str) or not top or "/" in top:
@@ -126,9 +97,85 @@ def flatten(state: Mapping[str, Any]) -> Flat:
             skeleton[top] = {"stateful": True, "value": enc(obj.state_dict(), top)}
         else:
             skeleton[top] = {"stateful": False, "value": enc(obj, top)}
-    return Flat(tensors, skeleton)
+    return Flat(enc.tensors, skeleton)
 
 
+def flatten_value(value: Any, path: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """One value's skeleton and its tensors, named from ``path`` as :func:`flatten` names an entry's.
+
+    Raises:
+        InvalidState: as :func:`flatten`.
+    """
+    enc = _Encoder()
+    return enc(value, path), enc.tensors
+
+
+class _Encoder:
+    """Encodes values into skeleton JSON, collecting their tensors by name (aliases stored once)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.seen: dict[tuple[Any, ...], str] = {}
+
+    def __call__(self, value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided:
+                raise InvalidState(f"{path}: sparse tensors are not supported; call .to_dense() in state_dict()")
+            key = _alias_key(value)
+            if key in self.seen:
+                return {TENSOR: self.seen[key]}
+            self.seen[key] = self._name(path)
+            self.tensors[path] = value.detach()
+            return {TENSOR: path}
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, (bytes, bytearray, io.BytesIO)):
+            return self._blob(value, path)
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {FLOAT: repr(value)}
+        if isinstance(value, (tuple, torch.Size)):
+            return {TUPLE: [self(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self(v, f"{path}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, Mapping):
+            plain = all(isinstance(k, str) and not k.startswith("__") for k in value)
+            if plain:
+                return {k: self(v, f"{path}/{escape(k)}") for k, v in value.items()}
+            # Each key gets a path of its own: two bytes (or tensor) keys of one dict must not share a stored name.
+            return {DICT: [[self(k, f"{path}/<key {i}>"), self(v, f"{path}/{escape(str(k))}")]
+                           for i, (k, v) in enumerate(value.items())]}
+        raise InvalidState(
+            f"{path}: cannot store a value of type {type(value).__name__}; only tensors, byte strings (bytes, "
+            "bytearray, io.BytesIO) and JSON-like data (dict, list, tuple, str, int, float, bool, None) are stored - "
+            "convert it in state_dict()"
+        )
+
+    def _blob(self, value: bytes | bytearray | io.BytesIO, path: str) -> Any:
+        """A byte string as a 1-D uint8 tensor of its own (digested and fingerprinted like any tensor; never
+        base64 in the manifest), and its type: it comes back as the same type, a BytesIO at the same position."""
+        if isinstance(value, io.BytesIO):
+            if value.closed:
+                raise InvalidState(f"{path}: a closed io.BytesIO cannot be stored; save it before closing it")
+            with value.getbuffer() as view:  # released at once: a live export would stop the BytesIO from growing
+                self.tensors[self._name(path)] = _uint8(view)
+            return {BYTESIO: [path, value.tell()]}
+        # A copy, taken now: the caller may change a bytearray, or drop the bytes, while the save still runs.
+        self.tensors[self._name(path)] = _uint8(value)
+        return {BYTES if isinstance(value, bytes) else BYTEARRAY: path}
+
+    def _name(self, path: str) -> str:
+        if path in self.tensors:  # the same str() of two dict keys of one mapping ({1: ..., "1": ...})
+            raise InvalidState(f"{path}: two values of the state would be stored under this one name (dict keys "
+                               "that print the same?); give them distinct keys in state_dict()")
+        return path
+
+
+def _uint8(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    if not len(data):  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def unflatten(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
@@ -140,11 +187,17 @@ def unflatten(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             rebuilt then.
     """
     refs: set[str] = set()
-    why = skeleton_problem(value, refs)
+    blobs: set[str] = set()
+    why = skeleton_problem(value, refs, blobs)
     if why is None:
         missing = sorted(n for n in refs if n not in tensors)
         if missing:
             why = f"refers to tensor {short_repr(missing[0])}, which is not among the {len(tensors)} loaded"
+    if why is None:
+        odd = sorted(n for n in blobs if tensors[n].dtype != torch.uint8 or tensors[n].dim() != 1)
+        if odd:
+            t = tensors[odd[0]]
+            why = f"byte string {short_repr(odd[0])} is a {t.dtype} tensor of shape {list(t.shape)}, not 1-D uint8"
     if why is not None:
         raise malformed(why)
     return _rebuild(value, tensors)
@@ -165,7 +218,18 @@ def _rebuild(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
                 return {_rebuild(k, tensors): _rebuild(v, tensors) for k, v in inner}
             if tag == FLOAT:
                 return float(inner)
+            if tag in BLOBS:
+                return _rebuild_blob(tag, inner, tensors)
         return {k: _rebuild(v, tensors) for k, v in value.items()}
     return value
 
 
+def _rebuild_blob(tag: str, inner: Any, tensors: Mapping[str, torch.Tensor]) -> bytes | bytearray | io.BytesIO:
+    data = tensors[inner if tag != BYTESIO else inner[0]].contiguous().cpu().numpy().tobytes()
+    if tag == BYTES:
+        return data
+    if tag == BYTEARRAY:
+        return bytearray(data)
+    out = io.BytesIO(data)
+    out.seek(inner[1])  # where the saved BytesIO stood, as pickle (and so DCP's own storage) keeps it
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from .errors import ManifestError
@@ -159,7 +159,7 @@ class Manifest:
         shards = _shards(d["shards"], bad)
         tensors = _tensors(d["tensors"], {sh.path: sh for sh in shards}, bad)
         layout = parse_layout(d.get("layout", {}), tensors, bad)
-        _check_state(d["state"], tensors.keys() | layout.keys(), bad)
+        _check_state(d["state"], tensors, layout.keys(), bad)
         kept = d.get("bookkeeping", [])
         if not (isinstance(kept, list) and all(isinstance(n, str) and n in tensors for n in kept)
                 and len(set(kept)) == len(kept)):
@@ -270,8 +270,9 @@ def _tensors(raw: dict[str, Any], by_path: dict[str, ShardEntry], bad: _Bad) -> 
     return tensors
 
 
-def _check_state(state: dict[str, Any], tensors: set[str], bad: _Bad) -> None:
-    """Every state entry is a skeleton ``unflatten`` can rebuild from tensors the manifest holds (whole or in chunks)."""
+def _check_state(state: dict[str, Any], tensors: Mapping[str, TensorEntry], sharded: Collection[str], bad: _Bad) -> None:
+    """Every state entry is a skeleton ``unflatten`` can rebuild from tensors the manifest holds (whole or in chunks),
+    every byte string from a whole 1-D uint8 tensor."""
     for key, entry in state.items():
         if not key or "/" in key:
             raise bad(f"state key {short_repr(key)} is not a plain name")
@@ -285,12 +286,16 @@ def _check_state(state: dict[str, Any], tensors: set[str], bad: _Bad) -> None:
                 raise bad(f"per-rank state entry {short_repr(key)} must map ranks 0..W-1 to values")
             values = list(ranks.values())
         refs: set[str] = set()
-        why = next((w for v in values if (w := skeleton_problem(v, refs))), None)
+        blobs: set[str] = set()
+        why = next((w for v in values if (w := skeleton_problem(v, refs, blobs))), None)
         if why:
             raise bad(f"state entry {short_repr(key)}: {why}")
-        missing = sorted(n for n in refs if n not in tensors)
+        missing = sorted(n for n in refs if n not in tensors and n not in sharded)
         if missing:
             raise bad(f"state entry {short_repr(key)} refers to tensor {short_repr(missing[0])}, which no shard holds")
+        odd = sorted(n for n in blobs if n not in tensors or tensors[n].dtype != "uint8" or len(tensors[n].shape) != 1)
+        if odd:
+            raise bad(f"state entry {short_repr(key)}: byte string {short_repr(odd[0])} is not a whole 1-D uint8 tensor")
 
 
 def _malformed(where: str, why: str) -> ManifestError:

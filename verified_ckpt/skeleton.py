@@ -1,9 +1,13 @@
 """The JSON skeleton of a saved state: its grammar, checked before anything trusts it.
 
-``flatten`` writes a skeleton: plain JSON plus four one-key tags, for tensor
+``flatten`` writes a skeleton: plain JSON plus one-key tags, for tensor
 references (``__tensor__``), tuples (``__tuple__``), dicts with non-string
-keys (``__dict__``) and non-finite floats (``__float__``). Manifests carry it,
-so readers check it here, without torch, before anything is rebuilt from it.
+keys (``__dict__``), non-finite floats (``__float__``), and byte strings: a
+``bytes`` (``__bytes__``), a ``bytearray`` (``__bytearray__``) or an
+``io.BytesIO`` (``__bytesio__``, with its position) names the uint8 tensor
+its bytes are stored in, so they are digested and fingerprinted like every
+tensor and never inflate the manifest. Manifests carry the skeleton, so
+readers check it here, without torch, before anything is rebuilt from it.
 """
 
 from __future__ import annotations
@@ -14,9 +18,15 @@ from typing import Any
 from .errors import ManifestError
 from .jsonx import short_repr
 
-__all__ = ["DICT", "FLOAT", "MAX_DEPTH", "TENSOR", "TUPLE", "escape", "malformed", "skeleton_problem", "tensor_refs"]
+__all__ = ["BLOBS", "BYTEARRAY", "BYTES", "BYTESIO", "DICT", "FLOAT", "MAX_DEPTH", "MAX_POSITION", "TENSOR", "TUPLE",
+           "escape", "malformed", "skeleton_problem", "tensor_refs"]
 
 TENSOR, TUPLE, DICT, FLOAT = "__tensor__", "__tuple__", "__dict__", "__float__"
+BYTES, BYTEARRAY, BYTESIO = "__bytes__", "__bytearray__", "__bytesio__"
+BLOBS = (BYTES, BYTEARRAY, BYTESIO)  # the tags whose tensor holds a byte string (1-D uint8), not a tensor value
+# The largest BytesIO position a skeleton may record: what ``BytesIO.seek`` takes (a C ssize_t) on 64-bit hosts.
+MAX_POSITION = 2**63 - 1
+_LEAVES = (TENSOR, FLOAT, *BLOBS)  # the tags with nothing nested inside
 # Deepest JSON nesting of one skeleton value that restores accept. Real states nest
 # about ten levels; the bound keeps every walk over untrusted skeletons (and the
 # recursive rebuild) far from the interpreter's recursion limit.
@@ -28,11 +38,12 @@ def escape(segment: str) -> str:
     return segment.replace("~", "~0").replace("/", "~1")
 
 
-def skeleton_problem(value: Any, refs: set[str] | None = None) -> str | None:
+def skeleton_problem(value: Any, refs: set[str] | None = None, blobs: set[str] | None = None) -> str | None:
     """Why ``value`` is not a skeleton value :func:`flatten` could have written; ``None`` if it is.
 
     Iterative (no recursion, whatever the nesting) and linear in the size of
-    ``value``. Every tensor name referred to is added to ``refs``. Checking
+    ``value``. Every tensor name referred to is added to ``refs``, and those
+    that hold a byte string (:data:`BLOBS`) also to ``blobs``. Checking
     this once up front is what lets :func:`unflatten` trust the structure: a
     hostile skeleton (unknown tags, unhashable dict keys, non-string tensor
     names, bad float literals, nesting deeper than :data:`MAX_DEPTH`) is
@@ -59,19 +70,15 @@ def skeleton_problem(value: Any, refs: set[str] | None = None) -> str | None:
             return f"{_at(path)}: unexpected {type(v).__name__}"
         if len(v) == 1:
             ((tag, inner),) = v.items()
-            if tag == TENSOR:
-                if not isinstance(inner, str):
-                    return f"{_at(path)}: tensor reference {short_repr(inner)} is not a name"
-                if refs is not None:
-                    refs.add(inner)
-                continue
-            if tag == FLOAT:
-                if not isinstance(inner, str):
-                    return f"{_at(path)}: float literal {short_repr(inner)} is not a string"
-                try:
-                    float(inner)
-                except ValueError:
-                    return f"{_at(path)}: bad float literal {short_repr(inner)}"
+            if tag in _LEAVES:
+                why = _leaf_problem(tag, inner, key)
+                if why is not None:
+                    return f"{_at(path)}: {why}"
+                if tag != FLOAT:
+                    name = inner if tag != BYTESIO else inner[0]
+                    for found in (refs, blobs if tag in BLOBS else None):
+                        if found is not None:
+                            found.add(name)
                 continue
             if tag == TUPLE:
                 if not isinstance(inner, list):
@@ -95,6 +102,27 @@ def skeleton_problem(value: Any, refs: set[str] | None = None) -> str | None:
             if not isinstance(k, str) or k.startswith("__"):
                 return f"{_at(path)}: unknown tag or key {short_repr(k)}"
             stack.append((x, f"{path}/{escape(k)}", depth + 1, False))
+    return None
+
+
+def _leaf_problem(tag: str, inner: Any, key: bool) -> str | None:
+    """Why ``{tag: inner}`` is not a leaf :func:`flatten` writes (``key``: it must rebuild into a dict key)."""
+    if tag == FLOAT:
+        if not isinstance(inner, str):
+            return f"float literal {short_repr(inner)} is not a string"
+        try:
+            float(inner)
+        except ValueError:
+            return f"bad float literal {short_repr(inner)}"
+        return None
+    if key and tag in (BYTEARRAY, BYTESIO):  # unhashable
+        return f"a {tag.strip('_')} cannot be a dict key"
+    if tag != BYTESIO:
+        what = "tensor" if tag == TENSOR else tag.strip("_")
+        return None if isinstance(inner, str) else f"{what} reference {short_repr(inner)} is not a name"
+    if not (isinstance(inner, list) and len(inner) == 2 and isinstance(inner[0], str) and type(inner[1]) is int
+            and 0 <= inner[1] <= MAX_POSITION):
+        return f"bytesio {short_repr(inner)} is not [tensor name, position from 0 to {MAX_POSITION}]"
     return None
 
 

@@ -12,7 +12,7 @@ with what was saved is looked for first, and reported together:
   parameters in a group), or whose saved state does not fit its parameters;
 * a plain tensor of another shape or dtype.
 
-Plain values (dicts, numbers) are replaced, whatever they held.
+Plain values (dicts, numbers, byte strings) are replaced, whatever they held.
 """
 
 from __future__ import annotations

@@ -118,7 +118,8 @@ class CheckpointManager:
 
         Args:
             step: the training step (int >= 0).
-            state: names to modules, optimizers, schedulers, tensors or plain data.
+            state: names to modules, optimizers, schedulers, tensors or plain data (JSON-like values, and byte
+                strings: ``bytes``, ``bytearray``, ``io.BytesIO``, stored as raw bytes and restored with their type).
             blocking: ``False`` returns as soon as the state is copied to host
                 memory; digests, uploads and the manifest complete on a background
                 thread. At most one save is pending: the next save (or :meth:`wait`)

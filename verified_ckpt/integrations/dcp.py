@@ -17,10 +17,13 @@ has a guard, and the checkpoint is listed, verified, flagged and rolled back
 like any other. DCP's own ``.metadata`` (a pickle) is never written or read:
 the reader rebuilds DCP's metadata from the manifest's JSON layout.
 
-Values that are not tensors (DCP pickles them) are stored as JSON through the
-same codec as the rest of a checkpoint and set directly on load, so nothing
-is unpickled; a value JSON cannot hold is refused at save. Loading them needs
-the default load planner (or one with its ``state_dict`` bookkeeping).
+Values that are not tensors (DCP pickles them) are stored through the same
+codec as the rest of a checkpoint and set directly on load, so nothing is
+unpickled: JSON-like data in the manifest, byte strings (``bytes``,
+``bytearray``, ``io.BytesIO``) as raw bytes in a uint8 tensor of the writing
+rank's shards, read back through the checked path like every chunk; any other
+value is refused at save. Loading them needs the default load planner (or one
+with its ``state_dict`` bookkeeping).
 """
 
 from __future__ import annotations
@@ -45,11 +48,11 @@ from torch.futures import Future
 
 from .. import RankReport
 from ..errors import InvalidState, StorageError, VerifiedCkptError
-from ..flatten import flatten, unflatten
+from ..flatten import flatten_value, unflatten
 from ..layout import Chunk, LayoutEntry, chunk_name
 from ..manifest import CheckpointInfo, Manifest
 from ..sharding import region
-from ..skeleton import TENSOR
+from ..skeleton import TENSOR, skeleton_problem, tensor_refs
 from ..tensorspec import dtype_name
 
 if TYPE_CHECKING:
@@ -96,11 +99,17 @@ class VerifiedStorageWriter(StorageWriter):
         values: dict[str, Any] = {}
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                values[item.index.fqn] = _json_value(item.index.fqn, getattr(planner, "state_dict", {}))
+                values[item.index.fqn], new = _plain_value(item.index.fqn, getattr(planner, "state_dict", {}))
             else:
                 data = planner.resolve_data(item)
                 assert isinstance(data, torch.Tensor)
-                tensors[chunk_name(item.index.fqn, tuple(item.index.offset or ()))] = data.detach()
+                new = {chunk_name(item.index.fqn, tuple(item.index.offset or ())): data.detach()}
+            clash = sorted(tensors.keys() & new.keys())
+            if clash:  # a byte string named like another value's chunk: one would overwrite the other
+                self.session.abort()
+                raise InvalidState(f"{clash[0]}: two values of the state dict would be stored under this one name; "
+                                   "rename one of their keys")
+            tensors |= new
         rank = self.manager.comm.rank
         report = self.session.write(tensors, f"dcp-r{rank:05d}")
         # DCP hands every rank's results to the coordinator: the first one carries this rank's report, as the
@@ -125,20 +134,28 @@ class VerifiedStorageWriter(StorageWriter):
                 skeleton[fqn] = {TENSOR: fqn}
             else:
                 skeleton[fqn] = values[fqn]
+        clash = sorted(layout.keys() & {n for r in reports for n in r.fingerprints})
+        if clash:  # refused before the commit: a manifest may not hold a tensor named like a sharded one
+            self.session.abort()
+            raise InvalidState(f"{clash[0]}: a byte string of the state dict would be stored under the name of a "
+                               "tensor of it; rename one of their keys")
         self.info = self.session.commit(reports, layout=layout, state={_ENTRY: {"stateful": False, "value": skeleton}})
 
     def storage_meta(self) -> None:
         return None
 
 
-def _json_value(fqn: str, state_dict: Any) -> Any:
-    """The JSON form of the non-tensor value ``fqn`` (the planner pickles it; we never unpickle)."""
+def _plain_value(fqn: str, state_dict: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The skeleton of the non-tensor value ``fqn`` (the planner pickles it; we never unpickle), and the uint8
+    tensors of its byte strings, named from ``fqn`` as ``flatten`` names them (``fqn``, ``fqn/0``, ...)."""
     if fqn not in state_dict:
         raise InvalidState(f"{fqn}: a non-tensor value the planner does not expose; use DefaultSavePlanner")
-    flat = flatten({"v": state_dict[fqn]})
-    if flat.tensors:
+    value, tensors = flatten_value(state_dict[fqn], fqn)
+    blobs: set[str] = set()
+    skeleton_problem(value, blobs=blobs)
+    if tensors.keys() - blobs:
         raise InvalidState(f"{fqn}: a non-tensor value that holds tensors cannot be stored")
-    return flat.skeleton["v"]["value"]
+    return value, tensors
 
 
 class VerifiedStorageReader(StorageReader):
@@ -226,11 +243,14 @@ class VerifiedStorageReader(StorageReader):
             if item.type == LoadItemType.TENSOR:
                 by_chunk[chunk_name(item.storage_index.fqn, tuple(item.storage_index.offset or ()))].append(item)
         assert self.opened is not None
-        loaded = self.opened.read(set(by_chunk))  # every rank raises alike, before any copies a value
         values = self._values(m)
-        for item in plan.items:
-            if item.type == LoadItemType.BYTE_IO:
-                _set_value(planner, item.dest_index.fqn, unflatten(values[item.storage_index.fqn], {}))
+        wanted = [values[item.storage_index.fqn] for item in plan.items if item.type == LoadItemType.BYTE_IO]
+        blobs = set().union(*map(tensor_refs, wanted))  # the byte strings' tensors, read and checked with the chunks
+        loaded = self.opened.read(set(by_chunk) | blobs)  # every rank raises alike, before any copies a value
+        rebuilt = {item.dest_index.fqn: unflatten(values[item.storage_index.fqn], loaded)  # all before any is set
+                   for item in plan.items if item.type == LoadItemType.BYTE_IO}
+        for fqn, value in rebuilt.items():
+            _set_value(planner, fqn, value)
         for name, items in by_chunk.items():
             for item in items:
                 dest = planner.resolve_tensor(item).detach()

@@ -102,8 +102,9 @@ def _int(v: Any, where: str, lo: int, hi: int) -> int:
 
 
 def _text(v: Any, where: str, longest: int = _MAX_NAME) -> str:
-    if not isinstance(v, str) or not 0 < len(v) <= longest:
-        raise _Malformed(f"{where} must be a name of 1 to {longest} characters, got {short_repr(v)}")
+    # Printable only: names reach the terminal in the replay's line and its messages (no newline, no escape).
+    if not isinstance(v, str) or not 0 < len(v) <= longest or not v.isprintable():
+        raise _Malformed(f"{where} must be a printable name of 1 to {longest} characters, got {short_repr(v)}")
     return v
 
 

@@ -29,6 +29,7 @@ _FLAGS = [(re.compile(p), f) for p, f in [
     (r"\ballow_unverified=True\b", "--allow-unverified"), (r"\bon_exclude\b", "--on-exclude"),
     (r"\bkeep_last\b", "--keep-last"), (r"field 'ranks'", "--rank"), (r"\branks= ", "--rank "),
     (r"\(runs=\)", "(RUN ...)"), (r"\(discover=\)", "(--discover PREFIX)"),
+    (r"\bincident=", "--incident "),
 ]]
 
 

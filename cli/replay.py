@@ -1,14 +1,18 @@
 """``vckpt replay``: recompute a recorded failing step on this host and say whose fault it was.
 
 Exit codes (the table's): 0 not reproduced (a transient fault, or another host's), 4 reproduced on this host,
-6 no host to blame (software or data), 1 inconclusive or a bundle refused (altered or damaged), 2 usage (no
-bundle for that incident, a model that is not the trained one), 3 the store cannot be read.
+6 no host to blame (software or data), 1 inconclusive, 2 usage (no bundle for that incident, an incident id that is
+not one, a model that is not the trained one or that cannot take the bundle's data), 3 the store cannot be read.
+A refusal is not a verdict: it is one line, ``error: no verdict: ...``, on stderr and nothing on stdout (with
+``--json`` too), exit 1 for a bundle refused (altered, damaged or malformed: 1 is a failed check) and 2 or 3 as
+above; a verdict is printed on stdout.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import NoReturn
 
 import click
 
@@ -23,7 +27,8 @@ __all__ = ["replay_cmd"]
 @click.argument("run")
 @click.option("--incident", "incident", required=True, help="The incident id (`vckpt status RUN --json`).")
 @click.option("--model", "model_spec", required=True, metavar="FILE.py:FUNC|MODULE:FUNC",
-              help="A function returning (model, loss_fn): the trained architecture, unwrapped, and its loss.")
+              help="A function returning (model, loss_fn): the trained architecture, unwrapped, and its loss. The "
+                   "file or module is imported: its top-level code runs, a file's folder first on sys.path.")
 @click.option("--host", default=None, help="The name to report this host by (default: this machine's name).")
 @click.option("--rank", "ranks", type=int, multiple=True, help="Replay only this suspect rank (repeatable).")
 @click.option("--inject", "faults", multiple=True, metavar="SITE:RANK:STEP[:MODE]",
@@ -42,18 +47,14 @@ def replay_cmd(run: str, incident: str, model_spec: str, host: str | None, ranks
         options = parse_storage_options(storage_options)
         CheckpointManager(run, storage_options=options).require_run()
         bundle, tensors = replay_bundle(run, incident, options)
-    except BundleError as e:
-        click.echo(f"error: {as_flags(str(e))}", err=True)
-        sys.exit(EXIT_USAGE if "has no replay bundle" in str(e) else EXIT_CHECK_FAILED)
-    except VerifiedCkptError as e:
-        click.echo(f"error: {as_flags(str(e))}", err=True)
-        sys.exit(exit_code_for(e))
-    try:
         model, loss_fn = load_model(model_spec)
         results = replay(bundle, tensors, model, loss_fn, host=host, faults=faults, ranks=ranks)
-    except (VerifiedCkptError, ValueError) as e:
-        click.echo(f"error: {as_flags(str(e))}", err=True)
-        sys.exit(EXIT_USAGE)
+    except BundleError as e:
+        _refuse(e, EXIT_USAGE if "has no replay bundle" in str(e) else EXIT_CHECK_FAILED)
+    except VerifiedCkptError as e:
+        _refuse(e, exit_code_for(e))
+    except ValueError as e:  # an --inject spec
+        _refuse(e, EXIT_USAGE)
     if as_json:
         click.echo(json.dumps({"incident": incident, "step": bundle.recipe.step, "kind": bundle.recipe.kind,
                                "bundle_bytes": bundle.nbytes,
@@ -62,6 +63,12 @@ def replay_cmd(run: str, incident: str, model_spec: str, host: str | None, ranks
         for r in results:
             click.echo(f"incident {incident}, step {bundle.recipe.step} ({bundle.recipe.kind}): {r.line}")
     sys.exit(max((int(r.outcome.code) for r in results), key=_severity))
+
+
+def _refuse(err: Exception, code: int) -> NoReturn:
+    """A replay that gives no verdict says so, in one line on stderr, whatever its code (1 is also a verdict's)."""
+    click.echo(f"error: no verdict: {as_flags(str(err))}", err=True)
+    sys.exit(code)
 
 
 def _severity(code: int) -> int:

@@ -53,15 +53,82 @@ def test_every_verdict_has_its_own_code_and_errors_map_onto_the_table():
 
 
 def test_the_error_file_torchrun_reads_names_the_verdict_and_the_suspect(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
     path = tmp_path / "error.json"
+    path.write_text("{half a document from an earlier attempt")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
     code = record_verdict(SilentCorruptionDetected(incident()))
     message = json.loads(path.read_text())["message"]["message"]
     assert code == 4 and message.startswith("Verdict: exit 4, silent data corruption, suspect hosts named: ")
     assert "suspect: rank 0 on node-3" in message
+    # What torchrun's summary shows, through torchelastic's own reader of the file.
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=4, error_file=str(path))
+    assert failure.message["message"] == message
+    summary = ChildFailedError("train.py", {0: failure}).format_msg()
+    assert "exitcode  : 4" in summary and "Verdict: exit 4, silent data corruption" in summary and "node-3" in summary
+    assert os.listdir(tmp_path) == ["error.json"]  # published by a rename: nothing left beside it
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
     path.unlink()
     assert record_verdict(SilentCorruptionDetected(incident(hosts=()))) == 5 and not path.exists()
+
+
+# A training job's last words: exit_on, the real exit path, in a process of its own. With argv[1], a file-size
+# limit of that many bytes (SIGXFSZ ignored): a write past it fails as it does on a full disk.
+VERDICT_JOB = """
+import resource, signal, sys
+from verified_ckpt import Host, Incident, SilentCorruptionDetected, exit_on
+if len(sys.argv) > 1:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+exit_on(SilentCorruptionDetected(Incident(kind="checksum", detected_step=7, first_suspect_step=7, ranks=[3],
+        hosts=[Host(3, "node-b", "cpu")], detail="x", id="a1")))
+"""
+
+
+def _error_file(kind: str, tmp_path) -> str:
+    if kind == "a directory":
+        return str(tmp_path)
+    if kind == "a missing folder":
+        return str(tmp_path / "absent" / "error.json")
+    if kind == "a folder that is a file":
+        (tmp_path / "plain").write_text("x")
+        return str(tmp_path / "plain" / "error.json")
+    if kind == "a place nothing is created in, root included":
+        return "/proc/self/error.json"
+    if kind == "a file nobody may write, root included":
+        if not os.path.exists("/sys/kernel/notes"):
+            pytest.skip("no /sys/kernel/notes here")
+        return "/sys/kernel/notes"
+    if kind == "a full device":
+        return "/dev/full"
+    if kind == "a full disk":
+        return str(tmp_path / "error.json")
+    os.mkfifo(tmp_path / "fifo")
+    if kind == "a FIFO with no reader":
+        return str(tmp_path / "fifo")
+    os.symlink(tmp_path / "fifo", tmp_path / "link")
+    return str(tmp_path / "link")
+
+
+@pytest.mark.parametrize("kind", ["a directory", "a missing folder", "a folder that is a file",
+                                  "a place nothing is created in, root included", "a file nobody may write, root included",
+                                  "a full device", "a full disk", "a FIFO with no reader", "a link to a FIFO"])
+def test_an_error_file_that_cannot_be_written_costs_one_line_never_the_verdicts_exit_code(tmp_path, kind):
+    path = _error_file(kind, tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    limit = ["64"] if kind == "a full disk" else []
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": path, "PYTHONDONTWRITEBYTECODE": "1"}
+    # A hang (the FIFO, before) fails here, promptly: the bound is the job's, the exit must come at once.
+    done = subprocess.run([sys.executable, "-c", VERDICT_JOB, *limit], capture_output=True, text=True, timeout=30,
+                          env=env, check=False)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 4 and "Traceback" not in done.stderr, done.stderr
+    assert len(lines) == 2 and lines[1].startswith("verified-ckpt: exit 4 (silent data corruption"), lines
+    assert lines[0].startswith(f"verified-ckpt: torchelastic's error file TORCHELASTIC_ERROR_FILE={path!r} was not "
+                               "written (") and lines[0].endswith("the exit code still carries the verdict"), lines
+    # Nothing half-written is left for torchrun to misread, and nothing is left beside it.
+    assert sorted(os.listdir(tmp_path)) == before
 
 
 def test_a_software_divergence_verdict_survives_the_record_round_trip():

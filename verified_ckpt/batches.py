@@ -19,7 +19,7 @@ import torch
 
 from .errors import GuardUsageError
 
-__all__ = ["decode", "encode", "rows"]
+__all__ = ["decode", "encode", "leaves", "rows"]
 
 _T, _LIST, _TUPLE, _MAP, _LEAF = "t", "list", "tuple", "map", "leaf"
 
@@ -66,6 +66,32 @@ def decode(tensors: list[torch.Tensor], spec: Any) -> Any:
         return tuple(items) if tag == _TUPLE else items
 
     return go(spec)
+
+
+def leaves(spec: Any) -> int:
+    """How many tensors the structure ``spec`` takes, checking that it is one :func:`encode` writes (a structure
+    read from a store, a replay bundle's, must not reach :func:`decode` otherwise: it would fail mid-way).
+
+    Raises:
+        ValueError: ``spec`` is not such a structure (the message says where).
+    """
+
+    def go(sp: Any, where: str) -> int:
+        if sp == _T:
+            return 1
+        tag = sp[0] if isinstance(sp, list) and sp else None
+        if tag == _LEAF and len(sp) == 2 and (sp[1] is None or isinstance(sp[1], (bool, int, float, str))):
+            return 0
+        if tag in (_LIST, _TUPLE) and len(sp) == 2 and isinstance(sp[1], list):
+            return sum(go(s, f"{where}[{i}]") for i, s in enumerate(sp[1]))
+        if tag == _MAP and len(sp) in (3, 4) and isinstance(sp[1], list) and isinstance(sp[2], list):
+            keys, parts = sp[1], sp[2]
+            named = all(isinstance(k, str) for k in keys) and len(set(keys)) == len(keys) == len(parts)
+            if named and (len(sp) == 3 or isinstance(sp[3], str)):
+                return sum(go(s, f"{where}[{k!r}]") for k, s in zip(keys, parts, strict=True))
+        raise ValueError(f"{where} is not a batch structure")
+
+    return go(spec, "batch")
 
 
 def _type_name(cls: type) -> str:

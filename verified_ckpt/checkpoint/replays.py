@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import BundleError, ManifestError
+from ..errors import BundleError, InvalidState, ManifestError
+from ..jsonx import short_repr
+from ..manifest import SEGMENT
 from ..signing import Signer
 from ..store import RunStore
 
@@ -29,9 +31,13 @@ def read_bundle(store: RunStore, signer: Signer, incident: str) -> tuple[Bundle,
     """Incident ``incident``'s bundle and its tensors.
 
     Raises:
-        BundleError: there is none, or it is damaged, altered or unreadable (nothing is loaded then).
+        InvalidState: ``incident`` is not an incident id (a caller's mistake: nothing is read).
+        BundleError: there is none, or it is damaged, altered, malformed or unreadable (nothing is loaded then).
         StorageError: the store cannot be read.
     """
+    if not isinstance(incident, str) or not SEGMENT.match(incident):
+        raise InvalidState(f"incident={short_repr(incident)} is not an incident id (letters, digits, '.', '_' and '-'); "
+                           "`vckpt status RUN --json` lists the run's incidents")
     from .. import bundle  # torch: only a replay gets here
 
     try:

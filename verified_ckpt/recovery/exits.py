@@ -2,7 +2,8 @@
 
 A scheduler acts on a process's exit code and on little else. ``torchrun`` exits 1 whenever a worker fails, so
 the verdict also travels in torchelastic's error file (:func:`record_verdict`), which ``torchrun``'s failure
-summary prints, and in the run itself, which ``vckpt status`` and ``vckpt supervise`` read.
+summary prints, and in the run itself, which ``vckpt status`` and ``vckpt supervise`` read. The file is only an
+echo: one that cannot be written costs a line on stderr, never the code (``errorfile``).
 
 =====  =====================================================================================================
 code   meaning
@@ -21,8 +22,13 @@ code   meaning
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import json
+import os
 import sys
+import time
+import traceback
 from collections.abc import Iterable
 from typing import NoReturn
 
@@ -36,6 +42,7 @@ from ..errors import (
     VerifiedCkptError,
 )
 from ..records import Incident
+from . import errorfile
 
 __all__ = ["ExitCode", "exit_code_for", "exit_on", "incident_code", "record_verdict", "verdict_of"]
 
@@ -102,14 +109,25 @@ def exit_code_for(err: BaseException) -> ExitCode:
 def record_verdict(err: BaseException) -> ExitCode:
     """Write torchelastic's error file (``TORCHELASTIC_ERROR_FILE``, which ``torchrun`` sets for each worker) with
     the verdict and the suspects, so that ``torchrun``'s failure summary shows them whichever rank it reports as
-    the root cause; return the exit code. Without the variable nothing is written."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    the root cause; return the exit code. Without the variable (or with it empty) nothing is written.
 
+    The file is an echo of the verdict; the exit code is the verdict. A file that cannot be written (a directory,
+    a missing or read-only folder, a FIFO, a full device, a hung mount) costs one line on stderr, never the code
+    and never a wait past ``errorfile.TIMEOUT_S`` (``errorfile``)."""
     code = exit_code_for(err)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return code
     try:  # raised from ``err``: the file's traceback, which the summary prints, then ends with the verdict
         raise Verdict(f"exit {int(code)}, {code.meaning}: {err}") from err
     except Verdict as verdict:
-        ErrorHandler().record_exception(verdict)
+        # torchelastic's own layout (ErrorHandler.record_exception), which its ProcessFailure reads back.
+        doc = {"message": {"message": f"{type(verdict).__name__}: {verdict}", "extraInfo": {
+            "py_callstack": "".join(traceback.format_exception(verdict)), "timestamp": str(int(time.time()))}}}
+    why = errorfile.write(path, json.dumps(doc))
+    if why is not None:
+        _say(f"verified-ckpt: torchelastic's error file TORCHELASTIC_ERROR_FILE={path!r} was not written ({why}); "
+             f"the exit code still carries the verdict")
     return code
 
 
@@ -121,5 +139,11 @@ def exit_on(err: BaseException) -> NoReturn:
     """End the process with ``err``'s verdict: the error file written, one line on stderr, the table's exit code.
     Call it in a training script's ``except SilentCorruptionDetected`` (or any verified-ckpt error)."""
     code = record_verdict(err)
-    print(f"verified-ckpt: exit {int(code)} ({code.meaning}): {err}", file=sys.stderr, flush=True)
+    _say(f"verified-ckpt: exit {int(code)} ({code.meaning}): {err}")
     sys.exit(int(code))
+
+
+def _say(line: str) -> None:
+    """One line on stderr; a closed or broken stderr must not replace the exit code either."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)

@@ -32,7 +32,7 @@ import torch
 
 from ..batches import decode
 from ..bundle import Bundle, BundleSuspect
-from ..errors import InvalidState
+from ..errors import BundleError, InvalidState
 from ..faults import FaultPlan
 from ..guard.audit import Recomputed, recompute
 from ..guard.stats import Projector
@@ -106,6 +106,9 @@ def load_model(spec: str) -> tuple[torch.nn.Module, LossFn]:
     """``FILE.py:FUNC`` or ``package.module:FUNC``: a function returning ``(model, loss_fn)``, the training model
     (unwrapped: no DDP) and its ``loss_fn(model, batch)``.
 
+    The file or module is imported: its top-level code runs in this process, a file's folder first on
+    ``sys.path`` (its own imports: ``models.py`` beside it). Name only code you would run.
+
     Raises:
         InvalidState: the spec, the import or the call fails (the message says which).
     """
@@ -125,7 +128,7 @@ def load_model(spec: str) -> tuple[torch.nn.Module, LossFn]:
             module = importlib.import_module(where)
         got = getattr(module, name)()
     except Exception as e:  # noqa: BLE001 - the user's code: any failure becomes one line
-        raise InvalidState(f"model={spec}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}; "
+        raise InvalidState(f"model={spec}: {type(e).__name__}: {_first_line(e)}; "
                            "it must name a function returning (model, loss_fn)") from None
     if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.nn.Module) and callable(got[1])):
         raise InvalidState(f"model={spec} returned {type(got).__name__}, not (torch.nn.Module, loss_fn)")
@@ -138,23 +141,31 @@ def _load_state(module: torch.nn.Module, bundle: Bundle, tensors: dict[str, torc
         missing = sorted(set(bundle.params) ^ set(params))[:3] or ["(parameter order)"]
         raise InvalidState(f"the model that model= builds is not the one trained: its parameters differ from the bundle's "
                            f"({', '.join(missing)}); build the same architecture")
+    # Every tensor checked before any is copied: copy_ would broadcast a smaller one silently.
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = [
+        (f"parameter {n}", params[n], tensors[f"param/{i}"]) for i, n in enumerate(bundle.params)]
+    pairs += [(f"buffer {n}", buffers[n], tensors[f"buffer/{i}"]) for i, n in enumerate(bundle.buffers)]
+    for what, mine, t in pairs:
+        if mine.shape != t.shape or mine.dtype != t.dtype:
+            raise InvalidState(f"{what} is {tuple(mine.shape)} {mine.dtype} in the model and {tuple(t.shape)} {t.dtype} "
+                               "in the bundle; build the same architecture")
     with torch.no_grad():
-        for i, n in enumerate(bundle.params):
-            t = tensors[f"param/{i}"]
-            if params[n].shape != t.shape or params[n].dtype != t.dtype:
-                raise InvalidState(f"parameter {n} is {tuple(params[n].shape)} {params[n].dtype} in the model and "
-                                   f"{tuple(t.shape)} {t.dtype} in the bundle; build the same architecture")
-            params[n].copy_(t)
-        for i, n in enumerate(bundle.buffers):
-            buffers[n].copy_(tensors[f"buffer/{i}"])
+        for _, mine, t in pairs:
+            mine.copy_(t)
     return [params[n] for n in bundle.params]
 
 
-def _microbatches(s: BundleSuspect, tensors: dict[str, torch.Tensor], device: torch.device) -> list[Any]:
+def _microbatches(bundle: Bundle, s: BundleSuspect, tensors: dict[str, torch.Tensor], device: torch.device) -> list[Any]:
+    """The suspect's microbatches on ``device`` with their random states (the bundle has checked the names, the
+    structures and the CPU states; a CUDA state is checked here, where the device it is for is known)."""
     out = []
     for j, (spec, leaves, has_cuda) in enumerate(s.microbatches):
         mb = decode([tensors[f"mb/{s.rank}/{j}/{k}"].to(device) for k in range(leaves)], spec)
-        out.append((mb, (tensors[f"rng/{s.rank}/{j}/cpu"], tensors[f"rng/{s.rank}/{j}/cuda"] if has_cuda else None)))
+        cuda = tensors[f"rng/{s.rank}/{j}/cuda"] if has_cuda else None
+        if cuda is not None and device.type == "cuda" and cuda.shape != torch.cuda.get_rng_state(device).shape:
+            raise BundleError(f"the replay bundle of incident {bundle.incident} is malformed (rng/{s.rank}/{j}/cuda is "
+                              f"{tuple(cuda.shape)}, not a random state of {device}); it is never replayed")
+        out.append((mb, (tensors[f"rng/{s.rank}/{j}/cpu"], cuda)))
     return out
 
 
@@ -185,11 +196,26 @@ def replay(bundle: Bundle, tensors: dict[str, torch.Tensor], model: torch.nn.Mod
                 plan.apply("grad", rank, r.step, flat)
 
         model.train()
-        loss, proj, lanes = recompute(model, params, loss_fn, _microbatches(s, tensors, device), r.layout, project, hit)
+        mbs = _microbatches(bundle, s, tensors, device)
+        try:
+            loss, proj, lanes = recompute(model, params, loss_fn, mbs, r.layout, project, hit)
+        except Exception as e:  # noqa: BLE001 - the user's model on data from the store: a refusal, never a traceback
+            raise InvalidState(
+                f"rank {s.rank}'s microbatches from the bundle do not run through the given model and loss_fn "
+                f"({type(e).__name__}: {_first_line(e)}); give the trained model and its loss (if they are, the "
+                "bundle's microbatches were altered); nothing was judged") from None
         got = Recomputed(float(loss), proj.tolist(), (int(lanes[0]), int(lanes[1])))
         outcome = judge(s.recorded, s.reference, got, r.mode, r.rtol)
         out.append(Replayed(s.rank, s.host, here, outcome, _line(outcome, s, here, bundle)))
     return out
+
+
+def _first_line(e: BaseException) -> str:
+    try:
+        text = str(e).strip()
+    except Exception:  # noqa: BLE001 - an exception of the user's code whose message itself fails
+        text = ""
+    return text.splitlines()[0][:300] if text else "no message"
 
 
 def _line(outcome: Outcome, s: BundleSuspect, here: str, bundle: Bundle) -> str:

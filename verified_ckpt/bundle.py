@@ -24,6 +24,7 @@ from safetensors.torch import save as save_tensors
 from .errors import BundleError
 from .guard.audit import Recomputed
 from .guard.capture import Capture, Recipe
+from .hosts import host_problem
 from .jsonx import JSONBudgetError, Limits, canonical_json, decode_object
 from .signing import Signature, Signer
 
@@ -67,6 +68,13 @@ def _unfp(d: Any) -> Recomputed:
         raise TypeError("lanes")
     return Recomputed(float.fromhex(d["loss"]), [float.fromhex(p) for p in d["proj"]],
                       None if lanes is None else (lanes[0], lanes[1]), float.fromhex(d["sumsq"]))
+
+
+def _host(name: Any) -> str:
+    """A suspect's host, in the one grammar (``hosts.host_problem``): it is printed in the replay's verdict."""
+    if host_problem(name):
+        raise ValueError("host")
+    return str(name)
 
 
 def encode(cap: Capture, incident: str, signer: Signer) -> tuple[bytes, bytes]:
@@ -114,7 +122,7 @@ def decode(raw: bytes, signer: Signer, incident: str) -> Bundle:
     try:
         if doc["bundle"] != VERSION or doc["incident"] != incident:
             raise ValueError("version or incident")
-        suspects = [BundleSuspect(int(s["rank"]), str(s["host"]), _unfp(s["recorded"]), int(s["reference_rank"]),
+        suspects = [BundleSuspect(int(s["rank"]), _host(s["host"]), _unfp(s["recorded"]), int(s["reference_rank"]),
                                   _unfp(s["reference"]), [(m["spec"], int(m["leaves"]), bool(m["cuda"]))
                                                           for m in s["microbatches"]]) for s in doc["suspects"]]
         recipe = Recipe(int(doc["step"]), str(doc["kind"]), {int(i): [int(x) for x in m] for i, m in doc["layout"]},

@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import ManifestError
 from .evidence import evidence_problem
-from .hosts import Topology
+from .hosts import Topology, device_problem, host_problem
 from .jsonx import JSONBudgetError, Limits, canonical_json, decode_object, short_repr
 from .layout import LayoutEntry, parse_layout
 from .skeleton import MAX_DEPTH as MAX_SKELETON_DEPTH
@@ -309,6 +309,8 @@ def _topology_problem(topo: dict[str, Any]) -> str | None:
         if not (isinstance(r, dict) and type(r.get("rank")) is int
                 and all(isinstance(r.get(k, ""), str) for k in ("host", "device"))):
             return "a topology rank must have an int rank and string host and device"
+        if why := host_problem(r.get("host", "unknown")) or device_problem(r.get("device", "unknown")):
+            return f"topology rank {short_repr(r['rank'])}: {why}"
     return None
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from verified_ckpt import VerifiedCkptError
-from verified_ckpt.recovery import host_problem, local_host, node_health, supervise
+from verified_ckpt.recovery import HOST_GRAMMAR, host_problem, local_host, node_health, supervise
 
 from .options import EXIT_CHECK_FAILED, EXIT_USAGE, as_flags, exit_code_for, parse_storage_options
 
@@ -38,7 +38,7 @@ def node_health_cmd(runs: tuple[str, ...], host: str | None, storage_options: tu
     from verified_ckpt import CheckpointManager
 
     if host is not None and (why := host_problem(host)):
-        raise click.BadParameter(why, param_hint="--host")
+        raise click.BadParameter(f"{why} ({HOST_GRAMMAR})", param_hint="--host")
     name = host or local_host()
     pairs = []
     try:

@@ -22,24 +22,25 @@ from typing import Any
 
 from .jsonx import short_repr
 
-__all__ = ["MAX_DEVICE", "MAX_HOST", "Host", "Topology", "as_device", "as_host", "device_problem", "host_problem",
-           "local_host"]
+__all__ = ["GRAMMAR", "MAX_DEVICE", "MAX_HOST", "Host", "Topology", "as_device", "as_host", "device_problem",
+           "host_problem", "local_host"]
 
 MAX_HOST = 253
 MAX_DEVICE = 256
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOST = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 _NOT_LABEL = re.compile(r"[^A-Za-z0-9-]+")
-GRAMMAR = ("RFC 1123: dot-separated labels of 1 to 63 letters, digits and hyphens, none starting or ending with a "
-           f"hyphen, at most {MAX_HOST} characters")
+GRAMMAR = ("a host name is RFC 1123's: dot-separated labels of 1 to 63 letters, digits and hyphens, none starting or "
+           f"ending with a hyphen, at most {MAX_HOST} characters")
 log = logging.getLogger("verified_ckpt")
 
 
 def host_problem(name: object) -> str | None:
-    """Why ``name`` is not a host name (``None``: it is one). The message names the value, escaped."""
+    """Why ``name`` is not a host name (``None``: it is one), short enough to survive a record's one-line
+    reason; the value is escaped. :data:`GRAMMAR` spells the rule out for a person who typed the name."""
     if isinstance(name, str) and len(name) <= MAX_HOST and _HOST.fullmatch(name):
         return None
-    return f"host {short_repr(name)} is not a host name ({GRAMMAR})"
+    return f"host {short_repr(name)} is not an RFC 1123 host name"
 
 
 def device_problem(device: object) -> str | None:

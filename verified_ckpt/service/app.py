@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from .. import CheckpointManager, InvalidState, VerifiedCkptError
 from ..jsonx import JSONBudgetError, Limits, decode_object, short_repr
-from ..recovery import host_problem, node_health
+from ..recovery import HOST_GRAMMAR, host_problem, node_health
 from ..status import HEALTH_COLOURS, PALETTE
 from .metrics import Metrics
 from .watch import Watcher
@@ -105,7 +105,7 @@ class _Api:
         run has not been read (``unread``); 400 for a name outside the host grammar."""
         host = request.path_params["host"]
         if why := host_problem(host):
-            return JSONResponse({"error": why}, status_code=400)
+            return JSONResponse({"error": f"{why} ({HOST_GRAMMAR})"}, status_code=400)
         watchers = list(self.watchers.values())
         unread = [w.url for w in watchers if w.state.view is None]
         health = node_health(host, [(w.url, w.state.view.open_incidents())

@@ -175,6 +175,15 @@ def test_a_hostile_host_written_straight_to_the_store_is_unreadable_and_names_no
         assert "\x1b" not in out and "\nrank 0 on n2" not in out, out  # only ever shown escaped, in a warning
 
 
+def test_an_incident_kind_is_an_id_and_one_with_an_escape_is_unreadable(tmp_path):
+    run = str(tmp_path / "run")
+    CheckpointManager(run).save(1, {"w": torch.ones(2)})
+    write_raw(run, "incident", {**incident_record("node-b", step=1), "kind": "checksum\x1b[2J\nnode-b: healthy"})
+    said = json.loads(CliRunner().invoke(vckpt, ["status", run, "--json"]).stdout)
+    assert said["open_incidents"] == [] and "field 'kind'" in said["unreadable_records"][0]
+    assert "\x1b" not in CliRunner().invoke(vckpt, ["status", run]).output
+
+
 def test_a_checkpoint_whose_topology_names_a_hostile_host_is_malformed_and_lends_it_to_no_incident(tmp_path):
     run = str(tmp_path / "run")
     mgr = CheckpointManager(run)
@@ -302,6 +311,7 @@ TAMPER = {
     "hosts retyped": lambda doc, raw: json.dumps({**doc, "hosts": "nobody"}).encode(),
     "host renamed": lambda doc, raw: json.dumps({**doc, "hosts": [{**doc["hosts"][0], "host": "other-node"}],
                                                  "exclude_hosts": ["other-node"]}).encode(),
+    "kind escaped": lambda doc, raw: json.dumps({**doc, "kind": "manual\x1b[2J\nother-node: healthy"}).encode(),
 }
 
 
@@ -328,6 +338,7 @@ def test_an_edited_signed_incident_makes_every_host_unknown_never_healthy(signed
         assert said["state"] == "unknown" and said["healthy"] is False and said["untrusted"]
     status = CliRunner().invoke(vckpt, ["status", signed_run])
     assert "exclude hosts: none" not in status.output and "exclude hosts: unknown" in status.output, status.output
+    assert "\x1b" not in status.output and len(status.stdout.splitlines()) == 1  # what the edit wrote is not shown
     assert json.loads(CliRunner().invoke(vckpt, ["status", signed_run, "--json"]).stdout)["exclude_hosts_unknown"]
     incidents = CliRunner().invoke(vckpt, ["incidents", signed_run]).output
     assert "exclude from scheduling: unknown" in incidents, incidents

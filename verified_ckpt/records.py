@@ -126,7 +126,7 @@ class Incident:
     def from_record(cls, d: dict[str, Any], signature: str = "unsigned") -> Incident:
         r = _Fields(d, INCIDENT)
         return cls(
-            kind=r.text("kind", 64), detected_step=r.step("detected_step"),
+            kind=r.ident("kind"), detected_step=r.step("detected_step"),
             first_suspect_step=r.step("first_suspect_step"), ranks=r.ranks("ranks"), hosts=r.hosts("hosts"),
             detail=r.text("detail", MAX_TEXT, default=""), id=r.ident("id"),
             reason=r.text("reason", MAX_TEXT, default=""), to_step=r.step("to_step", optional=True),
@@ -304,9 +304,11 @@ def _untrusted(kind: str, doc: dict[str, Any], why: str, signature: str) -> Reco
         # back-dated time that an old rollback would answer), so none is believed:
         # it covers the whole run and no rollback answers it, until an operator
         # removes it (and re-flags what is real).
-        rid = doc.get("id")
-        return Incident(kind=str(doc.get("kind", "unknown"))[:64], detected_step=0, first_suspect_step=0, ranks=[],
-                        hosts=[], detail=why, id=rid if isinstance(rid, str) and _ID.match(rid) else "unknown",
+        # Its id and kind are shown (vckpt status, node-health), so only in the id grammar.
+        rid, what = doc.get("id"), doc.get("kind")
+        return Incident(kind=what if isinstance(what, str) and _ID.match(what) else "unknown", detected_step=0,
+                        first_suspect_step=0, ranks=[], hosts=[], detail=why,
+                        id=rid if isinstance(rid, str) and _ID.match(rid) else "unknown",
                         reason=why + "; until it is removed every checkpoint is suspect", to_step=None,
                         at=UNANSWERABLE, source="untrusted", signature=signature)
     if kind == VERIFICATION:

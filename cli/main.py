@@ -261,7 +261,10 @@ def incidents_cmd(mgr: CheckpointManager, out: Output) -> int:
                               "(edited, or unreadable where a signed record belongs); it covers the whole run until it is "
                               "removed (docs/SECURITY.md)")
         hosts = view.exclude_hosts()  # the open incidents' hosts: what `vckpt status`, the report and the service say
-        if hosts:
+        if view.health().hosts_unknown:  # an untrusted incident could have named any host: never "none"
+            console.print(f"exclude from scheduling: {' '.join(hosts) + ' and ' if hosts else ''}unknown (an open "
+                          "incident cannot be trusted and could have named any host)")
+        elif hosts:
             console.print("exclude from scheduling: " + " ".join(hosts))
         elif all(r["answered"] for r in rows):
             console.print("exclude from scheduling: none (every incident is answered by a rollback)")

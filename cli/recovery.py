@@ -1,20 +1,20 @@
 """``vckpt node-health`` and ``vckpt supervise``: what a cluster's health tooling and a job's wrapper call.
 
 ``node-health`` follows a Node-Problem-Detector custom plugin's convention: exit 0 healthy, 1 problem, anything
-else unknown (here 2 for a usage error, 3 for a store that cannot be read), with one line on stdout.
+else unknown (here 2 for a usage error, 3 for a store that cannot be read, 8 for an open incident that cannot be
+trusted and so could have named this host), with one line on stdout.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from typing import Any
 
 import click
 
 from verified_ckpt import VerifiedCkptError
-from verified_ckpt.recovery import node_health, supervise
+from verified_ckpt.recovery import HOST_GRAMMAR, host_problem, local_host, node_health, supervise
 
 from .options import EXIT_CHECK_FAILED, EXIT_USAGE, as_flags, exit_code_for, parse_storage_options
 
@@ -29,14 +29,17 @@ STORAGE_HELP = "fsspec storage option (repeatable); AWS_* environment variables 
 @click.option("--storage-option", "-o", "storage_options", multiple=True, metavar="KEY=VALUE", help=STORAGE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 def node_health_cmd(runs: tuple[str, ...], host: str | None, storage_options: tuple[str, ...], as_json: bool) -> None:
-    """Whether HOST is named by an open incident of any of RUNS (exit 0 healthy, 1 suspect).
+    """Whether HOST is named by an open incident of any of RUNS (exit 0 healthy, 1 suspect, 8 unknown: an open
+    incident cannot be trusted and could have named it).
 
     For a Node-Problem-Detector custom plugin, a Slurm prolog or epilog, or a Kubernetes readiness command. An
     incident stops naming the host once a rollback answers it (``vckpt rollback``, or the job's resume()).
     """
     from verified_ckpt import CheckpointManager
 
-    name = host or socket.gethostname()
+    if host is not None and (why := host_problem(host)):
+        raise click.BadParameter(f"{why} ({HOST_GRAMMAR})", param_hint="--host")
+    name = host or local_host()
     pairs = []
     try:
         options = parse_storage_options(storage_options)
@@ -50,7 +53,7 @@ def node_health_cmd(runs: tuple[str, ...], host: str | None, storage_options: tu
         sys.exit(EXIT_USAGE if code == EXIT_CHECK_FAILED else code)  # 1 would read as "suspect" to the plugin
     health = node_health(name, pairs)
     click.echo(json.dumps(health.to_dict()) if as_json else health.line())
-    sys.exit(0 if health.healthy else 1)
+    sys.exit(health.code)
 
 
 @click.command("supervise", context_settings={"allow_interspersed_args": False})

@@ -41,8 +41,11 @@ def replay_cmd(run: str, incident: str, model_spec: str, host: str | None, ranks
     """Replay INCIDENT's failing step of RUN on this host: reproduced (exit 4), not reproduced (0), or no host to
     blame (6). Run it on the suspect host and on a healthy one before replacing a node (docs/RECOVERY.md)."""
     from verified_ckpt import BundleError, CheckpointManager, replay_bundle
+    from verified_ckpt.recovery import HOST_GRAMMAR, host_problem
     from verified_ckpt.recovery.replay import load_model, replay
 
+    if host is not None and (why := host_problem(host)):
+        raise click.BadParameter(f"{why} ({HOST_GRAMMAR})", param_hint="--host")
     try:
         options = parse_storage_options(storage_options)
         CheckpointManager(run, storage_options=options).require_run()

@@ -39,7 +39,7 @@ def incident(ident: str = "a1", hosts: tuple[str, ...] = ("node-3",), software: 
 
 
 def test_every_verdict_has_its_own_code_and_errors_map_onto_the_table():
-    assert len({int(c) for c in ExitCode}) == len(ExitCode) == 8
+    assert len({int(c) for c in ExitCode}) == len(ExitCode) == 9
     assert exit_code_for(SilentCorruptionDetected(incident())) is ExitCode.SDC_HOSTS_NAMED
     assert exit_code_for(SilentCorruptionDetected(incident(hosts=()))) is ExitCode.SDC_UNATTRIBUTED
     assert exit_code_for(SilentCorruptionDetected(incident(hosts=(), software=True))) is ExitCode.SOFTWARE

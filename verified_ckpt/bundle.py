@@ -33,6 +33,7 @@ from . import batches
 from .errors import BundleError
 from .guard.audit import Recomputed
 from .guard.capture import Capture, Recipe
+from .hosts import host_problem
 from .jsonx import JSONBudgetError, Limits, canonical_json, decode_object, short_repr
 from .manifest import MAX_STEP
 from .signing import Signature, Signer
@@ -141,6 +142,14 @@ def _unfp(d: Any, where: str, lanes: int) -> Recomputed:
             raise _Malformed(f"{where}.lanes must be null or two int64s, got {short_repr(exact)}")
         exact = tuple(_int(x, f"{where}.lanes[{i}]", -(1 << 63), 1 << 63) for i, x in enumerate(exact))
     return Recomputed(_hex(d["loss"], f"{where}.loss"), proj, exact, _hex(d["sumsq"], f"{where}.sumsq"))
+
+
+def _host(v: Any, where: str) -> str:
+    """A suspect's host, in the one grammar (``hosts.host_problem``): it is printed in the replay's verdict."""
+    why = host_problem(v)
+    if why:
+        raise _Malformed(f"{where}: {why}")
+    return str(v)
 
 
 def encode(cap: Capture, incident: str, signer: Signer) -> tuple[bytes, bytes]:
@@ -254,7 +263,7 @@ def _suspect(v: Any, where: str, lanes: int) -> BundleSuspect:
             raise _Malformed(f"{at} has {short_repr(m['leaves'])} leaves where its spec takes {count} tensors, or a cuda "
                              f"flag {short_repr(m['cuda'])} that is not true or false")
         mbs.append((m["spec"], count, m["cuda"]))
-    return BundleSuspect(rank, _text(s["host"], f"{where}.host", 256), _unfp(s["recorded"], f"{where}.recorded", lanes),
+    return BundleSuspect(rank, _host(s["host"], f"{where}.host"), _unfp(s["recorded"], f"{where}.recorded", lanes),
                          reference_rank, _unfp(s["reference"], f"{where}.reference", lanes), mbs)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,19 +25,18 @@ import torch.distributed as dist
 
 from . import batches
 from .errors import InvalidConfig, RanksDidNotArrive
-from .records import Host
+from .hosts import Host, as_device, local_host
 
 __all__ = ["Communicator", "describe_device"]
 
-_HOST_BYTES = 192
-
 
 def describe_device(device: torch.device) -> str:
-    """How incidents and manifests name a device: index, model and UUID (what an operator pulls)."""
+    """How incidents and manifests name a device: index, model and UUID (what an operator pulls), as printable
+    text that the records' reader takes (``hosts.as_device``)."""
     if device.type != "cuda":
         return device.type
     props = torch.cuda.get_device_properties(device)
-    return f"cuda:{device.index} {props.name} {getattr(props, 'uuid', '')}".strip()
+    return as_device(f"cuda:{device.index} {props.name} {getattr(props, 'uuid', '')}".strip())
 
 
 class Communicator:
@@ -204,7 +202,7 @@ class Communicator:
         from .decisions import nodes_from
 
         group_rank = os.environ.get("GROUP_RANK")
-        mine = {"host": socket.gethostname()[:_HOST_BYTES], "device": describe_device(self.device)[:_HOST_BYTES],
+        mine = {"host": local_host(), "device": describe_device(self.device),
                 "group_rank": int(group_rank) if group_rank and group_rank.isdigit() else None}
         rows = [json.loads(b) for b in self.gather_bytes(json.dumps(mine).encode())]
         hosts = [Host(r, str(row["host"]), str(row["device"])) for r, row in enumerate(rows)]

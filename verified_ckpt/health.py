@@ -28,6 +28,8 @@ class RunHealth:
 
     ``code`` is what ``vckpt status`` exits with (docs/CLI.md): 0 ok; with open incidents 4 (hosts named),
     5 (none named), 6 (software divergence); 1 when checkpoints exist and none is restorable.
+    ``hosts_unknown``: an open incident cannot be trusted, so it could have named any host: ``exclude_hosts`` (the
+    trusted incidents' hosts) is then not the whole list, and the line says so instead of "none".
     """
 
     run: str
@@ -40,6 +42,7 @@ class RunHealth:
     rollback_target: tuple[str, int] | None  # (id, step)
     newest_restorable_step: int | None
     unreadable: tuple[str, ...]
+    hosts_unknown: bool = False
 
     def line(self) -> str:
         where = (f"rollback target step {self.rollback_target[1]} ({self.rollback_target[0]})"
@@ -49,12 +52,19 @@ class RunHealth:
         held = ", ".join(f"{n} {s}" for s, n in sorted(self.by_status.items()))
         why = f" (checkpoints: {held})" if self.state == "nothing-restorable" else ""
         return (f"{self.state}{why}: {len(self.open_incidents)} open incident(s){' (' + kinds + ')' if kinds else ''}; "
-                f"exclude hosts: {' '.join(self.exclude_hosts) or 'none'}; {where}; newest restorable step: "
+                f"exclude hosts: {self._hosts()}; {where}; newest restorable step: "
                 f"{newest if newest is not None else 'none'}")
+
+    def _hosts(self) -> str:
+        named = " ".join(self.exclude_hosts)
+        if not self.hosts_unknown:
+            return named or "none"
+        return (f"{named + ' and ' if named else ''}unknown (an open incident cannot be trusted and could have named "
+                "any host: look at the run with vckpt incidents)")
 
     def to_dict(self) -> dict[str, Any]:
         return {"run": self.run, "health": self.state, "open_incidents": [i.to_row() for i in self.open_incidents],
-                "exclude_hosts": list(self.exclude_hosts),
+                "exclude_hosts": list(self.exclude_hosts), "exclude_hosts_unknown": self.hosts_unknown,
                 "rollback_target": None if self.rollback_target is None else
                 {"id": self.rollback_target[0], "step": self.rollback_target[1]},
                 "newest_restorable_step": self.newest_restorable_step, "checkpoints": self.checkpoints,
@@ -77,4 +87,5 @@ def run_health(run: str, infos: Sequence[CheckpointInfo], open_incidents: Sequen
         code, state = int(ExitCode.OK), "ok"
     return RunHealth(run, state, code, len(infos), by_status, tuple(open_incidents), tuple(exclude_hosts),
                      None if target is None else (target.id, target.step),
-                     restorable[-1].step if restorable else None, tuple(unreadable))
+                     restorable[-1].step if restorable else None, tuple(unreadable),
+                     any(not i.trusted for i in open_incidents))

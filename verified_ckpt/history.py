@@ -228,7 +228,8 @@ def redact_url(url: str) -> str:
 def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: Sequence[dict[str, Any]],
                 incidents: Sequence[Incident], answered: Sequence[bool], target: dict[str, Any] | None,
                 exclude_hosts: Sequence[str] = (), recovery: tuple[int, int] | None = None,
-                supervision: Sequence[dict[str, Any]] = (), health: str | None = None) -> dict[str, Any]:
+                supervision: Sequence[dict[str, Any]] = (), health: str | None = None,
+                hosts_unknown: bool = False) -> dict[str, Any]:
     """The input of ``report.render_html``: the ledger's per-step series and votes, checkpoints
     with their derived status, incidents' flagged intervals, the rollback target, the hosts the open
     incidents name, the recovery (detected step, rolled back to) once every incident is answered, and
@@ -250,6 +251,7 @@ def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: 
         } for i, a in zip(incidents, answered, strict=True)],
         "rollback_target": target,
         "exclude_hosts": list(exclude_hosts),
+        "exclude_hosts_unknown": hosts_unknown,  # an open incident cannot be trusted: it could have named any host
         "recovery": {"detected_step": recovery[0], "rolled_back_to": recovery[1]} if recovery else None,
         "supervision": [{k: d[k] for k in ("at", "attempt", "exit_code", "action", "code", "exclude", "reason")}
                         for d in supervision],

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import InvalidState, ManifestError
-from .hosts import Host
+from .hosts import Host, device_problem, host_problem
 from .jsonx import JSONBudgetError, Limits, canonical_json, decode_object, short_repr
 from .manifest import MAX_STEP, SEGMENT
 from .signing import Signature, Signer
@@ -126,7 +126,7 @@ class Incident:
     def from_record(cls, d: dict[str, Any], signature: str = "unsigned") -> Incident:
         r = _Fields(d, INCIDENT)
         return cls(
-            kind=r.text("kind", 64), detected_step=r.step("detected_step"),
+            kind=r.ident("kind"), detected_step=r.step("detected_step"),
             first_suspect_step=r.step("first_suspect_step"), ranks=r.ranks("ranks"), hosts=r.hosts("hosts"),
             detail=r.text("detail", MAX_TEXT, default=""), id=r.ident("id"),
             reason=r.text("reason", MAX_TEXT, default=""), to_step=r.step("to_step", optional=True),
@@ -187,7 +187,7 @@ class Supervision:
         if action not in ("done", "restart", "stop"):
             raise RecordError(f"field 'action' must be done, restart or stop, got {short_repr(action)}")
         return cls(at=r.text("at", 64), attempt=r.step("attempt"), exit_code=r.small_int("exit_code"), action=action,
-                   code=r.small_int("code"), exclude=r.texts("exclude", 256), reason=r.text("reason", MAX_TEXT),
+                   code=r.small_int("code"), exclude=r.host_names("exclude"), reason=r.text("reason", MAX_TEXT),
                    signature=signature)
 
 
@@ -304,9 +304,11 @@ def _untrusted(kind: str, doc: dict[str, Any], why: str, signature: str) -> Reco
         # back-dated time that an old rollback would answer), so none is believed:
         # it covers the whole run and no rollback answers it, until an operator
         # removes it (and re-flags what is real).
-        rid = doc.get("id")
-        return Incident(kind=str(doc.get("kind", "unknown"))[:64], detected_step=0, first_suspect_step=0, ranks=[],
-                        hosts=[], detail=why, id=rid if isinstance(rid, str) and _ID.match(rid) else "unknown",
+        # Its id and kind are shown (vckpt status, node-health), so only in the id grammar.
+        rid, what = doc.get("id"), doc.get("kind")
+        return Incident(kind=what if isinstance(what, str) and _ID.match(what) else "unknown", detected_step=0,
+                        first_suspect_step=0, ranks=[], hosts=[], detail=why,
+                        id=rid if isinstance(rid, str) and _ID.match(rid) else "unknown",
                         reason=why + "; until it is removed every checkpoint is suspect", to_step=None,
                         at=UNANSWERABLE, source="untrusted", signature=signature)
     if kind == VERIFICATION:
@@ -376,12 +378,6 @@ class _Fields:
             raise RecordError(f"field {key!r} must be an exit status (an int from -256 to 255), got {short_repr(v)}")
         return v
 
-    def texts(self, key: str, limit: int) -> list[str]:
-        v = self._list(key)
-        if not all(isinstance(x, str) and 0 < len(x) <= limit for x in v):
-            raise RecordError(f"field {key!r} must list strings of at most {limit} characters, got {short_repr(v)}")
-        return list(v)
-
     def ranks(self, key: str) -> list[int]:
         v = self._list(key)
         if not all(type(r) is int and 0 <= r < 1 << 31 for r in v):
@@ -401,11 +397,22 @@ class _Fields:
                 raise RecordError(f"field {key!r} must list objects with string fields {sorted(fields)}, got {short_repr(x)}")
         return v
 
+    def host_names(self, key: str) -> list[str]:
+        """Host names in the one grammar (``hosts.host_problem``): a name that is not one is a malformed record,
+        never text that reaches a scheduler's command or a terminal."""
+        v = self._list(key)
+        for x in v:
+            if why := host_problem(x):
+                raise RecordError(f"field {key!r}: {why}")
+        return list(v)
+
     def hosts(self, key: str) -> list[Host]:
         out = []
         for h in self.objects(key, {"host": 256, "device": 256}):
             rank = h.get("rank")
             if type(rank) is not int or not 0 <= rank < 1 << 31:
                 raise RecordError(f"field {key!r}: a host needs an int rank, got {short_repr(h)}")
+            if why := host_problem(h["host"]) or device_problem(h["device"]):
+                raise RecordError(f"field {key!r}: {why}")
             out.append(Host(rank, h["host"], h["device"]))
         return out

@@ -274,7 +274,11 @@ def render_html(data: dict[str, Any]) -> str:
         ])
         for n, i in enumerate(incidents)
     ]
-    hosts = "".join(f"<li>{_e(h)}</li>" for h in data["exclude_hosts"]) or '<li class="empty">none</li>'
+    hosts = "".join(f"<li>{_e(h)}</li>" for h in data["exclude_hosts"])
+    if data.get("exclude_hosts_unknown"):
+        hosts += ('<li data-testid="hosts-unknown">unknown: an open incident cannot be trusted and '
+                  "could have named any host</li>")
+    hosts = hosts or '<li class="empty">none</li>'
     sup = [(f"supervision-row-{n}", [str(int(d["attempt"])), str(int(d["exit_code"])), _e(d["action"]),
                                      str(int(d["code"])), ", ".join(_e(h) for h in d["exclude"]), _e(d["reason"])])
            for n, d in enumerate(data.get("supervision", []))]

@@ -145,10 +145,12 @@ class RunView:
     def report_data(self, ledger: Columns | None) -> dict[str, Any]:
         """Everything ``vckpt report`` draws, as plain data (see ``history.report_data``)."""
         target, _ = self.rollback_target()
+        health = self.health()
         return history.report_data(
             self.url, utc_now(), ledger, [{"id": i.id, "step": i.step, "status": i.status.value} for i in self.infos],
             self.incidents, self.answered(), {"id": target.id, "step": target.step} if target is not None else None,
-            self.exclude_hosts(), self.recovery(), [d.to_record() for d in self.supervision], self.health().state)
+            self.exclude_hosts(), self.recovery(), [d.to_record() for d in self.supervision], health.state,
+            health.hosts_unknown)
 
     def flagged_by(self, incident: Incident) -> list[CheckpointInfo]:
         """The checkpoints ``incident`` makes suspect."""

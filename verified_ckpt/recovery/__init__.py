@@ -1,17 +1,21 @@
 """Recovery without a person: verdicts as exit codes (``exits``), whether a host is suspect (``health``), and the
 supervisor that restarts a job from its rollback target, off the suspect hosts (``supervise``, ``supervisor``),
 and the replay that tells a faulty host from a transient fault (``replay``). Imports no torch until a replay is
-asked for: the CLI's ``node-health`` and ``supervise`` start fast."""
+asked for: the CLI's ``node-health`` and ``supervise`` start fast. ``host_problem`` and ``local_host`` are the one
+grammar of a host name and this machine's name in it (``verified_ckpt.hosts``), for the tools that take a host."""
 
 from typing import Any
 
+from ..hosts import GRAMMAR as HOST_GRAMMAR
+from ..hosts import host_problem, local_host
 from .exits import ExitCode, exit_code_for, exit_on, incident_code, record_verdict, verdict_of
 from .health import NodeHealth, node_health
 from .supervise import Attempt, Decision, decide
 from .supervisor import supervise
 
-__all__ = ["Attempt", "Decision", "ExitCode", "NodeHealth", "Outcome", "Replayed", "decide", "exit_code_for", "exit_on",
-           "incident_code", "load_model", "node_health", "record_verdict", "replay", "supervise", "verdict_of"]
+__all__ = ["HOST_GRAMMAR", "Attempt", "Decision", "ExitCode", "NodeHealth", "Outcome", "Replayed", "decide",
+           "exit_code_for", "exit_on", "host_problem", "incident_code", "load_model", "local_host", "node_health",
+           "record_verdict", "replay", "supervise", "verdict_of"]
 
 
 def __getattr__(name: str) -> Any:

@@ -17,6 +17,9 @@ code   meaning
        it recurs rerun the interval with one host swapped out
 6      software divergence or a configuration the checks cannot explain: no host is to blame
 7      no rollback target: the checkpoint to resume from is corrupt or missing
+8      an open incident cannot be trusted (its record fails its signature check, or cannot be read where a
+       signed one belongs): it could have named any host, so which hosts are suspect is unknown; a person looks
+       (``vckpt node-health``'s "unknown", ``vckpt supervise`` stops)
 =====  =====================================================================================================
 """
 
@@ -56,6 +59,7 @@ class ExitCode(enum.IntEnum):
     SDC_UNATTRIBUTED = 5
     SOFTWARE = 6
     NO_ROLLBACK_TARGET = 7
+    UNTRUSTED = 8
 
     @property
     def meaning(self) -> str:
@@ -71,6 +75,7 @@ _MEANING = {
     ExitCode.SDC_UNATTRIBUTED: "silent data corruption, no host named",
     ExitCode.SOFTWARE: "software divergence or configuration, no host to blame",
     ExitCode.NO_ROLLBACK_TARGET: "no rollback target (corrupt or missing)",
+    ExitCode.UNTRUSTED: "an untrusted incident: the suspect hosts are unknown",
 }
 
 

@@ -23,7 +23,6 @@ import importlib
 import importlib.util
 import math
 import os
-import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +35,7 @@ from ..errors import BundleError, InvalidState
 from ..faults import FaultPlan
 from ..guard.audit import Recomputed, recompute
 from ..guard.stats import Projector
+from ..hosts import local_host
 from .exits import ExitCode
 
 __all__ = ["Outcome", "Replayed", "judge", "load_model", "replay"]
@@ -176,7 +176,7 @@ def replay(bundle: Bundle, tensors: dict[str, torch.Tensor], model: torch.nn.Mod
     ``faults``: fault specs simulated during the recomputation as the training step saw them (``grad`` on the
     first bucket, ``compute`` on a forward output; the suspect's rank and the incident's step): drills and tests.
     """
-    here = host or socket.gethostname()
+    here = host or local_host()
     params = _load_state(model, bundle, tensors)
     device = params[0].device if params else torch.device("cpu")
     plan = FaultPlan(faults)

@@ -5,6 +5,8 @@ The rules, in order:
 
 * the job succeeded and no incident is open: done;
 * an open incident the job raised is a verdict (``exits.incident_code``):
+  - an incident that cannot be trusted (edited, or unreadable where a signed record belongs): stop with its own
+    code; it could have named any host, so a restart could land on the suspect one;
   - software divergence: stop; a restart would repeat it;
   - no rollback target is left: stop with its own code;
   - the same interval failed again (its steps overlap an earlier attempt's incident): stop with the software /
@@ -66,6 +68,11 @@ def decide(attempts: Sequence[Attempt], *, max_restarts: int, can_exclude: bool)
     verdict = verdict_of(last.incidents)
     hosts = sorted({h for i in last.incidents for h in i.exclude_hosts})
     what = "; ".join(f"{i.kind} at step {i.detected_step} (suspect from {i.first_suspect_step})" for i in last.incidents)
+    untrusted = [i for i in last.incidents if not i.trusted]
+    if untrusted:  # it names no host, and the host it named before the edit may be any: never restart blind
+        return Decision("stop", ExitCode.UNTRUSTED, hosts, f"incident {untrusted[0].id} cannot be trusted (signature "
+                        f"{untrusted[0].signature}): it could have named any host; a person must look at the run "
+                        "(vckpt incidents), remove it and re-flag what is real")
     if verdict is ExitCode.SOFTWARE:
         return Decision("stop", verdict, [], f"{what}: software divergence, a restart would repeat it")
     if last.target_step is None:

@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from .. import CheckpointManager, InvalidState, VerifiedCkptError
 from ..jsonx import JSONBudgetError, Limits, decode_object, short_repr
-from ..recovery.health import node_health
+from ..recovery import HOST_GRAMMAR, host_problem, node_health
 from ..status import HEALTH_COLOURS, PALETTE
 from .metrics import Metrics
 from .watch import Watcher
@@ -100,12 +100,16 @@ class _Api:
         return JSONResponse(result)
 
     async def host_health(self, request: Request) -> Response:
-        """``vckpt node-health`` over every watched run's last published view: 200 healthy, 503 suspect (a probe's
-        failure), 503 with ``"unknown"`` while a run has not been read."""
+        """``vckpt node-health`` over every watched run's last published view: 200 healthy; 503 (a probe's failure)
+        suspect, ``"state": "unknown"`` (an open incident cannot be trusted and could have named it), or while a
+        run has not been read (``unread``); 400 for a name outside the host grammar."""
+        host = request.path_params["host"]
+        if why := host_problem(host):
+            return JSONResponse({"error": f"{why} ({HOST_GRAMMAR})"}, status_code=400)
         watchers = list(self.watchers.values())
         unread = [w.url for w in watchers if w.state.view is None]
-        health = node_health(request.path_params["host"], [(w.url, w.state.view.open_incidents())
-                                                            for w in watchers if w.state.view is not None])
+        health = node_health(host, [(w.url, w.state.view.open_incidents())
+                                    for w in watchers if w.state.view is not None])
         body: dict[str, Any] = dict(health.to_dict(), unread=unread, line=health.line())
         return JSONResponse(body, status_code=200 if health.healthy and not unread else 503)
 
@@ -200,7 +204,8 @@ def _dashboard(runs: list[dict[str, Any]], changes: list[tuple[str, dict[str, An
         state = f'<span class="b" style="background:{_COLOURS.get(health, "#555")}">{e(health)}</span>'
         rows.append(f"<tr><td><a href=\"/runs/{e(r['key'])}/report\">{e(r['url'])}</a></td><td>{state}</td><td>{badges}</td>"
                     f"<td>{'step ' + str(target['step']) if target else 'none'}</td><td>{r['open_incidents']}</td>"
-                    f"<td>{e(', '.join(r['exclude_hosts']))}</td><td class=\"err\">{e(r['error'] or '')}</td></tr>")
+                    f"<td>{e(', '.join(r['exclude_hosts'] + (['unknown'] if r.get('exclude_hosts_unknown') else [])))}"
+                    f"</td><td class=\"err\">{e(r['error'] or '')}</td></tr>")
     recent = "".join(f"<li data-testid=\"change\">{e(time.strftime('%H:%M:%S', time.gmtime(c['at'])))} "
                      f"<b>{e(c.get('run', key))}</b>: {e(c['checkpoint'])} (step {int(c['step'])}) {e(c['from'])} → "
                      f"<span class=\"b\" style=\"background:{_COLOURS.get(c['to'], '#555')}\">{e(c['to'])}</span> "

@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 import html
 import logging
-import socket
 import threading
 import time
 from typing import Any
 
 from .. import CheckpointManager, RunView, Status, StorageError, VerifiedCkptError, render_html
+from ..recovery import local_host
 from .metrics import Metrics
 from .scrub import Plan, Slots, Throttle, epoch, last_service_check, plan
 
@@ -36,7 +36,7 @@ REPORT_EVERY = 10  # passes between report pages when nothing was read (the ledg
 def verifier_identity() -> dict[str, str]:
     from .. import __version__
 
-    return {"service": "vckpt serve", "host": socket.gethostname(), "version": __version__}
+    return {"service": "vckpt serve", "host": local_host(), "version": __version__}
 
 
 @dataclasses.dataclass
@@ -72,6 +72,7 @@ def _of_view(view: RunView | None) -> dict[str, Any]:
     return {"checkpoints": dict(h.by_status) if h else {},
             "rollback_target": {"id": h.rollback_target[0], "step": h.rollback_target[1]} if h and h.rollback_target else None,
             "open_incidents": len(h.open_incidents) if h else 0, "exclude_hosts": list(h.exclude_hosts) if h else [],
+            "exclude_hosts_unknown": h.hosts_unknown if h else False,
             "health": h.state if h else None}
 
 

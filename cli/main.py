@@ -93,7 +93,7 @@ def list_cmd(mgr: CheckpointManager, out: Output, restorable: bool) -> int:
                                  for r in rows]))
         for r in rows:
             if r["status"] != "restorable" and r["reasons"]:
-                console.print(f"  {r['id']}: {r['reasons'][-1]}")
+                console.print(f"  {r['id']}: {escape(r['reasons'][-1])}")
 
     out.emit(rows, human)
     return EXIT_OK
@@ -292,7 +292,7 @@ def rollback_cmd(mgr: CheckpointManager, out: Output, dry_run: bool) -> int:
         console.print(f"roll back to [bold]{target.id}[/] (step {target.step})"
                       + ("" if dry_run else "; rollback recorded, checkpoints saved from now on form a new lineage"))
         for cid, st, why in skipped:
-            console.print(f"  skipped {cid} (step {st}): {why}")
+            console.print(f"  skipped {cid} (step {st}): {escape(why)}")
         console.print(f"resume the job with CheckpointManager.resume(state) (examples: --resume), or export with "
                       f"`vckpt export {mgr.url} --step {target.step} --to DIR`")
 

@@ -25,13 +25,11 @@ STATUS_STYLE = {status: c.terminal for status, c in PALETTE.items()} | {s: c.ter
 
 class Output:
     def __init__(self, as_json: bool) -> None:
-        from rich.console import Console
-
         self.as_json = as_json
-        self.out = Console(highlight=False, soft_wrap=True)
+        self.out = _console(stderr=False)
         if not self.out.is_terminal:
             self.out.width = max(self.out.width, 120)  # piped output: no terminal to fit, keep rows whole
-        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.err = _console(stderr=True)
 
     def emit(self, data: Any, human: Callable[[Console], None]) -> None:
         """Print ``data`` as JSON in ``--json`` mode, else call ``human`` with the stdout console."""
@@ -51,8 +49,9 @@ class Output:
             t.add_column(c, no_wrap=c in ("id", "status", "step", "size"), overflow="fold",
                          min_width=max((len(str(r[i])) for r in rows), default=0) if c == "id" else None)
 
-        for r in rows:
-            t.add_row(*[status_text(v) if c == "status" else str(v) for c, v in zip(columns, r, strict=True)])
+        for r in rows:  # cells hold what the store said: shown, never acted on by the terminal (a newline included)
+            t.add_row(*[status_text(v) if c == "status" else printable(str(v), keep="")
+                        for c, v in zip(columns, r, strict=True)])
         return t
 
     def log(self, message: str) -> None:
@@ -74,10 +73,32 @@ class Output:
 
 
 def escape(text: str) -> str:
-    """``text`` shown verbatim in rich markup (messages quote lists such as ``[0, 1]`` that rich would parse)."""
+    """``text`` shown verbatim in rich markup (messages quote lists such as ``[0, 1]`` that rich would parse), and on
+    one line: what a record or a store holds can end no line and start no fake one (``printable``)."""
     from rich.markup import escape as rich_escape
 
-    return rich_escape(text)
+    return rich_escape(printable(text, keep=""))
+
+
+def printable(text: str, keep: str = "\n") -> str:
+    """``text`` with every character a terminal would act on (an escape sequence, a carriage return, a bell, and
+    a newline unless ``keep`` has it) written out as Python writes it (``\\x1b``): text from a record, a manifest
+    or a user's file is shown as it is, never run by the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+
+
+def _console(stderr: bool) -> Console:
+    """rich's console, with every string it is given made printable first: no command's output, whatever it
+    quotes, can move the cursor, clear the screen or restyle the terminal (rich's own styles are added later)."""
+    from rich.console import Console
+
+    class Safe(Console):
+        def print(self, *objects: Any, **kwargs: Any) -> None:
+            super().print(*(printable(o) if isinstance(o, str) else o for o in objects), **kwargs)
+
+    return Safe(stderr=stderr, highlight=False, soft_wrap=True)
 
 
 def status_text(value: Any) -> str:

@@ -156,3 +156,18 @@ def test_flag_incidents_rollback_and_export(run, tmp_path):
 def test_flag_and_incident_input_errors(run, tmp_path, args, needle):
     r = invoke(*[a.format(run=run, missing=str(tmp_path / "nope")) for a in args])
     assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output
+
+
+def test_no_command_lets_stored_text_drive_the_terminal_or_forge_a_line(tmp_path):
+    """A reason (any free text a record, a manifest or a store carries) with an escape sequence and a newline that
+    would print a line of its own: every human output shows it written out, on its own line, never acted on."""
+    run = str(tmp_path / "run")
+    mgr = CheckpointManager(run)
+    mgr.save(1, {"w": torch.ones(2)})
+    mgr.flag(1, reason="bad\x1b[2J\x1b[31mnode\nFORGED: node-1 healthy")
+    for args in (["incidents", run], ["status", run], ["list", run], ["show", run, "1"], ["rollback", run, "--dry-run"]):
+        r = CliRunner().invoke(main, args)
+        out = r.stdout + r.stderr
+        assert "\x1b" not in out, (args, out)
+        assert not any(line.strip().startswith("FORGED") for line in out.splitlines()), (args, out)
+    assert "bad\\x1b[2J" in CliRunner().invoke(main, ["incidents", run]).stdout

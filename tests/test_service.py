@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import fsspec
@@ -268,13 +271,39 @@ def test_one_run_spelt_three_ways_is_one_run_and_the_log_and_dashboard_say_what_
         until(lambda: checkpoints(client, run)[cid]["status"] != "unverified", what="the status to change")
         page = client.get("/").text
         [change] = [line for line in page.split("<li") if 'data-testid="change"' in line]
-        assert relative in change and cid in change and "unverified" in change
+        assert run_key(run) in change and cid in change and "unverified" in change  # the run's one name
         assert "flagged interval" in change or "digest" in change  # why, not only what
+        # One name for the run everywhere: readable (its folder, then a hash of its canonical URL), in the API, on
+        # the dashboard (with its URL beside it) and as the run label of every metric.
+        [api] = client.get("/api/runs").json()
+        key = api["key"]
+        assert key == run_key(run) and re.fullmatch(r"run-[0-9a-f]{12}", key), key
+        assert f'<a href="/runs/{key}/report">{key}</a>' in page and relative in page
+        families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+        assert {s.labels["run"] for f in families.values() for s in f.samples if "run" in s.labels} == {key}
+        assert [s.labels["url"] for s in families["vckpt_run_info"].samples] == [relative]  # as first given
         proc.terminate()
         proc.wait(10)
         log = proc.stderr.read()
     assert "vckpt serve on http://127.0.0.1:" in log and "watching 1 run(s)" in log
     assert f"checkpoint {cid} (step 1) unverified ->" in log and "pass 1: verified 1 checkpoint(s)" in log
+
+
+def healthz_latencies(probe: httpx.Client, n: int) -> list[float]:
+    """Seconds each of ``n`` ``/healthz`` requests took, one after the other."""
+    took = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        assert probe.get("/healthz").text == "ok"
+        took.append(time.perf_counter() - t0)
+    return took
+
+
+def timed(fn, *args, **kwargs):
+    """``(seconds, fn(*args, **kwargs))``."""
+    t0 = time.perf_counter()
+    got = fn(*args, **kwargs)
+    return time.perf_counter() - t0, got
 
 
 def hostile_ledger(run: str) -> None:
@@ -311,15 +340,13 @@ def test_a_hostile_run_neither_stalls_nor_swells_the_service_and_the_others_are_
                      what="the hostile run's report page built")
         assert page.status_code == 200 and "cannot be built" in page.text and "stored bytes" in page.text
         with concurrent.futures.ThreadPoolExecutor(10) as pool, httpx.Client(base_url=str(client.base_url)) as probe:
+            control = healthz_latencies(probe, 5)  # the same service on the same (maybe busy) machine, at rest
             reports = [pool.submit(httpx.get, f"{client.base_url}/runs/{run_key(bad)}/report", timeout=30)
                        for _ in range(10)]
-            took = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                assert probe.get("/healthz").text == "ok"
-                took.append(time.perf_counter() - t0)
+            took = healthz_latencies(probe, 5)
             assert all(r.result().status_code == 200 for r in reports)
-        assert max(took) < 0.1, took  # the report is what the watcher built: no request reads the store
+        # The report is what the watcher built: no request reads the store, so ten of them hardly slow /healthz down.
+        assert statistics.median(took) < 10 * statistics.median(control) + 0.25, (took, control)
         save(good, 2)  # the good run goes on being verified
         until(lambda: (c := checkpoints(client, good)) and len(c) == 2 and all(by_service(x) for x in c.values()),
               what="the good run's new commit verified")
@@ -386,14 +413,94 @@ def test_health_answers_while_flags_and_rollbacks_are_written(tmp_path):
         until(lambda: len(checkpoints(client, run)) == 30, what="the run listed")
         base = str(client.base_url)
         with concurrent.futures.ThreadPoolExecutor(6) as pool, httpx.Client(base_url=base) as probe:
-            writes = [pool.submit(httpx.post, f"{base}/api/runs/{run_key(run)}/flag", headers=auth, timeout=60,
+            writes = [pool.submit(timed, httpx.post, f"{base}/api/runs/{run_key(run)}/flag", headers=auth, timeout=60,
                                   json={"from_step": 5 + i, "reason": f"suspect {i}"}) for i in range(5)]
-            writes.append(pool.submit(httpx.post, f"{base}/api/runs/{run_key(run)}/rollback", headers=auth, timeout=60))
+            writes.append(pool.submit(timed, httpx.post, f"{base}/api/runs/{run_key(run)}/rollback", headers=auth,
+                                      timeout=60))
             took = []
             while not all(w.done() for w in writes):
-                t0 = time.perf_counter()
-                assert probe.get("/healthz").text == "ok"
-                took.append(time.perf_counter() - t0)
-            codes = [w.result().status_code for w in writes]
+                took += healthz_latencies(probe, 1)
+            codes = [w.result()[1].status_code for w in writes]
+            write_s = [w.result()[0] for w in writes]
         assert codes[:5] == [200] * 5 and codes[5] in (200, 409), codes  # nothing restorable: 409, said
-        assert took and max(took) < 0.5, took  # writes run off the event loop (before: 1.7-2.9 s)
+        # Writes run off the event loop: a probe does not wait for one. On the loop (before), each probe waited for the
+        # write in progress and took as long as one (1.7-2.9 s); a busy machine slows writes and probes alike.
+        assert took and statistics.median(took) < statistics.median(write_s) / 3, (took, write_s)
+
+
+def watcher_of(run: str):
+    """A real watcher over ``run`` in this process, as ``vckpt serve`` makes one (no scrub falls due in a test)."""
+    from verified_ckpt.service.metrics import Metrics
+    from verified_ckpt.service.scrub import Slots, Throttle
+    from verified_ckpt.service.watch import Watcher, verifier_identity
+
+    return Watcher(run_key(run), run, None, Metrics(), Throttle(0), poll_s=0.2, scrub_interval_s=3600,
+                   verifier=verifier_identity(), slots=Slots.of(2))
+
+
+class HeldListing:
+    """Holds the first listing of the run made on the thread named ``thread`` between the listing and whatever the
+    thread does with it next (its publish), until ``go`` is set."""
+
+    def __init__(self, mgr: CheckpointManager, thread: str) -> None:
+        self.listed, self.go, real = threading.Event(), threading.Event(), mgr.view
+
+        def view():
+            got = real()
+            if threading.current_thread().name == thread and not self.listed.is_set():
+                self.listed.set()
+                assert self.go.wait(30), "never released"
+            return got
+
+        mgr.view = view
+
+
+def in_thread(name: str, fn, *args) -> tuple[threading.Thread, list]:
+    errors: list = []
+
+    def body() -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # handed to the test
+            errors.append(e)
+
+    t = threading.Thread(target=body, name=name, daemon=True)
+    t.start()
+    return t, errors
+
+
+@pytest.mark.parametrize("held", ["watcher", "worker"])
+def test_a_view_listed_before_another_writers_publish_never_replaces_it_and_no_change_is_lost(tmp_path, held):
+    from verified_ckpt.service.app import _write
+
+    run = str(tmp_path / "run")
+    save(run, 1)
+    w = watcher_of(run)
+    w.one_pass()  # verifies the checkpoint, so the next passes have nothing to read: only their views are published
+    assert w.state.summary()["open_incidents"] == 0 and w.state.passes == 1
+
+    def flag(step: int) -> None:  # the API's worker thread: record the flag, then republish the run's view
+        _write(w, True, json.dumps({"from_step": step, "reason": f"flag {step}"}).encode())
+
+    hold = HeldListing(w._mgr, held)
+    if held == "watcher":  # the loop lists, the API flags and republishes, then the loop publishes what it listed
+        t, errors = in_thread("watcher", w.one_pass)
+        assert hold.listed.wait(30)
+        flag(1)
+        want = 1
+    else:  # the API's refresh lists, a second flag and a whole pass publish, then the refresh publishes
+        t, errors = in_thread("worker", flag, 1)
+        assert hold.listed.wait(30)
+        CheckpointManager(run).flag(2, reason="flag 2")
+        w.one_pass()
+        want = 2
+    assert w.state.summary()["open_incidents"] == want
+    hold.go.set()
+    t.join(30)
+    assert not t.is_alive() and not errors, errors
+    state = w.state
+    assert state.summary()["open_incidents"] == want, "an older listing replaced the view"
+    assert state.passes == 2  # both passes counted
+    assert w.metrics.registry.get_sample_value("vckpt_open_incidents", {"run": w.key}) == want  # metrics match
+    assert [(c["from"], c["to"]) for c in state.changes] == [("unverified", "suspect")]  # once, never undone
+    assert f"flag {want}" in (state.report or "")  # the report on show is the newest page too

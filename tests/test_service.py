@@ -539,7 +539,8 @@ def test_health_and_reads_answer_while_a_write_is_held_on_its_worker_thread(tmp_
     with served(w) as client:
         answers: list = []
         t, errors = in_thread("client", lambda: answers.append(client.post(
-            f"/api/runs/{w.key}/flag", json={"from_step": 1, "reason": "held"}, headers={"Authorization": f"Bearer {TOKEN}"})))
+            f"/api/runs/{w.key}/flag", json={"from_step": 1, "reason": "held"}, headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=60)))
         try:
             assert held.wait(30)  # the flag is recorded; its worker thread now holds before republishing
             # Were the write on the event loop, nothing would answer until it is let go (the client gives up at 5 s).

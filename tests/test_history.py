@@ -21,8 +21,9 @@ from verified_ckpt.records import Host, Incident
 
 def run_events(world: int = 3) -> list[Event]:
     ev = []
-    for s in (1, 2, 3):
+    for s in (1, 2, 3):  # the per-step checks of replicas: the all-reduce checksum compares them at every step
         ev += [Event(s, "step", r, "pass", (s, r), 1.0 / s, 0.5) for r in range(world)]
+        ev += [Event(s, "nonfinite", NO_RANK, "pass"), Event(s, "checksum", NO_RANK, "pass")]
     ev += [Event(3, "consensus", r, "pass", (7, 9)) for r in range(world)]
     ev += [Event(3, "save", NO_RANK, "pass")]
     ev += [Event(4, "step", r, "fail" if r == 1 else "pass", (4, r), 0.2, 9.0) for r in range(world)]
@@ -57,6 +58,27 @@ def test_step_series_keeps_a_replayed_steps_red_mark_and_the_latest_loss():
     assert series["step"] == [1, 2, 3, 4]
     assert series["agree"] == [True, True, True, False]
     assert math.isclose(series["loss"][3], 0.25)  # the replay's loss, the failure's mark
+
+
+def single_replica_events(steps: int = 20) -> list[Event]:
+    """What the guard writes for a one-rank run: per-step rows and NaN/Inf checks, never a comparison."""
+    ev = []
+    for s in range(1, steps + 1):
+        ev += [Event(s, "step", 0, "pass", (s, 0), 1.0 / s, 0.5), Event(s, "nonfinite", NO_RANK, "pass")]
+    return [*ev, Event(steps, "save", NO_RANK, "none")]
+
+
+def test_a_step_whose_checks_compared_nothing_is_never_said_to_agree():
+    series = step_series(Columns.of(single_replica_events()))
+    assert series["step"] == list(range(1, 21)) and series["agree"] == [None] * 20  # checked, nothing compared
+    data = report_data("run", "t", Columns.of(single_replica_events()), [], [], [], None)
+    assert data["checked"] == {"steps": 20, "compared": 0, "consensus": 0, "audits": 0, "ranks": 1}
+    # Two replicas whose ledger has no checksum rows (an older guard): only the consensus step compared them.
+    ev = [Event(s, "step", r, "pass", (s, r), 1.0, 0.5) for s in (1, 2, 3) for r in (0, 1)]
+    ev += [Event(3, "consensus", r, "pass", (7, 9)) for r in (0, 1)] + [Event(4, "step", 0, "fail"), Event(4, "step", 1, "pass")]
+    assert step_series(Columns.of(ev))["agree"] == [None, None, True, False]
+    assert report_data("run", "t", Columns.of(ev), [], [], [], None)["checked"]["ranks"] == 2
+    assert report_data("run", "t", None, [], [], [], None)["checked"] is None  # no ledger: nothing was checked
 
 
 def test_consensus_claim_must_be_in_the_ledger():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -179,8 +180,18 @@ def test_report_of_the_guarded_run(guarded_run, tmp_path):
     page = open(out, encoding="utf-8").read()
     assert 'data-testid="incident-0"' in page and 'data-testid="rollback-marker"' in page
     assert "http://" not in page and "https://" not in page
+    # Three replicas: the all-reduce checksum compared them at every step, so the band says they agreed.
+    assert 'class="agree-agree"' in page and 'class="agree-uncompared"' not in page and "single replica" not in page
     bad = invoke("report", guarded_run, "--out", os.fspath(tmp_path / "no" / "such" / "dir" / "r.html"))
     assert bad.exit_code == 2 and "cannot write" in bad.output and "Traceback" not in bad.output
+
+
+def test_the_ledger_doc_lists_every_kind_at_its_code():
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "LEDGER.md"), encoding="utf-8") as f:
+        doc = f.read()
+    table = doc.split("### Kinds", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\d+) \| `([a-z]+)` \|", table, flags=re.M)
+    assert [(int(code), kind) for code, kind in rows] == list(enumerate(KINDS))
 
 
 def test_ledger_of_an_unguarded_run_is_a_one_line_error(local_url):

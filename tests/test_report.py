@@ -8,6 +8,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
 import time
 import zlib
 from html.parser import HTMLParser
@@ -371,3 +372,66 @@ def test_chromium_paints_the_recovered_headline_and_the_rollback_jump_from_the_d
     assert span.max() - span.min() >= 100, (span.min(), span.max())
     green_text = np.all(img == np.array(HEADLINE_OK, np.uint8), axis=2)[:140]
     assert green_text.sum() >= 30 and ys.min() > 0 and len(xs)  # the headline in the "recovered" colour
+
+
+def single_replica() -> dict[str, Any]:
+    """The report data of a one-rank run, built from the rows its guard writes (nothing is ever compared)."""
+    from test_history import single_replica_events
+
+    from verified_ckpt.history import Columns, report_data
+
+    return report_data("/runs/solo", "t", Columns.of(single_replica_events(40)),
+                       [{"id": "ckpt-40", "step": 40, "status": "unverified"}], [], [], None)
+
+
+def test_a_single_replica_run_draws_no_agreement_and_says_no_consensus_was_possible():
+    page = render_html(single_replica())
+    bands = [a for t, a in _Elements(page).found if t == "rect" and str(a.get("class")).startswith("agree-")]
+    assert [(a["class"], a["data-steps"]) for a in bands] == [("agree-uncompared", "1-40")]  # checked, not compared
+    assert 'data-testid="not-compared"' in page and "single replica: no consensus possible</text>" in page
+    checked = re.search(r'data-testid="checked">([^<]*)<', page)
+    assert checked and checked.group(1) == ("checks: 40 step(s) checked, 0 of them compared across ranks; 0 consensus "
+                                            "vote(s), 0 audit(s); single replica: no consensus possible")
+
+
+@pytest.mark.timeout(120)
+def test_chromium_paints_no_agreement_band_for_a_single_replica(tmp_path):
+    img = shoot(tmp_path, single_replica())
+    green = int(np.all(img == np.array(GREEN, np.uint8), axis=2).sum())
+    grey = int(np.all(img == np.array((0xCF, 0xD8, 0xDC), np.uint8), axis=2).sum())
+    # Only the legend's square and dot of that green (152 pixels); a 40-step band of it would be ~16,000.
+    assert green <= 200, f"{green} green pixels: more than the legend's swatches"
+    assert grey >= 10_000, f"{grey} pixels of the checked-not-compared band"
+
+
+def test_every_legend_entry_lies_inside_the_picture():
+    from verified_ckpt.report import LEGEND
+
+    page = render_html(realistic())
+    height = _num(_Elements(page).attrs("timeline"), "height")
+    for _, _, label in LEGEND:
+        found = re.search(rf'<text x="[\d.]+" y="([\d.]+)">{re.escape(label)}</text>', page)
+        assert found and float(found.group(1)) + 4 <= height, (label, found and found.group(1), height)
+
+
+def test_no_ledger_says_nothing_was_checked():
+    from verified_ckpt.history import report_data
+
+    page = render_html(report_data("/runs/plain", "t", None, [{"id": "c1", "step": 1, "status": "unverified"}], [], [],
+                                   None))
+    assert "checks: none recorded (the run has no ledger" in page and "agree-" not in page
+
+
+@pytest.mark.timeout(120)
+def test_the_report_of_a_real_single_replica_run_compares_nothing_and_says_so(tmp_path):
+    from verified_ckpt import CheckpointManager
+
+    run, root = str(tmp_path / "run"), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "examples/ddp_train.py", "--world-size", "1", "--steps", "10", "--save-every",
+                           "5", "--run", run], cwd=root, capture_output=True, text=True, timeout=110, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = CheckpointManager(run).history_report()
+    assert data["steps"]["step"] == list(range(1, 11)) and data["steps"]["agree"] == [None] * 10
+    assert data["checked"] == {"steps": 10, "compared": 0, "consensus": 0, "audits": 0, "ranks": 1}
+    page = render_html(data)
+    assert 'class="agree-agree"' not in page and "single replica: no consensus possible</text>" in page

@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import fsspec
@@ -83,10 +86,11 @@ def train(run: str) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "examples/ddp_train.py", "--world-size", "2", "--steps", "15", "--audit-every", "5",
            "--consensus-every", "5", "--save-every", "5", "--run", run, "--json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=root, check=False)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=root, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.timeout(360)  # 48 s alone, 110 s beside two CPU-bound processes: a no-hang bound, not a speed
 def test_a_training_jobs_commits_are_verified_and_a_flipped_byte_makes_one_corrupt_and_moves_the_target(tmp_path):
     run, other = str(tmp_path / "run"), str(tmp_path / "other")
     save(other, 1)
@@ -180,13 +184,14 @@ def test_a_hostile_manifest_in_one_run_leaves_the_service_serving_the_others(tmp
 
 def test_sigkill_mid_scrub_marks_nothing_unread_as_verified_and_a_restart_resumes(tmp_path):
     run = str(tmp_path / "run")
-    ids = [save(run, s, n=250_000) for s in range(1, 5)]  # 1 MB each; capped at 1 MB/s the pass takes seconds
+    # 1 MB each; capped at 256 KiB/s each takes 4 s after the first: the kill lands mid-pass however busy the machine
+    ids = [save(run, s, n=250_000) for s in range(1, 5)]
 
     def recorded() -> set[str]:
         view = CheckpointManager(run).view()
         return {cid for cid, rs in view.verifications.items() if any((r.verifier or {}).get("service") for r in rs)}
 
-    with service(run, extra=("--bandwidth", str(1 << 20))) as (client, proc):
+    with service(run, extra=("--bandwidth", str(1 << 18))) as (client, proc):
         until(recorded, what="a first verification recorded in the run")  # the run's records, not the API
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -268,13 +273,32 @@ def test_one_run_spelt_three_ways_is_one_run_and_the_log_and_dashboard_say_what_
         until(lambda: checkpoints(client, run)[cid]["status"] != "unverified", what="the status to change")
         page = client.get("/").text
         [change] = [line for line in page.split("<li") if 'data-testid="change"' in line]
-        assert relative in change and cid in change and "unverified" in change
+        assert run_key(run) in change and cid in change and "unverified" in change  # the run's one name
         assert "flagged interval" in change or "digest" in change  # why, not only what
+        # One name for the run everywhere: readable (its folder, then a hash of its canonical URL), in the API, on
+        # the dashboard (with its URL beside it) and as the run label of every metric.
+        [api] = client.get("/api/runs").json()
+        key = api["key"]
+        assert key == run_key(run) and re.fullmatch(r"run-[0-9a-f]{12}", key), key
+        assert f'<a href="/runs/{key}/report">{key}</a>' in page and relative in page
+        families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+        assert {s.labels["run"] for f in families.values() for s in f.samples if "run" in s.labels} == {key}
+        assert [s.labels["url"] for s in families["vckpt_run_info"].samples] == [relative]  # as first given
         proc.terminate()
         proc.wait(10)
         log = proc.stderr.read()
     assert "vckpt serve on http://127.0.0.1:" in log and "watching 1 run(s)" in log
     assert f"checkpoint {cid} (step 1) unverified ->" in log and "pass 1: verified 1 checkpoint(s)" in log
+
+
+def healthz_latencies(probe: httpx.Client, n: int) -> list[float]:
+    """Seconds each of ``n`` ``/healthz`` requests took, one after the other."""
+    took = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        assert probe.get("/healthz").text == "ok"
+        took.append(time.perf_counter() - t0)
+    return took
 
 
 def hostile_ledger(run: str) -> None:
@@ -311,15 +335,15 @@ def test_a_hostile_run_neither_stalls_nor_swells_the_service_and_the_others_are_
                      what="the hostile run's report page built")
         assert page.status_code == 200 and "cannot be built" in page.text and "stored bytes" in page.text
         with concurrent.futures.ThreadPoolExecutor(10) as pool, httpx.Client(base_url=str(client.base_url)) as probe:
+            control = healthz_latencies(probe, 5)  # the same service on the same (maybe busy) machine, at rest
             reports = [pool.submit(httpx.get, f"{client.base_url}/runs/{run_key(bad)}/report", timeout=30)
                        for _ in range(10)]
-            took = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                assert probe.get("/healthz").text == "ok"
-                took.append(time.perf_counter() - t0)
+            took = healthz_latencies(probe, 5)
             assert all(r.result().status_code == 200 for r in reports)
-        assert max(took) < 0.1, took  # the report is what the watcher built: no request reads the store
+        # The report is what the watcher built (no request reads the store: pinned without timing by
+        # test_reads_answer_from_what_the_watcher_published_and_never_from_the_store), so ten of them hardly slow
+        # /healthz down; the bound is relative to the control, so a busy machine slows both alike.
+        assert statistics.median(took) < 10 * statistics.median(control) + 0.25, (took, control)
         save(good, 2)  # the good run goes on being verified
         until(lambda: (c := checkpoints(client, good)) and len(c) == 2 and all(by_service(x) for x in c.values()),
               what="the good run's new commit verified")
@@ -375,7 +399,7 @@ def test_an_idle_connection_is_closed_and_a_short_token_does_not_guard_a_public_
     assert done.returncode == 2 and "at least 32 characters" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_health_answers_while_flags_and_rollbacks_are_written(tmp_path):
+def test_concurrent_flags_and_a_rollback_are_each_answered_and_health_answers_meanwhile(tmp_path):
     import concurrent.futures
 
     run = str(tmp_path / "run")
@@ -389,11 +413,161 @@ def test_health_answers_while_flags_and_rollbacks_are_written(tmp_path):
             writes = [pool.submit(httpx.post, f"{base}/api/runs/{run_key(run)}/flag", headers=auth, timeout=60,
                                   json={"from_step": 5 + i, "reason": f"suspect {i}"}) for i in range(5)]
             writes.append(pool.submit(httpx.post, f"{base}/api/runs/{run_key(run)}/rollback", headers=auth, timeout=60))
-            took = []
             while not all(w.done() for w in writes):
-                t0 = time.perf_counter()
-                assert probe.get("/healthz").text == "ok"
-                took.append(time.perf_counter() - t0)
+                assert probe.get("/healthz").text == "ok"  # a stalled loop fails here (the client's 5 s bound)
             codes = [w.result().status_code for w in writes]
         assert codes[:5] == [200] * 5 and codes[5] in (200, 409), codes  # nothing restorable: 409, said
-        assert took and max(took) < 0.5, took  # writes run off the event loop (before: 1.7-2.9 s)
+    assert len(CheckpointManager(run).incidents()) == 5
+
+
+def watcher_of(run: str):
+    """A real watcher over ``run`` in this process, as ``vckpt serve`` makes one (no scrub falls due in a test)."""
+    from verified_ckpt.service.metrics import Metrics
+    from verified_ckpt.service.scrub import Slots, Throttle
+    from verified_ckpt.service.watch import Watcher, verifier_identity
+
+    return Watcher(run_key(run), run, None, Metrics(), Throttle(0), poll_s=0.2, scrub_interval_s=3600,
+                   verifier=verifier_identity(), slots=Slots.of(2))
+
+
+class HeldListing:
+    """Holds the first listing of the run made on the thread named ``thread`` between the listing and whatever the
+    thread does with it next (its publish), until ``go`` is set."""
+
+    def __init__(self, mgr: CheckpointManager, thread: str) -> None:
+        self.listed, self.go, real = threading.Event(), threading.Event(), mgr.view
+
+        def view():
+            got = real()
+            if threading.current_thread().name == thread and not self.listed.is_set():
+                self.listed.set()
+                assert self.go.wait(30), "never released"
+            return got
+
+        mgr.view = view
+
+
+def in_thread(name: str, fn, *args) -> tuple[threading.Thread, list]:
+    errors: list = []
+
+    def body() -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # handed to the test
+            errors.append(e)
+
+    t = threading.Thread(target=body, name=name, daemon=True)
+    t.start()
+    return t, errors
+
+
+@pytest.mark.parametrize("held", ["watcher", "worker"])
+def test_a_view_listed_before_another_writers_publish_never_replaces_it_and_no_change_is_lost(tmp_path, held):
+    from verified_ckpt.service.app import _write
+
+    run = str(tmp_path / "run")
+    save(run, 1)
+    w = watcher_of(run)
+    w.one_pass()  # verifies the checkpoint, so the next passes have nothing to read: only their views are published
+    assert w.state.summary()["open_incidents"] == 0 and w.state.passes == 1
+
+    def flag(step: int) -> None:  # the API's worker thread: record the flag, then republish the run's view
+        _write(w, True, json.dumps({"from_step": step, "reason": f"flag {step}"}).encode())
+
+    hold = HeldListing(w._mgr, held)
+    if held == "watcher":  # the loop lists, the API flags and republishes, then the loop publishes what it listed
+        t, errors = in_thread("watcher", w.one_pass)
+        assert hold.listed.wait(30)
+        flag(1)
+        want = 1
+    else:  # the API's refresh lists, a second flag and a whole pass publish, then the refresh publishes
+        t, errors = in_thread("worker", flag, 1)
+        assert hold.listed.wait(30)
+        CheckpointManager(run).flag(2, reason="flag 2")
+        w.one_pass()
+        want = 2
+    assert w.state.summary()["open_incidents"] == want
+    hold.go.set()
+    t.join(30)
+    assert not t.is_alive() and not errors, errors
+    state = w.state
+    assert state.summary()["open_incidents"] == want, "an older listing replaced the view"
+    assert state.passes == 2  # both passes counted
+    assert w.metrics.registry.get_sample_value("vckpt_open_incidents", {"run": w.key}) == want  # metrics match
+    assert [(c["from"], c["to"]) for c in state.changes] == [("unverified", "suspect")]  # once, never undone
+    assert f"flag {want}" in (state.report or "")  # the report on show is the newest page too
+
+
+@contextlib.contextmanager
+def served(*watchers):
+    """The service's real app over ``watchers`` on a real uvicorn server in this process (no watcher loop runs:
+    the test publishes), and an httpx client of it."""
+    import uvicorn
+
+    from verified_ckpt.service.app import build_app
+    from verified_ckpt.service.watch import Watchers
+
+    registry = Watchers()
+    for w in watchers:
+        registry.add(w)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(registry, watchers[0].metrics, TOKEN), host="127.0.0.1",
+                                           port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    until(lambda: server.started, what="the server to start")
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_health_and_reads_answer_while_a_write_is_held_on_its_worker_thread(tmp_path):
+    run = str(tmp_path / "run")
+    save(run, 1)
+    w = watcher_of(run)
+    w.one_pass()
+    held, go, real = threading.Event(), threading.Event(), w.refresh
+
+    def refresh() -> None:  # the write's second half (republishing the view), held until the test lets it go
+        held.set()
+        assert go.wait(30), "never released"
+        real()
+
+    w.refresh = refresh
+    with served(w) as client:
+        answers: list = []
+        t, errors = in_thread("client", lambda: answers.append(client.post(
+            f"/api/runs/{w.key}/flag", json={"from_step": 1, "reason": "held"}, headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=60)))
+        try:
+            assert held.wait(30)  # the flag is recorded; its worker thread now holds before republishing
+            # Were the write on the event loop, nothing would answer until it is let go (the client gives up at 5 s).
+            assert client.get("/healthz").text == "ok"
+            assert client.get(f"/api/runs/{w.key}").json()["open_incidents"] == 0  # what was published, not the store
+        finally:
+            go.set()
+            t.join(30)
+        assert not errors and answers[0].status_code == 200, (errors, answers)
+        assert client.get(f"/api/runs/{w.key}").json()["open_incidents"] == 1  # republished by the write
+
+
+def test_reads_answer_from_what_the_watcher_published_and_never_from_the_store(tmp_path):
+    import concurrent.futures
+    import shutil
+
+    run = str(tmp_path / "run")
+    cid = save(run, 1)
+    w = watcher_of(run)
+    w.one_pass()  # lists, verifies and builds the report page
+    built = w.state.report
+    assert built and cid in built
+    shutil.rmtree(run)  # a request that read the store now would find no run at all
+    with served(w) as client, concurrent.futures.ThreadPoolExecutor(10) as pool:
+        pages = [pool.submit(client.get, f"/runs/{w.key}/report") for _ in range(10)]
+        assert all(p.result().status_code == 200 and p.result().text == built for p in pages)
+        assert [c["id"] for c in client.get(f"/api/runs/{w.key}/checkpoints").json()] == [cid]
+        assert client.get(f"/api/runs/{w.key}").json()["checkpoints"] == {"unverified": 1}
+        assert f'<a href="/runs/{w.key}/report">{w.key}</a>' in client.get("/").text

@@ -34,6 +34,10 @@ KINDS = ["step", "audit", "consensus", "save", "incident", "restore", "verify", 
          "coverage", "budget"]  # append only
 VERDICTS = ["pass", "fail", "none"]
 NO_RANK = -1  # a job-wide row (a save, a restore, or a per-step summary of a large job)
+STEP_CHECKS = ("step", "nonfinite", "checksum", "abft", "audit", "consensus")  # what a step's checks write
+# The checks that compare ranks' values (a vote over weights, a recomputation on another rank, the all-reduce
+# against the local gradients): only they can say that replicas agree. NaN/Inf and ABFT look at one rank alone.
+COMPARING = ("checksum", "audit", "consensus")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,28 +192,51 @@ def consensus_claim_problems(evidence: dict[str, Any], consensus: dict[int, list
 
 
 def step_series(cols: Columns) -> dict[str, list[Any]]:
-    """Per step: the mean loss of its latest per-step check, and whether every check
-    run at that step (per-step, audit, consensus) ever passed.
+    """Per step: the mean loss of its latest per-step check, and what its checks found.
 
-    A step replayed after a rollback keeps its red mark: the report must still
-    show when the replicas stopped agreeing.
+    ``agree`` is ``False`` where any check at that step ever failed, ``True`` where a check comparing ranks
+    (``COMPARING``) ran and none failed, and ``None`` where only checks of one rank's own values ran: nothing
+    was compared, so nothing says the replicas agree (a single replica's run, or steps between consensus rounds
+    of a run whose ledger predates the ``checksum`` rows). A step replayed after a rollback keeps its red mark:
+    the report must still show when the replicas stopped agreeing.
     """
     import numpy as np
 
     loss: dict[int, float | None] = {}
-    agree: dict[int, bool] = {}
+    failed: dict[int, bool] = {}
+    compared: set[int] = set()
     for g in checks(cols):
-        if g.kind not in ("step", "audit", "consensus"):
+        if g.kind not in STEP_CHECKS:
             continue
-        agree[g.step] = agree.get(g.step, True) and not g.failed
+        failed[g.step] = failed.get(g.step, False) or g.failed
+        if g.kind in COMPARING:
+            compared.add(g.step)
         if g.kind == "step":
             lo, hi = g.rows
             vals = cols.loss[lo:hi]
             vals = vals[np.isfinite(vals)]
             loss[g.step] = float(vals.mean()) if vals.size else None
-    agree = {st: ok for st, ok in agree.items() if st in loss}
-    steps = sorted(agree)
-    return {"step": steps, "loss": [loss[s] for s in steps], "agree": [agree[s] for s in steps]}
+    steps = sorted(st for st in failed if st in loss)
+    return {"step": steps, "loss": [loss[s] for s in steps],
+            "agree": [False if failed[s] else True if s in compared else None for s in steps]}
+
+
+def checked(cols: Columns | None, series: dict[str, list[Any]]) -> dict[str, Any] | None:
+    """What the ledger says was checked, for a reader to see before any verdict (``None``: the run has no ledger).
+
+    ``steps``: steps with per-step checks; ``compared``: those at which a check compared ranks; ``consensus``
+    and ``audits``: checks of each kind; ``ranks``: the most ranks one step's per-step check covered (1: a single
+    replica, where no consensus is possible; ``None`` where a large job's ledger summarised them in one row).
+    ``series``: :func:`step_series` of ``cols``.
+    """
+    if cols is None:
+        return None
+    groups = checks(cols)
+    widths = [len(set(g.ranks)) for g in groups if g.kind == "step"]
+    summarised = any(NO_RANK in g.ranks for g in groups if g.kind == "step")
+    return {"steps": len(series["step"]), "compared": sum(a is not None for a in series["agree"]),
+            "consensus": sum(g.kind == "consensus" for g in groups), "audits": sum(g.kind == "audit" for g in groups),
+            "ranks": None if summarised else max(widths, default=0)}
 
 
 def consensus_votes(cols: Columns) -> list[dict[str, Any]]:
@@ -233,12 +260,14 @@ def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: 
     """The input of ``report.render_html``: the ledger's per-step series and votes, checkpoints
     with their derived status, incidents' flagged intervals, the rollback target, the hosts the open
     incidents name, the recovery (detected step, rolled back to) once every incident is answered, and
-    ``vckpt supervise``'s decisions (attempt, exit code, action, verdict, hosts excluded, why)."""
-    cols = cols if cols is not None else Columns.of([])
+    ``vckpt supervise``'s decisions (attempt, exit code, action, verdict, hosts excluded, why), and what the
+    ledger says was checked (``checked``)."""
+    ledger, cols = cols, cols if cols is not None else Columns.of([])
+    series = step_series(cols)
     return {
         "run": redact_url(run),
         "generated_at": generated_at,
-        "steps": step_series(cols),
+        "steps": series,
         "consensus": consensus_votes(cols),
         "checkpoints": [{"id": c["id"], "step": c["step"], "status": c["status"]} for c in checkpoints],
         # An answered open-ended interval ends where it was detected: the rollback
@@ -256,4 +285,5 @@ def report_data(run: str, generated_at: str, cols: Columns | None, checkpoints: 
         "supervision": [{k: d[k] for k in ("at", "attempt", "exit_code", "action", "code", "exclude", "reason")}
                         for d in supervision],
         "health": health,  # ``RunView.health().state``: the word ``vckpt status`` and the service say
+        "checked": checked(ledger, series),
     }

@@ -21,18 +21,21 @@ __all__ = ["render_html"]
 
 GREEN, RED, GREY, ORANGE = "#2e9d4a", "#d62728", "#9e9e9e", "#ff9800"
 SHADE, ROLLBACK, LOSS, RECOVERED = "#f4a6a6", "#6a1b9a", "#1f77b4", "#00838f"
+UNCOMPARED = "#cfd8dc"  # a step whose checks passed but compared nothing: never drawn as agreement
 STATUS_COLOURS = {status: c.web for status, c in PALETTE.items()}  # the one status palette (``health``)
 
 # Fixed pixel geometry so that screenshots of two runs are comparable (and tests can find pixels).
-WIDTH, HEIGHT = 1100, 372
+WIDTH = 1100
 LEFT, RIGHT, TOP, BOTTOM = 70, 1080, 30, 284  # plot area; shading and rollback line span all of it
 LOSS_TOP, LOSS_BOTTOM = 40, 200
 AGREE_Y, AGREE_H, VOTE_Y, CKPT_Y = 212, 16, 244, 266
+LEGEND_COLUMNS, LEGEND_ROW = 6, 22
 
 LEGEND = [
     ("line", LOSS, "mean loss"),
-    ("rect", GREEN, "replicas agree"),
-    ("rect", RED, "replicas disagree"),
+    ("rect", GREEN, "ranks compared: agree"),
+    ("rect", UNCOMPARED, "checked, not compared"),
+    ("rect", RED, "a check failed"),
     ("circle", GREEN, "vote unanimous"),
     ("diamond", RED, "vote split (suspects)"),
     ("rect", SHADE, "incident interval"),
@@ -41,6 +44,7 @@ LEGEND = [
     ("vline", ROLLBACK, "rollback target"),
     ("line", RECOVERED, "rolled back (recovered)"),
 ]
+HEIGHT = BOTTOM + 56 + LEGEND_ROW * ((len(LEGEND) - 1) // LEGEND_COLUMNS) + 10  # every legend row inside the picture
 
 CSS = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 12px 20px; color: #212121; background: #fff; }
@@ -126,21 +130,29 @@ def _loss_layer(steps: Sequence[int], losses: Sequence[float | None], x: Callabl
     return out
 
 
-def _agree_layer(steps: Sequence[int], agree: Sequence[bool], x: Callable[[float], float], slot: float) -> list[str]:
+def _agree_layer(steps: Sequence[int], agree: Sequence[bool | None], x: Callable[[float], float], slot: float,
+                 ranks: int | None) -> list[str]:
+    """The per-step band: green where ranks were compared and agreed, red where a check failed, pale grey where the
+    checks passed without comparing anything (``history.step_series``); a run that never compared says why."""
     # Consecutive steps with the same outcome share one rect: same pixels, far smaller page for long runs.
     out, i = [], 0
     while i < len(steps):
         j = i
-        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1 and bool(agree[j + 1]) == bool(agree[i]):
+        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1 and agree[j + 1] is agree[i]:
             j += 1
         left, width = x(steps[i]) - slot / 2, max(x(steps[j]) - x(steps[i]) + slot, 1.0)
-        word, colour = ("agree", GREEN) if agree[i] else ("disagree", RED)
+        word, colour, tip = {True: ("agree", GREEN, "ranks compared, agree"), False: ("disagree", RED, "a check failed"),
+                             None: ("uncompared", UNCOMPARED, "checked, ranks not compared")}[agree[i]]
         out.append(
             f'<rect class="agree-{word}" data-steps="{steps[i]}-{steps[j]}" x="{left:.2f}" y="{AGREE_Y}" '
             f'width="{width:.2f}" height="{AGREE_H}" fill="{colour}" shape-rendering="crispEdges">'
-            f"<title>steps {steps[i]}-{steps[j]}: replicas {word}</title></rect>"
+            f"<title>steps {steps[i]}-{steps[j]}: {tip}</title></rect>"
         )
         i = j + 1
+    if steps and all(a is None for a in agree):
+        why = "single replica: no consensus possible" if ranks == 1 else "ranks never compared: no consensus, " \
+              "audit or all-reduce checksum ran"
+        out.append(f'<text data-testid="not-compared" x="{LEFT + 8}" y="{AGREE_Y + 12}" fill="#424242">{why}</text>')
     return out
 
 
@@ -164,7 +176,7 @@ def _timeline(data: dict[str, Any], lo: int, hi: int) -> str:
     for label, y in (("agree", AGREE_Y + 12), ("votes", VOTE_Y + 4), ("ckpts", CKPT_Y + 4)):
         out.append(f'<text x="{LEFT - 6}" y="{y}" text-anchor="end" fill="#616161">{label}</text>')
     out += _loss_layer(steps, data["steps"]["loss"], x)
-    out += _agree_layer(steps, data["steps"]["agree"], x, slot)
+    out += _agree_layer(steps, data["steps"]["agree"], x, slot, (data.get("checked") or {}).get("ranks"))
     for v in data["consensus"]:
         step, suspects = int(v["step"]), ", ".join(str(r) for r in v["suspects"]) or "none"
         kind, colour = ("circle", GREEN) if v["unanimous"] else ("diamond", RED)
@@ -187,7 +199,7 @@ def _timeline(data: dict[str, Any], lo: int, hi: int) -> str:
     out += _target_marker(data["rollback_target"], x)
     out += _recovery(data.get("recovery"), x)
     for n, (kind, colour, label) in enumerate(LEGEND):
-        lx, ly = LEFT + (n % 6) * 168, BOTTOM + 56 + (n // 6) * 22
+        lx, ly = LEFT + (n % LEGEND_COLUMNS) * 168, BOTTOM + 56 + (n // LEGEND_COLUMNS) * LEGEND_ROW
         out.append(_mark(kind, lx + 6, ly - 4, colour, r=5) + f'<text x="{lx + 18}" y="{ly}">{label}</text>')
     return (
         f'<svg data-testid="timeline" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
@@ -234,6 +246,20 @@ def _table(testid: str, head: Sequence[str], rows: list[tuple[str, list[str]]]) 
     )
     body = body or f'<tr><td colspan="{len(head)}" class="empty">none recorded</td></tr>'
     return f'<table data-testid="{testid}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _checked(data: dict[str, Any]) -> str:
+    """What the ledger says was checked (``history.checked``), said before any verdict; nothing for data without it."""
+    if "checked" not in data:
+        return ""
+    c = data["checked"]
+    if c is None:
+        text = "checks: none recorded (the run has no ledger: it was trained without an SDCGuard)"
+    else:
+        text = (f"checks: {int(c['steps'])} step(s) checked, {int(c['compared'])} of them compared across ranks; "
+                f"{int(c['consensus'])} consensus vote(s), {int(c['audits'])} audit(s)")
+        text += "; single replica: no consensus possible" if c.get("ranks") == 1 else ""
+    return f'\n<p class="meta" data-testid="checked">{_e(text)}</p>'
 
 
 def render_html(data: dict[str, Any]) -> str:
@@ -290,7 +316,7 @@ def render_html(data: dict[str, Any]) -> str:
 <title>verified-ckpt report: {_e(data['run'])}</title><style>{CSS}</style></head>
 <body>
 <h1>verified-ckpt run <span data-testid="run">{_e(data['run'])}</span></h1>
-<p class="meta">generated {_e(data['generated_at'])}{health}</p>
+<p class="meta">generated {_e(data['generated_at'])}{health}</p>{_checked(data)}
 <p class="verdict{state}" data-testid="verdict">{verdict}</p>
 {chart}
 <h2>Checkpoints</h2>

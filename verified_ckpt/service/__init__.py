@@ -14,6 +14,7 @@ import hashlib
 import ipaddress
 import logging
 import os
+import re
 import threading
 from typing import Any
 
@@ -22,6 +23,7 @@ from ..errors import InvalidConfig
 __all__ = ["ServiceConfig", "ServiceError", "missing_extra", "run_key", "serve"]
 
 log = logging.getLogger("verified_ckpt.service")
+MAX_KEY_FOLDER = 40  # characters of the folder name in a run's key
 MIN_TOKEN = 32  # characters of a token that guards a non-loopback bind (a guessable one guards nothing)
 
 
@@ -103,11 +105,16 @@ def _loopback(host: str) -> bool:
 
 
 def run_key(url: str, storage_options: dict[str, Any] | None = None) -> str:
-    """A short stable name for a run in URLs and metric labels: the same however the URL is spelled (a relative
-    path, its absolute path, its ``file://`` URL; a trailing slash)."""
+    """A run's one name in the service: in its API paths (``/api/runs/KEY``), on the dashboard, and as the ``run``
+    label of every metric. Readable (the run's folder name), unique (a hash of its canonical URL follows it) and
+    stable (a function of the URL alone: the same across restarts and services, and however the URL is spelt: a
+    relative path, its absolute path, its ``file://`` URL, a trailing slash): ``exp42-3f9a0c1d2b4e``."""
     from ..store import canonical_url
 
-    return hashlib.blake2b(canonical_url(url, storage_options).encode(), digest_size=6).hexdigest()
+    canonical = canonical_url(url, storage_options)
+    folder = canonical.rstrip("/").rsplit("/", 1)[-1].split("@")[-1]  # never the user:password@ of a bare bucket
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", folder).strip(".-")[:MAX_KEY_FOLDER] or "run"
+    return f"{readable}-{hashlib.blake2b(canonical.encode(), digest_size=6).hexdigest()}"
 
 
 def _protocol(timeout_s: float) -> type:
@@ -174,24 +181,26 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None, log_to_st
         _log_to_stderr()
 
     from .. import VerifiedCkptError, discover_runs
+    from ..history import redact_url
     from .app import build_app
     from .metrics import Metrics
     from .scrub import Slots, Throttle
-    from .watch import Watcher, verifier_identity
+    from .watch import Watcher, Watchers, verifier_identity
 
     _warm_up()
     metrics, throttle, who = Metrics(), Throttle(cfg.bytes_per_s), verifier_identity()
     slots = Slots.of(cfg.concurrency)
-    watchers: dict[str, Watcher] = {}  # only ever added to; readers take list() snapshots
-    threads: list[threading.Thread] = []
+    watchers = Watchers()  # added to by the discovery thread, read by the event loop
+    threads: list[threading.Thread] = []  # appended by whoever adds a run; joined at exit from a copy
     stop = threading.Event()
 
     def watch(urls: list[str]) -> None:
         for u in urls:
-            if run_key(u, cfg.storage_options) not in watchers:
-                w = Watcher(run_key(u, cfg.storage_options), u, cfg.storage_options, metrics, throttle, poll_s=cfg.poll_s,
-                            scrub_interval_s=cfg.scrub_interval_s, verifier=who, slots=slots)
-                watchers[w.key] = w
+            w = Watcher(run_key(u, cfg.storage_options), u, cfg.storage_options, metrics, throttle, poll_s=cfg.poll_s,
+                        scrub_interval_s=cfg.scrub_interval_s, verifier=who, slots=slots)
+            if watchers.add(w):
+                log.info("watching run %s: %s", w.key, redact_url(u))
+                metrics.run_info.labels(w.key, redact_url(u)).set(1)
                 threads.append(threading.Thread(target=w.run, name=f"vckpt-watch-{w.key}", daemon=True))
                 threads[-1].start()
 
@@ -212,13 +221,13 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None, log_to_st
                                            http=_protocol(cfg.request_timeout_s),
                                            timeout_keep_alive=max(1, int(cfg.request_timeout_s))))
     log.info("vckpt serve on http://%s:%d: dashboard /, API /api/runs, metrics /metrics, health /healthz; watching %d "
-             "run(s)%s; a pass every %gs, a scrub of each checkpoint every %gs", cfg.host, cfg.port, len(watchers),
+             "run(s)%s; a pass every %gs, a scrub of each checkpoint every %gs", cfg.host, cfg.port, len(watchers.all()),
              f" and runs under {', '.join(cfg.discover)}" if cfg.discover else "", cfg.poll_s, cfg.scrub_interval_s)
     try:
         server.run()
     finally:
         stop.set()
-        for w in list(watchers.values()):
+        for w in watchers.all():
             w.stop.set()
         for t in list(threads):
             t.join(timeout=5)

@@ -28,7 +28,7 @@ from ..jsonx import JSONBudgetError, Limits, decode_object, short_repr
 from ..recovery import HOST_GRAMMAR, host_problem, node_health
 from ..status import HEALTH_COLOURS, PALETTE
 from .metrics import Metrics
-from .watch import Watcher
+from .watch import Watcher, Watchers
 
 __all__ = ["build_app"]
 
@@ -37,9 +37,10 @@ MAX_BODY = 64 << 10  # a flag's body: a reason of up to 64 KiB and a few numbers
 
 
 class _Api:
-    """The endpoints over ``watchers`` (by run key); each answers from the watchers' last published state."""
+    """The endpoints over ``watchers`` (by run key); each answers from the watchers' last published state, taken
+    once per answer (``Watcher.state``), so one answer never mixes two publishes."""
 
-    def __init__(self, watchers: dict[str, Watcher], metrics: Metrics, token: str | None) -> None:
+    def __init__(self, watchers: Watchers, metrics: Metrics, token: str | None) -> None:
         self.watchers, self.metrics, self.token = watchers, metrics, token
 
     def per_run(self, handler: Callable[[Watcher], Response]) -> Callable[[Request], Any]:
@@ -56,7 +57,7 @@ class _Api:
 
     async def readyz(self, request: Request) -> Response:
         # Ready once every run has been looked at (read, or found failing): its verification may still run.
-        waiting = [w.url for w in list(self.watchers.values()) if w.state.view is None and w.state.error is None]
+        waiting = [s.key for s in (w.state for w in self.watchers.all()) if s.view is None and s.error is None]
         if waiting:
             return PlainTextResponse(f"first pass pending: {', '.join(waiting)}", status_code=503)
         return PlainTextResponse("ready")
@@ -65,15 +66,16 @@ class _Api:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def runs(self, request: Request) -> Response:
-        return JSONResponse([w.state.summary() for w in list(self.watchers.values())])
+        return JSONResponse([w.state.summary() for w in self.watchers.all()])
 
     def summary(self, w: Watcher) -> Response:
         return JSONResponse(w.state.summary())
 
     def checkpoints(self, w: Watcher) -> Response:
-        view = w.state.view
+        state = w.state
+        view = state.view
         if view is None:
-            return JSONResponse({"error": w.state.error or "not read yet"}, status_code=503)
+            return JSONResponse({"error": state.error or "not read yet"}, status_code=503)
         return JSONResponse([dict(c.to_dict(), evidence=c.manifest.evidence if c.manifest else None,
                                   verifications=[dict(r.to_dict(), verifier=r.verifier)
                                                  for r in view.verifications.get(c.id, [])]) for c in view.infos])
@@ -106,23 +108,23 @@ class _Api:
         host = request.path_params["host"]
         if why := host_problem(host):
             return JSONResponse({"error": f"{why} ({HOST_GRAMMAR})"}, status_code=400)
-        watchers = list(self.watchers.values())
-        unread = [w.url for w in watchers if w.state.view is None]
-        health = node_health(host, [(w.url, w.state.view.open_incidents())
-                                    for w in watchers if w.state.view is not None])
+        states = [w.state for w in self.watchers.all()]
+        unread = [s.key for s in states if s.view is None]
+        health = node_health(host, [(s.key, s.view.open_incidents()) for s in states if s.view is not None])
         body: dict[str, Any] = dict(health.to_dict(), unread=unread, line=health.line())
         return JSONResponse(body, status_code=200 if health.healthy and not unread else 503)
 
     async def dashboard(self, request: Request) -> Response:
-        return HTMLResponse(_dashboard([w.state.summary() for w in list(self.watchers.values())],
-                                       [(w.key, c) for w in list(self.watchers.values()) for c in w.state.changes]))
+        states = [w.state for w in self.watchers.all()]
+        return HTMLResponse(_dashboard([s.summary() for s in states], [c for s in states for c in s.changes]))
 
     def report(self, w: Watcher) -> Response:
         """The page the watcher built at its last pass (never built here: a hostile ledger must not stall a request)."""
-        if w.state.report is None:
-            return PlainTextResponse(f"the report of {w.url} is not built yet: {w.state.error or 'first pass pending'}",
+        state = w.state
+        if state.report is None:
+            return PlainTextResponse(f"the report of {state.key} is not built yet: {state.error or 'first pass pending'}",
                                      status_code=503)
-        return HTMLResponse(w.state.report)
+        return HTMLResponse(state.report)
 
 
 async def _bounded_body(request: Request, limit: int) -> bytes | None:
@@ -176,7 +178,7 @@ def _flag_body(body: bytes) -> dict[str, Any]:
             "ranks": ranks, "reason": reason}
 
 
-def build_app(watchers: dict[str, Watcher], metrics: Metrics, token: str | None) -> Starlette:
+def build_app(watchers: Watchers, metrics: Metrics, token: str | None) -> Starlette:
     """The ASGI app over ``watchers`` (by run key)."""
     api = _Api(watchers, metrics, token)
     return Starlette(routes=[
@@ -193,8 +195,9 @@ def build_app(watchers: dict[str, Watcher], metrics: Metrics, token: str | None)
 _COLOURS = {s: c.web for s, c in PALETTE.items()} | {s: c.web for s, c in HEALTH_COLOURS.items()}
 
 
-def _dashboard(runs: list[dict[str, Any]], changes: list[tuple[str, dict[str, Any]]]) -> str:
-    """Runs at a glance and what changed recently; refreshes itself, no external assets, no scripts."""
+def _dashboard(runs: list[dict[str, Any]], changes: list[dict[str, Any]]) -> str:
+    """Runs at a glance and what changed recently; refreshes itself, no external assets, no scripts. A run is named
+    by its key, as in the API's paths and the metrics' ``run`` label, with its URL beside it."""
     e = html.escape
     rows = []
     for r in runs:
@@ -202,18 +205,20 @@ def _dashboard(runs: list[dict[str, Any]], changes: list[tuple[str, dict[str, An
                           for s, n in sorted(r["checkpoints"].items()))
         target, health = r["rollback_target"], r.get("health") or "unread"
         state = f'<span class="b" style="background:{_COLOURS.get(health, "#555")}">{e(health)}</span>'
-        rows.append(f"<tr><td><a href=\"/runs/{e(r['key'])}/report\">{e(r['url'])}</a></td><td>{state}</td><td>{badges}</td>"
+        rows.append(f"<tr data-testid=\"run-{e(r['key'])}\"><td><a href=\"/runs/{e(r['key'])}/report\">{e(r['key'])}</a> "
+                    f"<span class=\"url\">{e(r['url'])}</span></td><td>{state}</td><td>{badges}</td>"
                     f"<td>{'step ' + str(target['step']) if target else 'none'}</td><td>{r['open_incidents']}</td>"
                     f"<td>{e(', '.join(r['exclude_hosts'] + (['unknown'] if r.get('exclude_hosts_unknown') else [])))}"
                     f"</td><td class=\"err\">{e(r['error'] or '')}</td></tr>")
     recent = "".join(f"<li data-testid=\"change\">{e(time.strftime('%H:%M:%S', time.gmtime(c['at'])))} "
-                     f"<b>{e(c.get('run', key))}</b>: {e(c['checkpoint'])} (step {int(c['step'])}) {e(c['from'])} → "
+                     f"<b>{e(c['run'])}</b>: {e(c['checkpoint'])} (step {int(c['step'])}) {e(c['from'])} → "
                      f"<span class=\"b\" style=\"background:{_COLOURS.get(c['to'], '#555')}\">{e(c['to'])}</span> "
-                     f"{e(c.get('reason', ''))}</li>" for key, c in sorted(changes, key=lambda x: -x[1]["at"])[:20])
+                     f"{e(c.get('reason', ''))}</li>" for c in sorted(changes, key=lambda x: -x["at"])[:20])
     return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'">
 <title>vckpt serve</title><style>body{{font:14px sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px}}.b{{color:#fff;padding:2px 6px;border-radius:3px;margin-right:4px}}
-.err{{color:#c62828}}</style></head><body><h1>Runs</h1><table><tr><th>run</th><th>health</th><th>checkpoints</th>
-<th>rollback target</th><th>open incidents</th><th>exclude hosts</th><th>error</th></tr>{''.join(rows)}</table>
+.err{{color:#c62828}}.url{{color:#616161;font-size:12px}}</style></head><body><h1>Runs</h1><table><tr><th>run</th>
+<th>health</th><th>checkpoints</th><th>rollback target</th><th>open incidents</th><th>exclude hosts</th><th>error</th></tr>
+{''.join(rows)}</table>
 <h2>Recent changes</h2><ul>{recent or '<li>none</li>'}</ul></body></html>"""

@@ -21,6 +21,7 @@ from verified_ckpt import (
     Status,
     StorageError,
     VerifiedCkptError,
+    evidence_basis,
     render_html,
 )
 
@@ -117,6 +118,7 @@ def show_cmd(mgr: CheckpointManager, out: Output, step: str) -> int:
             console.print(f"  reason: {escape(r)}")
         console.print(f"  run {m['run_id']}  created {m['created_at']}  size {human_size(info.size_bytes)}")
         console.print(f"  state fingerprint {m['state_fingerprint']}  world size {m['topology'].get('world_size')}")
+        console.print(f"  evidence basis: {escape(evidence_basis(m['evidence']))}")
         console.print(f"  evidence: {json.dumps(m['evidence'], sort_keys=True) if m['evidence'] else 'none'}")
         console.print(out.table(None, ["shard", "size", "blake3", "tensors"],
                                 [[s["path"], human_size(s["size"]), s["digest"][:16] + "…", len(s["tensors"])]

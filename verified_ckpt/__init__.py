@@ -33,6 +33,7 @@ from .errors import (
 if TYPE_CHECKING:
     from .checkpoint import CheckpointManager, OpenCheckpoint, RankReport, RunView, SaveSession, replay_bundle
     from .comm import Communicator
+    from .evidence import evidence_basis
     from .fingerprint import Fingerprint
     from .guard import GuardConfig, SDCGuard
     from .health import RunHealth
@@ -53,7 +54,7 @@ _LAZY = {
     "RNGState": "rng", "Status": "status", "discover_runs": "store", "ExitCode": "recovery",
     "exit_code_for": "recovery", "exit_on": "recovery", "replay_bundle": "checkpoint", "OpenCheckpoint": "checkpoint",
     "RankReport": "checkpoint", "SaveSession": "checkpoint", "PALETTE": "status", "HEALTH_COLOURS": "status",
-    "RunHealth": "health",
+    "RunHealth": "health", "evidence_basis": "evidence",
 }
 
 __all__ = [
@@ -97,6 +98,7 @@ __all__ = [
     "VerificationResult",
     "VerifiedCkptError",
     "discover_runs",
+    "evidence_basis",
     "exit_code_for",
     "exit_on",
     "render_html",

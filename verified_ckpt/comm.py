@@ -123,6 +123,25 @@ class Communicator:
         """FSDP's reduce-scatter over its own sub-group (``group``), as FSDP's default communication issues it."""
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
+    def shift(self, t: torch.Tensor, incoming: int, *, by: int = 1) -> torch.Tensor:
+        """Send the 1-D ``t`` to the rank ``by`` places after this one in the group and receive ``incoming``
+        elements of its dtype from the rank ``by`` places before (a ring, point to point: each rank moves only
+        its own piece, not the world's, as an all-gather would). A shift by a multiple of the world is ``t``."""
+        if not self.active or by % self.world == 0:
+            return t
+        dev = self.comm_device
+
+        def member(r: int) -> int:  # the rank in the default group, which point-to-point ops address
+            return int(dist.get_global_rank(self.group, r)) if self.group is not None else r
+
+        out = torch.empty(max(incoming, 1), dtype=t.dtype, device=dev)  # gloo sends no empty tensor
+        sent = t.to(dev).contiguous() if t.numel() else torch.zeros(1, dtype=t.dtype, device=dev)
+        ops = [dist.P2POp(dist.isend, sent, member((self.rank + by) % self.world), self.group),
+               dist.P2POp(dist.irecv, out, member((self.rank - by) % self.world), self.group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return out[:incoming].to(t.device)
+
     # -------------------------------------------------------------- bytes
     def gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's byte string, on every rank (two all-gathers; no pickle)."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["is_dtensor", "is_fsdp"]
+__all__ = ["is_dtensor", "is_fsdp", "local"]
 
 
 def _loaded(module: str, name: str) -> Any:
@@ -25,6 +25,11 @@ def _loaded(module: str, name: str) -> Any:
 def is_dtensor(t: object) -> TypeGuard[DTensor]:
     cls = _loaded("torch.distributed.tensor", "DTensor")
     return cls is not None and isinstance(t, cls)
+
+
+def local(t: Any) -> Any:
+    """This rank's piece of ``t``: a DTensor's local tensor, any other tensor itself."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def is_fsdp(model: Any) -> bool:

@@ -20,7 +20,7 @@ from .status import MAX_STEP, Status
 
 __all__ = [
     "NO_AUDIT", "SINGLE_REPLICA", "CheckCounts", "ConsensusClaim", "Evidence", "EvidenceTracker", "consensus_claim",
-    "evidence_problem", "remedies", "save_status",
+    "evidence_basis", "evidence_problem", "remedies", "save_status",
 ]
 
 SINGLE_REPLICA = "a single replica: no cross-replica consensus or audit is possible"
@@ -29,7 +29,9 @@ FAILED = "checks failed since the previous checkpoint: "
 # What to change, for each reason a save is not restorable (logged with it; the manifest keeps the reason).
 _REMEDIES = {
     FAILED: "roll back: resume(state) on the restart, or `vckpt rollback RUN`",
-    SINGLE_REPLICA: "train with 2 or more data-parallel replicas (3 or more to have suspects named)",
+    SINGLE_REPLICA: "on 2 or more ranks, state without a replica stands on the update oracle and the at-rest chain: use "
+                    "an element-wise torch optimizer (AdamW, Adam, SGD...) and oracle_slices >= 1 (docs/GUARD.md, 'The "
+                    "update oracle'); or train with 2 or more data-parallel replicas (3 or more to have suspects named)",
     NO_AUDIT: "keep GuardConfig(audit_before_save=True) (the default), which audits before such a save, or set "
               "audit_every to at most the save interval; a save before the first training step has nothing to audit",
     "saved without an SDCGuard": "pass guard=SDCGuard(...) to CheckpointManager (the Lightning and Hugging Face "
@@ -78,9 +80,12 @@ class Evidence:
     checks_since_previous: dict[str, CheckCounts]
     audits_enabled: bool
     audits_since_restorable: int
+    single_owner: bool = False  # state without a replica stood on the update oracle and the at-rest chain
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        owner = {"single_owner": {"chain_step": self.consensus_step,
+                                  "oracle_passed": self.checks_since_previous.get("oracle", CheckCounts()).passed}}
+        return {**(owner if self.single_owner else {}),
             "consensus": {"step": self.consensus_step, "unanimous": bool(self.fingerprints),
                           "replicas": len(self.fingerprints),
                           "fingerprints": {str(r): fp for r, fp in enumerate(self.fingerprints)}},
@@ -111,14 +116,17 @@ class EvidenceTracker:
         return audits_enabled and counters.get("audit", CheckCounts()).passed - self._audits_at_restorable < 1
 
     def for_save(self, step: int, fingerprints: Sequence[str], counters: Mapping[str, CheckCounts], *, world: int,
-                 audits_enabled: bool) -> tuple[Evidence, Status, list[str]]:
+                 audits_enabled: bool, single_owner: bool = False) -> tuple[Evidence, Status, list[str]]:
         """The evidence, status and reasons of a save whose consensus gave ``fingerprints``; advances the baselines."""
         since = {k: CheckCounts(c.passed - self._baseline.get(k, CheckCounts()).passed,
                                 c.failed - self._baseline.get(k, CheckCounts()).failed, c.last_pass, c.coverage)
                  for k, c in counters.items()}
         audits = counters.get("audit", CheckCounts()).passed - self._audits_at_restorable
-        status, reasons = save_status(world, {k: c.failed for k, c in since.items()}, audits_enabled, audits)
-        evidence = Evidence(step, list(fingerprints), since, audits_enabled, audits)
+        # The oracle must have compared an update since the previous checkpoint, not only be configured.
+        owned = single_owner and since.get("oracle", CheckCounts()).passed >= 1
+        status, reasons = save_status(world, {k: c.failed for k, c in since.items()}, audits_enabled, audits,
+                                      single_owner=owned)
+        evidence = Evidence(step, list(fingerprints), since, audits_enabled, audits, owned)
         self._baseline = {k: dataclasses.replace(c) for k, c in counters.items()}
         if status is Status.RESTORABLE:
             self._audits_at_restorable = counters.get("audit", CheckCounts()).passed
@@ -126,7 +134,8 @@ class EvidenceTracker:
 
 
 def save_status(
-    world: int, failed_since_previous: Mapping[str, int], audits_enabled: bool, audits_since_restorable: int
+    world: int, failed_since_previous: Mapping[str, int], audits_enabled: bool, audits_since_restorable: int, *,
+    single_owner: bool = False,
 ) -> tuple[Status, list[str]]:
     """The status a guarded save commits with (the consensus already agreed, or the save raised).
 
@@ -135,11 +144,13 @@ def save_status(
         failed_since_previous: failures per check kind since the previous checkpoint.
         audits_enabled: whether recompute audits are scheduled.
         audits_since_restorable: audits passed since the previous restorable checkpoint.
+        single_owner: state without a replica carries its own evidence instead of a consensus: the at-rest
+            chain held at this save and the update oracle compared updates since the previous checkpoint.
     """
     failed = {k: n for k, n in failed_since_previous.items() if n}
     if failed:
         return Status.SUSPECT, [FAILED + ", ".join(f"{k} x{n}" for k, n in sorted(failed.items()))]
-    if world < 2:
+    if world < 2 and not single_owner:
         return Status.UNVERIFIED, [SINGLE_REPLICA]
     if audits_enabled and audits_since_restorable < 1:
         return Status.UNVERIFIED, [NO_AUDIT]
@@ -163,6 +174,23 @@ def evidence_problem(evidence: Mapping[str, Any]) -> str | None:
             _RANK.match(r) and isinstance(fp, str) for r, fp in fps.items())):
         return "evidence consensus fingerprints must map rank numbers to strings"
     return None
+
+
+def evidence_basis(evidence: Mapping[str, Any] | None) -> str:
+    """What a validated ``evidence`` object rests on, in words (``vckpt show``)."""
+    ev = evidence or {}
+    claim = ev.get("consensus") or {}
+    owner = ev.get("single_owner")
+    parts = []
+    if claim.get("unanimous"):
+        parts.append(f"replica consensus at step {claim.get('step')} ({claim.get('replicas')} replicas agreed)")
+    if isinstance(owner, dict):
+        parts.append(f"single-owner state: at-rest chain held at step {owner.get('chain_step')}, update oracle "
+                     f"passed {owner.get('oracle_passed')} time(s) since the previous checkpoint")
+    audits = ev.get("audits_since_restorable")
+    if ev.get("audits_enabled") and isinstance(audits, int):
+        parts.append(f"{audits} recompute audit(s) passed")
+    return "; ".join(parts) or "none"
 
 
 def consensus_claim(evidence: Mapping[str, Any] | None) -> ConsensusClaim | None:

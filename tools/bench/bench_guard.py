@@ -4,6 +4,7 @@ amortised cost of one consensus and one audit.
     .venv/bin/python tools/bench/bench_guard.py --world-size 3 --steps 40
     .venv/bin/python tools/bench/bench_guard.py --model gpt --d-model 256 --batch 16
     .venv/bin/python tools/bench/bench_guard.py --model gpt --d-model 256 --batch 16 --world-size 2 --budgets --steps 200
+    .venv/bin/python tools/bench/bench_guard.py --model gpt --d-model 256 --batch 16 --world-size 2 --oracle --steps 60
 
 ``--budgets`` adds ABFT's forward-GEMM checks (``abft_forward=True``), the default ``GuardConfig()`` (a 3 % budget for
 consensus and audits) and budgets of 1 % and 10 %: their overhead is the
@@ -81,6 +82,9 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         "consensus every step": GuardConfig(consensus_every=1, audit_every=None),
         "audit every step": GuardConfig(consensus_every=10**9, audit_every=1),
     }
+    if args.oracle:  # the update oracle's share of a step: the same per-step checks with and without it
+        variants = {"plain DDP": None, "per-step checks": variants["per-step checks"],
+                    "per-step, no oracle": GuardConfig(consensus_every=10**9, audit_every=None, oracle_slices=0)}
     if args.budgets:
         variants = {"plain DDP": None, "per-step checks": variants["per-step checks"],
                     "per-step, no ABFT": variants["per-step, no ABFT"],
@@ -137,6 +141,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64, help="TinyGPT context length (--model gpt)")
     ap.add_argument("--vocab", type=int, default=1024, help="TinyGPT vocabulary (--model gpt)")
     ap.add_argument("--budgets", action="store_true", help="measure the default budget and budgets of 1 %% and 10 %%")
+    ap.add_argument("--oracle", action="store_true", help="measure the per-step checks with and without the update oracle")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", dest="json_out", default=None)

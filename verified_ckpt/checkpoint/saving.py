@@ -155,7 +155,8 @@ class Saver:
                 g.audit_now()  # this save would be unverified for want of an audit: one now (raises on a mismatch)
             fingerprints = g.consensus(step)  # raises on disagreement: nothing is written
             ev, status, reasons = self.tracker.for_save(step, fingerprints, g.counters(), world=g.replicas,
-                                                        audits_enabled=g.audits_enabled)
+                                                        audits_enabled=g.audits_enabled,
+                                                        single_owner=g.single_owner_evidence(step))
             evidence = ev.to_dict()
             if fingerprints and self.comm.rank == 0:
                 agreed = agreed_names(parts.replicated, g.agreed())

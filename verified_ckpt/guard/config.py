@@ -55,6 +55,10 @@ class GuardConfig:
         abft_slack: safety factor on the ABFT rounding bounds.
         abft_exclude: ``fnmatch`` patterns of parameter names ABFT leaves out (a weight the model changes where
             ABFT's hooks cannot see it; audits and consensus still cover it).
+        oracle_slices: the update oracle (``guard/oracle.py``): every step a peer recomputes one of this many slices
+            of each rank's optimizer update, in rotation (8: a persistent fault in one element's update is caught
+            within 8 steps, a one-off one at its step with probability 1/8; the cost is in docs/BENCHMARKS.md).
+            0: no oracle (a save of state without a replica is then ``unverified``).
         audit_before_save: a save that would be ``unverified`` only for lack of a recompute audit since the
             previous restorable checkpoint runs one first (``SDCGuard.audit_now``: one forward-backward of the
             last step's first microbatch per rank, twice), so saves are ``restorable`` whatever ``audit_every``.
@@ -84,6 +88,7 @@ class GuardConfig:
     abft_forward: bool = False
     abft_slack: float = 8.0
     abft_exclude: tuple[str, ...] = ()
+    oracle_slices: int = 8
     audit_before_save: bool = True
     arrival_timeout_s: float = 300.0
     faults: tuple[str, ...] = ()
@@ -111,6 +116,8 @@ class GuardConfig:
             raise InvalidConfig(f"outlier_factor must be > 1, got {self.outlier_factor!r}")
         if not self.abft_slack >= 1:
             raise InvalidConfig(f"abft_slack must be >= 1, got {self.abft_slack!r}")
+        if not isinstance(self.oracle_slices, int) or isinstance(self.oracle_slices, bool) or self.oracle_slices < 0:
+            raise InvalidConfig(f"oracle_slices must be an int >= 0 (0: no update oracle), got {self.oracle_slices!r}")
         patterns: object = self.abft_exclude  # a bare string would be taken as one pattern per character
         if not isinstance(patterns, tuple) or not all(isinstance(p, str) for p in patterns):
             raise InvalidConfig(f"abft_exclude must be a tuple of parameter-name patterns, got {self.abft_exclude!r}")

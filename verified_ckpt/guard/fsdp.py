@@ -168,14 +168,15 @@ class ShardedLayout:
         """Nothing to rebuild (``first_forward``)."""
 
     # ------------------------------------------------------------ checks
-    def check_before_update(self, s: int) -> None:
-        """NaN/Inf and checksums of this step's reductions, then an audit when one is due (see ``SDCGuard.step``)."""
+    def check_before_update(self, s: int, carry: torch.Tensor, on_carried: Callable[[list[list[float]]], None]) -> None:
+        """NaN/Inf and checksums of this step's reductions, then an audit when one is due (see ``SDCGuard.step``;
+        ``carry`` and ``on_carried`` as ``ReplicatedLayout.check_before_update`` takes them)."""
         g, cfg = self.g, self.g.cfg
         if not self.rs_tap.rows and self.view.ring > 1:
             raise GuardUsageError("no gradient was reduce-scattered this step; the last backward() of a step must "
                                   "have sync=True")
         loss = torch.stack(g._losses).sum().view(1)
-        rows = self._gather(s, torch.cat([*self.rs_tap.rows, loss]))
+        rows = self._gather(s, torch.cat([*self.rs_tap.rows, loss]), carry, on_carried)
         # A data-parallel mesh of one rank (tensor parallel only) reduces nothing: there is nothing to judge, and
         # no pass is claimed.
         judged = judge_step(s, [r[:-1] for r in rows], self.view, self.rs_tap.modes, g.project.k, self._eps or 2.0**-24,
@@ -188,16 +189,20 @@ class ShardedLayout:
             self._audit(s, list(zip(g._batches, g._rng, strict=True)), rows)
             g.sched.watch.audit = time.perf_counter() - t0
 
-    def _gather(self, s: int, row: torch.Tensor) -> list[list[float]]:
-        """Every rank's ``row``: the step's one host sync. The budget's figures travel in the same row, last, and
-        the schedule of step ``s`` is decided from them."""
+    def _gather(self, s: int, row: torch.Tensor, carry: torch.Tensor,
+                on_carried: Callable[[list[list[float]]], None]) -> list[list[float]]:
+        """Every rank's ``row``: the step's one host sync. The guard's ``carry`` and the budget's figures travel in
+        the same row, last; ``on_carried`` gets every rank's carry, and the schedule of step ``s`` is decided."""
         g = self.g
         costs = g.sched.watch.take()
         t0 = time.perf_counter()
-        gathered = g.comm.all_gather_rows(torch.cat([row, host_row(costs.row(), row.device)])).tolist()
+        n = row.numel()
+        gathered = g.comm.all_gather_rows(torch.cat([row, carry.to(row.dtype).to(row.device),
+                                                     host_row(costs.row(), row.device)])).tolist()
         g.sched.decide(s, [r[-Costs.FIELDS:] for r in gathered], time.perf_counter() - t0, g.device.type == "cpu")
         g._report_schedule(s)
-        return [r[: -Costs.FIELDS] for r in gathered]
+        on_carried([r[n:-Costs.FIELDS] for r in gathered])
+        return [r[:n] for r in gathered]
 
     def _judge_step(self, s: int, judged: Sequence[Verdict], steps: Callable[[], Sequence[StepFigures]]) -> None:
         """Judge the per-step verdicts whose checks the config has on, then the step's ledger rows (``steps()``, built
@@ -251,6 +256,11 @@ class ShardedLayout:
         return local_params(self.g.module.named_parameters())
 
     witnessed = True  # until the first consensus has counted each piece's holders
+
+    @property
+    def single_owner(self) -> bool:
+        """Whether the state FSDP shards has no replica (one replica group): the at-rest chain watches it."""
+        return self.view.replicas == 1
     scope = ""  # what tells this module's names apart from another's (a pipeline's stage)
 
     # ------------------------------------------------------------ audits

@@ -143,8 +143,9 @@ class PipelineLayout(ShardedLayout):
         return torch.stack([x.detach().to(torch.float64) for x in losses]).sum()
 
     # ------------------------------------------------------------ checks
-    def check_before_update(self, s: int) -> None:
-        """Every stage's per-step checks, judged on every rank from the job's gathered rows (module doc)."""
+    def check_before_update(self, s: int, carry: torch.Tensor, on_carried: Callable[[list[list[float]]], None]) -> None:
+        """Every stage's per-step checks, judged on every rank from the job's gathered rows (module doc; ``carry``
+        and ``on_carried`` as ``ReplicatedLayout.check_before_update`` takes them)."""
         g, cfg = self.g, self.g.cfg
         if not self.rs_tap.rows:
             raise GuardUsageError("no gradient was reduced this step; run the step through guard.pipeline_step")
@@ -157,7 +158,7 @@ class PipelineLayout(ShardedLayout):
             raise GuardUsageError(f"this stage reduced {local.numel()} values this step, {lay.lengths[g.rank]} at the "
                                   "first: the guard needs the same reductions every step")
         pad = torch.zeros(lay.width - local.numel(), dtype=local.dtype, device=local.device)
-        gathered = self._gather(s, torch.cat([local, pad, loss.to(local.dtype)]))
+        gathered = self._gather(s, torch.cat([local, pad, loss.to(local.dtype)]), carry, on_carried)
         rows = [r[:lay.lengths[i]] for i, r in enumerate(gathered)]
         losses = [r[lay.width] for r in gathered]
         judged: list[list[Verdict]] = []

@@ -150,16 +150,18 @@ class ReplicatedLayout:
             self._warmup_pending = True
 
     # ------------------------------------------------------------ checks
-    def check_before_update(self, s: int) -> None:
-        """Every check of step ``s`` that must pass before the update (raises on the first that fails)."""
+    def check_before_update(self, s: int, carry: torch.Tensor, on_carried: Callable[[list[list[float]]], None]) -> None:
+        """Every check of step ``s`` that must pass before the update (raises on the first that fails). ``carry``
+        travels in the step's gathered row; ``on_carried`` gets every rank's, before this layout judges."""
         g = self.g
         if not self.tap.buckets:
             raise GuardUsageError("no gradient bucket was reduced this step; the last backward() of a step must have sync=True")
         inputs = self.abft.inputs_worst() if self.abft is not None else None
         costs = g.sched.watch.take()
         t0 = time.perf_counter()
-        gathered = gather_step_stats(g.comm, self.tap.buckets, g._losses, g.project, inputs, costs.row())
+        gathered = gather_step_stats(g.comm, self.tap.buckets, g._losses, g.project, inputs, costs.row(), carry)
         self.gathered = gathered  # what each rank recorded, for a replay capture if a check fails
+        on_carried([list(x.carry) for x in gathered])
         g.sched.decide(s, [x.costs for x in gathered], time.perf_counter() - t0, g.device.type == "cpu")
         g._report_schedule(s)
         self._check_gradients(s, gathered)
@@ -255,6 +257,8 @@ class ReplicatedLayout:
     def local_params(self) -> list[torch.Tensor]:
         """The parameters, for the at-rest witness (``rest.py``)."""
         return [p.detach() for p in self.g.params]
+
+    single_owner = False  # every rank holds the whole state: consensus compares the replicas
 
     @property
     def witnessed(self) -> bool:

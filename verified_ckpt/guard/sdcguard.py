@@ -22,15 +22,18 @@ import torch
 
 from .. import batches
 from ..comm import Communicator
-from ..dtensors import is_fsdp
+from ..dtensors import is_fsdp, local
 from ..errors import GuardConfigurationError, GuardUsageError, SilentCorruptionDetected
 from ..faults import FaultPlan
 from ..records import Incident
 from ..rng import microbatch_state
 from .budget import Rates, Stopwatch
 from .capture import Capture
+from .chain import StateChain
 from .config import GuardConfig
+from .consensus import state_tensors
 from .judge import Bookkeeping, Judge
+from .oracle import CARRY, UpdateOracle, elementwise_optimizer
 from .replicated import TWO_REPLICAS, ReplicatedLayout
 from .rest import RestWitness
 from .schedule import Schedule
@@ -126,6 +129,13 @@ class SDCGuard(Bookkeeping):
         self.rest = RestWitness(self.layout.local_params, self.device, on=self.world >= 2 and self.layout.witnessed)
         self.sched = Schedule(self.cfg, audits=self.audits_enabled, abft=self.abft is not None, replicas=self.world,
                               watch=self.watch)
+        # The single-owner evidence (``oracle``, ``chain``): a peer recomputes a slice of every rank's update, and
+        # state no replica holds is fingerprinted between its update and its next use. Both need a second rank.
+        sliced = elementwise_optimizer(optimizer) if self.world >= 2 and self.cfg.oracle_slices else None
+        self.oracle = UpdateOracle(sliced, self.comm, self.cfg.oracle_slices, self.device) if sliced else None
+        self.chain = StateChain(self._local_state, self.device) if self.world >= 2 and self.layout.single_owner \
+            else None
+        self._chain_checked: int | None = None  # the step of the last save whose chain held
 
     # ------------------------------------------------------------ who is where
     @property
@@ -230,21 +240,28 @@ class SDCGuard(Bookkeeping):
         s = self._step
         before = True  # a failure before the update leaves the step's weights for a replay capture
         try:
-            self.layout.check_before_update(s)
+            self.layout.check_before_update(s, self._carry(), lambda rows: self._judge_carried(s, rows))
             before = False
             self.rest.before_update()
+            if self.oracle is not None:
+                self.oracle.before_update()
             t0 = time.perf_counter()
             self.optimizer.step()
             self.sched.watch.update = time.perf_counter() - t0
             self.rest.after_update()
+            if self.chain is not None:
+                self.chain.after_update()
+            if self.oracle is not None:
+                self.oracle.after_update(s)
             self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
             if self.sched.plan.consensus and self.world >= 2:
                 t0 = time.perf_counter()
                 self.layout.consensus(s)
                 self.sched.watch.consensus = time.perf_counter() - t0
         except SilentCorruptionDetected as e:
-            if before:
-                self._capture(s, e)
+            if before and cast("Incident", e.incident).kind not in ("oracle", "chain"):
+                self._capture(s, e)  # a replay recomputes gradients: nothing to replay of an update or a change at rest
+            self._forget()
             self.optimizer.zero_grad(set_to_none=True)
             raise
         except GuardConfigurationError:
@@ -259,6 +276,34 @@ class SDCGuard(Bookkeeping):
             self.faults.step_done(s)
             self._reset_step()
             self._step = None
+
+    def _carry(self) -> torch.Tensor:
+        """What the oracle and the chain carry in this step's gathered row (zeros for the ones not running)."""
+        parts = [self.chain.carry() if self.chain is not None else torch.zeros(2, dtype=torch.float64, device=self.device),
+                 self.oracle.carry() if self.oracle is not None else
+                 torch.zeros(CARRY, dtype=torch.float64, device=self.device)]
+        return torch.cat(parts)
+
+    def _judge_carried(self, s: int, rows: list[list[float]]) -> None:
+        """The chain's and the oracle's verdicts from every rank's carry (the same on every rank), before the
+        layout's own checks: a change at rest or a wrong update is the cause of what those would see next."""
+        verdicts = [StateChain.judge(s, [r[:2] for r in rows], s)]
+        if self.oracle is not None:
+            verdicts.append(self.oracle.agree([r[2:2 + CARRY] for r in rows]))
+        for v in verdicts:
+            if v is not None:
+                self.judge.judge(s, v)
+
+    def _forget(self) -> None:
+        """A check failed: what the chain and the oracle hold is about a state the job will roll back or repair."""
+        if self.chain is not None:
+            self.chain.reset()
+        if self.oracle is not None:
+            self.oracle.reset()
+
+    def _local_state(self) -> list[torch.Tensor]:
+        """This rank's pieces of its parameters and their optimizer state, in a fixed order (the chain's)."""
+        return [local(t) for t in state_tensors(self.params, self.optimizer)]
 
     def add_capture_listener(self, fn: Callable[[Capture], None]) -> None:
         """Call ``fn(capture)`` on rank 0 with what a replay of a failed step needs (``capture.py``), after the
@@ -310,7 +355,34 @@ class SDCGuard(Bookkeeping):
         if self.world < 2:
             return []  # unavailable with one replica: reported by the caller as such, never as a pass
         self.comm.arrive("consensus")  # a caller may have reached it on some ranks only (a save on rank 0)
+        self._settle(step)
         return self.layout.consensus(step)
+
+    def _settle(self, step: int) -> None:
+        """Collective, at a save: the chain checked now (the state is still what the last update wrote) and the
+        oracle's last recomputations judged, rather than at the next step; the save's evidence says whether
+        they ran (:attr:`single_owner_evidence`).
+
+        Raises:
+            SilentCorruptionDetected: a rank's state changed at rest, or a recomputed update differs.
+        """
+        try:
+            if self.chain is not None:
+                rows = self.comm.all_gather_rows(self.chain.carry()).tolist()
+                v = StateChain.judge(step, rows, step)
+                if v is not None:
+                    self.judge.judge(step, v)
+                self._chain_checked = step if v is not None else None
+            if self.oracle is not None and (v := self.oracle.settle()) is not None:
+                self.judge.judge(step, v)
+        except SilentCorruptionDetected:
+            self._forget()
+            raise
+
+    def single_owner_evidence(self, step: int) -> bool:
+        """Whether state without a replica carries its own evidence at a save of ``step``: the chain held at
+        this save (:meth:`_settle`) and the oracle runs."""
+        return self.chain is not None and self.oracle is not None and self._chain_checked == step
 
     def state_lanes(self) -> torch.Tensor:
         """Exact fingerprint lanes of this rank's parameters and optimizer state (its shards), on device."""
@@ -330,6 +402,7 @@ class SDCGuard(Bookkeeping):
         """State was just restored into this process: whatever the layout must rebuild before the next step (DDP's
         bucket layout, see ``ReplicatedLayout.prepare_resume``)."""
         self.rest.reset()
+        self._forget()
         self.layout.prepare_resume()
 
     def schedule(self) -> Rates | None:

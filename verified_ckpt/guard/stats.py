@@ -180,6 +180,7 @@ class StepStats:
     eps: float = 2.0**-24  # the largest unit roundoff among the step's buckets
     lanes_known: bool = True
     costs: tuple[float, ...] = ()  # what the rank spent (``budget.Costs.row``), for the budget's schedule
+    carry: tuple[float, ...] = ()  # what the guard's own checks carry in the step's row (``SDCGuard.step``)
 
     @property
     def norm(self) -> float:
@@ -188,13 +189,14 @@ class StepStats:
 
 def gather_step_stats(comm: Communicator, buckets: Sequence[BucketStats], losses: Sequence[torch.Tensor],
                       project: Projector, abft: torch.Tensor | None = None,
-                      costs: Sequence[float] = ()) -> list[StepStats]:
+                      costs: Sequence[float] = (), carry: torch.Tensor | None = None) -> list[StepStats]:
     """Sum this rank's buckets and losses and gather every rank's sums: the step's one device-to-host copy.
 
     A fixed handful of ops per step whatever the number of buckets: the projections of every bucket are
     finished in one product per side (``Projector.total``); the row is parsed on the host. ``abft``: a worst
     ABFT (ratio, index) pair checked outside the buckets (input gradients), weighed with the buckets' own.
-    ``costs``: host figures that travel in the same row (the budget's measurements)."""
+    ``costs``: host figures that travel in the same row (the budget's measurements); ``carry``: float64 figures on
+    the device that do too (the update oracle's and the at-rest chain's)."""
     bs = sorted(buckets, key=lambda b: b.index)
     dev = bs[0].sumsq.device
     k = project.k
@@ -210,15 +212,17 @@ def gather_step_stats(comm: Communicator, buckets: Sequence[BucketStats], losses
         lanes = _const((0, 0), torch.int64, dev)
     loss = losses[0].view(1) if len(losses) == 1 else torch.stack(list(losses)).sum(0, keepdim=True)
     meta = _const((float(sum(sizes)), max(b.eps for b in bs) * (1 if known else -1)), torch.float64, dev)
-    n = len(costs)
-    floats = torch.cat([sumsq, loss, meta, proj, avg, _worst_abft(bs, dev, abft), host_row(costs, dev)])
+    carried = carry if carry is not None else torch.zeros(0, dtype=torch.float64, device=dev)
+    n = len(costs) + carried.numel()
+    floats = torch.cat([sumsq, loss, meta, proj, avg, _worst_abft(bs, dev, abft), host_row(costs, dev), carried.to(dev)])
     rows = comm.all_gather_rows(torch.cat([floats.view(torch.int64), lanes])).numpy()
     out = []
     for row in rows:
         f = row[: 6 + 2 * k + n].view(np.float64).tolist()
         lane_a, lane_b = row[6 + 2 * k + n :].tolist()
         out.append(StepStats(f[0], f[2], f[1], f[4 : 4 + k], f[4 + k : 4 + 2 * k], (lane_a, lane_b), f[4 + 2 * k],
-                             int(f[5 + 2 * k]), abs(f[3]), f[3] > 0, tuple(f[6 + 2 * k :])))
+                             int(f[5 + 2 * k]), abs(f[3]), f[3] > 0, tuple(f[6 + 2 * k : 6 + 2 * k + len(costs)]),
+                             tuple(f[6 + 2 * k + len(costs):])))
     return out
 
 

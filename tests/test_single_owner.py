@@ -1,0 +1,327 @@
+"""Single-owner state, on real gloo ranks: pieces of the model and optimizer state that exactly one rank holds.
+
+Under pure FSDP2 (a 1 x 4 mesh) every parameter shard and its Adam moments live on one rank only, and under
+FSDP2 + tensor parallel (2 x 2, dp x tp) so do the ``ColwiseParallel``/``RowwiseParallel`` pieces: no replica
+holds the same bytes, so a cross-replica consensus has nothing to compare them with. The contract these tests
+define, at the default ``GuardConfig()``:
+
+- a clean job raises nothing and its guarded saves are ``restorable`` (not ``unverified`` for "a single
+  replica"), and ``resume()`` into fresh objects ends bit for bit where the uninterrupted run ends;
+- a fault in a piece held once, injected by the test's own hooks on one rank (the owner), is caught within
+  ``WINDOW`` steps on every rank together, naming the owner alone: a weight shard or an ``exp_avg`` shard
+  changed between steps (the chain: state changed between its update and its next use), one element of the
+  optimizer's update made 10x (a peer recomputing a slice of the owner's update: the oracle);
+- after the catch, ``resume()`` rolls back to the checkpoint saved before the fault and the job ends bitwise
+  equal to the clean run;
+- and under DDP (3 ranks), a persistent wrong update on one rank is named within ``WINDOW`` steps, not at a
+  consensus tens of steps later.
+
+The faults are the test's own (hooks and in-place writes), never ``verified_ckpt.faults``: the guard is told
+nothing about them. Batches are a pure function of (data-parallel position, step); the models have no dropout,
+so a rerun from a checkpoint computes the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from dist_harness import run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+D = 16  # model width; the hidden layer is 2 * D
+STEPS = 12  # a job is steps 0..STEPS-1
+SAVE_AT = 2  # every run saves here: the restorable checkpoint a faulty run rolls back to
+RESUME_AT = 6  # the clean run saves here too; a fresh job resumes from it
+FAULT_AT = 4  # the fault lands at this step (after its update for the at-rest faults, in it for the update)
+WINDOW = 10  # a fault must be caught within this many steps
+OWNER = 2  # the rank whose single-owner state the fault hits
+ELEM = 3  # the element of the owner's local shard it hits
+BIT = 29  # the second-highest exponent bit: set for every |x| in [2^-63, 2); flipped, x shrinks 2^64-fold
+INIT_SEED, FRESH_SEED = 0, 7  # the job's init; a resumed job's objects start from another one
+FAULTS = ("weight", "exp_avg", "update")
+KINDS = {"chain", "oracle"}  # chain: state changed at rest between steps; oracle: a peer recomputed the update
+MESHES = {"1x4": (4,), "2x2": (2, 2)}
+
+
+# ------------------------------------------------------------------------------------------------ the job
+class Job:
+    """One rank's model, optimizer, guard and manager on an FSDP2 (1-D) or FSDP2 + TP (2-D) mesh."""
+
+    def __init__(self, rank: int, shape: tuple[int, ...], run: str, seed: int, fault: str | None = None) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from verified_ckpt import CheckpointManager, GuardConfig, SDCGuard
+
+        self.rank, self.fault, self.step = rank, fault, -1
+        tp = len(shape) == 2
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp") if tp else ("dp",))
+        self.position = mesh.get_coordinate()[0]  # data-parallel position: TP ranks of one position share batches
+        self.model = sharded_model(mesh, tp, seed)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        if fault == "update":  # before the guard exists: the wrong element is inside the optimizer's step
+            # Persistent (every step from FAULT_AT): the oracle checks a rotating eighth of each update per step, so a
+            # one-off wrong element is seen at its step with probability 1/8 (tests/test_oracle.py), a persistent
+            # one within the rotation.
+            wrong_update_hooks(self.opt, self.target(2), lambda: rank == OWNER and self.step >= FAULT_AT)
+        self.guard = SDCGuard(self.model, self.opt, loss_fn, GuardConfig())
+        self.mgr = CheckpointManager(run, guard=self.guard)
+        self.state = {"model": self.model, "optim": self.opt}
+
+    def target(self, i: int) -> torch.nn.Parameter:
+        """Layer ``i``'s weight: a piece held once on either mesh (FSDP-sharded, and TP-sharded on 2 x 2)."""
+        return self.model[i].weight  # type: ignore[index,return-value]
+
+    def train(self, start: int, stop: int, saves: tuple[int, ...] = ()) -> list[Any]:
+        """Steps ``start..stop-1``, saving at ``saves`` and injecting this job's at-rest fault; the infos saved."""
+        infos = []
+        for step in range(start, stop):
+            self.step = step
+            self.guard.backward(batch(self.position, step), step=step)
+            self.guard.step()
+            self.opt.zero_grad()
+            if self.rank == OWNER and step == FAULT_AT and self.fault == "weight":
+                flip(self.target(0))
+            if self.rank == OWNER and step == FAULT_AT and self.fault == "exp_avg":
+                flip(self.opt.state[self.target(2)]["exp_avg"])
+            if step in saves:
+                infos.append(self.mgr.save(step, self.state))
+        return infos
+
+
+def sharded_model(mesh: Any, tp: bool, seed: int) -> torch.nn.Module:
+    """Two Linear layers (FSDP over ``dp``); on 2 x 2 the first colwise, the second rowwise on ``tp`` and a LayerNorm
+    and a head replicated across ``tp`` (torchtitan's recipe, as ``tests/test_guard_fsdp.py`` builds it)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(D, 2 * D), torch.nn.GELU(), torch.nn.Linear(2 * D, D)]
+    if tp:
+        layers += [torch.nn.LayerNorm(D), torch.nn.Linear(D, 4)]
+    m = torch.nn.Sequential(*layers)
+    dp = mesh["dp"] if tp else mesh
+    if tp:
+        parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for layer in m:
+        if list(layer.parameters()):
+            fully_shard(layer, mesh=dp)
+    fully_shard(m, mesh=dp)
+    return m
+
+
+def loss_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+def batch(position: int, step: int) -> torch.Tensor:
+    """A pure function of (data-parallel position, step): a rerun from a checkpoint sees the same data."""
+    return torch.randn(8, D, generator=torch.Generator().manual_seed(1000 * step + position))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (a view: writing it writes the DTensor), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def flip(t: torch.Tensor) -> None:
+    """Flip ``BIT`` of element ``ELEM`` of this rank's piece of ``t``, in place: the value stays finite (it shrinks
+    2^64-fold), so nothing but a check of the bytes themselves can see it."""
+    with torch.no_grad():
+        bits = local(t).view(-1).view(torch.int32)
+        assert bits.numel() > ELEM and bits[ELEM] >> BIT & 1, "the test's fault must hit a set bit of a held element"
+        bits[ELEM] ^= 1 << BIT
+
+
+def wrong_update_hooks(opt: torch.optim.Optimizer, p: torch.Tensor, when: Any) -> None:
+    """While ``when()``: element ``ELEM`` of this rank's piece of ``p`` moves 10x as far as the optimizer moved it."""
+    before: list[torch.Tensor] = []
+
+    def pre(*_: Any) -> None:
+        before[:] = [local(p).detach().view(-1)[ELEM].clone()] if when() else []
+
+    def post(*_: Any) -> None:
+        if before:
+            with torch.no_grad():
+                flat = local(p).view(-1)
+                flat[ELEM] = before[0] + 10 * (flat[ELEM] - before[0])
+
+    opt.register_step_pre_hook(pre)
+    opt.register_step_post_hook(post)
+
+
+def shards(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:
+    """A digest of the bytes of this rank's piece of every parameter and optimizer state, by name."""
+    def digest(t: torch.Tensor) -> str:
+        x = local(t).detach().contiguous().view(-1)
+        return f"{tuple(local(t).shape)} {hashlib.sha256(x.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]}"
+
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = digest(p)
+        out.update({f"{name}.{k}": digest(v) for k, v in sorted(opt.state[p].items())})
+    return out
+
+
+def caught(e: Any, step: int) -> dict:
+    inc = e.incident
+    return {"kind": inc.kind, "ranks": inc.ranks, "step": step, "detected": inc.detected_step,
+            "first_suspect": inc.first_suspect_step, "detail": inc.detail}
+
+
+# ------------------------------------------------------------------------------------------ rank functions
+def campaign(rank: int, world: int, shape: tuple[int, ...], run: str) -> dict:
+    """One 4-rank launch: the clean run (saving at SAVE_AT and RESUME_AT), then each fault in a fresh job of its own
+    run, each caught one rolled back by ``resume()`` in fresh objects and trained to the end."""
+    from verified_ckpt import SilentCorruptionDetected
+
+    warnings.simplefilter("ignore")
+    shape = tuple(shape)
+    clean = Job(rank, shape, f"{run}-clean", INIT_SEED)
+    out: dict = {}
+    try:
+        infos = clean.train(0, STEPS, (SAVE_AT, RESUME_AT))
+        out["clean"] = {"caught": None, "statuses": [i.status.value for i in infos],
+                        "reasons": [list(i.reasons) for i in infos], "final": shards(clean.model, clean.opt)}
+    except SilentCorruptionDetected as e:  # a false alarm: reported, not raised, so the other scenarios still run
+        out["clean"] = {"caught": caught(e, clean.step)}
+    out["clean"]["incidents"] = len(clean.mgr.incidents())
+    for fault in FAULTS:
+        job = Job(rank, shape, f"{run}-{fault}", INIT_SEED, fault)
+        got: dict = {"caught": None}
+        try:
+            infos = job.train(0, FAULT_AT + WINDOW + 1, (SAVE_AT,))
+        except SilentCorruptionDetected as e:
+            got["caught"] = caught(e, job.step)
+            fresh = Job(rank, shape, f"{run}-{fault}", FRESH_SEED)
+            got["resumed_at"] = start = fresh.mgr.resume(fresh.state)
+            fresh.train(start, STEPS)
+            got["final"] = shards(fresh.model, fresh.opt)
+        else:
+            got["statuses"] = [i.status.value for i in infos]
+        out[fault] = got
+    return out
+
+
+def resumed(rank: int, world: int, shape: tuple[int, ...], run: str) -> dict:
+    """A fresh launch: new objects from another init seed, ``resume()`` from the clean run, trained to the end."""
+    warnings.simplefilter("ignore")
+    job = Job(rank, tuple(shape), f"{run}-clean", FRESH_SEED)
+    start = job.mgr.resume(job.state)
+    job.train(start, STEPS)
+    return {"start": start, "final": shards(job.model, job.opt)}
+
+
+@pytest.fixture(scope="module", params=list(MESHES))
+def mesh_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Both launches on one mesh: every rank's campaign, then every rank's resume in a new process group. Tensor
+    parallel retires the pool after each (DTensor's plan cache keys on meshes of destroyed process groups)."""
+    shape = MESHES[request.param]
+    run = str(tmp_path_factory.mktemp(f"single-{request.param}") / "run")
+    camp = run_ranks(campaign, 4, shape, run, timeout=150, retire=len(shape) == 2)
+    res = run_ranks(resumed, 4, shape, run, timeout=60, retire=len(shape) == 2)
+    return {"mesh": request.param, "campaign": camp, "resumed": res}
+
+
+# ------------------------------------------------------------------------------------------------- tests
+def test_a_clean_single_owner_job_is_quiet_and_its_saves_are_restorable(mesh_runs):
+    """On 1 x 4 (pure FSDP2) and 2 x 2 (FSDP2 + TP) at the default config: 12 steps raise nothing, no incident is
+    recorded, and both guarded saves commit ``restorable``: state held by one rank is verified by other means than
+    a replica's copy, so a single-owner job has checkpoints it may resume from."""
+    got = [r["clean"] for r in mesh_runs["campaign"]]
+    for r in got:
+        assert r["caught"] is None, f"{mesh_runs['mesh']}: a false alarm on a clean run: {r['caught']}"
+        assert r["incidents"] == 0
+    assert all(r["statuses"] == got[0]["statuses"] for r in got), "every rank commits the same checkpoints"
+    assert got[0]["statuses"] == ["restorable", "restorable"], (mesh_runs["mesh"], got[0]["reasons"])
+
+
+def test_resume_in_a_fresh_launch_ends_bitwise_equal_to_the_uninterrupted_run(mesh_runs):
+    """A second launch builds the model and optimizer from another seed, ``resume()``s (without
+    ``allow_unverified``) from the clean run's newest checkpoint and trains to the end: every rank's local shards of
+    every parameter and optimizer state equal the uninterrupted run's, bit for bit."""
+    for rank, (camp, res) in enumerate(zip(mesh_runs["campaign"], mesh_runs["resumed"], strict=True)):
+        assert res["start"] == RESUME_AT + 1, f"{mesh_runs['mesh']} rank {rank}: resume() found nothing restorable"
+        diff = [k for k in camp["clean"]["final"] if camp["clean"]["final"][k] != res["final"].get(k)]
+        assert diff == [], f"{mesh_runs['mesh']} rank {rank}: these local shards differ from the uninterrupted run's"
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_fault_in_state_held_once_is_caught_soon_naming_the_owner_on_every_rank(mesh_runs, fault):
+    """weight: an exponent bit of one element of the owner's weight shard flipped after step 4's update;
+    exp_avg: the same in the owner's shard of a weight's Adam ``exp_avg``; update: at step 4 one element of the
+    owner's update is 10x what AdamW computed, inside ``optimizer.step()`` (hooks registered before the guard).
+    Every rank raises SilentCorruptionDetected at the same step, within WINDOW steps, with the owner as the only
+    suspect, and an incident kind that says how single-owner state was checked (the chain or the oracle)."""
+    got = [r[fault] for r in mesh_runs["campaign"]]
+    where = f"{mesh_runs['mesh']} {fault}"
+    assert all(r["caught"] is not None for r in got), \
+        f"{where}: not caught within {WINDOW} steps (steps {FAULT_AT}..{FAULT_AT + WINDOW}; saves {got[0].get('statuses')})"
+    first = got[0]["caught"]
+    assert all(r["caught"] == first for r in got), f"{where}: the ranks disagree: {[r['caught'] for r in got]}"
+    latency = first["step"] - FAULT_AT
+    assert 0 <= latency <= WINDOW, (where, first)
+    if fault != "update":  # at rest after step 4's update: step 4 itself was clean
+        assert latency >= 1, (where, first)
+    assert first["ranks"] == [OWNER], (where, first)
+    assert first["kind"] in KINDS, (where, first)
+    assert first["first_suspect"] > SAVE_AT, (where, first)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_after_the_catch_resume_rolls_back_and_the_job_ends_bitwise_equal_to_the_clean_run(mesh_runs, fault):
+    """Fresh objects (another init seed) on the faulty run: ``resume()`` answers the incident with the checkpoint
+    saved at step 2, before the fault, and training to the end gives every rank's local shards bit for bit the
+    clean run's."""
+    where = f"{mesh_runs['mesh']} {fault}"
+    for rank, r in enumerate(mesh_runs["campaign"]):
+        assert r[fault]["caught"] is not None, f"{where}: never caught, so nothing to recover from"
+        assert r[fault]["resumed_at"] == SAVE_AT + 1, f"{where} rank {rank}: resume() did not roll back to step {SAVE_AT}"
+        diff = [k for k in r["clean"]["final"] if r["clean"]["final"][k] != r[fault]["final"].get(k)]
+        assert diff == [], f"{where} rank {rank}: these local shards differ from the clean run's"
+
+
+# ---------------------------------------------------------------------------------------------------- DDP
+DDP_RANK = 1  # the rank whose update is wrong
+DDP_FROM = 3  # from this step on, every step
+
+
+def ddp_wrong_update(rank: int, world: int) -> dict:
+    """DDP on 3 ranks, default config, AdamW: from step DDP_FROM on, rank DDP_RANK's update of one element is 10x."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
+
+    warnings.simplefilter("ignore")
+    torch.manual_seed(INIT_SEED)
+    net = torch.nn.Sequential(torch.nn.Linear(D, 2 * D), torch.nn.ReLU(), torch.nn.Linear(2 * D, D))
+    model = DDP(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    now = {"step": -1}
+    wrong_update_hooks(opt, net[0].weight, lambda: rank == DDP_RANK and now["step"] >= DDP_FROM)
+    guard = SDCGuard(model, opt, loss_fn, GuardConfig())
+    for step in range(DDP_FROM + WINDOW + 1):
+        now["step"] = step
+        try:
+            guard.backward(batch(rank, step), step=step)
+            guard.step()
+        except SilentCorruptionDetected as e:
+            return {"caught": caught(e, step)}
+        opt.zero_grad()
+    return {"caught": None, "checks": {k: c.passed for k, c in guard.counters().items()}}
+
+
+@pytest.mark.timeout(120)
+def test_ddp_a_persistent_wrong_update_on_one_rank_is_named_within_the_window():
+    """Replicas that all hold the same bytes: rank 1's AdamW moves one element 10x too far on every step from step 3.
+    Every rank raises together within WINDOW steps naming rank 1, not only at a budget consensus tens of steps
+    on."""
+    got = [r["caught"] for r in run_ranks(ddp_wrong_update, 3, timeout=100)]
+    assert got[0] is not None, f"not caught within {WINDOW} steps of step {DDP_FROM}"
+    assert all(r == got[0] for r in got), got
+    assert got[0]["ranks"] == [DDP_RANK], got[0]
+    assert 0 <= got[0]["step"] - DDP_FROM <= WINDOW, got[0]

@@ -1,0 +1,135 @@
+"""What the guard adds to a step of single-owner training: pure FSDP2 (1 x 4) and FSDP2 + tensor parallel (2 x 2).
+
+One job of 4 gloo ranks builds the same model three times: plain (no guard), guarded with the per-step checks
+(NaN/Inf, reduce-scatter checksum, the at-rest chain and the update oracle; consensus and audits off, so what
+is measured is what every step pays), and guarded without the oracle (``oracle_slices=0``). Their steps are
+interleaved one by one, each behind a barrier, so drift and scheduler noise hit all three alike; the ratios
+are medians of per-step ratios against plain. The chain's own share is two exact-fingerprint passes over the
+rank's local state, timed beside it.
+
+    .venv/bin/python tools/bench/bench_single_owner.py --mesh 1x4 --steps 40
+    .venv/bin/python tools/bench/bench_single_owner.py --mesh 2x2 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from verified_ckpt import GuardConfig, SDCGuard
+from verified_ckpt.lanes import lanes_on
+
+
+def build(mesh_shape: tuple[int, ...], width: int, depth: int) -> torch.nn.Module:
+    """``depth`` MLP blocks (Linear up, GELU, Linear down); on 2 x 2 each block colwise then rowwise over ``tp``
+    (torchtitan's recipe), FSDP over ``dp``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    tp = len(mesh_shape) == 2
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp") if tp else ("dp",))
+    blocks = [torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+              for _ in range(depth)]
+    model = torch.nn.Sequential(*blocks)
+    dp = mesh["dp"] if tp else mesh
+    for block in blocks:
+        if tp:
+            parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    return model
+
+
+def loss_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    shape = (4,) if args.mesh == "1x4" else (2, 2)
+    position = rank // shape[1] if len(shape) == 2 else rank  # TP ranks of one data-parallel position share data
+    g = torch.Generator().manual_seed(position)
+    batches = [torch.randn(args.batch, args.width, generator=g) for _ in range(4)]
+    per_step = {"consensus_every": 10**9, "audit_every": None}
+    variants: dict[str, GuardConfig | None] = {
+        "plain": None, "per-step checks": GuardConfig(**per_step),
+        "per-step, no oracle": GuardConfig(oracle_slices=0, **per_step)}  # type: ignore[arg-type]
+    runs: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, SDCGuard | None]] = {}
+    for name, cfg in variants.items():
+        model = build(shape, args.width, args.depth)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        runs[name] = (model, opt, SDCGuard(model, opt, loss_fn, cfg) if cfg else None)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    chain: list[float] = []
+    for step in range(args.steps):
+        x = batches[step % 4]
+        for name, (model, opt, guard) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            if guard is None:
+                loss_fn(model, x).backward()
+                opt.step()
+            else:
+                guard.backward(x, step=step)
+                guard.step()
+            opt.zero_grad(set_to_none=True)
+            dist.barrier()
+            if step >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+        guard = runs["per-step checks"][2]
+        assert guard is not None
+        t0 = time.perf_counter()
+        for _ in range(2):
+            lanes_on(guard._local_state(), torch.device("cpu"))
+        if step >= args.warmup:
+            chain.append(time.perf_counter() - t0)
+    rows = [torch.tensor([statistics.median(a / b for a, b in zip(times[k], times["plain"], strict=True)) for k in variants]
+                         + [statistics.median(c / p for c, p in zip(chain, times["plain"], strict=True))],
+                         dtype=torch.float64)]
+    gathered = [torch.zeros_like(rows[0]) for _ in range(world)]
+    dist.all_gather(gathered, rows[0])
+    if rank == 0:
+        worst = torch.stack(gathered).max(0).values.tolist()
+        params = sum(p.numel() for p in build(shape, args.width, args.depth).parameters())
+        with open(out, "w") as f:
+            json.dump({"mesh": args.mesh, "params": params, "plain_step_s": statistics.median(times["plain"]),
+                       "median_ratio": dict(zip(variants, worst[:-1], strict=True)), "chain_share": worst[-1]}, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mesh", choices=["1x4", "2x2"], default="1x4")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.spawn(worker, args=(4, f"file://{tmp}/store", args, out), nprocs=4)
+        with open(out) as f:
+            res: dict[str, Any] = json.load(f)
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

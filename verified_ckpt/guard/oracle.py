@@ -1,0 +1,358 @@
+"""The update oracle: every step, a peer recomputes a rotating slice of each rank's optimizer update.
+
+A shard only one rank holds (pure FSDP, a tensor-parallel slice, a pipeline stage) has no replica to compare
+with, and a wrong update of it reaches every rank through the next all-gather, where no later check can tell
+it from a right one. The oracle gives each update an independent witness. Before the update, each rank copies
+one slice of every tensor it updates (the parameter, its gradient, its optimizer state); after it, the rank
+sends the slice's inputs, the group's hyperparameters and the fingerprint lanes of what its update wrote to
+the next rank of a ring (point to point: each rank moves only its own slice). That rank recomputes the slice
+with the same optimizer class and settings on its own device and compares lanes. The optimizers it knows
+(``ELEMENTWISE``) update each element from that element's inputs alone, so a slice computes exactly what the
+same elements computed inside the whole tensor (bitwise: ``tests/test_oracle.py`` checks each).
+
+The mismatch travels in the next step's gathered row, so the oracle adds no host sync; the next update is
+withheld when it fails. A third rank then recomputes the same slice: it agrees with the first witness (the
+owner's update was wrong: the owner is named) or with the owner (the first witness computed wrongly: it is
+named). With two ranks there is no third and nobody is named.
+
+Which slice: the update of each tensor is cut into ``slices`` pieces and turn ``t`` checks piece
+``t mod slices``, so a persistent fault in one element's update is caught within ``slices`` steps, and a
+one-off fault in one element at its step with probability ``1/slices``. A state bit flip at rest is not this
+module's: the owner ships the flipped value and the recompute agrees with it; the at-rest chain (``chain``)
+sees it. An optimizer it does not know (per-tensor norms, factored or quantised state: LAMB, Adafactor, 8-bit
+Adam) cannot be sliced: the oracle does not run, and the coverage says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import json
+import math
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..comm import Communicator
+from ..dtensors import local
+from ..history import NO_RANK, Event
+from ..lanes import lanes_on
+from .consensus import combined
+from .stats import Verdict, host_row
+
+__all__ = ["ELEMENTWISE", "UpdateOracle", "elementwise_optimizer", "piece"]
+
+# Optimizers whose update of an element reads that element's parameter, gradient and state alone (and scalars).
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop, torch.optim.ASGD)
+CARRY = 4  # the values each rank's gathered row carries for the oracle (``UpdateOracle.carry``)
+
+
+def elementwise_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer the oracle can slice, under the wrappers frameworks put around it (Accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``): ``None`` when it is not one it knows. An exact
+    class match: a subclass may change the update."""
+    for _ in range(4):
+        if type(optimizer) in ELEMENTWISE:
+            return optimizer  # type: ignore[no-any-return]
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None
+
+
+def piece(numel: int, slices: int, turn: int) -> tuple[int, int]:
+    """The ``[start, stop)`` of a tensor's flat elements that turn ``turn`` checks: one of ``slices`` pieces, in
+    rotation, so every element is checked once every ``slices`` turns."""
+    width = max(1, math.ceil(numel / slices))
+    count = math.ceil(numel / width)
+    start = (turn % count) * width
+    return start, min(numel, start + width)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """One tensor of a shipped slice: its dtype and shape as the receiver rebuilds it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty(0, dtype=_dtype(self.dtype)).element_size()
+
+
+def _dtype(name: str) -> torch.dtype:
+    got = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(got, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return got
+
+
+def _described(t: torch.Tensor) -> list[Any]:
+    return [str(t.dtype), list(t.shape)]
+
+
+class UpdateOracle:
+    """One rank's side of the oracle: it ships its own slice and recomputes the previous rank's (module doc).
+
+    Call :meth:`carry` before the step's gather, :meth:`agree` with every rank's carried values, then
+    :meth:`before_update` and :meth:`after_update` around ``optimizer.step()``; :meth:`settle` at a save."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, slices: int, device: torch.device) -> None:
+        self.optimizer, self.comm, self.slices, self.device = optimizer, comm, slices, device
+        self.turn = 0
+        self._inputs: list[list[torch.Tensor]] = []  # per updated tensor, this turn's slice before the update
+        self._items: list[tuple[int, torch.Tensor, tuple[int, int]]] = []  # (group, parameter, window)
+        self._hyper: list[float] = []  # the groups' numeric hyperparameters at this update
+        self._structure: dict[str, Any] = {}  # what the receiver needs to rebuild this rank's slice
+        self._sent: _Sent | None = None  # the last slice shipped (kept for a tiebreak)
+        self._flag: torch.Tensor | None = None  # float64[2]: elements checked, mismatches (of the rank before)
+        self._theirs: dict[int, dict[str, Any]] = {}  # each rank's structure, as last exchanged
+        self._digests: list[int] = []
+        self._sizes: list[int] = []  # each rank's payload bytes at this step's update
+
+    # ------------------------------------------------------------ the owner
+    def _plan(self) -> None:
+        """This turn's items (every parameter with a gradient and local elements) and the structure describing
+        their slices, computed on the host from shapes and dtypes alone."""
+        items: list[tuple[int, torch.Tensor, tuple[int, int]]] = []
+        described: list[Any] = []
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                lp = local(p)
+                if p.grad is None or lp.numel() == 0:
+                    continue
+                window = piece(lp.numel(), self.slices, self.turn)
+                items.append((gi, p, window))
+                state = self.optimizer.state.get(p, {})
+                # A scalar may live on the host beside a GPU parameter (Adam's step count): rebuilt where it was.
+                entries = [[k, "e" if _elementwise(v, lp) else "h" if local(v).device.type == "cpu" else "w",
+                            *_described(local(v))] for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
+                others = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+                try:
+                    kept = json.dumps(others, sort_keys=True)
+                except (TypeError, ValueError):
+                    kept = None  # state the receiver cannot rebuild: this item is shipped, not checked
+                described.append([gi, lp.numel(), str(lp.dtype), str(local(p.grad).dtype), entries, kept])
+        groups = []
+        hyper: list[float] = []
+        for group in self.optimizer.param_groups:
+            shape: dict[str, Any] = {}
+            for k, v in sorted(group.items()):
+                if k == "params":
+                    continue
+                if isinstance(v, bool) or v is None or isinstance(v, str):
+                    shape[k] = ["j", v]
+                elif isinstance(v, (int, float)):
+                    shape[k] = ["i" if isinstance(v, int) else "f", len(hyper)]
+                    hyper.append(float(v))
+                elif isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                          for x in v):
+                    shape[k] = ["t", len(hyper), ["i" if isinstance(x, int) else "f" for x in v]]
+                    hyper += [float(x) for x in v]
+                else:
+                    shape[k] = ["r", repr(v)]  # a tensor learning rate, an object: the receiver cannot rebuild it
+            groups.append(shape)
+        self._items, self._hyper = items, hyper
+        self._structure = {"items": described, "groups": groups, "hyper": len(hyper)}
+
+    def carry(self) -> torch.Tensor:
+        """``float64[4]`` for this step's gathered row: the verdict on the previous rank's last update (elements
+        checked, mismatches), this rank's structure digest and the bytes it will ship after this update."""
+        self._plan()
+        digest = zlib.crc32(json.dumps(self._structure, sort_keys=True).encode())
+        size = _payload_bytes(self._structure, self.slices, self.turn)
+        return torch.cat([self._pending(), host_row([float(digest), float(size)], self.device)])
+
+    def _pending(self) -> torch.Tensor:
+        flag = self._flag if self._flag is not None else torch.zeros(2, dtype=torch.float64, device=self.device)
+        self._flag = None
+        return flag
+
+    def agree(self, carried: Sequence[Sequence[float]]) -> Verdict | None:
+        """Every rank's carried values: the verdict on the last update's recomputations (``None`` when none ran),
+        then the structures exchanged where one changed (collective: the same decision on every rank)."""
+        verdict = self._judge([c[:2] for c in carried])
+        digests = [int(c[2]) for c in carried]
+        self._sizes = [int(c[3]) for c in carried]
+        if digests != self._digests:
+            got = self.comm.gather_bytes(json.dumps(self._structure, sort_keys=True).encode())
+            self._theirs = {r: json.loads(b) for r, b in enumerate(got)}
+            self._digests = digests
+        return verdict
+
+    def settle(self) -> Verdict | None:
+        """Collective, at a save: the verdict on the last update's recomputations now, not at the next step."""
+        return self._judge(self.comm.all_gather_rows(self._pending()).tolist())
+
+    def before_update(self) -> None:
+        """Copy this turn's slice of every updated tensor as the update will read it."""
+        self._inputs = []
+        for _, p, (lo, hi) in self._items:
+            lp = local(p)
+            parts = [lp.detach().reshape(-1)[lo:hi].clone(), local(p.grad).reshape(-1)[lo:hi].clone()]
+            for _, v in sorted(self.optimizer.state.get(p, {}).items()):
+                if isinstance(v, torch.Tensor):
+                    lv = local(v)
+                    parts.append(lv.reshape(-1)[lo:hi].clone() if _elementwise(v, lp) else lv.detach().clone())
+            self._inputs.append(parts)
+
+    def after_update(self, step: int) -> None:
+        """Ship the slice (inputs, hyperparameters, lanes of what the update wrote) to the next rank, and
+        recompute the previous rank's: the mismatch is carried in the next step's row."""
+        outs = []
+        for _, p, (lo, hi) in self._items:
+            lp = local(p)
+            after = [lp.detach().reshape(-1)[lo:hi]]
+            after += [local(v).reshape(-1)[lo:hi] if _elementwise(v, lp) else local(v)
+                      for _, v in sorted(self.optimizer.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
+            outs.append(combined(lanes_on(after, self.device)))
+        payload = _pack([t for parts in self._inputs for t in parts], self._hyper, outs, self.device)
+        self._sent = _Sent(payload, step, self.turn, list(self._sizes), dict(self._theirs))
+        self._inputs = []
+        self._flag = self._witness(self._sent, 1)
+        self.turn += 1
+
+    def _witness(self, sent: _Sent, back: int) -> torch.Tensor:
+        """Recompute the slice of the rank ``back`` places before this one, from what it shipped at ``sent``'s
+        update (collective); ``float64[2]``: elements checked and whether what it reported differs."""
+        owner = (self.comm.rank - back) % self.comm.world
+        got = self.comm.shift(sent.payload, sent.sizes[owner], by=back)
+        structure = sent.structures.get(owner)
+        if structure is None:
+            return torch.zeros(2, dtype=torch.float64, device=self.device)
+        return _recompute(self.optimizer, structure, got.to(self.device), self.slices, sent.turn)
+
+    def _judge(self, flags: Sequence[Sequence[float]]) -> Verdict | None:
+        sent, world = self._sent, len(flags)
+        if sent is None or not any(f[0] or f[1] for f in flags):
+            return None  # nothing was recomputed (the first step, or after a restore)
+        differ = [(r - 1) % world for r, f in enumerate(flags) if f[1]]  # the owner each mismatch is about
+
+        def rows(failed: Sequence[int]) -> Any:  # one job-wide pass row, or a fail row per rank in question
+            return lambda: [Event(sent.step, "oracle", r, "fail") for r in failed] or [
+                Event(sent.step, "oracle", NO_RANK, "pass")]
+
+        if not differ:
+            return Verdict("oracle", True, rows=rows([]))
+        named: set[int] = set()
+        if world >= 3:
+            second = self.comm.all_gather_rows(self._witness(sent, 2)).tolist()
+            for o in differ:
+                if second[(o + 2) % world][1]:
+                    named.add(o)  # two other ranks agree that the owner's update is not what its inputs give
+                else:
+                    named.add((o + 1) % world)  # a third rank reproduces the owner: its first witness was wrong
+        detail = (f"recomputing a slice of rank(s) {differ}'s optimizer update of step {sent.step} on another rank "
+                  "gave other values" + (f"; a third rank names rank(s) {sorted(named)}" if named else
+                                         "; with two ranks there is no third to tell which is wrong"))
+        # A persistent fault in one element's update would have been caught when its piece was last checked,
+        # ``slices`` turns ago: the state is suspect from the update after that.
+        first_suspect = max(0, sent.step - self.slices + 1)
+        return Verdict("oracle", False, sorted(named), detail, first_suspect, rows(differ))
+
+    def reset(self) -> None:
+        """State was restored: nothing shipped before is evidence."""
+        self._flag = self._sent = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sent:
+    """What a rank shipped after one update, kept until its recomputations are judged (a tiebreak needs it)."""
+
+    payload: torch.Tensor
+    step: int
+    turn: int
+    sizes: list[int]  # every rank's payload bytes at that update
+    structures: dict[int, dict[str, Any]]  # every rank's structure at that update
+
+
+def _elementwise(v: torch.Tensor, lp: torch.Tensor) -> bool:
+    """Whether a state tensor holds one value per parameter element (sliced with it) rather than a scalar."""
+    return tuple(local(v).shape) == tuple(lp.shape) and v.dim() > 0
+
+
+def _payload_bytes(structure: dict[str, Any], slices: int, turn: int) -> int:
+    """The bytes a rank ships for ``structure`` at ``turn`` (inputs, hyperparameters, 16 per item's lanes)."""
+    n = 0
+    for _, numel, pdtype, gdtype, entries, _ in structure["items"]:
+        lo, hi = piece(numel, slices, turn)
+        n += _Part(pdtype, (hi - lo,)).nbytes + _Part(gdtype, (hi - lo,)).nbytes
+        n += sum(_Part(dt, (hi - lo,) if kind == "e" else tuple(shape)).nbytes for _, kind, dt, shape in entries)
+    return n + 8 * int(structure["hyper"]) + 16 * len(structure["items"])
+
+
+def _pack(inputs: list[torch.Tensor], hyper: list[float], outs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in inputs]
+    parts.append(host_row(hyper, device).view(torch.uint8))
+    parts += [o.view(torch.uint8) for o in outs]
+    return torch.cat([p.to(device) for p in parts]) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
+
+
+def _recompute(optimizer: torch.optim.Optimizer, structure: dict[str, Any], got: torch.Tensor, slices: int,
+               turn: int) -> torch.Tensor:
+    """Rebuild a rank's slice from its bytes, run its update with a copy of this rank's optimizer (that class,
+    the sender's hyperparameters), and compare the lanes of the result with those it reported."""
+    at = 0
+
+    def take(part: _Part) -> torch.Tensor:
+        nonlocal at
+        raw = got[at:at + part.nbytes].clone()
+        at += part.nbytes
+        return raw.view(_dtype(part.dtype)).reshape(part.shape)
+
+    items = []
+    for gi, numel, pdtype, gdtype, entries, _others in structure["items"]:
+        lo, hi = piece(numel, slices, turn)
+        p, g = take(_Part(pdtype, (hi - lo,))), take(_Part(gdtype, (hi - lo,)))
+        state = {k: take(_Part(dt, (hi - lo,) if kind == "e" else tuple(shape))) for k, kind, dt, shape in entries}
+        # Host scalars go back to the host (on a GPU, a read of the shipped bytes: docs/GUARD.md, the oracle's cost).
+        state = {k: v.cpu() if kind == "h" else v for (k, kind, *_), v in zip(entries, state.values(), strict=True)}
+        if _others is None:
+            return torch.zeros(2, dtype=torch.float64, device=got.device)
+        items.append((gi, p, g, state, json.loads(_others)))
+    hyper = take(_Part("torch.float64", (structure["hyper"],))).tolist() if structure["hyper"] else []
+    reported = [take(_Part("torch.int64", (2,))) for _ in items]
+    groups = [_group(shape, hyper) for shape in structure["groups"]]
+    if any(g is None for g in groups):
+        return torch.zeros(2, dtype=torch.float64, device=got.device)  # a hyperparameter it cannot rebuild
+    shadow = copy.copy(optimizer)  # the same class and instance settings; its own state, groups and no hooks
+    shadow.state = collections.defaultdict(dict)
+    shadow._optimizer_step_pre_hooks = collections.OrderedDict()
+    shadow._optimizer_step_post_hooks = collections.OrderedDict()
+    params: list[list[torch.Tensor]] = [[] for _ in groups]
+    for gi, p, g, state, others in items:
+        q = torch.nn.Parameter(p, requires_grad=True)
+        q.grad = g
+        shadow.state[q] = {**state, **others}
+        params[gi].append(q)
+    shadow.param_groups = [dict(g, params=ps) for g, ps in zip(groups, params, strict=True) if ps]  # type: ignore[arg-type]
+    type(optimizer).step(shadow)  # the class's step: an instance's may be a scheduler's wrapper of the original
+    mismatch = torch.zeros((), dtype=torch.bool, device=got.device)
+    # The groups' parameters in item order: items of one group are contiguous, as the sender listed them.
+    for t, lanes in zip([t for ps in params for t in ps], reported, strict=True):
+        after = [t.detach()] + [v for _, v in sorted(shadow.state[t].items()) if isinstance(v, torch.Tensor)]
+        mismatch = mismatch | (combined(lanes_on(after, got.device)) != lanes).any()
+    checked = float(sum(piece(numel, slices, turn)[1] - piece(numel, slices, turn)[0]
+                        for _, numel, *_ in structure["items"]))
+    return torch.stack([torch.tensor(checked, dtype=torch.float64, device=got.device), mismatch.to(torch.float64)])
+
+
+def _group(shape: dict[str, Any], hyper: list[float]) -> dict[str, Any] | None:
+    """A parameter group's settings from its described shape and the shipped numbers (``None``: one cannot be
+    rebuilt, a tensor learning rate or another object)."""
+    out: dict[str, Any] = {}
+    for k, spec in shape.items():
+        tag = spec[0]
+        if tag == "j":
+            out[k] = spec[1]
+        elif tag in ("i", "f"):
+            out[k] = int(hyper[spec[1]]) if tag == "i" else hyper[spec[1]]
+        elif tag == "t":
+            out[k] = tuple(int(hyper[spec[1] + i]) if t == "i" else hyper[spec[1] + i] for i, t in enumerate(spec[2]))
+        else:
+            return None
+    return out

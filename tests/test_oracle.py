@@ -20,9 +20,11 @@ SETTINGS = {
 }
 
 
-def one_rank(cls: type[torch.optim.Optimizer], steps: int, corrupt: int | None = None) -> list[tuple[float, float]]:
+def one_rank(cls: type[torch.optim.Optimizer], steps: int, corrupt: int | None = None,
+             skip: int | None = None) -> list[tuple[float, float]]:
     """Train two odd-sized tensors for ``steps`` with the oracle on one process (which then witnesses its own
-    slices); at step ``corrupt``, one element of the slice the oracle checks gets a 10x update. The flags."""
+    slices); at step ``corrupt``, one element of the slice the oracle checks gets a 10x update; at step ``skip``
+    the optimizer's step does not run (as a gradient scaler skips one). The (checked, mismatched) flags."""
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(37, 5)), torch.nn.Parameter(torch.randn(11))]
     opt = cls([{"params": ps[:1]}, {"params": ps[1:], "lr": 3e-4}], **SETTINGS.get(cls, {"lr": 1e-3}))
@@ -36,7 +38,8 @@ def one_rank(cls: type[torch.optim.Optimizer], steps: int, corrupt: int | None =
         oracle.agree([carried.tolist()])
         oracle.before_update()
         before = ps[0].detach().clone()
-        opt.step()
+        if step != skip:
+            opt.step()
         if step == corrupt:
             lo, _ = piece(ps[0].numel(), 4, oracle.turn)
             with torch.no_grad():
@@ -53,6 +56,11 @@ def test_a_recomputed_slice_is_bitwise_the_update_and_a_wrong_element_is_seen(cl
     clean = one_rank(cls, 9)
     assert all(checked > 0 and not bad for checked, bad in clean), clean
     assert [bad for _, bad in one_rank(cls, 9, corrupt=5)] == [0, 0, 0, 0, 0, 1, 0, 0, 0]
+
+
+def test_a_skipped_optimizer_step_is_not_recomputed_as_an_update():
+    flags = one_rank(torch.optim.AdamW, 6, skip=3)
+    assert flags[3] == (0.0, 0.0) and all(checked and not bad for i, (checked, bad) in enumerate(flags) if i != 3)
 
 
 def test_pieces_cover_every_element_within_a_rotation():

@@ -113,6 +113,10 @@ class UpdateOracle:
         self._theirs: dict[int, dict[str, Any]] = {}  # each rank's structure, as last exchanged
         self._digests: list[int] = []
         self._sizes: list[int] = []  # each rank's payload bytes at this step's update
+        # Whether the optimizer's own step ran: a wrapper may skip it (a gradient scaler that found an Inf), and a
+        # slice of an update that never happened must not be recomputed as one.
+        self._ran = False
+        optimizer.register_step_post_hook(self._stepped)
 
     # ------------------------------------------------------------ the owner
     def _plan(self) -> None:
@@ -188,9 +192,12 @@ class UpdateOracle:
         """Collective, at a save: the verdict on the last update's recomputations now, not at the next step."""
         return self._judge(self.comm.all_gather_rows(self._pending()).tolist())
 
+    def _stepped(self, *_: Any) -> None:
+        self._ran = True
+
     def before_update(self) -> None:
         """Copy this turn's slice of every updated tensor as the update will read it."""
-        self._inputs = []
+        self._inputs, self._ran = [], False
         for _, p, (lo, hi) in self._items:
             lp = local(p)
             parts = [lp.detach().reshape(-1)[lo:hi].clone(), local(p.grad).reshape(-1)[lo:hi].clone()]
@@ -210,7 +217,8 @@ class UpdateOracle:
             after += [local(v).reshape(-1)[lo:hi] if _elementwise(v, lp) else local(v)
                       for _, v in sorted(self.optimizer.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
             outs.append(combined(lanes_on(after, self.device)))
-        payload = _pack([t for parts in self._inputs for t in parts], self._hyper, outs, self.device)
+        payload = _pack([t for parts in self._inputs for t in parts], [*self._hyper, float(self._ran)], outs,
+                        self.device)
         self._sent = _Sent(payload, step, self.turn, list(self._sizes), dict(self._theirs))
         self._inputs = []
         self._flag = self._witness(self._sent, 1)
@@ -282,7 +290,7 @@ def _payload_bytes(structure: dict[str, Any], slices: int, turn: int) -> int:
         lo, hi = piece(numel, slices, turn)
         n += _Part(pdtype, (hi - lo,)).nbytes + _Part(gdtype, (hi - lo,)).nbytes
         n += sum(_Part(dt, (hi - lo,) if kind == "e" else tuple(shape)).nbytes for _, kind, dt, shape in entries)
-    return n + 8 * int(structure["hyper"]) + 16 * len(structure["items"])
+    return n + 8 * (int(structure["hyper"]) + 1) + 16 * len(structure["items"])  # the last number: whether it ran
 
 
 def _pack(inputs: list[torch.Tensor], hyper: list[float], outs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -314,8 +322,10 @@ def _recompute(optimizer: torch.optim.Optimizer, structure: dict[str, Any], got:
         if _others is None:
             return torch.zeros(2, dtype=torch.float64, device=got.device)
         items.append((gi, p, g, state, json.loads(_others)))
-    hyper = take(_Part("torch.float64", (structure["hyper"],))).tolist() if structure["hyper"] else []
+    *hyper, ran = take(_Part("torch.float64", (structure["hyper"] + 1,))).tolist()
     reported = [take(_Part("torch.int64", (2,))) for _ in items]
+    if not ran:
+        return torch.zeros(2, dtype=torch.float64, device=got.device)  # the sender's optimizer skipped its step
     groups = [_group(shape, hyper) for shape in structure["groups"]]
     if any(g is None for g in groups):
         return torch.zeros(2, dtype=torch.float64, device=got.device)  # a hyperparameter it cannot rebuild

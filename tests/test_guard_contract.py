@@ -63,6 +63,9 @@ def run(layout: str, faults: list[str], steps: int = 3, **cfg: object) -> dict:
     m, replica = model(layout)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     guard = SDCGuard(m, opt, loss_fn, GuardConfig(faults=faults, **cfg))  # type: ignore[arg-type]
+    from verified_ckpt.guard.protocol import Layout
+
+    assert isinstance(guard.layout, Layout), f"{layout}: {type(guard.layout).__name__} does not satisfy Layout"
     rows: list[tuple[int, int]] = []
     guard.add_event_listener(lambda events: rows.extend((e.step, e.rank) for e in events if e.kind == "step"))
     torch.manual_seed(7)  # the same dropout stream on every rank (tensor-parallel ranks must agree)

@@ -48,6 +48,9 @@ def run(rank: int, world: int, faults: list[str], steps: int, misnamed: str | No
     schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=models.token_loss)
     opt = torch.optim.AdamW(stage_mod.parameters(), lr=3e-3)
     guard = SDCGuard(stage_mod, opt, None, GuardConfig(faults=tuple(faults)), pipeline=schedule)
+    from verified_ckpt.guard.protocol import Layout
+
+    assert isinstance(guard.layout, Layout), "the pipeline layout does not satisfy Layout"
     losses: list[float] = []
     guard.add_event_listener(lambda events: losses.extend(e.loss for e in events if e.kind == "step" and e.rank == rank))
     torch.manual_seed(100 + rank)  # dropout draws differ per rank, as in real jobs

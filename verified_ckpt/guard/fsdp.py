@@ -39,6 +39,8 @@ from .sharded import (
 from .stats import StepFigures, Verdict, host_row, step_rows
 
 if TYPE_CHECKING:
+    from .abft import GradientChecks
+    from .capture import Capture
     from .sdcguard import SDCGuard
 
 __all__ = ["ShardedLayout"]
@@ -79,8 +81,10 @@ class ShardedLayout:
     """FSDP's reduce-scatter and all-reduce observed, consensus per shard, replica-group audits (module doc)."""
 
     kind = "sharded"
+    runs_schedule = False
+    replays = False
     module_of = staticmethod(lambda model: model)  # FSDP's hooks live on the model itself
-    abft = None  # ABFT is DDP-only for now (docs/GUARD.md)
+    abft: GradientChecks | None = None  # ABFT is DDP-only for now (docs/GUARD.md)
 
     def __init__(self, g: SDCGuard) -> None:
         self.g = g
@@ -245,6 +249,10 @@ class ShardedLayout:
 
     def state_lanes(self) -> torch.Tensor:
         return state_row(self.g.params, self.g.optimizer, self.g.device)[:2]
+
+    def capture(self, step: int, suspects: list[int], kind: str) -> Capture | None:
+        """No replay bundle: a replay recomputes one rank's step from whole weights, which no rank holds here."""
+        return None
 
     def agreed(self) -> list[tuple[torch.Tensor, str]]:
         """Nothing a save could check a tensor against: this rank holds pieces, not the tensors other ranks write

@@ -102,6 +102,7 @@ class PipelineLayout(ShardedLayout):
     """FSDP2 per pipeline stage, judged over the whole job (see the module doc)."""
 
     kind = "pipeline"
+    runs_schedule = True
 
     def __init__(self, g: SDCGuard, schedule: Any) -> None:
         self.schedule, self.stage = schedule, stage_of(schedule)

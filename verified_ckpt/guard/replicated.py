@@ -52,6 +52,8 @@ class ReplicatedLayout:
     """DDP's gradient bucket hook, ABFT, whole-replica consensus and recompute audits (see the module doc)."""
 
     kind = "replicated"
+    runs_schedule = False
+    replays = True
     module_of = staticmethod(module_of)
 
     def __init__(self, g: SDCGuard) -> None:

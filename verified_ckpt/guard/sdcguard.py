@@ -34,6 +34,7 @@ from .config import GuardConfig
 from .consensus import state_tensors
 from .judge import Bookkeeping, Judge
 from .oracle import CARRY, UpdateOracle, elementwise_optimizer
+from .protocol import Layout
 from .replicated import TWO_REPLICAS, ReplicatedLayout
 from .rest import RestWitness
 from .schedule import Schedule
@@ -44,8 +45,6 @@ __all__ = ["TWO_REPLICAS", "SDCGuard"]
 if TYPE_CHECKING:  # the sharded layouts load torch.distributed.fsdp and .tensor: imported when a model needs them
     from .fsdp import ShardedLayout
     from .pipeline import PipelineLayout
-
-    Layout = ReplicatedLayout | ShardedLayout | PipelineLayout
 log = logging.getLogger("verified_ckpt")
 
 
@@ -175,7 +174,7 @@ class SDCGuard(Bookkeeping):
         this rank's ``schedule.step(*args, target=target, losses=...)`` (the inputs on the first stage, ``target`` on
         the last). Returns the summed loss of the step's microbatches on the last stage, zero on the others (every
         stage's rows carry it from the last after :meth:`step`). Then call :meth:`step`, on every rank."""
-        if self.layout.kind != "pipeline":
+        if not self.layout.runs_schedule:
             raise GuardUsageError("pipeline_step needs SDCGuard(..., pipeline=schedule); train with backward() here")
         self.begin(None, step=step)
         loss = cast("PipelineLayout", self.layout).run(args, kwargs, target)
@@ -206,7 +205,7 @@ class SDCGuard(Bookkeeping):
                     backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Backpropagate ``loss`` of the batch given to :meth:`begin`; ``backward(loss)`` runs instead of
         ``loss.backward()`` (a framework's own, with its hooks). Returns the loss, detached."""
-        if self.layout.kind == "pipeline":
+        if self.layout.runs_schedule:
             raise GuardUsageError("under a pipeline schedule, train with guard.pipeline_step(...): the schedule runs "
                                   "the backward")
         if len(self._batches) != len(self._rng) or len(self._losses) >= len(self._batches):
@@ -314,11 +313,10 @@ class SDCGuard(Bookkeeping):
         """The replay capture of an incident raised before the update, where a listener wants one: every rank
         registers the same listeners, so every rank takes part or none."""
         inc = cast("Incident", e.incident)
-        take = getattr(self.layout, "capture", None)
-        if not self._capture_listeners or take is None or not inc.ranks:
+        if not self._capture_listeners or not self.layout.replays or not inc.ranks:
             return
         try:
-            got = take(s, list(inc.ranks), inc.kind)
+            got = self.layout.capture(s, list(inc.ranks), inc.kind)
         except Exception as err:  # noqa: BLE001 - the incident that follows matters more than its bundle
             log.warning("SDCGuard: no replay bundle for the %s incident at step %d: %s", inc.kind, s, err)
             return
@@ -326,8 +324,9 @@ class SDCGuard(Bookkeeping):
             log.warning("SDCGuard: no replay bundle for the %s incident at step %d (the state and microbatches exceed "
                         "replay_max_bytes=%d, or no healthy rank is left to recompute)", inc.kind, s,
                         self.cfg.replay_max_bytes)
-        for fn in self._capture_listeners if got is not None else []:
-            fn(got)
+        if got is not None:
+            for fn in self._capture_listeners:
+                fn(got)
 
     def audit_now(self) -> bool:
         """Audit the last step's first microbatch again, now, with the current weights: every rank recomputes its own

@@ -1,0 +1,104 @@
+"""What a layout gives :class:`~verified_ckpt.guard.sdcguard.SDCGuard`: the declared seam between the loop's
+invariants (the guard's, written once) and how one kind of parallelism reduces, observes and holds the state.
+
+``replicated`` (DDP, one process), ``fsdp`` (FSDP2, HSDP, FSDP2 + TP) and ``pipeline`` (a pipeline schedule over
+FSDP2 stages) implement it; mypy checks each against it where the guard builds it, and
+``tests/test_guard_structure.py`` checks at run time that each does. A new layout (expert parallel) is a class
+that satisfies this, not a change to the guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from .abft import GradientChecks
+    from .capture import Capture
+
+__all__ = ["Layout"]
+
+
+@runtime_checkable
+class Layout(Protocol):
+    """The parts of a parallelism the guard composes (module doc)."""
+
+    kind: str  # "replicated", "sharded", "pipeline": for messages and the ledger, never for a decision
+    runs_schedule: bool  # training goes through ``SDCGuard.pipeline_step`` (the schedule runs the backward)
+    replays: bool  # a gradient incident gets a replay bundle (``capture``): DDP, where a rank holds whole weights
+    abft: GradientChecks | None  # per-step verification of gradient computation, where the layout builds it
+
+    # -------------------------------------------------------------- who holds what
+    @property
+    def replicas(self) -> int:
+        """How many copies of each piece of the state take part in a consensus."""
+        ...
+
+    @property
+    def ring(self) -> int:
+        """How many ranks an audit can choose from."""
+        ...
+
+    @property
+    def records_batches(self) -> bool:
+        """Whether microbatches are kept for audits."""
+        ...
+
+    @property
+    def node_of(self) -> list[int]: ...
+
+    @property
+    def targets(self) -> list[int | None]:
+        """Auditor rank -> the rank whose microbatches it recomputes."""
+        ...
+
+    @property
+    def single_owner(self) -> bool:
+        """Whether some state has no replica: the at-rest chain watches it (``chain``)."""
+        ...
+
+    @property
+    def witnessed(self) -> bool:
+        """Whether a disagreement may need the at-rest witness (``rest``)."""
+        ...
+
+    def local_params(self) -> list[torch.Tensor]:
+        """This rank's pieces of the parameters, in a fixed order."""
+        ...
+
+    # -------------------------------------------------------------- the loop's parts
+    def no_sync(self, sync: bool) -> contextlib.AbstractContextManager[Any]: ...
+
+    def before_backward(self, sync: bool) -> None: ...
+
+    def after_backward(self, sync: bool) -> None: ...
+
+    def first_forward(self, batch: Any) -> None: ...
+
+    def reset(self) -> None:
+        """A step is over (or was abandoned): drop what was recorded for it."""
+        ...
+
+    def prepare_resume(self) -> None: ...
+
+    # -------------------------------------------------------------- checks
+    def check_before_update(self, s: int, carry: torch.Tensor,
+                            on_carried: Callable[[list[list[float]]], None]) -> None:
+        """Every check of step ``s`` before the update, from the step's one gather, in which ``carry`` (the
+        guard's own figures) travels; ``on_carried`` gets every rank's carry before the layout judges."""
+        ...
+
+    def consensus(self, step: int) -> list[str]: ...
+
+    def state_lanes(self) -> torch.Tensor: ...
+
+    def agreed(self) -> list[tuple[torch.Tensor, str]]: ...
+
+    def audit_fresh(self, s: int, mine: list[tuple[Any, Any]], arrive: bool = False) -> None: ...
+
+    def capture(self, step: int, suspects: list[int], kind: str) -> Capture | None:
+        """Collective: a replay bundle of step ``step`` on rank 0 (``None``: this layout writes none)."""
+        ...

@@ -100,7 +100,7 @@ class Recovery:
         while True:
             chosen, choice = decide(comm, lambda: self._plan(skipped, allow_unverified, seen), "resume")
             if chosen is None:
-                return self._fresh(choice, skipped, start, seen)
+                return self._fresh(choice, skipped, start, seen, comm.rank == 0)
             opened = self._opened(chosen, comm)
             try:
                 self._load(state, opened)
@@ -136,12 +136,12 @@ class Recovery:
                  if chosen is not None and (i.step, i.created_at) > (chosen.step, chosen.created_at) and i.status not in allowed)
         return chosen, Choice(answer=answer, unverified=unverified, any=bool(view.infos), newer=newer)
 
-    def _fresh(self, choice: Choice, skipped: list[str], start: int, seen: list[RunView]) -> int:
+    def _fresh(self, choice: Choice, skipped: list[str], start: int, seen: list[RunView], recorder: bool) -> int:
         if skipped:
             raise CheckpointNotRestorable(
                 f"no checkpoint of {self.catalog.url} could be restored: {', '.join(skipped)} failed verification "
                 "while restoring; `vckpt list` shows why - restore an export, or start afresh on purpose")
-        if choice.answer:
+        if choice.answer and recorder:  # rank 0, which read the run (``seen``)
             self.catalog.answer_incidents(seen[-1], None)  # a fresh start is a new lineage too
         if choice.unverified and not choice.answer:
             warnings.warn(f"resume: {choice.unverified} unverified checkpoint(s) in {self.catalog.url} and none "

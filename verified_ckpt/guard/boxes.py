@@ -25,7 +25,7 @@ from .. import decisions
 from ..lanes import lanes_on
 from .rest import tiebreak
 
-__all__ = ["BoxVotes", "box_rows", "boxes_of", "judge", "local_params"]
+__all__ = ["BoxVotes", "box_keys", "box_rows", "boxes_of", "judge", "local_params"]
 
 
 def boxes_of(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer, scope: str = ""
@@ -35,6 +35,11 @@ def boxes_of(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.O
     entries = list(_entries(named, optimizer))
     params = [i for i, (_, _, is_param) in enumerate(entries) if is_param]
     return [_local(t) for _, t, _ in entries], [_key(scope, name, t) for name, t, _ in entries], params
+
+
+def box_keys(named: Iterable[tuple[str, torch.Tensor]], scope: str = "") -> list[int]:
+    """Each parameter's box key (:func:`boxes_of`'s), in order: ranks with the same key hold the same piece."""
+    return [_key(scope, name, p) for name, p in named]
 
 
 def local_params(named: Iterable[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:

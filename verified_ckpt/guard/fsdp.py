@@ -10,6 +10,7 @@ What each mesh shape can conclude is in docs/GUARD.md.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import warnings
 from collections import Counter
@@ -23,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..errors import GuardUsageError
 from ..history import NO_RANK, Event
 from .audit import exchange_batches
-from .boxes import box_rows, boxes_of, local_params
+from .boxes import box_keys, box_rows, boxes_of, local_params
 from .budget import Costs
 from .sharded import (
     MeshView,
@@ -265,10 +266,15 @@ class ShardedLayout:
 
     witnessed = True  # until the first consensus has counted each piece's holders
 
-    @property
-    def single_owner(self) -> bool:
-        """Whether the state FSDP shards has no replica (one replica group): the at-rest chain watches it."""
-        return self.view.replicas == 1
+    def owned(self) -> list[bool]:
+        """Per parameter (the guard's order): whether this rank's piece of it is held by no other rank (a
+        tensor-parallel slice, an FSDP shard without replica groups, a pipeline stage's). Such pieces, and their
+        optimizer state, are the at-rest chain's. Counted over every rank's box keys (collective, once): a
+        placement alone does not say it, since a norm FSDP shards over each TP rank's own ``dp`` sub-mesh is held
+        alike by every TP rank."""
+        mine = box_keys(self.g.module.named_parameters(), self.scope)
+        holders = Counter(k for b in self.g.comm.gather_bytes(json.dumps(mine).encode()) for k in json.loads(b))
+        return [holders[k] == 1 for k in mine]
     scope = ""  # what tells this module's names apart from another's (a pipeline's stage)
 
     # ------------------------------------------------------------ audits

@@ -55,9 +55,8 @@ class Layout(Protocol):
         """Auditor rank -> the rank whose microbatches it recomputes."""
         ...
 
-    @property
-    def single_owner(self) -> bool:
-        """Whether some state has no replica: the at-rest chain watches it (``chain``)."""
+    def owned(self) -> list[bool]:
+        """Per parameter, in the guard's order: whether this rank's piece of it has no replica on another rank."""
         ...
 
     @property

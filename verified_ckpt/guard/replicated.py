@@ -260,7 +260,9 @@ class ReplicatedLayout:
         """The parameters, for the at-rest witness (``rest.py``)."""
         return [p.detach() for p in self.g.params]
 
-    single_owner = False  # every rank holds the whole state: consensus compares the replicas
+    def owned(self) -> list[bool]:
+        """No parameter is held by this rank alone."""
+        return [False] * len(self.g.params)
 
     @property
     def witnessed(self) -> bool:

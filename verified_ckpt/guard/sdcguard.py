@@ -132,8 +132,8 @@ class SDCGuard(Bookkeeping):
         # state no replica holds is fingerprinted between its update and its next use. Both need a second rank.
         sliced = elementwise_optimizer(optimizer) if self.world >= 2 and self.cfg.oracle_slices else None
         self.oracle = UpdateOracle(sliced, self.comm, self.cfg.oracle_slices, self.device) if sliced else None
-        self.chain = StateChain(self._local_state, self.device) if self.world >= 2 and self.layout.single_owner \
-            else None
+        self._owned = [p for p, alone in zip(self.params, self.layout.owned(), strict=True) if alone]
+        self.chain = StateChain(self._local_state, self.device) if self.world >= 2 and self._owned else None
         self._chain_checked: int | None = None  # the step of the last save whose chain held
 
     # ------------------------------------------------------------ who is where
@@ -301,8 +301,9 @@ class SDCGuard(Bookkeeping):
             self.oracle.reset()
 
     def _local_state(self) -> list[torch.Tensor]:
-        """This rank's pieces of its parameters and their optimizer state, in a fixed order (the chain's)."""
-        return [local(t) for t in state_tensors(self.params, self.optimizer)]
+        """This rank's pieces held by no other rank, parameters and their optimizer state, in a fixed order (the
+        chain's: what a replica holds too is the consensus's)."""
+        return [local(t) for t in state_tensors(self._owned, self.optimizer)]
 
     def add_capture_listener(self, fn: Callable[[Capture], None]) -> None:
         """Call ``fn(capture)`` on rank 0 with what a replay of a failed step needs (``capture.py``), after the

@@ -148,9 +148,11 @@ class PipelineLayout(ShardedLayout):
         """Every stage's per-step checks, judged on every rank from the job's gathered rows (module doc; ``carry``
         and ``on_carried`` as ``ReplicatedLayout.check_before_update`` takes them)."""
         g, cfg = self.g, self.g.cfg
-        if not self.rs_tap.rows:
+        if not self.rs_tap.rows and self.view.shards * self.view.replicas > 1:
             raise GuardUsageError("no gradient was reduced this step; run the step through guard.pipeline_step")
-        local = torch.cat(self.rs_tap.rows)
+        # A stage of one rank reduces nothing (FSDP over a mesh of one): its row is empty, and nothing is claimed.
+        local = torch.cat(self.rs_tap.rows) if self.rs_tap.rows else torch.zeros(0, dtype=torch.float64,
+                                                                                 device=g.device)
         loss = torch.stack(g._losses).sum().view(1)
         if self.layout is None:
             self.layout = self._learn(local.numel())
@@ -165,6 +167,8 @@ class PipelineLayout(ShardedLayout):
         judged: list[list[Verdict]] = []
         for c, col in enumerate(self.view.columns):
             ranks = [r for row in col for r in row]
+            if not any(lay.lengths[r] for r in ranks):
+                continue  # this stage reduced nothing: no verdict, so no pass is claimed for it
             got = judge_step(s, [rows[r] for r in ranks], MeshView([_relabel(col, ranks)]), lay.modes[ranks[0]],
                              g.project.k, self._eps or 2.0**-24, cfg.checksum_slack, g.project.rms_weight)
             judged.append([within(ranks, v if v.ok else dataclasses.replace(v, detail=f"stage {c}: {v.detail}"))

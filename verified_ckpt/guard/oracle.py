@@ -140,7 +140,10 @@ class UpdateOracle:
                     kept = json.dumps(others, sort_keys=True)
                 except (TypeError, ValueError):
                     kept = None  # state the receiver cannot rebuild: this item is shipped, not checked
-                described.append([gi, lp.numel(), str(lp.dtype), str(local(p.grad).dtype), entries, kept])
+                # A fused kernel is not bitwise under slicing (on a CPU its vector body and scalar tail round
+                # differently): its outputs are shipped and compared within a rounding bound instead of bitwise.
+                fused = bool(group.get("fused"))
+                described.append([gi, lp.numel(), str(lp.dtype), str(local(p.grad).dtype), entries, kept, fused])
         groups = []
         hyper: list[float] = []
         for group in self.optimizer.param_groups:
@@ -210,15 +213,19 @@ class UpdateOracle:
     def after_update(self, step: int) -> None:
         """Ship the slice (inputs, hyperparameters, lanes of what the update wrote) to the next rank, and
         recompute the previous rank's: the mismatch is carried in the next step's row."""
-        outs = []
-        for _, p, (lo, hi) in self._items:
+        outs, raw = [], []
+        for (_, p, (lo, hi)), described in zip(self._items, self._structure["items"], strict=True):
             lp = local(p)
+            state = self.optimizer.state.get(p, {})
             after = [lp.detach().reshape(-1)[lo:hi]]
             after += [local(v).reshape(-1)[lo:hi] if _elementwise(v, lp) else local(v)
-                      for _, v in sorted(self.optimizer.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
+                      for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
             outs.append(combined(lanes_on(after, self.device)))
-        payload = _pack([t for parts in self._inputs for t in parts], [*self._hyper, float(self._ran)], outs,
-                        self.device)
+            if described[6]:  # fused: what was written, for a comparison within rounding (the entries shipped in)
+                raw += [after[0]] + [local(state[k]).reshape(-1)[lo:hi] if kind == "e" else local(state[k])
+                                     for k, kind, *_ in described[4]]
+        payload = _pack([t for parts in self._inputs for t in parts] + [t.detach() for t in raw],
+                        [*self._hyper, float(self._ran)], outs, self.device)
         self._sent = _Sent(payload, step, self.turn, list(self._sizes), dict(self._theirs))
         self._inputs = []
         self._flag = self._witness(self._sent, 1)
@@ -286,10 +293,12 @@ def _elementwise(v: torch.Tensor, lp: torch.Tensor) -> bool:
 def _payload_bytes(structure: dict[str, Any], slices: int, turn: int) -> int:
     """The bytes a rank ships for ``structure`` at ``turn`` (inputs, hyperparameters, 16 per item's lanes)."""
     n = 0
-    for _, numel, pdtype, gdtype, entries, _ in structure["items"]:
+    for _, numel, pdtype, gdtype, entries, _, fused in structure["items"]:
         lo, hi = piece(numel, slices, turn)
-        n += _Part(pdtype, (hi - lo,)).nbytes + _Part(gdtype, (hi - lo,)).nbytes
-        n += sum(_Part(dt, (hi - lo,) if kind == "e" else tuple(shape)).nbytes for _, kind, dt, shape in entries)
+        state = sum(_Part(dt, (hi - lo,) if kind == "e" else tuple(shape)).nbytes for _, kind, dt, shape in entries)
+        n += _Part(pdtype, (hi - lo,)).nbytes + _Part(gdtype, (hi - lo,)).nbytes + state
+        if fused:  # its outputs too (``after_update``)
+            n += _Part(pdtype, (hi - lo,)).nbytes + state
     return n + 8 * (int(structure["hyper"]) + 1) + 16 * len(structure["items"])  # the last number: whether it ran
 
 
@@ -313,7 +322,7 @@ def _recompute(optimizer: torch.optim.Optimizer, structure: dict[str, Any], got:
         return raw.view(_dtype(part.dtype)).reshape(part.shape)
 
     items = []
-    for gi, numel, pdtype, gdtype, entries, _others in structure["items"]:
+    for gi, numel, pdtype, gdtype, entries, _others, _ in structure["items"]:
         lo, hi = piece(numel, slices, turn)
         p, g = take(_Part(pdtype, (hi - lo,))), take(_Part(gdtype, (hi - lo,)))
         state = {k: take(_Part(dt, (hi - lo,) if kind == "e" else tuple(shape))) for k, kind, dt, shape in entries}
@@ -322,6 +331,15 @@ def _recompute(optimizer: torch.optim.Optimizer, structure: dict[str, Any], got:
         if _others is None:
             return torch.zeros(2, dtype=torch.float64, device=got.device)
         items.append((gi, p, g, state, json.loads(_others)))
+    written: list[tuple[list[torch.Tensor], list[torch.Tensor], list[str]] | None] = []  # a fused item's outputs as the sender wrote them, with the inputs they came from
+    for (_, numel, pdtype, _, entries, _, fused), (_, p, _, state, _) in zip(structure["items"], items, strict=True):
+        if fused:
+            lo, hi = piece(numel, slices, turn)
+            outs = [take(_Part(pdtype, (hi - lo,)))] + [take(_Part(dt, (hi - lo,) if kind == "e" else tuple(shape)))
+                                                        for _, kind, dt, shape in entries]
+            written.append((outs, [p.clone()] + [state[k].clone() for k, *_ in entries], [k for k, *_ in entries]))
+        else:
+            written.append(None)
     *hyper, ran = take(_Part("torch.float64", (structure["hyper"] + 1,))).tolist()
     reported = [take(_Part("torch.int64", (2,))) for _ in items]
     if not ran:
@@ -343,12 +361,29 @@ def _recompute(optimizer: torch.optim.Optimizer, structure: dict[str, Any], got:
     type(optimizer).step(shadow)  # the class's step: an instance's may be a scheduler's wrapper of the original
     mismatch = torch.zeros((), dtype=torch.bool, device=got.device)
     # The groups' parameters in item order: items of one group are contiguous, as the sender listed them.
-    for t, lanes in zip([t for ps in params for t in ps], reported, strict=True):
-        after = [t.detach()] + [v for _, v in sorted(shadow.state[t].items()) if isinstance(v, torch.Tensor)]
-        mismatch = mismatch | (combined(lanes_on(after, got.device)) != lanes).any()
+    for t, lanes, fused in zip([t for ps in params for t in ps], reported, written, strict=True):
+        if fused is None:
+            after = [t.detach()] + [v for _, v in sorted(shadow.state[t].items()) if isinstance(v, torch.Tensor)]
+            mismatch = mismatch | (combined(lanes_on(after, got.device)) != lanes).any()
+            continue
+        outs, before, keys = fused
+        mine = [t.detach()] + [shadow.state[t][k] for k in keys]
+        for theirs, ours, was in zip(outs, mine, before, strict=True):
+            mismatch = mismatch | ~_within_rounding(theirs, ours.to(theirs.device), was.to(theirs.device))
     checked = float(sum(piece(numel, slices, turn)[1] - piece(numel, slices, turn)[0]
                         for _, numel, *_ in structure["items"]))
     return torch.stack([torch.tensor(checked, dtype=torch.float64, device=got.device), mismatch.to(torch.float64)])
+
+
+def _within_rounding(theirs: torch.Tensor, ours: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Whether a fused kernel's output agrees with a recompute of it within rounding: 16 units of roundoff of
+    the values involved (the output and its input), far below any change an update makes that is 10 % off
+    unless the step is below about 1e-6 of the value. A bool tensor, no host sync."""
+    if not theirs.is_floating_point():
+        return torch.tensor(torch.equal(theirs, ours), device=theirs.device)
+    info = torch.finfo(theirs.dtype)
+    a, b, c = theirs.double(), ours.double(), before.double()
+    return ((a - b).abs() <= 16 * info.eps * (b.abs() + c.abs()) + 16 * info.tiny).all()
 
 
 def _group(shape: dict[str, Any], hyper: list[float]) -> dict[str, Any] | None:

@@ -331,7 +331,8 @@ def _recompute(optimizer: torch.optim.Optimizer, structure: dict[str, Any], got:
         if _others is None:
             return torch.zeros(2, dtype=torch.float64, device=got.device)
         items.append((gi, p, g, state, json.loads(_others)))
-    written: list[tuple[list[torch.Tensor], list[torch.Tensor], list[str]] | None] = []  # a fused item's outputs as the sender wrote them, with the inputs they came from
+    # A fused item's outputs as the sender wrote them, with the inputs they came from and the state keys.
+    written: list[tuple[list[torch.Tensor], list[torch.Tensor], list[str]] | None] = []
     for (_, numel, pdtype, _, entries, _, fused), (_, p, _, state, _) in zip(structure["items"], items, strict=True):
         if fused:
             lo, hi = piece(numel, slices, turn)

@@ -59,7 +59,8 @@ def s3_bucket(s3_server):
 SLOW_FIRST = ("test_guard_fsdp.py", "test_service.py", "test_integrations_hf.py", "test_rollback_dist.py", "test_s3.py",
               "test_integrations_lightning.py", "test_guard_dist.py", "test_crash_records.py", "test_story.py",
               "test_async_and_crash.py", "test_recovery.py", "test_replay.py", "test_guard_models.py", "test_hostile.py", "test_ledger.py",
-              "test_guard_contract.py", "test_sharded.py", "test_guard_pipeline.py", "test_guard_structure.py")
+              "test_guard_contract.py", "test_sharded.py", "test_guard_pipeline.py", "test_guard_structure.py",
+              "test_single_owner.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

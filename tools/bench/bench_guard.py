@@ -150,7 +150,7 @@ def main() -> None:
     s = res["step_s"]
     shape = (f"TinyGPT d={args.d_model} x{args.depth} layers, vocab {args.vocab}, context {args.context}"
              if args.model == "gpt" else f"MLP {args.depth}x{args.width}")
-    if args.budgets:
+    if args.budgets or args.oracle:
         print(f"{args.world_size} gloo ranks, {shape} ({res['params'] / 1e6:.3f} M params), batch {args.batch}, "
               f"{args.steps - args.warmup} interleaved steps")
         for k, v in s.items():
@@ -158,6 +158,10 @@ def main() -> None:
                   f"{res['median_ratio'][k]:6.3f}")
             if k in res["schedules"]:
                 print(f"      {res['schedules'][k]}")
+        if args.oracle:
+            r = res["median_ratio"]
+            print(f"  the update oracle: {s['per-step checks'] / s['per-step, no oracle'] - 1:+.2%} of a guarded step (means), "
+                  f"{r['per-step checks'] - r['per-step, no oracle']:+.3f} of a plain step (median ratios)")
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump(res, f, indent=2)

@@ -43,13 +43,13 @@ from ..lanes import lanes_on
 from .consensus import combined
 from .stats import Verdict, host_row
 
-__all__ = ["ELEMENTWISE", "UpdateOracle", "elementwise_optimizer", "piece"]
+__all__ = ["CARRY", "ELEMENTWISE", "UpdateOracle", "elementwise_optimizer", "elementwise_state", "piece"]
 
 # Optimizers whose update of an element reads that element's parameter, gradient and state alone (and scalars).
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
     torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop, torch.optim.ASGD)
-CARRY = 4  # the values each rank's gathered row carries for the oracle (``UpdateOracle.carry``)
+CARRY = 6  # the values each rank's gathered row carries for the oracle (``UpdateOracle.carry``, ``replicas``)
 
 
 def elementwise_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -133,7 +133,7 @@ class UpdateOracle:
                 items.append((gi, p, window))
                 state = self.optimizer.state.get(p, {})
                 # A scalar may live on the host beside a GPU parameter (Adam's step count): rebuilt where it was.
-                entries = [[k, "e" if _elementwise(v, lp) else "h" if local(v).device.type == "cpu" else "w",
+                entries = [[k, "e" if elementwise_state(v, lp) else "h" if local(v).device.type == "cpu" else "w",
                             *_described(local(v))] for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
                 others = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
                 try:
@@ -172,7 +172,7 @@ class UpdateOracle:
         self._plan()
         digest = zlib.crc32(json.dumps(self._structure, sort_keys=True).encode())
         size = _payload_bytes(self._structure, self.slices, self.turn)
-        return torch.cat([self._pending(), host_row([float(digest), float(size)], self.device)])
+        return torch.cat([self._pending(), host_row([float(digest), float(size), 0.0, 0.0], self.device)])
 
     def _pending(self) -> torch.Tensor:
         flag = self._flag if self._flag is not None else torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -207,7 +207,7 @@ class UpdateOracle:
             for _, v in sorted(self.optimizer.state.get(p, {}).items()):
                 if isinstance(v, torch.Tensor):
                     lv = local(v)
-                    parts.append(lv.reshape(-1)[lo:hi].clone() if _elementwise(v, lp) else lv.detach().clone())
+                    parts.append(lv.reshape(-1)[lo:hi].clone() if elementwise_state(v, lp) else lv.detach().clone())
             self._inputs.append(parts)
 
     def after_update(self, step: int) -> None:
@@ -218,7 +218,7 @@ class UpdateOracle:
             lp = local(p)
             state = self.optimizer.state.get(p, {})
             after = [lp.detach().reshape(-1)[lo:hi]]
-            after += [local(v).reshape(-1)[lo:hi] if _elementwise(v, lp) else local(v)
+            after += [local(v).reshape(-1)[lo:hi] if elementwise_state(v, lp) else local(v)
                       for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
             outs.append(combined(lanes_on(after, self.device)))
             if described[6]:  # fused: what was written, for a comparison within rounding (the entries shipped in)
@@ -285,7 +285,7 @@ class _Sent:
     structures: dict[int, dict[str, Any]]  # every rank's structure at that update
 
 
-def _elementwise(v: torch.Tensor, lp: torch.Tensor) -> bool:
+def elementwise_state(v: torch.Tensor, lp: torch.Tensor) -> bool:
     """Whether a state tensor holds one value per parameter element (sliced with it) rather than a scalar."""
     return tuple(local(v).shape) == tuple(lp.shape) and v.dim() > 0
 
@@ -402,3 +402,4 @@ def _group(shape: dict[str, Any], hyper: list[float]) -> dict[str, Any] | None:
         else:
             return None
     return out
+

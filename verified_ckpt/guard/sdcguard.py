@@ -35,6 +35,7 @@ from .consensus import state_tensors
 from .judge import Bookkeeping, Judge
 from .oracle import CARRY, UpdateOracle, elementwise_optimizer
 from .protocol import Layout
+from .replicas import ReplicaOracle
 from .replicated import TWO_REPLICAS, ReplicatedLayout
 from .rest import RestWitness
 from .schedule import Schedule
@@ -131,8 +132,12 @@ class SDCGuard(Bookkeeping):
         # The single-owner evidence (``oracle``, ``chain``): a peer recomputes a slice of every rank's update, and
         # state no replica holds is fingerprinted between its update and its next use. Both need a second rank.
         sliced = elementwise_optimizer(optimizer) if self.world >= 2 and self.cfg.oracle_slices else None
-        self.oracle = UpdateOracle(sliced, self.comm, self.cfg.oracle_slices, self.device) if sliced else None
         self._owned = [p for p, alone in zip(self.params, self.layout.owned(), strict=True) if alone]
+        # Where every rank holds the whole state (DDP), the replicas' own updates of a slice are its recomputation.
+        oracle: type[ReplicaOracle] | type[UpdateOracle] = UpdateOracle
+        if not self._owned and self.layout.replicas == self.world:
+            oracle = ReplicaOracle
+        self.oracle = oracle(sliced, self.comm, self.cfg.oracle_slices, self.device) if sliced else None
         self.chain = StateChain(self._local_state, self.device) if self.world >= 2 and self._owned else None
         self._chain_checked: int | None = None  # the step of the last save whose chain held
 

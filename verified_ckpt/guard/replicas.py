@@ -1,0 +1,93 @@
+"""The update oracle where every rank holds the whole state (DDP): the replicas' own updates are the recompute.
+
+``oracle`` ships a slice of each rank's update to a peer, which recomputes it: that is what state without a
+replica needs. Where every rank holds the whole state, every replica updates the same slice from the same
+inputs (the consensus checks that they stay the same bytes), so the peers' own updates already are the
+recomputation and nothing needs shipping: each rank fingerprints this turn's slice of what its update wrote, the
+fingerprints travel in the next step's gathered row, and a strict majority names the replicas that differ (with
+two replicas nobody is named). The slices rotate as ``oracle``'s do; the cost is one fingerprint pass over an
+eighth of the state per step.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import torch
+
+from ..comm import Communicator
+from ..history import NO_RANK, Event
+from ..lanes import lanes_on
+from .consensus import combined
+from .oracle import elementwise_state, piece
+from .stats import Verdict, host_row
+
+__all__ = ["ReplicaOracle"]
+
+
+class ReplicaOracle:
+    """The oracle where every rank holds the whole state (DDP): every replica updates the same slice from the same
+    inputs, so the replicas' own updates are the recomputation and nothing needs shipping. Each rank fingerprints
+    this turn's slice of what its update wrote; the fingerprints travel in the next step's gathered row, and a
+    strict majority names the replicas that differ (two replicas: nobody). The same interface as
+    :class:`UpdateOracle`, at the cost of one fingerprint pass over an eighth of the state."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, slices: int, device: torch.device) -> None:
+        self.optimizer, self.comm, self.slices, self.device = optimizer, comm, slices, device
+        self.turn = 0
+        self._pending_lanes: torch.Tensor | None = None  # float64[5]: elements, then the slice's lanes in halves
+        self._step: int | None = None
+
+    def carry(self) -> torch.Tensor:
+        got = self._pending_lanes if self._pending_lanes is not None else torch.zeros(5, dtype=torch.float64,
+                                                                                       device=self.device)
+        self._pending_lanes = None
+        return torch.cat([got[:1], torch.zeros(1, dtype=torch.float64, device=self.device), got[1:]])
+
+    def agree(self, carried: Sequence[Sequence[float]]) -> Verdict | None:
+        return self._judge(carried)
+
+    def settle(self) -> Verdict | None:
+        return self._judge(self.comm.all_gather_rows(self.carry()).tolist())
+
+    def before_update(self) -> None:
+        """Nothing: every replica's inputs are the same bytes (the consensus checks that they stay so)."""
+
+    def after_update(self, step: int) -> None:
+        after: list[torch.Tensor] = []
+        checked = 0
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p.numel() == 0:
+                    continue
+                lo, hi = piece(p.numel(), self.slices, self.turn)
+                checked += hi - lo
+                after.append(p.detach().reshape(-1)[lo:hi])
+                after += [v.reshape(-1)[lo:hi] if elementwise_state(v, p) else v
+                          for _, v in sorted(self.optimizer.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
+        lanes = combined(lanes_on(after, self.device)) if after else torch.zeros(2, dtype=torch.int64,
+                                                                                 device=self.device)
+        halves = torch.stack([lanes >> 32, lanes & 0xFFFFFFFF], 1).reshape(-1).to(torch.float64)  # exact in float64
+        self._pending_lanes = torch.cat([host_row([float(checked)], self.device), halves])
+        self._step = step
+        self.turn += 1
+
+    def _judge(self, rows: Sequence[Sequence[float]]) -> Verdict | None:
+        step, world = self._step, len(rows)
+        if step is None or not any(r[0] for r in rows):
+            return None
+        prints = [tuple(r[2:6]) for r in rows]
+        votes = collections.Counter(prints)
+        top, n = votes.most_common(1)[0]
+        if n == world:
+            return Verdict("oracle", True, rows=lambda: [Event(step, "oracle", NO_RANK, "pass")])
+        named = sorted(r for r in range(world) if prints[r] != top) if 2 * n > world else []
+        differ = sorted(set(range(world)) - {r for r in range(world) if prints[r] == top}) if named else list(range(world))
+        detail = (f"the replicas' updates of the same slice of step {step}'s optimizer update, from the same inputs, "
+                  "differ" + (f"; a strict majority names rank(s) {named}" if named else "; no strict majority"))
+        return Verdict("oracle", False, named, detail, max(0, step - self.slices + 1),
+                       lambda: [Event(step, "oracle", r, "fail") for r in differ])
+
+    def reset(self) -> None:
+        self._pending_lanes = self._step = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -127,8 +127,13 @@ class Communicator:
         """Send the 1-D ``t`` to the rank ``by`` places after this one in the group and receive ``incoming``
         elements of its dtype from the rank ``by`` places before (a ring, point to point: each rank moves only
         its own piece, not the world's, as an all-gather would). A shift by a multiple of the world is ``t``."""
+        return self.shift_start(t, incoming, by=by)()
+
+    def shift_start(self, t: torch.Tensor, incoming: int, *, by: int = 1) -> Callable[[], torch.Tensor]:
+        """:meth:`shift`, started: the transfer runs while the caller goes on; the returned function waits for it
+        and gives what was received. Every rank must start it, and wait before its next shift."""
         if not self.active or by % self.world == 0:
-            return t
+            return lambda: t
         dev = self.comm_device
 
         def member(r: int) -> int:  # the rank in the default group, which point-to-point ops address
@@ -136,11 +141,16 @@ class Communicator:
 
         out = torch.empty(max(incoming, 1), dtype=t.dtype, device=dev)  # gloo sends no empty tensor
         sent = t.to(dev).contiguous() if t.numel() else torch.zeros(1, dtype=t.dtype, device=dev)
-        ops = [dist.P2POp(dist.isend, sent, member((self.rank + by) % self.world), self.group),
-               dist.P2POp(dist.irecv, out, member((self.rank - by) % self.world), self.group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        return out[:incoming].to(t.device)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, member((self.rank + by) % self.world), self.group),
+                                        dist.P2POp(dist.irecv, out, member((self.rank - by) % self.world), self.group)])
+
+        def wait() -> torch.Tensor:
+            for work in works:
+                work.wait()
+            assert sent.numel()  # the send buffer is referenced here, so it lives until the send completed
+            return out[:incoming].to(t.device)
+
+        return wait
 
     # -------------------------------------------------------------- bytes
     def gather_bytes(self, data: bytes) -> list[bytes]:

@@ -31,7 +31,7 @@ import dataclasses
 import json
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +40,6 @@ from ..comm import Communicator
 from ..dtensors import local
 from ..history import NO_RANK, Event
 from ..lanes import lanes_on
-from .consensus import combined
 from .stats import Verdict, host_row
 
 __all__ = ["CARRY", "ELEMENTWISE", "UpdateOracle", "elementwise_optimizer", "elementwise_state", "piece"]
@@ -113,6 +112,7 @@ class UpdateOracle:
         self._theirs: dict[int, dict[str, Any]] = {}  # each rank's structure, as last exchanged
         self._digests: list[int] = []
         self._sizes: list[int] = []  # each rank's payload bytes at this step's update
+        self._incoming: tuple[Callable[[], torch.Tensor], _Sent] | None = None  # the transfer under way
         # Whether the optimizer's own step ran: a wrapper may skip it (a gradient scaler that found an Inf), and a
         # slice of an update that never happened must not be recomputed as one.
         self._ran = False
@@ -167,8 +167,9 @@ class UpdateOracle:
         self._structure = {"items": described, "groups": groups, "hyper": len(hyper)}
 
     def carry(self) -> torch.Tensor:
-        """``float64[4]`` for this step's gathered row: the verdict on the previous rank's last update (elements
+        """``float64[6]`` for this step's gathered row: the verdict on the previous rank's last update (elements
         checked, mismatches), this rank's structure digest and the bytes it will ship after this update."""
+        self._finish()
         self._plan()
         digest = zlib.crc32(json.dumps(self._structure, sort_keys=True).encode())
         size = _payload_bytes(self._structure, self.slices, self.turn)
@@ -193,7 +194,20 @@ class UpdateOracle:
 
     def settle(self) -> Verdict | None:
         """Collective, at a save: the verdict on the last update's recomputations now, not at the next step."""
+        self._finish()
         return self._judge(self.comm.all_gather_rows(self._pending()).tolist())
+
+    def _finish(self) -> None:
+        """The previous rank's slice, sent after the last update while this rank went on (its forward and
+        backward hide the transfer): received now, and recomputed."""
+        if self._incoming is not None:
+            wait, sent = self._incoming
+            self._incoming = None
+            owner = (self.comm.rank - 1) % self.comm.world
+            structure = sent.structures.get(owner)
+            got = wait()
+            self._flag = torch.zeros(2, dtype=torch.float64, device=self.device) if structure is None else \
+                _recompute(self.optimizer, structure, got.to(self.device), self.slices, sent.turn)
 
     def _stepped(self, *_: Any) -> None:
         self._ran = True
@@ -213,22 +227,24 @@ class UpdateOracle:
     def after_update(self, step: int) -> None:
         """Ship the slice (inputs, hyperparameters, lanes of what the update wrote) to the next rank, and
         recompute the previous rank's: the mismatch is carried in the next step's row."""
-        outs, raw = [], []
+        afters, raw = [], []
         for (_, p, (lo, hi)), described in zip(self._items, self._structure["items"], strict=True):
             lp = local(p)
             state = self.optimizer.state.get(p, {})
             after = [lp.detach().reshape(-1)[lo:hi]]
             after += [local(v).reshape(-1)[lo:hi] if elementwise_state(v, lp) else local(v)
                       for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
-            outs.append(combined(lanes_on(after, self.device)))
+            afters.append(after)
             if described[6]:  # fused: what was written, for a comparison within rounding (the entries shipped in)
                 raw += [after[0]] + [local(state[k]).reshape(-1)[lo:hi] if kind == "e" else local(state[k])
                                      for k, kind, *_ in described[4]]
+        outs = list(item_lanes(afters, self.device))
         payload = _pack([t for parts in self._inputs for t in parts] + [t.detach() for t in raw],
                         [*self._hyper, float(self._ran)], outs, self.device)
         self._sent = _Sent(payload, step, self.turn, list(self._sizes), dict(self._theirs))
         self._inputs = []
-        self._flag = self._witness(self._sent, 1)
+        owner = (self.comm.rank - 1) % self.comm.world
+        self._incoming = (self.comm.shift_start(payload, self._sizes[owner], by=1), self._sent)
         self.turn += 1
 
     def _witness(self, sent: _Sent, back: int) -> torch.Tensor:
@@ -270,8 +286,11 @@ class UpdateOracle:
         return Verdict("oracle", False, sorted(named), detail, first_suspect, rows(differ))
 
     def reset(self) -> None:
-        """State was restored: nothing shipped before is evidence."""
-        self._flag = self._sent = None
+        """State was restored: nothing shipped before is evidence (a transfer under way is waited for and dropped:
+        every rank started it, and the next must not meet it)."""
+        if self._incoming is not None:
+            self._incoming[0]()
+        self._flag = self._sent = self._incoming = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,6 +302,18 @@ class _Sent:
     turn: int
     sizes: list[int]  # every rank's payload bytes at that update
     structures: dict[int, dict[str, Any]]  # every rank's structure at that update
+
+
+def item_lanes(items: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """``int64[len(items), 2]``: each item's tensors folded as ``consensus.combined`` folds them, from one
+    fingerprint pass over all of them (a pass per item cost most of the oracle's time on a model of many layers)."""
+    flat = [t for item in items for t in item]
+    if not flat:
+        return torch.zeros(len(items), 2, dtype=torch.int64, device=device)
+    lanes = lanes_on(flat, device)
+    owner = torch.tensor([i for i, item in enumerate(items) for _ in item], dtype=torch.int64, device=device)
+    weight = torch.tensor([2 * j + 1 for item in items for j in range(len(item))], dtype=torch.int64, device=device)
+    return torch.zeros(len(items), 2, dtype=torch.int64, device=device).index_add_(0, owner, lanes * weight[:, None])
 
 
 def elementwise_state(v: torch.Tensor, lp: torch.Tensor) -> bool:
@@ -362,10 +393,14 @@ def _recompute(optimizer: torch.optim.Optimizer, structure: dict[str, Any], got:
     type(optimizer).step(shadow)  # the class's step: an instance's may be a scheduler's wrapper of the original
     mismatch = torch.zeros((), dtype=torch.bool, device=got.device)
     # The groups' parameters in item order: items of one group are contiguous, as the sender listed them.
-    for t, lanes, fused in zip([t for ps in params for t in ps], reported, written, strict=True):
+    shadows = [t for ps in params for t in ps]
+    exact = [i for i, fused in enumerate(written) if fused is None]
+    if exact:  # one pass for every bitwise item's outputs
+        mine = item_lanes([[shadows[i].detach()] + [v for _, v in sorted(shadow.state[shadows[i]].items())
+                                                    if isinstance(v, torch.Tensor)] for i in exact], got.device)
+        mismatch = mismatch | (mine != torch.stack([reported[i] for i in exact])).any()
+    for t, fused in zip(shadows, written, strict=True):
         if fused is None:
-            after = [t.detach()] + [v for _, v in sorted(shadow.state[t].items()) if isinstance(v, torch.Tensor)]
-            mismatch = mismatch | (combined(lanes_on(after, got.device)) != lanes).any()
             continue
         outs, before, keys = fused
         mine = [t.detach()] + [shadow.state[t][k] for k in keys]

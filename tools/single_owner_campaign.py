@@ -122,17 +122,17 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     shape = (4,) if args.mesh == "1x4" else (2, 2)
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        results["clean"] = run(rank, shape, f"{tmp}/clean", args.steps, 0.1, None)
-        for kind in ("weight", "exp_avg", "update"):
-            trials = []
-            for t in range(args.trials):
-                rnd = random.Random(f"{kind}-{t}")
-                fault = {"kind": kind, "owner": rnd.randrange(world), "param": rnd.randrange(8),
-                         "elem": rnd.randrange(1 << 16), "bit": rnd.randrange(20, 31), "step": rnd.randrange(2, 8)}
-                got = run(rank, shape, f"{tmp}/{kind}-{t}", fault["step"] + WINDOW, 0.1, fault)
-                trials.append({"fault": fault, **got})
-            results[kind] = trials
+    tmp = os.path.dirname(out)  # every rank's runs in one folder (the job's)
+    results["clean"] = run(rank, shape, f"{tmp}/clean", args.steps, 0.1, None)
+    for kind in ("weight", "exp_avg", "update"):
+        trials = []
+        for t in range(args.trials):
+            rnd = random.Random(f"{kind}-{t}")
+            fault = {"kind": kind, "owner": rnd.randrange(world), "param": rnd.randrange(8),
+                     "elem": rnd.randrange(1 << 16), "bit": rnd.randrange(20, 31), "step": rnd.randrange(2, 8)}
+            got = run(rank, shape, f"{tmp}/{kind}-{t}", fault["step"] + WINDOW, 0.1, fault)
+            trials.append({"fault": fault, **got})
+        results[kind] = trials
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -7,8 +7,8 @@ interleaved one by one, each behind a barrier, so drift and scheduler noise hit 
 are medians of per-step ratios against plain. The chain's own share is two exact-fingerprint passes over the
 rank's local state, timed beside it.
 
-    .venv/bin/python tools/bench/bench_single_owner.py --mesh 1x4 --steps 40
-    .venv/bin/python tools/bench/bench_single_owner.py --mesh 2x2 --steps 40
+    .venv/bin/python tools/bench/bench_single_owner.py --mesh 1x4 --steps 30
+    .venv/bin/python tools/bench/bench_single_owner.py --mesh 2x2 --steps 14 --warmup 3
 """
 
 from __future__ import annotations
@@ -103,11 +103,11 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     rows = [torch.tensor([statistics.median(a / b for a, b in zip(times[k], times["plain"], strict=True)) for k in variants]
                          + [statistics.median(c / p for c, p in zip(chain, times["plain"], strict=True))],
                          dtype=torch.float64)]
+    params = sum(p.numel() for p in runs["plain"][0].parameters())  # a DTensor's numel is its global one
     gathered = [torch.zeros_like(rows[0]) for _ in range(world)]
     dist.all_gather(gathered, rows[0])
     if rank == 0:
         worst = torch.stack(gathered).max(0).values.tolist()
-        params = sum(p.numel() for p in build(shape, args.width, args.depth).parameters())
         with open(out, "w") as f:
             json.dump({"mesh": args.mesh, "params": params, "plain_step_s": statistics.median(times["plain"]),
                        "median_ratio": dict(zip(variants, worst[:-1], strict=True)), "chain_share": worst[-1]}, f)

@@ -403,8 +403,8 @@ def _recompute(optimizer: torch.optim.Optimizer, structure: dict[str, Any], got:
         if fused is None:
             continue
         outs, before, keys = fused
-        mine = [t.detach()] + [shadow.state[t][k] for k in keys]
-        for theirs, ours, was in zip(outs, mine, before, strict=True):
+        ours_all = [t.detach()] + [shadow.state[t][k] for k in keys]
+        for theirs, ours, was in zip(outs, ours_all, before, strict=True):
             mismatch = mismatch | ~_within_rounding(theirs, ours.to(theirs.device), was.to(theirs.device))
     checked = float(sum(piece(numel, slices, turn)[1] - piece(numel, slices, turn)[0]
                         for _, numel, *_ in structure["items"]))

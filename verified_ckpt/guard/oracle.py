@@ -48,7 +48,7 @@ __all__ = ["CARRY", "ELEMENTWISE", "UpdateOracle", "elementwise_optimizer", "ele
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
     torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop, torch.optim.ASGD)
-CARRY = 6  # the values each rank's gathered row carries for the oracle (``UpdateOracle.carry``, ``replicas``)
+CARRY = 10  # the values each rank's gathered row carries for the oracle (``UpdateOracle.carry``, ``replicas``)
 
 
 def elementwise_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -173,7 +173,7 @@ class UpdateOracle:
         self._plan()
         digest = zlib.crc32(json.dumps(self._structure, sort_keys=True).encode())
         size = _payload_bytes(self._structure, self.slices, self.turn)
-        return torch.cat([self._pending(), host_row([float(digest), float(size), 0.0, 0.0], self.device)])
+        return torch.cat([self._pending(), host_row([float(digest), float(size)] + [0.0] * 6, self.device)])
 
     def _pending(self) -> torch.Tensor:
         flag = self._flag if self._flag is not None else torch.zeros(2, dtype=torch.float64, device=self.device)

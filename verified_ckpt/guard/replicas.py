@@ -37,10 +37,12 @@ class ReplicaOracle:
         self.optimizer, self.comm, self.slices, self.device = optimizer, comm, slices, device
         self.turn = 0
         self._pending_lanes: torch.Tensor | None = None  # float64[5]: elements, then the slice's lanes in halves
+        self._inputs: torch.Tensor | None = None  # float64[4]: the slice's inputs' lanes in halves
         self._step: int | None = None
+        self.diverged = False  # the last verdict found the replicas' inputs already apart: a consensus decides
 
     def carry(self) -> torch.Tensor:
-        got = self._pending_lanes if self._pending_lanes is not None else torch.zeros(5, dtype=torch.float64,
+        got = self._pending_lanes if self._pending_lanes is not None else torch.zeros(9, dtype=torch.float64,
                                                                                        device=self.device)
         self._pending_lanes = None
         return torch.cat([got[:1], torch.zeros(1, dtype=torch.float64, device=self.device), got[1:]])
@@ -52,9 +54,12 @@ class ReplicaOracle:
         return self._judge(self.comm.all_gather_rows(self.carry()).tolist())
 
     def before_update(self) -> None:
-        """Nothing: every replica's inputs are the same bytes (the consensus checks that they stay so)."""
+        """The slice's inputs, fingerprinted: replicas whose inputs already differ (a change at rest, an earlier
+        wrong update) are a consensus's to judge, with the evidence it has (majority, witness, NaN/Inf)."""
+        self._inputs = self._lanes(before=True)
 
-    def after_update(self, step: int) -> None:
+    def _lanes(self, before: bool) -> torch.Tensor:
+        """``float64[5]``: the elements in this turn's slice, and its lanes (parameters, their state) in halves."""
         after: list[torch.Tensor] = []
         checked = 0
         for group in self.optimizer.param_groups:
@@ -69,7 +74,12 @@ class ReplicaOracle:
         lanes = combined(lanes_on(after, self.device)) if after else torch.zeros(2, dtype=torch.int64,
                                                                                  device=self.device)
         halves = torch.stack([lanes >> 32, lanes & 0xFFFFFFFF], 1).reshape(-1).to(torch.float64)  # exact in float64
-        self._pending_lanes = torch.cat([host_row([float(checked)], self.device), halves])
+        return torch.cat([host_row([float(checked)], self.device), halves])
+
+    def after_update(self, step: int) -> None:
+        inputs = self._inputs if self._inputs is not None else torch.zeros(5, dtype=torch.float64, device=self.device)
+        self._pending_lanes = torch.cat([self._lanes(before=False), inputs[1:]])
+        self._inputs = None
         self._step = step
         self.turn += 1
 
@@ -77,6 +87,9 @@ class ReplicaOracle:
         step, world = self._step, len(rows)
         if step is None or not any(r[0] for r in rows):
             return None
+        self.diverged = len({tuple(r[6:10]) for r in rows}) > 1
+        if self.diverged:
+            return None  # the inputs already differed: not this update's fault; a consensus now decides who
         prints = [tuple(r[2:6]) for r in rows]
         votes = collections.Counter(prints)
         top, n = votes.most_common(1)[0]
@@ -90,4 +103,4 @@ class ReplicaOracle:
                        lambda: [Event(step, "oracle", r, "fail") for r in differ])
 
     def reset(self) -> None:
-        self._pending_lanes = self._step = None
+        self._pending_lanes = self._inputs = self._step = None

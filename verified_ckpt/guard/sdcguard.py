@@ -258,7 +258,8 @@ class SDCGuard(Bookkeeping):
             if self.oracle is not None:
                 self.oracle.after_update(s)
             self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
-            if self.sched.plan.consensus and self.world >= 2:
+            diverged = isinstance(self.oracle, ReplicaOracle) and self.oracle.diverged
+            if (self.sched.plan.consensus or diverged) and self.world >= 2:
                 t0 = time.perf_counter()
                 self.layout.consensus(s)
                 self.sched.watch.consensus = time.perf_counter() - t0

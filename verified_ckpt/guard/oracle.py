@@ -112,6 +112,7 @@ class UpdateOracle:
         self._theirs: dict[int, dict[str, Any]] = {}  # each rank's structure, as last exchanged
         self._digests: list[int] = []
         self._sizes: list[int] = []  # each rank's payload bytes at this step's update
+        self.diverged = False  # never: its recompute starts from the owner's own inputs (``replicas`` can be)
         self._incoming: tuple[Callable[[], torch.Tensor], _Sent] | None = None  # the transfer under way
         # Whether the optimizer's own step ran: a wrapper may skip it (a gradient scaler that found an Inf), and a
         # slice of an update that never happened must not be recomputed as one.

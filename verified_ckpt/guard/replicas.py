@@ -56,9 +56,9 @@ class ReplicaOracle:
     def before_update(self) -> None:
         """The slice's inputs, fingerprinted: replicas whose inputs already differ (a change at rest, an earlier
         wrong update) are a consensus's to judge, with the evidence it has (majority, witness, NaN/Inf)."""
-        self._inputs = self._lanes(before=True)
+        self._inputs = self._lanes()
 
-    def _lanes(self, before: bool) -> torch.Tensor:
+    def _lanes(self) -> torch.Tensor:
         """``float64[5]``: the elements in this turn's slice, and its lanes (parameters, their state) in halves."""
         after: list[torch.Tensor] = []
         checked = 0
@@ -78,7 +78,7 @@ class ReplicaOracle:
 
     def after_update(self, step: int) -> None:
         inputs = self._inputs if self._inputs is not None else torch.zeros(5, dtype=torch.float64, device=self.device)
-        self._pending_lanes = torch.cat([self._lanes(before=False), inputs[1:]])
+        self._pending_lanes = torch.cat([self._lanes(), inputs[1:]])
         self._inputs = None
         self._step = step
         self.turn += 1

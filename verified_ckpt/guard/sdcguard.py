@@ -258,7 +258,7 @@ class SDCGuard(Bookkeeping):
             if self.oracle is not None:
                 self.oracle.after_update(s)
             self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
-            diverged = isinstance(self.oracle, ReplicaOracle) and self.oracle.diverged
+            diverged = self.oracle is not None and self.oracle.diverged
             if (self.sched.plan.consensus or diverged) and self.world >= 2:
                 t0 = time.perf_counter()
                 self.layout.consensus(s)

@@ -10,7 +10,8 @@ define, at the default ``GuardConfig()``:
 - a fault in a piece held once, injected by the test's own hooks on one rank (the owner), is caught within
   ``WINDOW`` steps on every rank together, naming the owner alone: a weight shard or an ``exp_avg`` shard
   changed between steps (the chain: state changed between its update and its next use), one element of the
-  optimizer's update made 10x (a peer recomputing a slice of the owner's update: the oracle);
+  optimizer's update made 10x (a peer recomputing a slice of the owner's update: the oracle); one element of the
+  owner's local gradient of a sharded Linear made 10x, as its backward computes it (ABFT, at the step);
 - after the catch, ``resume()`` rolls back to the checkpoint saved before the fault and the job ends bitwise
   equal to the clean run;
 - and under DDP (3 ranks), a persistent wrong update on one rank is named within ``WINDOW`` steps, not at a
@@ -48,8 +49,10 @@ OWNER = 2  # the rank whose single-owner state the fault hits
 ELEM = 3  # the element of the owner's local shard it hits
 BIT = 29  # the second-highest exponent bit: set for every |x| in [2^-63, 2); flipped, x shrinks 2^64-fold
 INIT_SEED, FRESH_SEED = 0, 7  # the job's init; a resumed job's objects start from another one
-FAULTS = ("weight", "exp_avg", "update")
-KINDS = {"chain", "oracle"}  # chain: state changed at rest between steps; oracle: a peer recomputed the update
+FAULTS = ("weight", "exp_avg", "update", "grad")
+# chain: state changed at rest between steps; oracle: a peer recomputed the update; abft: a gradient did not match
+# the checksums of the GEMM that computed it
+KINDS = {"weight": {"chain"}, "exp_avg": {"chain"}, "update": {"oracle"}, "grad": {"abft"}}
 MESHES = {"1x4": (4,), "2x2": (2, 2)}
 
 
@@ -73,6 +76,8 @@ class Job:
             # one-off wrong element is seen at its step with probability 1/8 (tests/test_oracle.py), a persistent
             # one within the rotation.
             wrong_update_hooks(self.opt, self.target(2), lambda: rank == OWNER and self.step >= FAULT_AT)
+        if fault == "grad":  # one element of the owner's local gradient of a sharded Linear, 10x, at one step
+            wrong_gradient_hook(self.model[2], lambda: rank == OWNER and self.step == FAULT_AT)
         self.guard = SDCGuard(self.model, self.opt, loss_fn, GuardConfig())
         self.mgr = CheckpointManager(run, guard=self.guard)
         self.state = {"model": self.model, "optim": self.opt}
@@ -157,6 +162,22 @@ def wrong_update_hooks(opt: torch.optim.Optimizer, p: torch.Tensor, when: Any) -
 
     opt.register_step_pre_hook(pre)
     opt.register_step_post_hook(post)
+
+
+def wrong_gradient_hook(layer: torch.nn.Module, when: Any) -> None:
+    """While ``when()``: element ``ELEM`` of this rank's gradient of ``layer``'s weight, as its backward computes it
+    (the whole, all-gathered weight under FSDP2; this rank's slice under tensor parallel), is 10x: a hook on the
+    tensor the forward uses, before FSDP reduce-scatters the gradient."""
+    def wrong(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        local(g).view(-1)[ELEM] *= 10
+        return g
+
+    def pre(mod: torch.nn.Module, args: Any) -> None:
+        if when() and torch.is_grad_enabled():
+            handle = mod.weight.register_hook(lambda g: (handle.remove(), wrong(g))[1])
+
+    layer.register_forward_pre_hook(pre)
 
 
 def shards(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:
@@ -270,12 +291,15 @@ def test_a_fault_in_state_held_once_is_caught_soon_naming_the_owner_on_every_ran
         f"{where}: not caught within {WINDOW} steps (steps {FAULT_AT}..{FAULT_AT + WINDOW}; saves {got[0].get('statuses')})"
     first = got[0]["caught"]
     assert all(r["caught"] == first for r in got), f"{where}: the ranks disagree: {[r['caught'] for r in got]}"
-    assert first["step"] >= FAULT_AT + (fault != "update"), (where, "a catch before the fault is a false alarm", first)
+    at_rest = fault in ("weight", "exp_avg")  # injected after step FAULT_AT's update: seen from the next step
+    assert first["step"] >= FAULT_AT + at_rest, (where, "a catch before the fault is a false alarm", first)
     assert first["step"] - FAULT_AT <= WINDOW, (where, first)  # the latency, in steps
     assert first["ranks"] == [OWNER], (where, first)
-    assert first["kind"] in KINDS, (where, first)
+    assert first["kind"] in KINDS[fault], (where, first)
+    if fault == "grad":  # the target: at its step, before the update
+        assert first["step"] == first["detected"] == FAULT_AT, (where, first)
     # The incident's interval covers the fault: nothing from the fault on is left restorable.
-    assert first["first_suspect"] <= FAULT_AT + (fault != "update"), (where, first)
+    assert first["first_suspect"] <= FAULT_AT + at_rest, (where, first)
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -333,7 +357,7 @@ def test_ddp_a_persistent_wrong_update_on_one_rank_is_named_within_the_window():
     assert got[0] is not None, f"not caught within {WINDOW} steps of step {DDP_FROM}"
     assert all(r == got[0] for r in got), got
     assert got[0]["ranks"] == [DDP_RANK], got[0]
-    assert got[0]["kind"] in KINDS | {"consensus"}, got[0]  # the oracle, or the consensus it asks for when the inputs of its slice already differ
+    assert got[0]["kind"] in {"oracle", "consensus"}, got[0]  # the oracle, or the consensus it asks for when the inputs of its slice already differ
     assert 0 <= got[0]["step"] - DDP_FROM <= WINDOW, got[0]
 
 

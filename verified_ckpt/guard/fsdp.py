@@ -23,6 +23,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..errors import GuardUsageError
 from ..history import NO_RANK, Event
+from .abft import GradientChecks
+from .abft import judge as judge_abft
+from .abft.sharded import ShardedGradientChecks
 from .audit import exchange_batches
 from .boxes import box_keys, box_rows, boxes_of, local_params
 from .budget import Costs
@@ -38,9 +41,9 @@ from .sharded import (
     state_row,
 )
 from .stats import StepFigures, Verdict, host_row, step_rows
+from .stats import worst as worst_pair
 
 if TYPE_CHECKING:
-    from .abft import GradientChecks
     from .capture import Capture
     from .sdcguard import SDCGuard
 
@@ -85,7 +88,7 @@ class ShardedLayout:
     runs_schedule = False
     replays = False
     module_of = staticmethod(lambda model: model)  # FSDP's hooks live on the model itself
-    abft: GradientChecks | None = None  # ABFT is DDP-only for now (docs/GUARD.md)
+    gradient_checks = True  # ABFT on each rank's local computation (``abft/sharded.py``); not yet per pipeline stage
 
     def __init__(self, g: SDCGuard) -> None:
         self.g = g
@@ -101,6 +104,11 @@ class ShardedLayout:
             raise GuardUsageError(f"the model's mesh has {self.view.size} ranks, the guard's process group "
                                   f"{g.world}; give the guard the group the mesh spans")
         self._eps = 0.0
+        cfg = g.cfg
+        self.checks = ShardedGradientChecks(g.module, g.params, cfg.seed, cfg.abft_slack, exclude=cfg.abft_exclude,
+                                            watch=g.watch, forward=cfg.abft_forward) \
+            if cfg.abft and self.gradient_checks else None
+        self.abft: GradientChecks | None = self.checks  # what the guard schedules and pauses
         self.rs_tap = ShardedTap(g.project, self._reduce_scatter, two_d=self.view.replicas > 1, inject=self._inject,
                                  watch=g.watch)
         for m in g.model.modules():
@@ -156,6 +164,8 @@ class ShardedLayout:
         accumulate unsharded gradients."""
         for root in self.roots:
             root.set_requires_gradient_sync(sync)
+        if self.checks is not None:
+            self.checks.start_backward()
 
     def after_backward(self, sync: bool) -> None:
         """Nothing: FSDP's own collectives have run through the tap."""
@@ -164,10 +174,12 @@ class ShardedLayout:
         """Nothing: FSDP's reduction order does not depend on a first iteration, unlike DDP's buckets."""
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+        return self.abft.pausing() if self.abft is not None else contextlib.nullcontext()
 
     def reset(self) -> None:
         self.rs_tap.reset()
+        if self.abft is not None:
+            self.abft.reset()
 
     def prepare_resume(self) -> None:
         """Nothing to rebuild (``first_forward``)."""
@@ -181,18 +193,37 @@ class ShardedLayout:
             raise GuardUsageError("no gradient was reduce-scattered this step; the last backward() of a step must "
                                   "have sync=True")
         loss = torch.stack(g._losses).sum().view(1)
-        rows = self._gather(s, torch.cat([*self.rs_tap.rows, loss]), carry, on_carried)
+        rows = self._gather(s, torch.cat([*self.rs_tap.rows, self._abft_worst(), loss]), carry, on_carried)
+        worst = [(r[-3], int(r[-2])) for r in rows]  # ABFT's worst (ratio, index), before the loss
+        rows = [r[:-3] + r[-1:] for r in rows]
         # A data-parallel mesh of one rank (tensor parallel only) reduces nothing: there is nothing to judge, and
         # no pass is claimed.
         judged = judge_step(s, [r[:-1] for r in rows], self.view, self.rs_tap.modes, g.project.k, self._eps or 2.0**-24,
                             cfg.checksum_slack, g.project.rms_weight) if self.rs_tap.rows else []
         calls, shards, k = len(self.rs_tap.modes), self.view.shards, g.project.k
-        self._judge_step(s, judged, lambda: rank_steps(rows, calls, shards, k))
+
+        def steps() -> Sequence[StepFigures]:
+            return rank_steps(rows, calls, shards, k)
+
+        if self.abft is not None:
+            abft = judge_abft(worst, self.abft.name_of, lambda bad: step_rows(s, steps(), bad, cfg.ledger_rank_rows)
+                              + [Event(s, "abft", r, "fail") for r in bad])
+            judged = [*judged, *([abft] if abft is not None else [])]
+        self._judge_step(s, judged, steps)
         if g.audits_enabled and (g._audit_requested or g.sched.plan.audit):
             t0 = time.perf_counter()
             g._audit_requested = False
             self._audit(s, list(zip(g._batches, g._rng, strict=True)), rows)
             g.sched.watch.audit = time.perf_counter() - t0
+
+    def _abft_worst(self) -> torch.Tensor:
+        """float64[2]: this step's worst ABFT (ratio, index) over the weight and input gradients this rank checked
+        (``[-1, -1]``: none)."""
+        checks = self.checks
+        got = [t for t in (checks.step_worst(), checks.inputs_worst()) if t is not None] if checks is not None else []
+        if not got:
+            return torch.tensor([-1.0, -1.0], dtype=torch.float64, device=self.g.device)
+        return got[0].to(torch.float64) if len(got) == 1 else worst_pair(torch.stack(got))
 
     def _gather(self, s: int, row: torch.Tensor, carry: torch.Tensor,
                 on_carried: Callable[[list[list[float]]], None]) -> list[list[float]]:
@@ -213,7 +244,8 @@ class ShardedLayout:
         """Judge the per-step verdicts whose checks the config has on, then the step's ledger rows (``steps()``, built
         only when a ledger listens)."""
         g, cfg = self.g, self.g.cfg
-        verdicts = [v for v in judged if (cfg.check_checksum if v.kind == "checksum" else cfg.check_nonfinite)]
+        verdicts = [v for v in judged if v.kind == "abft"
+                    or (cfg.check_checksum if v.kind == "checksum" else cfg.check_nonfinite)]
         for v in verdicts:
             g.judge.judge(s, v)
         g.judge.emit(lambda: step_rows(s, steps(), [], cfg.ledger_rank_rows)
@@ -321,6 +353,8 @@ class ShardedLayout:
         kept = (self.rs_tap.rows, self.rs_tap.modes)
         self.rs_tap.reset()
         self.rs_tap.auditing = True
+        pausing = contextlib.ExitStack()
+        pausing.enter_context(self.paused())  # ABFT: a recomputation is not this step's gradients
         try:
             with torch.random.fork_rng(devices=[g.device] if g.device.type == "cuda" else []):
                 for p in g.params:
@@ -337,6 +371,7 @@ class ShardedLayout:
                     total += loss.detach().to(torch.float64)
                 row = torch.cat([*self.rs_tap.rows, total.view(1)])
         finally:
+            pausing.close()
             self.rs_tap.auditing = False
             self.rs_tap.rows, self.rs_tap.modes = kept
             for p, grad in zip(g.params, grads, strict=True):

@@ -103,6 +103,7 @@ class PipelineLayout(ShardedLayout):
 
     kind = "pipeline"
     runs_schedule = True
+    gradient_checks = False  # the schedule runs each microbatch's backward, where ABFT's per-backward records are not
 
     def __init__(self, g: SDCGuard, schedule: Any) -> None:
         self.schedule, self.stage = schedule, stage_of(schedule)

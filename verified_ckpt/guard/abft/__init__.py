@@ -34,7 +34,7 @@ Not covered: attention's matmuls, elementwise and normalisation layers, convolut
 another module type. Coverage is reported at the first step as a share of parameters and of backward FLOPs.
 """
 
-from .checks import GradientChecks, check
+from .checks import GradientChecks, check, judge
 from .layers import OUTSIDE, Coverage, layer_kind
 
-__all__ = ["OUTSIDE", "Coverage", "GradientChecks", "check", "layer_kind"]
+__all__ = ["OUTSIDE", "Coverage", "GradientChecks", "check", "judge", "layer_kind"]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from ...history import Event
 from ..budget import Stopwatch
 from ..stats import StepStats, Verdict, failed_rows
 from . import forward as fwd
@@ -20,7 +21,7 @@ from .layers import COMPILED, OUTSIDE, Coverage, InputCheck, InputTap, Layer, gr
 from .norms import norm_kind
 from .sums import EPS32, RMS, Covered, matmul_eps, rgs, row_norms, signed_weights, unit_roundoff, worst_ratio
 
-__all__ = ["GradientChecks", "check"]
+__all__ = ["GradientChecks", "check", "judge"]
 
 
 class GradientChecks:
@@ -217,7 +218,7 @@ class GradientChecks:
         check = self._open[id(mod)] = InputCheck(layer)
         if layer.tag != self._tag:
             with torch.no_grad():
-                w = layer.weight.detach().float()
+                w = (layer.weight if layer.live is None else layer.live).detach().float()
                 layer.ws = torch.mv(w.T, layer.s) if layer.kind == "Conv1D" else torch.mv(w, layer.s)
                 layer.wnorm = row_norms(w.reshape(1, -1)).view(())  # float32, as the products it bounds
             if self.forward:
@@ -375,11 +376,18 @@ def check(step: int, gathered: Sequence[StepStats], name_of: Callable[[int], str
 
     ``None`` when no rank had a covered gradient this step (nothing was checked).
     """
-    if all(x.abft_ratio < 0 for x in gathered):
+    return judge([(x.abft_ratio, x.abft_index) for x in gathered], name_of,
+                 lambda bad: failed_rows(step, gathered, "abft", bad, rank_rows))
+
+
+def judge(worst: Sequence[tuple[float, int]], name_of: Callable[[int], str],
+          rows: Callable[[list[int]], list[Event]]) -> Verdict | None:
+    """:func:`check` from every rank's worst (ratio, index) pair; ``rows(bad)`` builds the ledger rows of a failure."""
+    if all(ratio < 0 for ratio, _ in worst):
         return None
-    bad = [r for r, x in enumerate(gathered) if x.abft_ratio > 1.0]
+    bad = [r for r, (ratio, _) in enumerate(worst) if ratio > 1.0]
     if not bad:
-        return Verdict("abft", True, margin=max(x.abft_ratio for x in gathered))
-    detail = "; ".join(f"rank {r}: {name_of(gathered[r].abft_index)} does not match its ABFT checksum "
-                       f"({gathered[r].abft_ratio:.3g} x the rounding bound)" for r in bad)
-    return Verdict("abft", False, bad, detail, rows=lambda: failed_rows(step, gathered, "abft", bad, rank_rows))
+        return Verdict("abft", True, margin=max(ratio for ratio, _ in worst))
+    detail = "; ".join(f"rank {r}: {name_of(worst[r][1])} does not match its ABFT checksum "
+                       f"({worst[r][0]:.3g} x the rounding bound)" for r in bad)
+    return Verdict("abft", False, bad, detail, rows=lambda: rows(bad))

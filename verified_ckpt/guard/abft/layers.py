@@ -47,6 +47,10 @@ class Layer:
     weight: torch.Tensor
     bias: torch.Tensor | None
     features: tuple[int, int]  # (out, in)
+    # The weight as the forward uses it, where that is not ``weight``: FSDP2 swaps in the all-gathered (unsharded)
+    # parameter for the forward, and tensor parallel computes with its local slice (``abft/sharded.py``).
+    live: torch.Tensor | None = None
+    tp: bool = False  # a tensor-parallel slice: its weight gradient is checked, nothing else (``abft/sharded.py``)
     r: torch.Tensor | None = None  # over the output features
     s: torch.Tensor | None = None  # over the input features
     # Per step (weights do not change within one): W contracted with s over its input features, and ‖W‖_F.

@@ -1,0 +1,157 @@
+"""ABFT on sharded compute: FSDP2's all-gathered layers, and tensor parallel's local GEMMs.
+
+Under FSDP2 a layer's forward and backward run on the all-gathered (unsharded) parameter FSDP swaps into the
+module for the forward; its gradient exists whole only until FSDP's post-backward reduce-scatters it, after which
+each rank holds an average of every rank's contributions to its shard. So the check moves from DDP's bucket to
+that moment: a hook on the unsharded parameter's gradient accumulation (which autograd runs before the module's
+post-backward) compares the local gradient this rank computed with the checksums its forward and backward
+hooks recorded, exactly as the DDP bucket check does (``checks.py``).
+
+Under tensor parallel a ``ColwiseParallel``/``RowwiseParallel`` Linear computes a local GEMM on its slice of the
+weight: ``dW_local = dY_localᵀ X`` (colwise, ``X`` replicated) or ``dYᵀ X_local`` (rowwise, ``dY`` replicated),
+checked the same way with vectors over the local slice. Not checked there, and reported as left out: a TP
+layer's bias (DTensor adds it across the TP reduction), the input gradient of a TP layer (colwise's is a partial
+sum that tensor parallel's own all-reduce completes, a reduction these hooks cannot observe), its forward
+output, and an embedding or a normalisation layer whose weight tensor parallel shards.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ...dtensors import local
+from ..stats import worst
+from .checks import GradientChecks
+from .layers import Layer, gradient_paths
+from .sums import rgs, signed_weights, worst_ratio
+
+__all__ = ["TP_BIAS", "TP_SHARDED", "ShardedGradientChecks"]
+
+TP_BIAS = "a tensor-parallel layer's bias: DTensor adds it across the tensor-parallel reduction"
+TP_SHARDED = "sharded by tensor parallel outside a Linear: no local GEMM to check"
+
+
+def _distributed(t: Any) -> bool:
+    return hasattr(t, "to_local")
+
+
+class ShardedGradientChecks(GradientChecks):
+    """:class:`GradientChecks` for a ``fully_shard``-ed model (with or without tensor parallel): the weights are
+    the ones each forward uses, and each gradient is checked as it is accumulated, before FSDP reduces it."""
+
+    def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor], seed: int, slack: float,
+                 **kw: Any) -> None:
+        self._seed = seed
+        self._alias: dict[int, int] = {}  # id of a tensor a forward used -> id of the parameter it stands for
+        self._live: dict[int, torch.Tensor] = {}  # id of a covered parameter -> the tensor its forward uses
+        self._ratios: list[torch.Tensor] = []  # this step's worst (ratio, index) pairs, one per accumulation
+        super().__init__(module, params, seed, slack, **kw)
+        self._accumulated = self.watch.timed("abft")(self._accumulated)  # type: ignore[method-assign]
+        # The parameters each module holds itself, as registered (FSDP's sharded ones): what a forward's tensors
+        # stand for. Linear-like layers bind in their own pre-hook; embeddings and norms get one here.
+        self._held: dict[int, dict[str, int]] = {}
+        for mod in module.modules():
+            held = {a: id(p) for a in ("weight", "bias") if id(p := getattr(mod, a, None)) in self.covered}
+            if held:
+                self._held[id(mod)] = held
+                layer = self.layers.get(id(mod))
+                if layer is None or layer.kind == "Embedding":
+                    mod.register_forward_pre_hook(self._bind_pre)
+
+    # ------------------------------------------------------------ the tensors each forward uses
+    def _bind_pre(self, mod: torch.nn.Module, args: Any) -> None:
+        self._bind(mod)
+
+    def _bind(self, mod: torch.nn.Module) -> Layer | None:
+        """Point the covering module's records at the tensors this forward uses (FSDP's unsharded parameters,
+        after its pre-forward swapped them in), hooking each one's gradient accumulation the first time."""
+        layer = self.layers.get(id(mod))
+        for attr, reg in self._held.get(id(mod), {}).items():
+            live = getattr(mod, attr, None)
+            if not isinstance(live, torch.Tensor):
+                continue
+            if id(live) not in self._alias:
+                self._alias[id(live)] = reg
+                self._first_use(layer, attr, reg, live)
+            if layer is not None and attr == "weight":
+                layer.live = local(live)
+        return layer
+
+    def _first_use(self, layer: Layer | None, attr: str, pid: int, live: torch.Tensor) -> None:
+        c = self.covered.get(pid)
+        if c is None:
+            return
+        if _distributed(live):  # tensor parallel: the local slice's GEMM, with vectors over the slice
+            if layer is None or layer.kind != "Linear":
+                self._leave_out(pid, TP_SHARDED)
+                return
+            if attr == "bias":
+                self._leave_out(pid, TP_BIAS)
+                return
+            out_f, in_f = local(live).shape
+            g = torch.Generator().manual_seed(self._seed + 7919 + c.index)
+            c.v0, c.v1 = signed_weights(out_f, g, live.device), signed_weights(in_f, g, live.device)
+            layer.r, layer.s, layer.features, layer.tp = c.v0, c.v1, (out_f, in_f), True
+        self._live[pid] = live
+        if live.requires_grad:
+            live.register_post_accumulate_grad_hook(self._accumulated)
+
+    # ------------------------------------------------------------ hooks
+    def _linear_pre(self, mod: torch.nn.Module, args: Any) -> Any:
+        layer = self._bind(mod)
+        if layer is not None and getattr(layer, "tp", False):
+            return None  # no input-gradient or forward check on a tensor-parallel slice (module doc)
+        return super()._linear_pre(mod, args)
+
+    def _linear_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
+        if _distributed(out):  # the TP plan keeps a DTensor output: its local view is not what the loss uses
+            return
+        x = args[0] if args else None
+        super()._linear_forward(mod, (local(x), *args[1:]) if _distributed(x) else args, out)
+
+    def begin_backward(self, params: Sequence[torch.Tensor]) -> None:
+        """Nothing: what a gradient held before each backward is read by :meth:`start_backward`."""
+
+    def start_backward(self) -> None:
+        """A backward is about to run: what each covered gradient holds now (microbatches FSDP has not reduced yet)
+        is where its check starts from, and the records begin again."""
+        if not self.on:
+            return
+        for pid, live in self._live.items():
+            c = self.covered.get(pid)
+            if c is None:
+                continue
+            c.entries, c.rows, c.base_spread = [], 0, None
+            grad = live.grad
+            c.base = None if grad is None else rgs(c, local(grad).detach().float()).double()
+
+    def _accumulated(self, live: torch.Tensor) -> None:
+        """The unsharded gradient is whole: check it before FSDP's post-backward reduce-scatters it."""
+        c = self.covered.get(self._alias.get(id(live), -1))
+        if c is None or not self.on or not c.rows or live.grad is None:
+            return
+        with torch.no_grad():
+            self._ratios.append(worst_ratio([(c, local(live.grad).detach())], None, self.slack))
+        c.entries, c.rows, c.base, c.base_spread = [], 0, None, None
+
+    def outside_uses(self, loss: torch.Tensor) -> list[bool]:
+        """As :meth:`GradientChecks.outside_uses`, with the graph's leaves (the tensors the forwards used) counted
+        for the parameters they stand for."""
+        paths: collections.Counter[int] = collections.Counter()
+        for leaf, n in gradient_paths(loss).items():
+            paths[self._alias.get(leaf, leaf)] += n
+        return [pid in self.covered and paths[pid] > self.covered[pid].uses for pid in self.order]
+
+    def reset(self) -> None:
+        super().reset()
+        self._ratios = []
+
+    def step_worst(self) -> torch.Tensor | None:
+        """float64[2]: this step's worst (ratio, index) over every checked gradient; ``None`` when none was."""
+        if not self._ratios:
+            return None
+        return self._ratios[0] if len(self._ratios) == 1 else worst(torch.stack(self._ratios))

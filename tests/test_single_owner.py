@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import torch
 from dist_harness import run_ranks
+from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -103,17 +104,20 @@ class Job:
         return infos
 
 
-def sharded_model(mesh: Any, tp: bool, seed: int) -> torch.nn.Module:
+def sharded_model(mesh: Any, tp: bool, seed: int, head: bool | None = None) -> torch.nn.Module:
     """Two Linear layers (FSDP over ``dp``); on 2 x 2 the first colwise, the second rowwise on ``tp`` and a LayerNorm
-    and a head replicated across ``tp`` (torchtitan's recipe, as ``tests/test_guard_fsdp.py`` builds it)."""
+    and a head replicated across ``tp`` (torchtitan's recipe, as ``tests/test_guard_fsdp.py`` builds it). ``head``
+    (default: with tensor parallel) adds the LayerNorm and the head; ``mesh=None``: the plain model, one process."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(seed)
     layers = [torch.nn.Linear(D, 2 * D), torch.nn.GELU(), torch.nn.Linear(2 * D, D)]
-    if tp:
+    if tp if head is None else head:
         layers += [torch.nn.LayerNorm(D), torch.nn.Linear(D, 4)]
     m = torch.nn.Sequential(*layers)
+    if mesh is None:
+        return m
     dp = mesh["dp"] if tp else mesh
     if tp:
         parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -193,6 +197,19 @@ def shards(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]
     return out
 
 
+def consolidated(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer state as a whole tensor, by parameter name (collective on a mesh)."""
+    def full(t: torch.Tensor) -> torch.Tensor:
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        return t.detach().clone().reshape(-1) if t.dim() == 0 else t.detach().clone()
+
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = full(p)
+        out.update({f"{name}.{k}": full(v) for k, v in sorted(opt.state[p].items())})
+    return out
+
+
 def caught(e: Any, step: int) -> dict:
     """What every rank must agree on about a catch: the incident, and the step of the loop at which it raised."""
     inc = e.incident
@@ -211,9 +228,16 @@ def campaign(rank: int, world: int, shape: tuple[int, ...], run: str) -> dict:
     clean = Job(rank, shape, f"{run}-clean", INIT_SEED)
     out: dict = {}
     try:
-        infos = clean.train(0, STEPS, (SAVE_AT, RESUME_AT))
+        infos = clean.train(0, RESUME_AT + 1, (SAVE_AT, RESUME_AT))
+        full = consolidated(clean.model, clean.opt)  # the whole tensors at the newest save, for restores elsewhere
+        if rank == 0:
+            save_file(full, f"{run}-full.safetensors")
+        infos += clean.train(RESUME_AT + 1, STEPS)
+        cov = clean.guard.coverage()
         out["clean"] = {"caught": None, "statuses": [i.status.value for i in infos],
-                        "reasons": [list(i.reasons) for i in infos], "final": shards(clean.model, clean.opt)}
+                        "reasons": [list(i.reasons) for i in infos], "final": shards(clean.model, clean.opt),
+                        "abft": {"modules": cov.modules, "left_out": [n for n, _ in cov.left_out]} if cov else None,
+                        "abft_passed": clean.guard.counters()["abft"].passed}
     except SilentCorruptionDetected as e:  # a false alarm: reported, not raised, so the other scenarios still run
         out["clean"] = {"caught": caught(e, clean.step)}
     out["clean"]["incidents"] = len(clean.mgr.incidents())
@@ -251,7 +275,7 @@ def mesh_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     run = str(tmp_path_factory.mktemp(f"single-{request.param}") / "run")
     camp = run_ranks(campaign, 4, shape, run, timeout=200, retire=len(shape) == 2)
     res = run_ranks(resumed, 4, shape, run, timeout=90, retire=len(shape) == 2)
-    return {"mesh": request.param, "campaign": camp, "resumed": res}
+    return {"mesh": request.param, "campaign": camp, "resumed": res, "run": run}
 
 
 # ------------------------------------------------------------------------------------------------- tests
@@ -265,6 +289,20 @@ def test_a_clean_single_owner_job_is_quiet_and_its_saves_are_restorable(mesh_run
         assert r["incidents"] == 0
     assert all(r["statuses"] == got[0]["statuses"] for r in got), "every rank commits the same checkpoints"
     assert got[0]["statuses"] == ["restorable", "restorable"], (mesh_runs["mesh"], got[0]["reasons"])
+
+
+def test_abft_checks_the_sharded_layers_gradients_at_every_step(mesh_runs):
+    """ABFT runs on sharded compute at the defaults: both Linear layers are covered (under tensor parallel their
+    weights over each rank's slice, their biases left out and said so), the 2 x 2 model's LayerNorm and replicated
+    head too, and the check passed at steps of the clean run."""
+    for r in mesh_runs["campaign"]:
+        cov = r["clean"]["abft"]
+        assert cov is not None and r["clean"]["abft_passed"] >= 1, r["clean"]
+        if mesh_runs["mesh"] == "1x4":
+            assert cov == {"modules": {"Linear": 2}, "left_out": []}, cov
+        else:
+            assert cov["modules"] == {"Linear": 3, "LayerNorm": 1}, cov
+            assert sorted(cov["left_out"]) == ["0.bias", "2.bias"], cov
 
 
 def test_resume_in_a_fresh_launch_ends_bitwise_equal_to_the_uninterrupted_run(mesh_runs):
@@ -316,6 +354,48 @@ def test_after_the_catch_resume_rolls_back_and_the_job_ends_bitwise_equal_to_the
         assert r[fault]["resumed_at"] == target + 1, f"{where} rank {rank}: resume() did not roll back to step {target}"
         diff = [k for k in r["clean"]["final"] if r["clean"]["final"][k] != r[fault]["final"].get(k)]
         assert diff == [], f"{where} rank {rank}: these local shards differ from the clean run's"
+
+
+# -------------------------------------------------------------------------------------- restores elsewhere
+ELSEWHERE = {"1x4": (1, 4), "4x1": (4,), "single": None}  # dp x tp; 4 x 1: FSDP2 alone; single: one process
+
+
+def restore_elsewhere(rank: int, world: int, shape: tuple[int, ...] | None, run: str) -> list[str]:
+    """The 2 x 2 job's newest checkpoint restored (without ``allow_unverified``) into the same model on another mesh
+    or in one process: the names whose whole tensors differ from the saving job's at that step."""
+    from verified_ckpt import CheckpointManager
+
+    warnings.simplefilter("ignore")
+    mesh = None
+    if shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(shape)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp") if len(shape) == 2 else ("dp",))
+    model = sharded_model(mesh, shape is not None and len(shape) == 2, FRESH_SEED, head=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = CheckpointManager(f"{run}-clean")
+    info = mgr.restore({"model": model, "optim": opt})
+    assert info.step == RESUME_AT and info.status.value == "restorable", info
+    [verified] = mgr.verify(step=RESUME_AT)
+    assert verified.ok, verified.problems
+    got, want = consolidated(model, opt), load_file(f"{run}-full.safetensors")
+    assert sorted(got) == sorted(want)
+    return [k for k in want if not torch.equal(got[k], want[k])]
+
+
+@pytest.mark.parametrize("mesh_runs", ["2x2"], indirect=True)
+@pytest.mark.parametrize("target", list(ELSEWHERE))
+def test_a_2x2_checkpoint_restores_verified_onto_another_mesh_equal_to_the_whole_tensors(mesh_runs, target):
+    """The FSDP2 + TP checkpoint (restorable on its single-owner evidence) restored onto 1 x 4 (tensor parallel over
+    4), 4 x 1 (FSDP2 over 4, no tensor parallel) and one plain process: ``verify`` passes, and every parameter and
+    Adam state equals the saving job's ``full_tensor()`` at that step, bit for bit."""
+    run = mesh_runs["run"]
+    if ELSEWHERE[target] is None:
+        assert restore_elsewhere(0, 1, None, run) == []
+    else:
+        tp = len(ELSEWHERE[target]) == 2
+        assert run_ranks(restore_elsewhere, 4, ELSEWHERE[target], run, timeout=90, retire=tp) == [[]] * 4
 
 
 # ---------------------------------------------------------------------------------------------------- DDP

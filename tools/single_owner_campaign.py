@@ -4,7 +4,9 @@ oracle and the at-rest chain can see, on pure FSDP2 (1 x 4) and FSDP2 + tensor p
 For each mesh: one clean run of ``--steps`` steps with dropout 0.1, saving every 50 steps (no incident, every
 save ``restorable``); then ``--trials`` runs per fault class, each with its own seed for the owner rank, the
 element, the parameter and the step: a bit flip (a random exponent or high mantissa bit) in a weight shard
-between steps, the same in ``exp_avg``, and a persistent 10x on one element of the update from the fault step on.
+between steps, the same in ``exp_avg``, a persistent 10x on one element of the update from the fault step on, and
+a 10x on one element of the owner's local gradient of a Linear (as its backward computes it, before FSDP's
+reduce-scatter) at the fault step.
 Each trial records whether it was caught, at which step, the kind and the ranks named. The faults are this
 tool's own writes and optimizer hooks, never ``verified_ckpt.faults``.
 
@@ -32,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from verified_ckpt import CheckpointManager, GuardConfig, SDCGuard, SilentCorruptionDetected
 
 D = 32
+KINDS = ("weight", "exp_avg", "update", "grad")
 WINDOW = 12  # steps after the fault a trial waits for a catch
 
 
@@ -66,6 +69,22 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def wrong_gradient(layer: torch.nn.Module, elem: int, when: Any) -> None:
+    """While ``when()``: one element of this rank's gradient of ``layer``'s weight is 10x, through a hook on the
+    tensor the forward uses (FSDP's all-gathered weight; under TP this rank's slice)."""
+    def wrong(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        flat = local(g).view(-1)
+        flat[elem % flat.numel()] *= 10
+        return g
+
+    def pre(mod: torch.nn.Module, args: Any) -> None:
+        if when() and torch.is_grad_enabled():
+            handle = mod.weight.register_hook(lambda g: (handle.remove(), wrong(g))[1])
+
+    layer.register_forward_pre_hook(pre)
+
+
 def run(rank: int, shape: tuple[int, ...], url: str, steps: int, dropout: float, fault: dict[str, Any] | None
         ) -> dict[str, Any]:
     model, position = build(shape, dropout)
@@ -89,6 +108,10 @@ def run(rank: int, shape: tuple[int, ...], url: str, steps: int, dropout: float,
 
         opt.register_step_pre_hook(pre)
         opt.register_step_post_hook(post)
+    if fault is not None and fault["kind"] == "grad":
+        layers = [m for m in model if isinstance(m, torch.nn.Linear)]
+        wrong_gradient(layers[fault["param"] % len(layers)], fault["elem"],
+                       lambda: rank == fault["owner"] and now[0] == fault["step"])
     guard = SDCGuard(model, opt, loss_fn, GuardConfig())
     mgr = CheckpointManager(url, guard=guard)
     torch.manual_seed(100 + rank)  # each rank's own dropout stream (TP ranks of one position see the same batch)
@@ -124,7 +147,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     results: dict[str, Any] = {}
     tmp = os.path.dirname(out)  # every rank's runs in one folder (the job's)
     results["clean"] = run(rank, shape, f"{tmp}/clean", args.steps, 0.1, None)
-    for kind in ("weight", "exp_avg", "update"):
+    for kind in KINDS:
         trials = []
         for t in range(args.trials):
             rnd = random.Random(f"{kind}-{t}")
@@ -141,7 +164,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
 
 def summary(res: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"clean": res["clean"]}
-    for kind in ("weight", "exp_avg", "update"):
+    for kind in KINDS:
         trials = res[kind]
         caught = [t for t in trials if t["caught"]]
         named = [t for t in caught if t["ranks"] == [t["fault"]["owner"]]]

@@ -52,7 +52,8 @@ __all__ = ["ShardedLayout"]
 ONE_REPLICA = ("SDCGuard on a 1-D (pure FSDP) data-parallel mesh: every rank holds a different shard, so the state "
                "FSDP shards has no replica to compare with; the per-step checks and audits (each rank recomputes "
                "another's microbatches) run, consensus compares only what tensor-parallel ranks replicate and checks "
-               "that the state is finite, and saves stay unverified (docs/GUARD.md).")
+               "that the state is finite; the update oracle and the at-rest chain verify the shards each rank holds "
+               "alone, and saves are restorable on that evidence (docs/GUARD.md, 'Single-owner state').")
 TWO_GROUPS = ("SDCGuard on HSDP with two replica groups: a disagreement between them that no change at rest explains "
               "shows that one is wrong but cannot tell which, so such incidents name no host; a rank whose shard changed "
               "at rest, after its own update wrote it, is named. Use 3 or more replica groups to have every suspect "
@@ -222,7 +223,7 @@ class ShardedLayout:
         checks = self.checks
         got = [t for t in (checks.step_worst(), checks.inputs_worst()) if t is not None] if checks is not None else []
         if not got:
-            return torch.tensor([-1.0, -1.0], dtype=torch.float64, device=self.g.device)
+            return torch.full((2,), -1.0, dtype=torch.float64, device=self.g.device)  # a fill: no copy from the host
         return got[0].to(torch.float64) if len(got) == 1 else worst_pair(torch.stack(got))
 
     def _gather(self, s: int, row: torch.Tensor, carry: torch.Tensor,

@@ -23,7 +23,8 @@ one row per rank, the step's only host synchronisation, and judges:
   microbatches of another, all its shard ranks together, and each rank's local-gradient
   projections and loss must equal those of the rank it recomputed; a third group breaks ties.
 
-What each mesh can conclude is in docs/GUARD.md. ABFT is DDP-only for now.
+What each mesh can conclude is in docs/GUARD.md. ABFT checks each rank's local gradients before the
+reduce-scatter (``abft/sharded.py``).
 """
 
 from __future__ import annotations

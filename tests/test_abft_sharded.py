@@ -23,10 +23,10 @@ STEPS, MICRO, FAULT = 4, 2, (1, 2)  # FAULT: (rank, step) of the wrong gradient 
 
 def gpt_job(rank: int, world: int, faulty: bool) -> dict[str, Any]:
     sys.path.insert(0, EXAMPLES)
-    import models
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    import models
     from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
 
     warnings.simplefilter("ignore")

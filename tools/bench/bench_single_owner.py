@@ -1,9 +1,10 @@
 """What the guard adds to a step of single-owner training: pure FSDP2 (1 x 4) and FSDP2 + tensor parallel (2 x 2).
 
-One job of 4 gloo ranks builds the same model three times: plain (no guard), guarded with the per-step checks
-(NaN/Inf, reduce-scatter checksum, the at-rest chain and the update oracle; consensus and audits off, so what
-is measured is what every step pays), and guarded without the oracle (``oracle_slices=0``). Their steps are
-interleaved one by one, each behind a barrier, so drift and scheduler noise hit all three alike; the ratios
+One job of 4 gloo ranks builds the same model four times: plain (no guard), guarded with the per-step checks
+(NaN/Inf, reduce-scatter checksum, ABFT on each rank's local gradients, the at-rest chain and the update
+oracle; consensus and audits off, so what is measured is what every step pays), guarded without the oracle
+(``oracle_slices=0``), and guarded without ABFT (``abft=False``). Their steps are
+interleaved one by one, each behind a barrier, so drift and scheduler noise hit all four alike; the ratios
 are medians of per-step ratios against plain. The chain's own share is two exact-fingerprint passes over the
 rank's local state, timed beside it.
 
@@ -70,7 +71,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     per_step = {"consensus_every": 10**9, "audit_every": None}
     variants: dict[str, GuardConfig | None] = {
         "plain": None, "per-step checks": GuardConfig(**per_step),
-        "per-step, no oracle": GuardConfig(oracle_slices=0, **per_step)}  # type: ignore[arg-type]
+        "per-step, no oracle": GuardConfig(oracle_slices=0, **per_step),  # type: ignore[arg-type]
+        "per-step, no ABFT": GuardConfig(abft=False, **per_step)}  # type: ignore[arg-type]
     runs: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, SDCGuard | None]] = {}
     for name, cfg in variants.items():
         model = build(shape, args.width, args.depth)

@@ -18,16 +18,16 @@ output, and an embedding or a normalisation layer whose weight tensor parallel s
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ...dtensors import local
-from ..stats import worst
 from .checks import GradientChecks
 from .layers import Layer, gradient_paths
-from .sums import rgs, signed_weights, worst_ratio
+from .sums import Covered, bound_coefficients, norm, ratio_of, rgs, signed_weights
 
 __all__ = ["TP_BIAS", "TP_SHARDED", "ShardedGradientChecks"]
 
@@ -48,7 +48,9 @@ class ShardedGradientChecks(GradientChecks):
         self._seed = seed
         self._alias: dict[int, int] = {}  # id of a tensor a forward used -> id of the parameter it stands for
         self._live: dict[int, torch.Tensor] = {}  # id of a covered parameter -> the tensor its forward uses
-        self._ratios: list[torch.Tensor] = []  # this step's worst (ratio, index) pairs, one per accumulation
+        # This step's checked gradients, measured where each was whole: what the step's end judges all at once
+        # (one batch of sums, as the DDP bucket check), not one check per gradient.
+        self._measured: list[tuple[Covered, torch.Tensor, torch.Tensor, tuple[float, float, float]]] = []
         super().__init__(module, params, seed, slack, **kw)
         self._accumulated = self.watch.timed("abft")(self._accumulated)  # type: ignore[method-assign]
         # The parameters each module holds itself, as registered (FSDP's sharded ones): what a forward's tensors
@@ -134,8 +136,13 @@ class ShardedGradientChecks(GradientChecks):
         c = self.covered.get(self._alias.get(id(live), -1))
         if c is None or not self.on or not c.rows or live.grad is None:
             return
+        g = local(live.grad).detach()
+        g = g if g.dtype == torch.float32 else g.float()
         with torch.no_grad():
-            self._ratios.append(worst_ratio([(c, local(live.grad).detach())], None, self.slack))
+            # What the check needs of the gradient (its checksum and norm: two passes), and of the records (moved
+            # to a copy: the next microbatch records afresh).
+            self._measured.append((dataclasses.replace(c, entries=list(c.entries)), rgs(c, g).double(), norm(g),
+                                   bound_coefficients(c, g.shape, self.slack)))
         c.entries, c.rows, c.base, c.base_spread = [], 0, None, None
 
     def outside_uses(self, loss: torch.Tensor) -> list[bool]:
@@ -148,10 +155,13 @@ class ShardedGradientChecks(GradientChecks):
 
     def reset(self) -> None:
         super().reset()
-        self._ratios = []
+        self._measured = []
 
     def step_worst(self) -> torch.Tensor | None:
         """float64[2]: this step's worst (ratio, index) over every checked gradient; ``None`` when none was."""
-        if not self._ratios:
+        if not self._measured:
             return None
-        return self._ratios[0] if len(self._ratios) == 1 else worst(torch.stack(self._ratios))
+        got = sorted(self._measured, key=lambda m: m[0].v1 is None)  # weights first, as ``ratio_of`` takes them
+        with torch.no_grad():
+            return ratio_of([m[0] for m in got], torch.stack([m[1] for m in got]), torch.stack([m[2] for m in got]),
+                            [m[3] for m in got])

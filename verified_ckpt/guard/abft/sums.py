@@ -9,9 +9,26 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["EPS32", "MAX_ENTRIES", "RMS", "Covered", "bound_coefficients", "coefficients_on", "constant_on",
-           "expected_sums", "lengths_on", "matmul_eps", "norm", "rgs", "row_norms", "signed_weights", "sums",
-           "unit_roundoff", "worst_ratio"]
+__all__ = [
+    "EPS32",
+    "MAX_ENTRIES",
+    "RMS",
+    "Covered",
+    "bound_coefficients",
+    "coefficients_on",
+    "constant_on",
+    "expected_sums",
+    "lengths_on",
+    "matmul_eps",
+    "norm",
+    "ratio_of",
+    "rgs",
+    "row_norms",
+    "signed_weights",
+    "sums",
+    "unit_roundoff",
+    "worst_ratio",
+]
 
 RMS = math.sqrt(7 / 3)  # rms of a weight drawn from ±[1, 2]
 # Entries a covered parameter holds before they are summed: its per-row vectors stay on the device until the
@@ -168,13 +185,20 @@ def worst_ratio(got: list[tuple[Covered, torch.Tensor]], sumsq: torch.Tensor | N
     """
     got = sorted(got, key=lambda cg: cg[0].v1 is None)  # weights first, then biases: the order ``sums`` returns
     actual = torch.stack([rgs(c, g if g.dtype == torch.float32 else g.float()) for c, g in got]).double()
-    expected, spread = expected_sums([c for c, _ in got])
     # The bucket's norm bounds each gradient's own; where a gradient was rounded to bf16 (autocast) its own norm
     # matters to the bound, and a pass over each such gradient buys the detection back.
     low = any(c.eps_out > EPS32 for c, _ in got)
     norms = sumsq.to(torch.float64).sqrt().clamp_min(TINY) if sumsq is not None and not low else \
         torch.stack([norm(g.float()) for _, g in got])
-    coef = coefficients_on(tuple(bound_coefficients(c, g, slack) for c, g in got), actual.device)
+    return ratio_of([c for c, _ in got], actual, norms, [bound_coefficients(c, g.shape, slack) for c, g in got])
+
+
+def ratio_of(covered: list[Covered], actual: torch.Tensor, norms: torch.Tensor,
+             coefficients: Sequence[tuple[float, float, float]]) -> torch.Tensor:
+    """:func:`worst_ratio` from each gradient's measured ``v0ᵀ G v1`` (``actual``, float64) and norm, taken where the
+    gradient was whole (weights first, as ``covered``); the expected values and spreads of all at once."""
+    expected, spread = expected_sums(covered)
+    coef = coefficients_on(tuple(coefficients), actual.device)
     bound = coef[0] * spread.sqrt() + coef[1] * norms + 1e-30
     # Norms are float32 sums of squares: a value past ~1e19 (no real gradient or activation) overflows
     # them, and an infinite bound would pass anything. Such a bound is a failure in itself.
@@ -215,7 +239,7 @@ def expected_sums(covered: list[Covered]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(exp), torch.stack(spr)
 
 
-def bound_coefficients(c: Covered, g: torch.Tensor, slack: float) -> tuple[float, float, float]:
+def bound_coefficients(c: Covered, shape: torch.Size, slack: float) -> tuple[float, float, float]:
     """The bound's coefficients of one parameter (plain numbers: shapes, rows, dtypes), and its index.
 
     Each term is one source of rounding, in units of ``rms(v0) rms(v1) ‖a∘b‖`` and ``… ‖G‖`` (random signs make
@@ -226,10 +250,10 @@ def bound_coefficients(c: Covered, g: torch.Tensor, slack: float) -> tuple[float
     roundings are bf16 only where the data is: accumulation and projections stay float32.
     """
     once_in, once_out = c.eps_in / _SQRT3, c.eps_out / _SQRT3  # one rounding of each element: std u/√3
-    if c.v1 is not None and g.dim() == 2:
+    if c.v1 is not None and len(shape) == 2:
         k = slack * RMS * RMS
-        spread = 2 * once_in + once_out + EPS32 * (math.sqrt(c.rows) + math.sqrt(g.shape[1]) + math.sqrt(g.shape[0]))
-        return k * spread, k * (once_out + EPS32 * (math.sqrt(g.shape[1]) + 1)), float(c.index)
+        spread = 2 * once_in + once_out + EPS32 * (math.sqrt(c.rows) + math.sqrt(shape[1]) + math.sqrt(shape[0]))
+        return k * spread, k * (once_out + EPS32 * (math.sqrt(shape[1]) + 1)), float(c.index)
     k = slack * RMS
-    return (k * (once_in + once_out + EPS32 * (math.sqrt(c.rows) + math.sqrt(g.numel()))), k * (once_out + EPS32),
+    return (k * (once_in + once_out + EPS32 * (math.sqrt(c.rows) + math.sqrt(shape.numel()))), k * (once_out + EPS32),
             float(c.index))

@@ -86,3 +86,44 @@ def test_fsdp2_abft_checks_every_step_leaves_out_the_functionally_tied_head_and_
     for r in faulty:
         assert r["caught"] is not None and r["caught"]["kind"] == "abft", r
         assert r["caught"]["ranks"] == [FAULT[0]] and r["caught"]["step"] == FAULT[1], r
+
+
+def llama_job(rank: int, world: int) -> dict[str, Any]:
+    """HF Llama (RMSNorm, rotary embeddings, grouped-query attention, gated MLP: q/k/v and gate/up share their
+    input) under FSDP2 per decoder layer, the default config, 4 steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = SDCGuard(model, opt, lambda m, ids: m(input_ids=ids, labels=ids).loss, GuardConfig())
+    try:
+        for step in range(STEPS):
+            guard.backward(torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank)),
+                           step=step)
+            guard.step()
+            opt.zero_grad()
+    except SilentCorruptionDetected as e:
+        return {"caught": {"kind": e.incident.kind, "step": e.incident.detected_step, "detail": e.incident.detail}}
+    counts = guard.counters()
+    return {"caught": None, "abft": counts["abft"].passed, "audit": counts["audit"].passed}
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_hf_llama_at_the_defaults_raises_nothing():
+    """A false alarm found from outside: the first step's backward runs under ABFT's FLOP counter, a dispatch mode
+    whose kernels rounded Llama's gradients differently from a plain backward's, so the step-0 audit's recomputation
+    differed from the step's records and every rank raised. That step's audit now compares two recomputations."""
+    for r in run_ranks(llama_job, 2, timeout=200):
+        assert r["caught"] is None, r
+        assert r["abft"] == STEPS and r["audit"] >= 1, r

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +50,9 @@ class ShardedGradientChecks(GradientChecks):
         self._live: dict[int, torch.Tensor] = {}  # id of a covered parameter -> the tensor its forward uses
         # This step's checked gradients, measured where each was whole: what the step's end judges all at once
         # (one batch of sums, as the DDP bucket check), not one check per gradient.
+        # Whether this step's backward ran under the FLOP counter (the first step's): a dispatch mode whose kernels
+        # may round differently from a plain backward's (measured on HF Llama), so no recomputation compares with it.
+        self.counted = False
         self._measured: list[tuple[Covered, torch.Tensor, torch.Tensor, tuple[float, float, float]]] = []
         super().__init__(module, params, seed, slack, **kw)
         self._accumulated = self.watch.timed("abft")(self._accumulated)  # type: ignore[method-assign]
@@ -115,6 +118,11 @@ class ShardedGradientChecks(GradientChecks):
         x = args[0] if args else None
         super()._linear_forward(mod, (local(x), *args[1:]) if _distributed(x) else args, out)
 
+    def first_backward(self, loss: torch.Tensor, run: Callable[[torch.Tensor], None],
+                       agree: Callable[[list[bool]], list[bool]]) -> list[str]:
+        self.counted = True
+        return super().first_backward(loss, run, agree)
+
     def begin_backward(self, params: Sequence[torch.Tensor]) -> None:
         """Nothing: what a gradient held before each backward is read by :meth:`start_backward`."""
 
@@ -156,6 +164,7 @@ class ShardedGradientChecks(GradientChecks):
     def reset(self) -> None:
         super().reset()
         self._measured = []
+        self.counted = False
 
     def step_worst(self) -> torch.Tensor | None:
         """float64[2]: this step's worst (ratio, index) over every checked gradient; ``None`` when none was."""

@@ -175,12 +175,12 @@ class ShardedLayout:
         """Nothing: FSDP's reduction order does not depend on a first iteration, unlike DDP's buckets."""
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
-        return self.abft.pausing() if self.abft is not None else contextlib.nullcontext()
+        return self.checks.pausing() if self.checks is not None else contextlib.nullcontext()
 
     def reset(self) -> None:
         self.rs_tap.reset()
-        if self.abft is not None:
-            self.abft.reset()
+        if self.checks is not None:
+            self.checks.reset()
 
     def prepare_resume(self) -> None:
         """Nothing to rebuild (``first_forward``)."""
@@ -206,8 +206,8 @@ class ShardedLayout:
         def steps() -> Sequence[StepFigures]:
             return rank_steps(rows, calls, shards, k)
 
-        if self.abft is not None:
-            abft = judge_abft(worst, self.abft.name_of, lambda bad: step_rows(s, steps(), bad, cfg.ledger_rank_rows)
+        if self.checks is not None:
+            abft = judge_abft(worst, self.checks.name_of, lambda bad: step_rows(s, steps(), bad, cfg.ledger_rank_rows)
                               + [Event(s, "abft", r, "fail") for r in bad])
             judged = [*judged, *([abft] if abft is not None else [])]
         self._judge_step(s, judged, steps)
@@ -357,10 +357,9 @@ class ShardedLayout:
         kept = (self.rs_tap.rows, self.rs_tap.modes)
         self.rs_tap.reset()
         self.rs_tap.auditing = True
-        pausing = contextlib.ExitStack()
-        pausing.enter_context(self.paused())  # ABFT: a recomputation is not this step's gradients
         try:
-            with torch.random.fork_rng(devices=[g.device] if g.device.type == "cuda" else []):
+            # ABFT paused: a recomputation is not this step's gradients
+            with self.paused(), torch.random.fork_rng(devices=[g.device] if g.device.type == "cuda" else []):
                 for p in g.params:
                     p.grad = None
                 total = torch.zeros((), dtype=torch.float64, device=g.device)
@@ -375,7 +374,6 @@ class ShardedLayout:
                     total += loss.detach().to(torch.float64)
                 row = torch.cat([*self.rs_tap.rows, total.view(1)])
         finally:
-            pausing.close()
             self.rs_tap.auditing = False
             self.rs_tap.rows, self.rs_tap.modes = kept
             for p, grad in zip(g.params, grads, strict=True):

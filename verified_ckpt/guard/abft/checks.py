@@ -83,6 +83,9 @@ class GradientChecks:
             type(m).__name__ for m in module.modules()
             if any(id(p) not in checked for p in m.parameters(recurse=False)))
         self.flop_fraction: float | None = None  # measured at the first step (``first_backward``)
+        # Whether this step's backward ran under the FLOP counter (the first step's): a dispatch mode whose kernels
+        # may round differently from a plain backward's (measured on HF Llama), so no recomputation compares with it.
+        self.counted = False
         self.linear_flop_fraction: float | None = None
         self._flops: dict[str, int] = collections.Counter()
         self._tag = 0
@@ -154,6 +157,7 @@ class GradientChecks:
         makes it one decision for every rank), and measure the covered share of the backward FLOPs. Returns the
         names of the parameters left out."""
         left = self.leave_out(agree(self.outside_uses(loss)))
+        self.counted = True
         with FlopCounterMode(display=False) as counted:
             run(loss)
         total, covered, linear = counted.get_total_flops(), self._flops["covered"], self._flops["linear"]
@@ -177,6 +181,7 @@ class GradientChecks:
         self._forwards = []
         self._open = {}
         self._tag += 1  # a new step: the weights may have changed
+        self.counted = False
 
     @contextlib.contextmanager
     def pausing(self) -> Iterator[None]:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ...dtensors import local
+from ...dtensors import is_dtensor, local
 from .checks import GradientChecks
 from .layers import Layer, gradient_paths
 from .sums import Covered, bound_coefficients, norm, ratio_of, rgs, signed_weights
@@ -33,10 +33,6 @@ __all__ = ["TP_BIAS", "TP_SHARDED", "ShardedGradientChecks"]
 
 TP_BIAS = "a tensor-parallel layer's bias: DTensor adds it across the tensor-parallel reduction"
 TP_SHARDED = "sharded by tensor parallel outside a Linear: no local GEMM to check"
-
-
-def _distributed(t: Any) -> bool:
-    return hasattr(t, "to_local")
 
 
 class ShardedGradientChecks(GradientChecks):
@@ -50,9 +46,6 @@ class ShardedGradientChecks(GradientChecks):
         self._live: dict[int, torch.Tensor] = {}  # id of a covered parameter -> the tensor its forward uses
         # This step's checked gradients, measured where each was whole: what the step's end judges all at once
         # (one batch of sums, as the DDP bucket check), not one check per gradient.
-        # Whether this step's backward ran under the FLOP counter (the first step's): a dispatch mode whose kernels
-        # may round differently from a plain backward's (measured on HF Llama), so no recomputation compares with it.
-        self.counted = False
         self._measured: list[tuple[Covered, torch.Tensor, torch.Tensor, tuple[float, float, float]]] = []
         super().__init__(module, params, seed, slack, **kw)
         self._accumulated = self.watch.timed("abft")(self._accumulated)  # type: ignore[method-assign]
@@ -90,7 +83,7 @@ class ShardedGradientChecks(GradientChecks):
         c = self.covered.get(pid)
         if c is None:
             return
-        if _distributed(live):  # tensor parallel: the local slice's GEMM, with vectors over the slice
+        if is_dtensor(live):  # tensor parallel: the local slice's GEMM, with vectors over the slice
             if layer is None or layer.kind != "Linear":
                 self._leave_out(pid, TP_SHARDED)
                 return
@@ -108,20 +101,15 @@ class ShardedGradientChecks(GradientChecks):
     # ------------------------------------------------------------ hooks
     def _linear_pre(self, mod: torch.nn.Module, args: Any) -> Any:
         layer = self._bind(mod)
-        if layer is not None and getattr(layer, "tp", False):
+        if layer is not None and layer.tp:
             return None  # no input-gradient or forward check on a tensor-parallel slice (module doc)
         return super()._linear_pre(mod, args)
 
     def _linear_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
-        if _distributed(out):  # the TP plan keeps a DTensor output: its local view is not what the loss uses
+        if is_dtensor(out):  # the TP plan keeps a DTensor output: its local view is not what the loss uses
             return
         x = args[0] if args else None
-        super()._linear_forward(mod, (local(x), *args[1:]) if _distributed(x) else args, out)
-
-    def first_backward(self, loss: torch.Tensor, run: Callable[[torch.Tensor], None],
-                       agree: Callable[[list[bool]], list[bool]]) -> list[str]:
-        self.counted = True
-        return super().first_backward(loss, run, agree)
+        super()._linear_forward(mod, (local(x), *args[1:]) if is_dtensor(x) else args, out)
 
     def begin_backward(self, params: Sequence[torch.Tensor]) -> None:
         """Nothing: what a gradient held before each backward is read by :meth:`start_backward`."""
@@ -164,7 +152,6 @@ class ShardedGradientChecks(GradientChecks):
     def reset(self) -> None:
         super().reset()
         self._measured = []
-        self.counted = False
 
     def step_worst(self) -> torch.Tensor | None:
         """float64[2]: this step's worst (ratio, index) over every checked gradient; ``None`` when none was."""

@@ -442,10 +442,15 @@ def test_ddp_a_persistent_wrong_update_on_one_rank_is_named_within_the_window():
 
 
 # ----------------------------------------------------------------------------------------------- pipeline
+PIPELINE_STEPS = FAULT_AT + WINDOW  # the example's steps are 1..PIPELINE_STEPS
+PIPELINE_FAULTS = {"weight": "chain", "exp_avg": "chain", "update": "oracle", "grad": "abft"}
+
+
 def pipeline_story(rank: int, world: int, base: str) -> dict:
     """``examples/pipeline_train.py`` as its users run it, 2 stages of one rank each (no data-parallel replica,
     so every piece is held once), at the default config: a clean run saving every 3 steps; a run stopped at step
-    3 and resumed from its save in a fresh job; a run whose stage-1 weight shard the test flips between steps."""
+    6 and resumed from its save in a fresh job; and for each of the test's own faults on stage 1, a run that
+    stops on the catch, then ``--resume`` in a fresh job (no fault) to the end."""
     import pipeline_train
 
     from verified_ckpt import CheckpointManager
@@ -457,22 +462,26 @@ def pipeline_story(rank: int, world: int, base: str) -> dict:
                                      "--run", f"{base}/{name}", *flags])
         out = pipeline_train.train(rank, world, args)
         statuses = [i.status.value for i in CheckpointManager(f"{base}/{name}").list()]
-        return {**{k: out[k] for k in ("completed", "final_step", "incidents", "fingerprint")}, "statuses": statuses}
+        return {**{k: out[k] for k in ("completed", "final_step", "incidents", "fingerprint", "rollbacks")},
+                "statuses": statuses, "abft": out["checks"].get("abft")}
 
-    clean = example("clean", 6)
-    example("stopped", 3)
-    out = {"clean": clean, "resumed": example("stopped", 6, "--resume")}
-    for fault in ("weight", "update"):
+    clean = example("clean", PIPELINE_STEPS)
+    example("stopped", 6)
+    out = {"clean": clean, "resumed": example("stopped", PIPELINE_STEPS, "--resume")}
+    for fault in PIPELINE_FAULTS:
         with owner_faults(rank, fault):
-            out[fault] = example(fault, 14)
+            out[fault] = example(fault, PIPELINE_STEPS)
+        out[f"{fault} resumed"] = example(fault, PIPELINE_STEPS, "--resume")
     return out
 
 
 @contextlib.contextmanager
 def owner_faults(rank: int, fault: str) -> Iterator[None]:
     """The test's own faults on stage 1 (rank 1) of a job the example builds: after step FAULT_AT, one element of
-    its first weight shard flipped; or, from step FAULT_AT on, one element of its update 10x. Hooked onto the
-    example's guard from outside (``SDCGuard.step`` wrapped for the block), so the example is run unchanged."""
+    its first weight shard or of that weight's ``exp_avg`` flipped; from step FAULT_AT on, one element of its
+    update 10x; or at step FAULT_AT, one element of its first Linear's local weight gradient 10x, in every
+    microbatch's backward. Hooked onto the example's guard from outside (``SDCGuard.step`` wrapped for the block),
+    so the example is run unchanged."""
     from verified_ckpt import SDCGuard
 
     step = SDCGuard.step
@@ -481,13 +490,17 @@ def owner_faults(rank: int, fault: str) -> Iterator[None]:
     def wrapped(self: Any) -> None:
         s = self._step
         target = next(p for p in self.model.parameters() if p.dim() == 2)
-        if fault == "update" and id(self) not in hooked:
+        if id(self) not in hooked:  # the first step's end: the hooks act from the next step on
             hooked.add(id(self))
-            wrong_update_hooks(self.optimizer, target, lambda: rank == 1 and cur[0] >= FAULT_AT)
+            if fault == "update":
+                wrong_update_hooks(self.optimizer, target, lambda: rank == 1 and cur[0] >= FAULT_AT)
+            if fault == "grad":
+                linear = next(m for m in self.model.modules() if isinstance(m, torch.nn.Linear))
+                wrong_gradient_hook(linear, lambda: rank == 1 and self._step == FAULT_AT)
         cur[0] = s
         step(self)
-        if fault == "weight" and rank == 1 and s == FAULT_AT:
-            flip(target)
+        if rank == 1 and s == FAULT_AT and fault in ("weight", "exp_avg"):
+            flip(target if fault == "weight" else self.optimizer.state[target]["exp_avg"])
 
     cur = [-1]
     SDCGuard.step = wrapped  # type: ignore[method-assign]
@@ -497,21 +510,36 @@ def owner_faults(rank: int, fault: str) -> Iterator[None]:
         SDCGuard.step = step  # type: ignore[method-assign]
 
 
-@pytest.mark.timeout(200)
-def test_a_pipeline_without_replicas_saves_restorable_checkpoints_and_resumes_bitwise(tmp_path):
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory):
+    return run_ranks(pipeline_story, 2, str(tmp_path_factory.mktemp("pipeline")), timeout=270)[0]
+
+
+def test_a_pipeline_without_replicas_saves_restorable_checkpoints_and_resumes_bitwise(pipeline_runs):
     """Two pipeline stages of one rank each: the stage's shards have no replica anywhere. The chain and the oracle
-    stand for the consensus: the saves are restorable, and a stop at step 3 then ``--resume`` in a fresh job ends
-    with every stage's parameters bit for bit the uninterrupted run's."""
-    got = run_ranks(pipeline_story, 2, str(tmp_path), timeout=180)
-    s = got[0]
+    stand for the consensus: the saves are restorable, ABFT checks every step inside the schedule, and a stop at
+    step 6 then ``--resume`` in a fresh job ends with every stage's parameters bit for bit the uninterrupted run's."""
+    s = pipeline_runs
     assert s["clean"]["completed"] and s["clean"]["incidents"] == [], s["clean"]
-    assert s["clean"]["statuses"] == ["restorable", "restorable"], s["clean"]
+    assert set(s["clean"]["statuses"]) == {"restorable"} and len(s["clean"]["statuses"]) == PIPELINE_STEPS // 3
+    assert s["clean"]["abft"]["passed"] == PIPELINE_STEPS and s["clean"]["abft"]["failed"] == 0, s["clean"]["abft"]
     assert s["resumed"]["completed"] and s["resumed"]["fingerprint"] == s["clean"]["fingerprint"], s
-    # The test's own faults on stage 1: a flip at rest is caught at the next step naming rank 1 (its own chain); a
-    # persistent wrong update within the oracle's rotation, naming nobody: with two ranks no third recompute can
-    # tell the owner from its witness.
-    (flip_inc,) = s["weight"]["incidents"]
-    assert (flip_inc["kind"], flip_inc["ranks"], flip_inc["detected_step"]) == ("chain", [1], FAULT_AT + 1), flip_inc
-    (update_inc,) = s["update"]["incidents"]
-    assert update_inc["kind"] == "oracle" and update_inc["ranks"] == [], update_inc
-    assert FAULT_AT < update_inc["detected_step"] <= FAULT_AT + WINDOW, update_inc
+
+
+@pytest.mark.parametrize("fault", list(PIPELINE_FAULTS))
+def test_a_fault_on_a_pipeline_stage_is_caught_then_resume_ends_bitwise_equal_to_the_clean_run(pipeline_runs, fault):
+    """The test's own faults on stage 1: a flip at rest (weight or ``exp_avg``) is caught at the next step naming
+    rank 1 (its own chain); a gradient element 10x at its step naming rank 1 (ABFT inside the schedule); a
+    persistent wrong update within the oracle's rotation, naming nobody: with two ranks no third recompute can
+    tell the owner from its witness. Then ``--resume`` in a fresh job rolls back before the fault and ends bitwise
+    equal to the clean run."""
+    got, again = pipeline_runs[fault], pipeline_runs[f"{fault} resumed"]
+    (inc,) = got["incidents"]
+    assert not got["completed"] and inc["kind"] == PIPELINE_FAULTS[fault], got
+    if fault == "update":
+        assert inc["ranks"] == [] and FAULT_AT < inc["detected_step"] <= FAULT_AT + WINDOW, inc
+    else:
+        latency = 0 if fault == "grad" else 1
+        assert (inc["ranks"], inc["detected_step"]) == ([1], FAULT_AT + latency), inc
+    assert again["completed"] and again["incidents"] == [], again
+    assert again["fingerprint"] == pipeline_runs["clean"]["fingerprint"], (again, pipeline_runs["clean"])

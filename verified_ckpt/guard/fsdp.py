@@ -206,11 +206,7 @@ class ShardedLayout:
         def steps() -> Sequence[StepFigures]:
             return rank_steps(rows, calls, shards, k)
 
-        if self.checks is not None:
-            abft = judge_abft(worst, self.checks.name_of, lambda bad: step_rows(s, steps(), bad, cfg.ledger_rank_rows)
-                              + [Event(s, "abft", r, "fail") for r in bad])
-            judged = [*judged, *([abft] if abft is not None else [])]
-        self._judge_step(s, judged, steps)
+        self._judge_step(s, [*judged, *self._abft_verdict(s, worst, steps)], steps)
         if g.audits_enabled and (g._audit_requested or g.sched.plan.audit):
             t0 = time.perf_counter()
             g._audit_requested = False
@@ -219,6 +215,21 @@ class ShardedLayout:
             counted = self.checks is not None and self.checks.counted
             self._audit(s, list(zip(g._batches, g._rng, strict=True)), None if counted else rows)
             g.sched.watch.audit = time.perf_counter() - t0
+
+    def _abft_verdict(self, s: int, worst: Sequence[tuple[float, int]],
+                      steps: Callable[[], Sequence[StepFigures]]) -> list[Verdict]:
+        """ABFT's verdict of step ``s`` from every rank's worst (ratio, index); none when no rank checked anything."""
+        if self.checks is None:
+            return []
+        rank_rows = self.g.cfg.ledger_rank_rows
+        v = judge_abft(worst, self._name_of, lambda bad: step_rows(s, steps(), bad, rank_rows)
+                       + [Event(s, "abft", r, "fail") for r in bad])
+        return [] if v is None else [v]
+
+    def _name_of(self, rank: int, index: int) -> str:
+        """What rank ``rank``'s ABFT index names (every rank of this layout indexes the same parameters)."""
+        assert self.checks is not None
+        return self.checks.name_of(index)
 
     def _abft_worst(self) -> torch.Tensor:
         """float64[2]: this step's worst ABFT (ratio, index) over the weight and input gradients this rank checked

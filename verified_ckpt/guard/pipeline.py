@@ -16,6 +16,11 @@ What differs from one sharded model is about the job as a whole:
   hand, whose stages may reuse names, are never compared across stages.
 - The stages' own shape inference, a forward and an input gradient on empty tensors at the first step, is not
   training computation: the checks and the faults skip it.
+- ABFT (``abft/sharded.py``) runs inside the schedule: each microbatch's backward (``backward_one_chunk``)
+  starts its checks from what the gradients have accumulated so far, since the schedule interleaves forwards and
+  backwards of different microbatches. What the first step decides from the graph (uses from outside the
+  covering modules) is measured locally at the stage's first backward and agreed among the stage's ranks at the
+  step's end, outside the schedule: a collective inside it would wait on a stage that waits on this one.
 
 Not observed under a pipeline yet: recompute audits (one would be a whole schedule over another replica's
 microbatches) and interleaved (multi-stage) schedules.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +109,6 @@ class PipelineLayout(ShardedLayout):
 
     kind = "pipeline"
     runs_schedule = True
-    gradient_checks = False  # the schedule runs each microbatch's backward, where ABFT's per-backward records are not
 
     def __init__(self, g: SDCGuard, schedule: Any) -> None:
         self.schedule, self.stage = schedule, stage_of(schedule)
@@ -115,19 +120,41 @@ class PipelineLayout(ShardedLayout):
                                   "docs/GUARD.md, 'Pipeline parallel')")
         super().__init__(g)
         self.layout: StageRows | None = None
+        self.names: list[list[str]] = []  # every rank's ABFT names by index (the first step's end)
+        self._uses: list[bool] | None = None  # the first step's uses from outside the covering modules, this rank's
         for name in METADATA_PASSES:
             fn = getattr(self.stage, name, None)
             if callable(fn):
                 setattr(self.stage, name, self._unobserved(fn))
+        self.stage.backward_one_chunk = self._checked(self.stage.backward_one_chunk)
 
     def _unobserved(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
             self.rs_tap.paused = True
             try:
-                return fn(*args, **kwargs)
+                with self.paused():
+                    return fn(*args, **kwargs)
             finally:
                 self.rs_tap.paused = False
+        return run
+
+    def _checked(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """The stage's backward of one microbatch, with ABFT's start (and, at the first step, its probe) before it."""
+        @functools.wraps(fn)
+        def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            checks = self.checks
+            if checks is None or not checks.on:
+                return fn(chunk, *args, **kwargs)
+            checks.start_backward()
+            if not checks.probing:
+                return fn(chunk, *args, **kwargs)
+            if self._uses is None:  # every microbatch forwarded so far, none backwarded yet: what the uses counted
+                outputs = [t for out, _ in self.stage.fwd_cache.values() for t in out if isinstance(t, torch.Tensor)]
+                self._uses = checks.outside_uses(outputs)
+            got: list[Any] = []
+            checks.counting(lambda: got.append(fn(chunk, *args, **kwargs)))
+            return got[0]
         return run
 
     # ------------------------------------------------------------ who is where
@@ -161,10 +188,14 @@ class PipelineLayout(ShardedLayout):
         if local.numel() != lay.lengths[g.rank]:
             raise GuardUsageError(f"this stage reduced {local.numel()} values this step, {lay.lengths[g.rank]} at the "
                                   "first: the guard needs the same reductions every step")
+        if self.checks is not None and self.checks.probing:
+            self._end_probe()
         pad = torch.zeros(lay.width - local.numel(), dtype=local.dtype, device=local.device)
-        gathered = self._gather(s, torch.cat([local, pad, loss.to(local.dtype)]), carry, on_carried)
+        row = torch.cat([local, pad, self._abft_worst(), loss.to(local.dtype)])
+        gathered = self._gather(s, row, carry, on_carried)
         rows = [r[:lay.lengths[i]] for i, r in enumerate(gathered)]
-        losses = [r[lay.width] for r in gathered]
+        worst = [(r[lay.width], int(r[lay.width + 1])) for r in gathered]
+        losses = [r[lay.width + 2] for r in gathered]
         judged: list[list[Verdict]] = []
         for c, col in enumerate(self.view.columns):
             ranks = [r for row in col for r in row]
@@ -176,7 +207,31 @@ class PipelineLayout(ShardedLayout):
                            for v in got])
         verdicts = [v for kind in ("nonfinite_local", "nonfinite_averaged", "checksum")
                     if (v := one_verdict([x for stage in judged for x in stage if x.kind == kind])) is not None]
-        self._judge_step(s, verdicts, lambda: self._rank_steps(rows, losses, lay))
+
+        def steps() -> list[RankStep]:
+            return self._rank_steps(rows, losses, lay)
+
+        self._judge_step(s, [*verdicts, *self._abft_verdict(s, worst, steps)], steps)
+
+    def _end_probe(self) -> None:
+        """The first step's end, outside the schedule: the stage's ranks agree on what ABFT leaves out (any of them
+        saw a use from outside), every rank learns every rank's names (the stages check different parameters), and
+        the coverage is reported (collective)."""
+        checks, g = self.checks, self.g
+        assert checks is not None
+        mine = self._uses if self._uses is not None else [False] * len(checks.order)
+        every = [json.loads(b) for b in g.comm.gather_bytes(json.dumps(mine).encode())]
+        stage = next(col for col in self.view.columns if any(g.rank in row for row in col))
+        peers = [every[r] for row in stage for r in row]
+        checks.leave_out([any(p[i] for p in peers) for i in range(len(mine))])
+        checks.end_probe()
+        codes = [checks.name_of(i) for i in range(len(g.params) + 2 * len(checks.layers))]
+        self.names = [json.loads(b) for b in g.comm.gather_bytes(json.dumps(codes).encode())]
+        g._report_coverage(checks.coverage())
+
+    def _name_of(self, rank: int, index: int) -> str:
+        names = self.names[rank] if rank < len(self.names) else []
+        return names[index] if 0 <= index < len(names) else f"check {index} on rank {rank}"
 
     def _learn(self, length: int) -> StageRows:
         """Every rank's row length and reductions' modes (the first step: two small gathers)."""

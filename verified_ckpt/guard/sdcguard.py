@@ -182,6 +182,8 @@ class SDCGuard(Bookkeeping):
         if not self.layout.runs_schedule:
             raise GuardUsageError("pipeline_step needs SDCGuard(..., pipeline=schedule); train with backward() here")
         self.begin(None, step=step)
+        if self.abft is not None:
+            self.sched.abft_ran = self.abft.on
         loss = cast("PipelineLayout", self.layout).run(args, kwargs, target)
         self._losses.append(loss)
         return loss

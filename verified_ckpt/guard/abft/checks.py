@@ -145,7 +145,7 @@ class GradientChecks:
         if c is not None:
             self.left_out.append((c.name, why))
 
-    def outside_uses(self, loss: torch.Tensor) -> list[bool]:
+    def outside_uses(self, loss: torch.Tensor | Sequence[torch.Tensor]) -> list[bool]:
         """Per covered parameter (``order``): whether the graph of ``loss`` sends it gradient from more places than
         its covering modules' forwards recorded (at the first step, before its backward)."""
         paths = gradient_paths(loss)
@@ -157,13 +157,23 @@ class GradientChecks:
         makes it one decision for every rank), and measure the covered share of the backward FLOPs. Returns the
         names of the parameters left out."""
         left = self.leave_out(agree(self.outside_uses(loss)))
+        self.counting(lambda: run(loss))
+        self.end_probe()
+        return left
+
+    def counting(self, run: Callable[[], None]) -> None:
+        """``run()``, a backward of the first step, under the FLOP counter; a pipeline stage counts each of its
+        microbatches' backwards, and :meth:`end_probe` closes the count."""
         self.counted = True
         with FlopCounterMode(display=False) as counted:
-            run(loss)
-        total, covered, linear = counted.get_total_flops(), self._flops["covered"], self._flops["linear"]
+            run()
+        self._flops["total"] += counted.get_total_flops()
+
+    def end_probe(self) -> None:
+        """The first step's backwards are over: the covered shares of their FLOPs (and no longer ``probing``)."""
+        total, covered, linear = self._flops["total"], self._flops["covered"], self._flops["linear"]
         self.flop_fraction = min(covered / total, 1.0) if total else 0.0
         self.linear_flop_fraction = min(covered / linear, 1.0) if linear else 0.0
-        return left
 
     def leave_out(self, mask: Sequence[bool], why: str = OUTSIDE) -> list[str]:
         """Stop checking the parameters ``mask`` marks (over ``order``); returns their names."""
@@ -381,18 +391,19 @@ def check(step: int, gathered: Sequence[StepStats], name_of: Callable[[int], str
 
     ``None`` when no rank had a covered gradient this step (nothing was checked).
     """
-    return judge([(x.abft_ratio, x.abft_index) for x in gathered], name_of,
+    return judge([(x.abft_ratio, x.abft_index) for x in gathered], lambda _, index: name_of(index),
                  lambda bad: failed_rows(step, gathered, "abft", bad, rank_rows))
 
 
-def judge(worst: Sequence[tuple[float, int]], name_of: Callable[[int], str],
+def judge(worst: Sequence[tuple[float, int]], name_of: Callable[[int, int], str],
           rows: Callable[[list[int]], list[Event]]) -> Verdict | None:
-    """:func:`check` from every rank's worst (ratio, index) pair; ``rows(bad)`` builds the ledger rows of a failure."""
+    """:func:`check` from every rank's worst (ratio, index) pair; ``name_of(rank, index)`` names what a rank's index
+    stands for (a pipeline's stages index different parameters); ``rows(bad)`` builds the ledger rows of a failure."""
     if all(ratio < 0 for ratio, _ in worst):
         return None
     bad = [r for r, (ratio, _) in enumerate(worst) if ratio > 1.0]
     if not bad:
         return Verdict("abft", True, margin=max(ratio for ratio, _ in worst))
-    detail = "; ".join(f"rank {r}: {name_of(worst[r][1])} does not match its ABFT checksum "
+    detail = "; ".join(f"rank {r}: {name_of(r, worst[r][1])} does not match its ABFT checksum "
                        f"({worst[r][0]:.3g} x the rounding bound)" for r in bad)
     return Verdict("abft", False, bad, detail, rows=lambda: rows(bad))

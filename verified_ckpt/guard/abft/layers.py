@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -159,12 +159,14 @@ class Coverage:
                          for reason, names in why.items())
 
 
-def gradient_paths(loss: torch.Tensor) -> collections.Counter[int]:
+def gradient_paths(loss: torch.Tensor | Sequence[torch.Tensor]) -> collections.Counter[int]:
     """How many edges of ``loss``'s autograd graph lead into each leaf's gradient accumulator (by ``id`` of the
-    leaf): one per use of the leaf in the forward."""
+    leaf): one per use of the leaf in the forward. Several roots (a pipeline stage's outputs of every microbatch
+    forwarded so far) count the union of their graphs."""
     paths: collections.Counter[int] = collections.Counter()
     seen: set[Any] = set()
-    todo = [loss.grad_fn] if loss.grad_fn is not None else []
+    roots = [loss] if isinstance(loss, torch.Tensor) else list(loss)
+    todo = [r.grad_fn for r in roots if r.grad_fn is not None]
     while todo:
         node = todo.pop()
         if node in seen:

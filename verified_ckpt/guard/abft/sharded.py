@@ -26,7 +26,7 @@ import torch
 
 from ...dtensors import is_dtensor, local
 from .checks import GradientChecks
-from .layers import Layer, gradient_paths
+from .layers import OUTSIDE, Layer, gradient_paths
 from .sums import Covered, bound_coefficients, norm, ratio_of, rgs, signed_weights
 
 __all__ = ["TP_BIAS", "TP_SHARDED", "ShardedGradientChecks"]
@@ -68,6 +68,8 @@ class ShardedGradientChecks(GradientChecks):
         """Point the covering module's records at the tensors this forward uses (FSDP's unsharded parameters,
         after its pre-forward swapped them in), hooking each one's gradient accumulation the first time."""
         layer = self.layers.get(id(mod))
+        if self.paused:  # not a step's computation: a pipeline stage's shape inference may run on meta tensors
+            return layer
         for attr, reg in self._held.get(id(mod), {}).items():
             live = getattr(mod, attr, None)
             if not isinstance(live, torch.Tensor):
@@ -141,13 +143,19 @@ class ShardedGradientChecks(GradientChecks):
                                    bound_coefficients(c, g.shape, self.slack)))
         c.entries, c.rows, c.base, c.base_spread = [], 0, None, None
 
-    def outside_uses(self, loss: torch.Tensor) -> list[bool]:
+    def outside_uses(self, loss: torch.Tensor | Sequence[torch.Tensor]) -> list[bool]:
         """As :meth:`GradientChecks.outside_uses`, with the graph's leaves (the tensors the forwards used) counted
         for the parameters they stand for."""
         paths: collections.Counter[int] = collections.Counter()
         for leaf, n in gradient_paths(loss).items():
             paths[self._alias.get(leaf, leaf)] += n
         return [pid in self.covered and paths[pid] > self.covered[pid].uses for pid in self.order]
+
+    def leave_out(self, mask: Sequence[bool], why: str = OUTSIDE) -> list[str]:
+        names = super().leave_out(mask, why)
+        # What was measured of them already is dropped: a pipeline stage decides after its first step's backwards.
+        self._measured = [m for m in self._measured if m[0].name not in names]
+        return names
 
     def reset(self) -> None:
         super().reset()

@@ -12,8 +12,10 @@ names kept, as torchtitan splits), each stage ``fully_shard``-ed over its own re
 The same flags, exit codes and JSON line as ``ddp_train.py``: 0 training reached --steps, 4 stopped on an
 incident, 2 bad arguments; the last stdout line with --json is ``{"final_step", "completed", "fingerprint",
 "incidents", "rollbacks", ...}``, the fingerprint that of every stage's parameters, stage by stage.
-Each stage saves its own entries, named apart (``model_stage0``, ``optim_stage0``, ...): the checkpoint holds
-the whole model, each stage's part written once, and every stage restores its own.
+Each stage saves its part of the whole model and optimizer as one entry held in parts,
+``{"model": StageState(stage, optimizer)}``, named by the whole model's parameter names: the checkpoint holds
+the whole model, each stage's part written once, and every rank restores the part its stage holds, so a run
+resumes onto another number of stages (``--resume --stages 4``) or into the whole model in one process.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch.distributed as dist
 
 import ddp_train
 import models
-from verified_ckpt import CheckpointManager, GuardConfig, RNGState, SDCGuard, state_fingerprint
+from verified_ckpt import CheckpointManager, GuardConfig, RNGState, SDCGuard, StageState, state_fingerprint
 
 
 def every(text: str) -> int | str:
@@ -86,7 +88,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     guard = SDCGuard(stage_mod, opt, None, cfg, pipeline=schedule)
     torch.manual_seed(args.seed * 1_000 + rank)  # dropout draws differ per rank, as in real jobs
     mgr = CheckpointManager(args.run, guard=guard) if args.run else None
-    state = {f"model_stage{pp}": stage_mod, f"optim_stage{pp}": opt, "rng": RNGState(), "progress": {"step": 0}}
+    state = {"model": StageState(stage_mod, opt), "rng": RNGState(), "progress": {"step": 0}}
 
     def one_step(step: int) -> None:
         ids = batch_of(args.seed, step, replica)

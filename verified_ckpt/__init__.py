@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .recovery import ExitCode, exit_code_for, exit_on
     from .report import render_html
     from .rng import RNGState
+    from .stage_state import StageState
     from .status import HEALTH_COLOURS, PALETTE, Status
     from .store import discover_runs
 
@@ -54,7 +55,7 @@ _LAZY = {
     "RNGState": "rng", "Status": "status", "discover_runs": "store", "ExitCode": "recovery",
     "exit_code_for": "recovery", "exit_on": "recovery", "replay_bundle": "checkpoint", "OpenCheckpoint": "checkpoint",
     "RankReport": "checkpoint", "SaveSession": "checkpoint", "PALETTE": "status", "HEALTH_COLOURS": "status",
-    "RunHealth": "health", "evidence_basis": "evidence",
+    "RunHealth": "health", "evidence_basis": "evidence", "StageState": "stage_state",
 }
 
 __all__ = [
@@ -92,6 +93,7 @@ __all__ = [
     "SDCGuard",
     "SaveSession",
     "SilentCorruptionDetected",
+    "StageState",
     "Status",
     "StorageError",
     "UnsafePath",

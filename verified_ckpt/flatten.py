@@ -29,7 +29,8 @@ from .errors import InvalidState
 from .jsonx import canonical_json, short_repr
 from .skeleton import BLOBS, BYTEARRAY, BYTES, BYTESIO, DICT, FLOAT, TENSOR, TUPLE, escape, malformed, skeleton_problem
 
-__all__ = ["OPTIMIZER_STATE", "Flat", "bookkeeping", "flatten", "flatten_value", "is_per_rank", "is_stateful", "unflatten"]
+__all__ = ["OPTIMIZER_STATE", "Flat", "bookkeeping", "flatten", "flatten_value", "is_in_parts", "is_per_rank", "is_stateful",
+           "unflatten"]
 
 # The name flatten gives an optimizer's per-parameter state tensor: ``<entry>/state/<parameter index>/<key>``.
 OPTIMIZER_STATE = re.compile(r"^([^/]+)/state/(\d+)/")
@@ -43,6 +44,13 @@ def is_per_rank(obj: Any) -> bool:
     """Whether ``obj`` holds different values on every rank (``per_rank = True``, as :class:`RNGState` has):
     each rank's value is saved, and each rank restores its own."""
     return getattr(obj, "per_rank", False) is True
+
+
+def is_in_parts(obj: Any) -> bool:
+    """Whether the ranks hold different parts of ``obj``'s state (``held_in_parts = True``, as
+    :class:`~verified_ckpt.StageState` has): the checkpoint holds their union, and each rank restores the keys its
+    own object names."""
+    return getattr(obj, "held_in_parts", False) is True
 
 
 @dataclasses.dataclass
@@ -95,6 +103,8 @@ def flatten(state: Mapping[str, Any]) -> Flat:
             raise InvalidState(f"state keys must be non-empty strings without '/', got {top!r}")
         if is_stateful(obj) and not isinstance(obj, torch.Tensor):
             skeleton[top] = {"stateful": True, "value": enc(obj.state_dict(), top)}
+            if is_in_parts(obj):
+                skeleton[top]["parts"] = True
         else:
             skeleton[top] = {"stateful": False, "value": enc(obj, top)}
     return Flat(enc.tensors, skeleton)

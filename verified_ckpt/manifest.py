@@ -276,9 +276,14 @@ def _check_state(state: dict[str, Any], tensors: Mapping[str, TensorEntry], shar
     for key, entry in state.items():
         if not key or "/" in key:
             raise bad(f"state key {short_repr(key)} is not a plain name")
-        if not (isinstance(entry, dict) and set(entry) in ({"stateful", "value"}, {"stateful", "value", "per_rank"})
-                and isinstance(entry["stateful"], bool) and entry.get("per_rank", True) is True):
-            raise bad(f"state entry {short_repr(key)} must have exactly stateful (bool), value and maybe per_rank (true)")
+        if not (isinstance(entry, dict) and set(entry) in ({"stateful", "value"}, {"stateful", "value", "per_rank"},
+                                                           {"stateful", "value", "parts"})
+                and isinstance(entry["stateful"], bool) and entry.get("per_rank", True) is True
+                and entry.get("parts", True) is True and (entry["stateful"] or "parts" not in entry)):
+            raise bad(f"state entry {short_repr(key)} must have exactly stateful (bool), value and maybe per_rank "
+                      "(true) or, when stateful, parts (true)")
+        if entry.get("parts") and not isinstance(entry["value"], dict):
+            raise bad(f"state entry {short_repr(key)} is held in parts but is not a mapping")
         values = [entry["value"]]
         if entry.get("per_rank"):  # one value per rank that saved, "0" .. "W-1"
             ranks = entry["value"]

@@ -19,7 +19,7 @@ from .errors import ManifestError
 from .jsonx import short_repr
 
 __all__ = ["BLOBS", "BYTEARRAY", "BYTES", "BYTESIO", "DICT", "FLOAT", "MAX_DEPTH", "MAX_POSITION", "TENSOR", "TUPLE",
-           "escape", "malformed", "skeleton_problem", "tensor_refs"]
+           "escape", "is_mapping", "malformed", "skeleton_problem", "tensor_refs"]
 
 TENSOR, TUPLE, DICT, FLOAT = "__tensor__", "__tuple__", "__dict__", "__float__"
 BYTES, BYTEARRAY, BYTESIO = "__bytes__", "__bytearray__", "__bytesio__"
@@ -146,3 +146,9 @@ def tensor_refs(value: Any) -> set[str]:
     if why is not None:
         raise malformed(why)
     return out
+
+
+def is_mapping(value: Any) -> bool:
+    """Whether a skeleton value is a mapping of its own keys, not a tagged value (a tensor reference, a tuple, a
+    non-finite float, a dict with keys JSON cannot hold): what merging and cutting parts descend into."""
+    return isinstance(value, dict) and not (len(value) == 1 and next(iter(value)).startswith("__"))

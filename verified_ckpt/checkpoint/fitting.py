@@ -13,22 +13,27 @@ with what was saved is looked for first, and reported together:
 * a plain tensor of another shape or dtype.
 
 Plain values (dicts, numbers, byte strings) are replaced, whatever they held.
+
+An entry saved in parts (``StageState``: pipeline stages, each holding part of the model) is first cut to the
+part this rank's object names (:func:`fit_parts`): every key it names must be in the checkpoint, with the same
+shapes and dtypes, and the keys of other parts are not read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..errors import InvalidState
-from ..flatten import OPTIMIZER_STATE, is_stateful
+from ..flatten import OPTIMIZER_STATE, flatten_value, is_in_parts, is_stateful
 from ..manifest import Manifest
-from ..skeleton import TENSOR, TUPLE, tensor_refs
+from ..skeleton import TENSOR, TUPLE, is_mapping, tensor_refs
 from ..tensorspec import dtype_name
 
-__all__ = ["check_fits"]
+__all__ = ["check_fits", "fit_parts"]
 
 _MAX_SHOWN = 8
 
@@ -55,6 +60,51 @@ def check_fits(state: Mapping[str, Any], m: Manifest) -> set[str]:
     for k in state:
         needed |= tensor_refs(m.state[k]["value"])
     return needed
+
+
+def fit_parts(state: Mapping[str, Any], m: Manifest) -> Manifest:
+    """``m`` with every entry saved in parts cut to the keys ``state``'s object for it names (module doc).
+
+    Raises:
+        InvalidState: naming every key the object names that the checkpoint lacks or holds in another shape or
+            dtype, or an object that does not hold its state in parts; nothing was touched.
+    """
+    keys = [k for k in state if isinstance(state, Mapping) and k in m.state and m.state[k].get("parts")]
+    if not keys:
+        return m
+    diffs: list[str] = []
+    cut = dict(m.state)
+    for key in keys:
+        target = state[key]
+        if not is_in_parts(target):
+            diffs.append(f"{key!r}: saved in parts (StageState), the object given is {type(target).__name__}")
+            continue
+        live, tensors = flatten_value(target.state_dict(), key)
+        missing: list[str] = []
+        cut[key] = {"stateful": True, "value": _cut(m.state[key]["value"], live, key, missing)}
+        diffs += [f"{key!r}: the checkpoint holds no {p[len(key) + 1:]!r}" for p in missing]
+        for name, t in tensors.items():
+            if m.spec(name) is not None:
+                diffs += _tensor_diffs(name, t, name, m)
+    if diffs:
+        shown = "; ".join(diffs[:_MAX_SHOWN]) + (f"; and {len(diffs) - _MAX_SHOWN} more" if len(diffs) > _MAX_SHOWN else "")
+        raise InvalidState(f"the state does not fit checkpoint {m.checkpoint_id} (step {m.step}): {shown}; nothing was "
+                           "restored - build each part of the model the way the whole model was built when saved")
+    return dataclasses.replace(m, state=cut)
+
+
+def _cut(saved: Any, live: Any, path: str, missing: list[str]) -> Any:
+    """``saved`` cut to the mappings' keys ``live`` holds; each key ``live`` holds that ``saved`` lacks goes to
+    ``missing``."""
+    if not (is_mapping(saved) and is_mapping(live)):
+        return saved
+    out = {}
+    for k, v in live.items():
+        if k in saved:
+            out[k] = _cut(saved[k], v, f"{path}/{k}", missing)
+        else:
+            missing.append(f"{path}/{k}")
+    return out
 
 
 def _kind(value: Any, stateful: bool) -> str:

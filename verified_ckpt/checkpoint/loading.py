@@ -22,7 +22,7 @@ from ..lanes import lanes_of
 from ..manifest import Manifest
 from ..sharding import assemble, box_of, chunks_for, sharded_targets, to_dtensor
 from ..tensorspec import dtype_name
-from .fitting import check_fits
+from .fitting import check_fits, fit_parts
 from .opening import read_failure
 from .reading import RESTORE, Reader
 
@@ -43,6 +43,7 @@ def restore_into(reader: Reader, state: Mapping[str, Any], m: Manifest, url: str
     """
     agree = agree or _alone
     try:
+        m = fit_parts(state, m)  # an entry held in parts: this rank's part of it
         needed = check_fits(state, m)
         sharded = needed & m.layout.keys()
         targets = sharded_targets(state, flatten(state).tensors, m.layout) if sharded else {}

@@ -7,9 +7,12 @@ union: each entry as the ranks that hold it agree it is, and each plain tensor w
 that hold it. A restore then loads, on each rank, the entries its own state names (``fitting``), so every stage
 restores its own part, bit for bit.
 
-Under pipeline parallel each stage names its entries apart (``{"model_stage0": stage, "optim_stage0": opt}``):
-a module or optimizer entry that every rank holds under one name but in different shapes would leave the
-checkpoint one stage's skeleton, and is refused.
+Under pipeline parallel each stage either names its entries apart (``{"model_stage0": stage, "optim_stage0":
+opt}``), or saves its part of one entry held in parts (``{"model": StageState(stage, opt)}``, ``stage_state``):
+that entry's value is the union of the stages' values, key by key (a key two stages both hold must be the same
+on both), and a restore gives each rank the keys its own object names (``fitting.fit_parts``), so the job can
+restore onto another number of stages. A module or optimizer entry that every rank holds under one name but whose
+ranks name different tensors would leave the checkpoint one stage's skeleton, and is refused.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import zlib
+from typing import Any
 
 import blake3
 import torch
@@ -26,6 +30,7 @@ from ..dtensors import is_dtensor
 from ..errors import InvalidState
 from ..flatten import Flat
 from ..jsonx import canonical_json
+from ..skeleton import is_mapping, tensor_refs
 
 __all__ = ["merge"]
 
@@ -42,7 +47,10 @@ def merge(flat: Flat, comm: Communicator) -> tuple[Flat, dict[str, torch.Tensor]
         return flat, {}
     shared = sorted(k for k in flat.skeleton if k not in flat.per_rank)
     plain = sorted(n for n, t in flat.tensors.items() if not is_dtensor(t))
-    digest = blake3.blake3(canonical_json({"entries": shared, "tensors": plain})).hexdigest().encode()
+    # The tensors each entry names, sharded ones included: stages whose modules are all DTensors hold the same
+    # entries and plain tensors, and still hold different parts of the model.
+    refs = {k: sorted(tensor_refs(flat.skeleton[k]["value"])) for k in shared}
+    digest = blake3.blake3(canonical_json({"entries": shared, "tensors": plain, "refs": refs})).hexdigest().encode()
     if len(set(comm.gather_bytes(digest))) == 1:
         return flat, {}
     mine = {"skeleton": {k: flat.skeleton[k] for k in shared}, "tensors": plain, "bookkeeping": list(flat.bookkeeping)}
@@ -51,13 +59,19 @@ def merge(flat: Flat, comm: Communicator) -> tuple[Flat, dict[str, torch.Tensor]
     for k in sorted(set().union(*(e["skeleton"] for e in everyone))):
         holders = [r for r, e in enumerate(everyone) if k in e["skeleton"]]
         values = [everyone[r]["skeleton"][k] for r in holders]
-        stateful = isinstance(values[0], dict) and values[0].get("stateful") is True
-        # Plain values every rank holds keep rank 0's, as on any layout; a part some ranks hold must be the same on
-        # all of them, and so must a module or optimizer every rank holds (else it is each stage's own, misnamed).
-        if any(v != values[0] for v in values) and (len(holders) < comm.world or stateful):
+        if values[0].get("parts") is True:
+            skeleton[k] = {**values[0], "value": _union(k, [v["value"] for v in values], holders)}
+            continue
+        # Plain values every rank holds keep rank 0's, as on any layout (a stateful object's plain values too, such
+        # as a framework's rank-local counters); a part some ranks hold must be the same on all of them, and a
+        # module or optimizer every rank holds must name the same tensors (else it is each stage's own, misnamed).
+        differ = any(v != values[0] for v in values)
+        named = any(tensor_refs(v["value"]) != tensor_refs(values[0]["value"]) for v in values)
+        if differ and (len(holders) < comm.world or (values[0]["stateful"] and named)):
             raise InvalidState(f"ranks {holders} hold state entry {k!r} with different contents; ranks that hold "
                                "different parts of the state (pipeline stages) must name them apart, e.g. "
-                               "{'model_stage0': stage_module, 'optim_stage0': optimizer} - nothing was saved")
+                               "{'model_stage0': stage_module, 'optim_stage0': optimizer}, or save one "
+                               "{'model': StageState(stage_module, optimizer)} - nothing was saved")
         skeleton[k] = values[0]
     skeleton |= {k: flat.skeleton[k] for k in flat.per_rank}  # every rank's own value, gathered already
     holders_of: dict[str, list[int]] = {}
@@ -70,3 +84,22 @@ def merge(flat: Flat, comm: Communicator) -> tuple[Flat, dict[str, torch.Tensor]
     # The DTensors stay: ``sharding.split`` lays them out from the ranks that hold them.
     rest: dict[str, torch.Tensor] = {n: t for n, t in flat.tensors.items() if is_dtensor(t)}
     return dataclasses.replace(flat, tensors=rest, skeleton=skeleton, bookkeeping=book), own
+
+
+def _union(key: str, values: list[Any], holders: list[int]) -> Any:
+    """The union of the ranks' values of an entry held in parts, mapping by mapping; a key that several ranks hold
+    must be the same on each (hyperparameters, a buffer every stage has).
+
+    Raises:
+        InvalidState: two ranks hold one key with different values; nothing was saved.
+    """
+    if all(is_mapping(v) for v in values):
+        out: dict[str, Any] = {}
+        for name in sorted(set().union(*values)):
+            having = [(r, v[name]) for r, v in zip(holders, values, strict=True) if name in v]
+            out[name] = _union(f"{key}/{name}", [v for _, v in having], [r for r, _ in having])
+        return out
+    if any(v != values[0] for v in values):
+        raise InvalidState(f"ranks {holders} hold {key!r} of a state held in parts with different values; each key "
+                           "must be one rank's, or the same on all that hold it - nothing was saved")
+    return values[0]

@@ -466,8 +466,9 @@ def pipeline_story(rank: int, world: int, base: str) -> dict:
                 "statuses": statuses, "abft": out["checks"].get("abft")}
 
     clean = example("clean", PIPELINE_STEPS)
-    example("stopped", 6)
-    out = {"clean": clean, "resumed": example("stopped", PIPELINE_STEPS, "--resume")}
+    stopped = example("stopped", 6)
+    restored_parts(rank, world, base, 2)
+    out = {"clean": clean, "stopped": stopped, "resumed": example("stopped", PIPELINE_STEPS, "--resume")}
     for fault in PIPELINE_FAULTS:
         with owner_faults(rank, fault):
             out[fault] = example(fault, PIPELINE_STEPS)
@@ -510,9 +511,42 @@ def owner_faults(rank: int, fault: str) -> Iterator[None]:
         SDCGuard.step = step  # type: ignore[method-assign]
 
 
+def restored_parts(rank: int, world: int, base: str, stages: int) -> None:
+    """The stopped run's step-6 checkpoint restored into ``stages`` fresh stages (one rank each, built as the
+    example builds them, from another seed; ``world == 1``: the whole model in this process), and every restored
+    tensor written whole, by the whole model's names, to ``parts-<stages>-r<rank>.safetensors``."""
+    import models
+
+    from verified_ckpt import CheckpointManager, StageState
+
+    warnings.simplefilter("ignore")
+    torch.manual_seed(FRESH_SEED)
+    whole = models.TinyGPT(d=32, layers=4, tied=False)
+    if world == 1:
+        module = whole
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (stages, 1, 1), mesh_dim_names=("pp", "replicate", "shard"))
+        module = models.pipeline_stage(whole, mesh.get_local_rank("pp"), stages)
+        for block in module.blocks.values():
+            fully_shard(block, mesh=mesh["replicate", "shard"])
+        fully_shard(module, mesh=mesh["replicate", "shard"])
+    part = StageState(module, torch.optim.AdamW(module.parameters(), lr=3e-3, weight_decay=0.01))
+    info = CheckpointManager(f"{base}/stopped").restore({"model": part}, step=6)
+    assert info.status.value == "restorable", info
+    got = part.state_dict()
+    tensors = {f"{k}/{n}": t for k in ("model", "optim") for n, t in got[k].items() if isinstance(t, torch.Tensor)}
+    save_file({n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone().contiguous()
+               for n, t in tensors.items()}, f"{base}/parts-{stages}-r{rank}.safetensors")
+
+
 @pytest.fixture(scope="module")
 def pipeline_runs(tmp_path_factory):
-    return run_ranks(pipeline_story, 2, str(tmp_path_factory.mktemp("pipeline")), timeout=270)[0]
+    base = tmp_path_factory.mktemp("pipeline")
+    out = run_ranks(pipeline_story, 2, str(base), timeout=270)[0]
+    return {**out, "base": base}
 
 
 def test_a_pipeline_without_replicas_saves_restorable_checkpoints_and_resumes_bitwise(pipeline_runs):
@@ -543,3 +577,58 @@ def test_a_fault_on_a_pipeline_stage_is_caught_then_resume_ends_bitwise_equal_to
         assert (inc["ranks"], inc["detected_step"]) == ([1], FAULT_AT + latency), inc
     assert again["completed"] and again["incidents"] == [], again
     assert again["fingerprint"] == pipeline_runs["clean"]["fingerprint"], (again, pipeline_runs["clean"])
+
+
+def test_a_pipeline_checkpoint_restores_onto_another_stage_count_and_into_the_whole_model(pipeline_runs):
+    """The 2-stage run's checkpoint restored, verified, onto 4 stages (4 ranks) and into the whole model in one
+    process: every parameter and optimizer state, by the whole model's names, equals bit for bit what the 2 stages
+    restore, and the parts together hold every name once."""
+    base = pipeline_runs["base"]
+    run_ranks(restored_parts, 4, str(base), 4, timeout=120)
+    restored_parts(0, 1, str(base), 1)
+
+    def merged(stages: int, ranks: int) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for r in range(ranks):
+            part = load_file(f"{base}/parts-{stages}-r{r}.safetensors")
+            assert not set(part) & set(out), sorted(set(part) & set(out))  # each name in one stage's part only
+            out.update(part)
+        return out
+
+    two, four, one = merged(2, 2), merged(4, 4), merged(1, 1)
+    # What was restored is what the stopped run held at its save: each stage's parameters, as the example
+    # fingerprints them (stage by stage), from the whole-model restore.
+    import models
+
+    from verified_ckpt import state_fingerprint
+
+    stages = [models.pipeline_stage(models.TinyGPT(d=32, layers=4, tied=False), k, 2) for k in range(2)]
+    held = [str(state_fingerprint({"model": {n: one[f"model/{n}"] for n, _ in st.named_parameters()}})) for st in stages]
+    assert "/".join(held) == pipeline_runs["stopped"]["fingerprint"]
+    assert set(two) == set(four) == set(one) and any(n.startswith("optim/state.blocks.3.") for n in one)
+    for n, t in two.items():
+        for other in (four, one):
+            assert other[n].dtype == t.dtype and torch.equal(other[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), n
+
+
+@pytest.mark.parametrize("layers", [3, 5])
+def test_a_whole_model_that_is_not_the_saved_one_is_refused_and_left_untouched(pipeline_runs, layers):
+    """Into one process, a model with a block fewer (a part of the checkpoint nobody would hold) or a block more
+    (a part the checkpoint lacks): refused with one line naming it, and the model and its stepped optimizer keep
+    every byte."""
+    import models
+
+    from verified_ckpt import CheckpointManager, InvalidState, StageState, state_fingerprint
+
+    torch.manual_seed(FRESH_SEED)
+    model = models.TinyGPT(d=32, layers=layers, tied=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model(torch.zeros(2, 8, dtype=torch.long)).square().mean().backward()
+    opt.step()  # a stepped optimizer: state of its own, which a failed restore must keep
+    part = StageState(model, opt)
+    before = str(state_fingerprint({"model": model, "optim": opt}))
+    with pytest.raises(InvalidState) as e:
+        CheckpointManager(str(pipeline_runs["base"] / "stopped")).restore({"model": part}, step=6)
+    missing = "blocks.3" if layers == 3 else "blocks.4"
+    assert missing in str(e.value) and "nothing was restored" in str(e.value) and "\n" not in str(e.value), e.value
+    assert str(state_fingerprint({"model": model, "optim": opt})) == before

@@ -19,7 +19,7 @@ from .errors import ManifestError
 from .jsonx import short_repr
 
 __all__ = ["BLOBS", "BYTEARRAY", "BYTES", "BYTESIO", "DICT", "FLOAT", "MAX_DEPTH", "MAX_POSITION", "TENSOR", "TUPLE",
-           "escape", "is_mapping", "malformed", "skeleton_problem", "tensor_refs"]
+           "escape", "is_mapping", "leaf_paths", "malformed", "skeleton_problem", "tensor_refs"]
 
 TENSOR, TUPLE, DICT, FLOAT = "__tensor__", "__tuple__", "__dict__", "__float__"
 BYTES, BYTEARRAY, BYTESIO = "__bytes__", "__bytearray__", "__bytesio__"
@@ -152,3 +152,10 @@ def is_mapping(value: Any) -> bool:
     """Whether a skeleton value is a mapping of its own keys, not a tagged value (a tensor reference, a tuple, a
     non-finite float, a dict with keys JSON cannot hold): what merging and cutting parts descend into."""
     return isinstance(value, dict) and not (len(value) == 1 and next(iter(value)).startswith("__"))
+
+
+def leaf_paths(value: Any, prefix: str = "") -> list[str]:
+    """The paths (``a/b/c``) of a skeleton value's leaves, through its mappings (:func:`is_mapping`), sorted."""
+    if not is_mapping(value):
+        return [prefix]
+    return sorted(p for k, v in value.items() for p in leaf_paths(v, f"{prefix}/{k}" if prefix else k))

@@ -22,7 +22,10 @@ shapes and dtypes, and the keys of other parts are not read.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+import json
+import operator
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,10 +33,10 @@ import torch
 from ..errors import InvalidState
 from ..flatten import OPTIMIZER_STATE, flatten_value, is_in_parts, is_stateful
 from ..manifest import Manifest
-from ..skeleton import TENSOR, TUPLE, is_mapping, tensor_refs
+from ..skeleton import TENSOR, TUPLE, is_mapping, leaf_paths, tensor_refs
 from ..tensorspec import dtype_name
 
-__all__ = ["check_fits", "fit_parts"]
+__all__ = ["check_fits", "fit_parts", "parts_taken", "parts_untaken"]
 
 _MAX_SHOWN = 8
 
@@ -91,6 +94,31 @@ def fit_parts(state: Mapping[str, Any], m: Manifest) -> Manifest:
         raise InvalidState(f"the state does not fit checkpoint {m.checkpoint_id} (step {m.step}): {shown}; nothing was "
                            "restored - build each part of the model the way the whole model was built when saved")
     return dataclasses.replace(m, state=cut)
+
+
+def parts_taken(state: Mapping[str, Any], full: Manifest, cut: Manifest) -> str:
+    """What this rank restores of each entry held in parts that ``state`` names: per entry, a bitmap (hex) over the
+    entry's sorted leaf paths in ``full``, set where ``cut`` (``fit_parts``'s) keeps the leaf. Every rank sends it
+    in the restore's one agreement, so the ranks together can be seen to take every part."""
+    out = {}
+    for key, entry in full.state.items():
+        if entry.get("parts") and key in state:
+            mine = set(leaf_paths(cut.state[key]["value"]))
+            out[key] = format(sum(1 << i for i, p in enumerate(leaf_paths(entry["value"])) if p in mine), "x")
+    return json.dumps(out, sort_keys=True)
+
+
+def parts_untaken(full: Manifest, every: Sequence[str]) -> list[str]:
+    """The leaves of entries held in parts that some rank restores and no rank's object names (from every rank's
+    :func:`parts_taken`): parts of the saved model no rank would hold after the restore."""
+    taken = [json.loads(t) for t in every if t]
+    left = []
+    for key, entry in full.state.items():
+        bits = [int(t[key], 16) for t in taken if key in t]
+        if entry.get("parts") and bits:
+            union = functools.reduce(operator.or_, bits)
+            left += [f"{key}/{p}" for i, p in enumerate(leaf_paths(entry["value"])) if not union >> i & 1]
+    return left
 
 
 def _cut(saved: Any, live: Any, path: str, missing: list[str]) -> Any:

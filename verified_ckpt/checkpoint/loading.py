@@ -17,12 +17,12 @@ import torch
 
 from ..dtensors import is_dtensor
 from ..errors import CorruptCheckpoint, InvalidState, VerifiedCkptError
-from ..flatten import flatten, is_stateful, unflatten
+from ..flatten import flatten, is_in_parts, is_stateful, unflatten
 from ..lanes import lanes_of
 from ..manifest import Manifest
 from ..sharding import assemble, box_of, chunks_for, sharded_targets, to_dtensor
 from ..tensorspec import dtype_name
-from .fitting import check_fits, fit_parts
+from .fitting import check_fits, fit_parts, parts_taken, parts_untaken
 from .opening import read_failure
 from .reading import RESTORE, Reader
 
@@ -30,18 +30,20 @@ __all__ = ["apply", "check_after", "restore_into"]
 
 
 def restore_into(reader: Reader, state: Mapping[str, Any], m: Manifest, url: str,
-                 agree: Callable[[BaseException | None], None] | None = None) -> None:
+                 agree: Callable[[BaseException | None, str], list[str]] | None = None) -> None:
     """Check that ``state`` fits, read what it needs through the checked path, then load it, all or nothing.
 
     ``agree(error_or_None)`` is called exactly once, after this rank has read, checked and staged everything and
     before anything that cannot be put back is applied; it raises when any rank of the restore failed
-    (``opening.agree``). Then this rank's applied entries are put back and the error is raised.
+    (``opening.agree``). Then this rank's applied entries are put back and the error is raised. What each rank
+    takes of an entry held in parts travels in it too: parts that no rank's object names fail the restore.
 
     Raises:
         InvalidState: ``state`` does not fit the checkpoint (nothing was touched).
         CorruptCheckpoint: stored bytes do not match the manifest (nothing was touched).
     """
     agree = agree or _alone
+    full = m
     try:
         m = fit_parts(state, m)  # an entry held in parts: this rank's part of it
         needed = check_fits(state, m)
@@ -58,15 +60,30 @@ def restore_into(reader: Reader, state: Mapping[str, Any], m: Manifest, url: str
         for n in sharded:
             piece = assemble(n, m.layout[n], boxes[n], shapes, loaded)
             loaded[n] = to_dtensor(piece, targets[n]) if n in targets else piece
+        taken = parts_taken(state, full, m)
     except Exception as e:  # every rank learns of it before anything is applied anywhere
-        agree(e)
+        agree(e, "")
         raise
-    apply(state, m, loaded, agree)
+
+    def agreed(error: BaseException | None) -> None:
+        left = parts_untaken(full, agree(error, taken))
+        if left:  # the same on every rank: from every rank's parts
+            raise InvalidState(f"no rank's object names {', '.join(map(repr, left[:5]))}"
+                               f"{f' and {len(left) - 5} more' if len(left) > 5 else ''} of checkpoint "
+                               f"{full.checkpoint_id}, saved in parts; nothing was restored - build the stages so "
+                               "that together they hold the whole model as saved")
+
+    apply(state, m, loaded, agreed)
 
 
-def _alone(error: BaseException | None) -> None:
+def _alone(error: BaseException | None, extra: str = "") -> list[str]:
     if error is not None:
         raise error
+    return [extra]
+
+
+def _one(error: BaseException | None) -> None:
+    _alone(error)
 
 
 def apply(state: Any, m: Manifest, loaded: dict[str, torch.Tensor],
@@ -91,14 +108,16 @@ def apply(state: Any, m: Manifest, loaded: dict[str, torch.Tensor],
     If anything in parts 0 or 1 fails on any rank, everything applied is put back and an ``InvalidState``
     naming the object is raised (the same on every rank).
     """
-    agree = agree or _alone
+    agree = agree or _one
     values = {key: unflatten(m.state[key]["value"], loaded) for key in list(state)}
 
     def undoable(key: str) -> bool:
         target = state[key]
         if isinstance(target, torch.nn.Module):
             return _custom_loading(target)
-        return is_stateful(target) and not isinstance(target, torch.Tensor)
+        # A part (``StageState``) copies into the live parameters in place, as a module does, so its previous
+        # state_dict, kept by reference, could not put it back: fitted key by key (``fit_parts``), it loads last.
+        return is_stateful(target) and not isinstance(target, torch.Tensor) and not is_in_parts(target)
 
     first = sorted((k for k in values if undoable(k)), key=lambda k: isinstance(state[k], torch.nn.Module))
     undo: list[Callable[[], None]] = []
@@ -141,6 +160,8 @@ def unloadable(target: Any) -> str | None:
                    for n, t in target.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)]
     elif isinstance(target, torch.Tensor):
         tensors = [("the tensor", target)]
+    elif is_in_parts(target) and isinstance(getattr(target, "module", None), torch.nn.Module):
+        return unloadable(target.module)  # a part loads into its module in place, as a module does
     else:
         return None
     for what, t in tensors:

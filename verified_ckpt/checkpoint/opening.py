@@ -109,18 +109,20 @@ def _info(d: dict[str, Any]) -> CheckpointInfo:
                           m, d["signature"])
 
 
-def agree(comm: Communicator, error: BaseException | None) -> None:
+def agree(comm: Communicator, error: BaseException | None, extra: str = "") -> list[str]:
     """Whether every rank succeeded (one collective). If any rank failed, every rank raises the same error: the
     first failing rank's, named (``rank 1: ...``), as its class where it is one of the library's, else as
-    ``InvalidState`` (the state could not take the checkpoint). ``error``: this rank's failure, or ``None``."""
+    ``InvalidState`` (the state could not take the checkpoint). ``error``: this rank's failure, or ``None``.
+    ``extra`` travels in the same collective; returns every rank's."""
     if not comm.active:
         if error is not None:
             raise error
-        return
-    mine = "" if error is None else json.dumps(error_doc(error))
-    failed = [(r, json.loads(e)) for r, e in enumerate(b.decode() for b in comm.gather_bytes(mine.encode())) if e]
+        return [extra]
+    mine = json.dumps({"error": None if error is None else error_doc(error), "extra": extra})
+    every = [json.loads(b) for b in comm.gather_bytes(mine.encode())]
+    failed = [(r, e["error"]) for r, e in enumerate(every) if e["error"]]
     if not failed:
-        return
+        return [str(e["extra"]) for e in every]
     rank, first = failed[0]
     known = _KNOWN.get(first["error"])
     message = first["message"] if known is not None else f"{first['error']}: {first['message']}"
@@ -181,9 +183,9 @@ class OpenCheckpoint:
         self.agree(error)
         return loaded
 
-    def agree(self, error: BaseException | None) -> None:
-        """Whether every rank succeeded (collective; :func:`agree`)."""
-        agree(self.comm, error)
+    def agree(self, error: BaseException | None, extra: str = "") -> list[str]:
+        """Whether every rank succeeded (collective; :func:`agree`); every rank's ``extra``."""
+        return agree(self.comm, error, extra)
 
     def applied(self) -> CheckpointInfo:
         """Tell the manager the checkpoint is loaded into the live state; returns it."""

@@ -18,6 +18,7 @@ ranks name different tensors would leave the checkpoint one stage's skeleton, an
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import zlib
 from typing import Any
@@ -30,7 +31,7 @@ from ..dtensors import is_dtensor
 from ..errors import InvalidState
 from ..flatten import Flat
 from ..jsonx import canonical_json
-from ..skeleton import is_mapping, tensor_refs
+from ..skeleton import is_mapping, leaf_paths, tensor_refs
 
 __all__ = ["merge"]
 
@@ -51,7 +52,10 @@ def merge(flat: Flat, comm: Communicator) -> tuple[Flat, dict[str, torch.Tensor]
     # entries and plain tensors, and still hold different parts of the model.
     refs = {k: sorted(tensor_refs(flat.skeleton[k]["value"])) for k in shared}
     digest = blake3.blake3(canonical_json({"entries": shared, "tensors": plain, "refs": refs})).hexdigest().encode()
-    if len(set(comm.gather_bytes(digest))) == 1:
+    # An entry held in parts is merged key by key (its parts' overlaps checked) even where every rank names the
+    # same tensors: replicas of one stage do, and so do stages that name their layers alike.
+    parts = any(flat.skeleton[k].get("parts") for k in shared)
+    if len(set(comm.gather_bytes(digest))) == 1 and not parts:
         return flat, {}
     mine = {"skeleton": {k: flat.skeleton[k] for k in shared}, "tensors": plain, "bookkeeping": list(flat.bookkeeping)}
     everyone = [json.loads(b) for b in comm.gather_bytes(canonical_json(mine))]
@@ -60,6 +64,7 @@ def merge(flat: Flat, comm: Communicator) -> tuple[Flat, dict[str, torch.Tensor]
         holders = [r for r, e in enumerate(everyone) if k in e["skeleton"]]
         values = [everyone[r]["skeleton"][k] for r in holders]
         if values[0].get("parts") is True:
+            _check_overlaps(k, [v["value"] for v in values], holders)
             skeleton[k] = {**values[0], "value": _union(k, [v["value"] for v in values], holders)}
             continue
         # Plain values every rank holds keep rank 0's, as on any layout (a stateful object's plain values too, such
@@ -103,3 +108,20 @@ def _union(key: str, values: list[Any], holders: list[int]) -> Any:
         raise InvalidState(f"ranks {holders} hold {key!r} of a state held in parts with different values; each key "
                            "must be one rank's, or the same on all that hold it - nothing was saved")
     return values[0]
+
+
+def _check_overlaps(key: str, values: list[Any], holders: list[int]) -> None:
+    """Ranks whose parts share a key must hold the same keys (replicas of one stage): two stages that overlap in
+    some keys and differ in others name different layers alike, and one stage's tensors would be lost.
+
+    Raises:
+        InvalidState: naming the two ranks and keys they share; nothing was saved.
+    """
+    sets: dict[frozenset[str], int] = {}
+    for r, v in zip(holders, values, strict=True):
+        sets.setdefault(frozenset(leaf_paths(v)), r)
+    for (a, ra), (b, rb) in itertools.combinations(sets.items(), 2):
+        if a & b:
+            raise InvalidState(f"ranks {ra} and {rb} hold parts of {key!r} that share {sorted(a & b)[:3]} and differ "
+                               "elsewhere: two stages name different layers alike; keep the whole model's names in "
+                               "every stage (a split that keeps names, as torchtitan's does) - nothing was saved")

@@ -45,7 +45,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--consensus-every", type=every, default="budget", help="steps, or 'budget' (the default)")
-    ap.add_argument("--audit-every", type=int, default=0, help=argparse.SUPPRESS)  # no audits under a pipeline yet
+    ap.add_argument("--audit-every", type=every, default="budget",
+                    help="steps, or 'budget' (the default); 0 disables scheduled audits")
     ap.add_argument("--mode", choices=["exact", "tolerance"], default="exact")
     ap.add_argument("--inject", action="append", default=[], metavar="SITE:RANK:STEP[:MODE]")
     ap.add_argument("--seed", type=int, default=0)
@@ -84,7 +85,8 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     stage = PipelineStage(stage_mod, pp, args.stages, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=models.token_loss)
     opt = torch.optim.AdamW(stage_mod.parameters(), lr=3e-3, weight_decay=0.01)
-    cfg = GuardConfig(consensus_every=args.consensus_every, mode=args.mode, faults=tuple(args.inject))
+    cfg = GuardConfig(consensus_every=args.consensus_every, audit_every=args.audit_every or None, mode=args.mode,
+                      faults=tuple(args.inject))
     guard = SDCGuard(stage_mod, opt, None, cfg, pipeline=schedule)
     torch.manual_seed(args.seed * 1_000 + rank)  # dropout draws differ per rank, as in real jobs
     mgr = CheckpointManager(args.run, guard=guard) if args.run else None

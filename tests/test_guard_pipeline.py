@@ -13,7 +13,10 @@ splits), each stage ``fully_shard``-ed over its own replicate x shard mesh (2 x 
 - every rank's step row carries its replica's loss, the stages before the last included;
 - ``examples/pipeline_train.py`` (``Schedule1F1B``) saves each stage's entries once, names a fault at its step,
   and its rollback and its resume end bit-identical to the clean run; stages that save their modules under one
-  name are refused, nothing written.
+  name are refused, nothing written;
+- with three replicas (6 ranks), a recompute audit replays another replica's whole step through the schedule:
+  faults ABFT cannot see (a wrong gradient sent upstream, a wrong attention output) are caught at their step,
+  naming the ranks the pipeline's direction leaves as suspects.
 """
 
 from __future__ import annotations
@@ -140,3 +143,89 @@ def test_a_pipeline_with_data_parallel_stages_is_guarded_on_every_stage(tmp_path
         # The NaN it makes crosses from stage 1 to stage 0 of its replica: both of that pipeline's ranks are
         # named, no other.
         assert got[r]["huge weight"] == {"caught": ["nonfinite_local", [1, 3], 2], "withheld": True}, got[r]
+
+
+# ------------------------------------------------------------------------------- audits of a pipeline
+AUDIT_FAULT_AT = 3
+AUDIT_FAULTS = {  # (the stage hooked, the direction): replica 1 of that stage, at AUDIT_FAULT_AT
+    "the gradient stage 1 sends": (1, "backward"), "stage 0's forward": (0, "forward"),
+}
+
+
+def audited(rank: int, world: int, base: str) -> dict:
+    """``examples/pipeline_train.py --stages 2 --replicas 3`` (6 ranks: stage 0 on ranks 0-2, stage 1 on 3-5), an
+    audit every step, each run with one of the test's own faults on replica 1 of one stage at AUDIT_FAULT_AT, in a
+    computation ABFT does not check: the gradient a stage's first block sends back out of its input (the residual
+    stream's, ``backward``), or a block's attention output (``forward``). Only in the step's own pass, not in the
+    audit's recomputation of it."""
+    import warnings
+
+    import pipeline_train
+
+    from verified_ckpt import SDCGuard
+
+    warnings.simplefilter("ignore")
+    step, out = SDCGuard.step, {}
+
+    for name, (stage, direction) in AUDIT_FAULTS.items():
+        hooked: set[int] = set()
+
+        def wrapped(self, stage=stage, direction=direction) -> None:
+            if id(self) not in hooked:
+                hooked.add(id(self))
+                mine = self.layout.stage.stage_index == stage and rank == 3 * stage + 1
+
+                def firing() -> bool:
+                    return mine and self._step == AUDIT_FAULT_AT and not self.abft.paused
+
+                block = next(iter(self.model.blocks.values()))
+                if direction == "backward":
+                    def pre(mod, args):
+                        if firing() and args[0].requires_grad:
+                            args[0].register_hook(lambda g: g * 1.5)
+                    block.register_forward_pre_hook(pre)
+                else:
+                    block.attn.register_forward_hook(lambda mod, args, y: y * 1.5 if firing() else None)
+            step(self)
+
+        SDCGuard.step = wrapped  # type: ignore[method-assign]
+        try:
+            args = pipeline_train.parse(["--stages", "2", "--replicas", "3", "--steps", "5", "--audit-every", "1"])
+            got = pipeline_train.train(rank, world, args)
+        finally:
+            SDCGuard.step = step  # type: ignore[method-assign]
+        out[name] = {"incidents": [(i["kind"], i["ranks"], i["detected_step"]) for i in got["incidents"]],
+                     "details": [i.get("detail", "") for i in got["incidents"]], "audits": got["checks"]["audit"]}
+    return out
+
+
+def test_a_pipeline_audit_recomputes_another_replicas_step_and_names_the_stage_that_made_the_fault():
+    """Six ranks, an audit every step: each replica of the whole pipeline recomputes the step of the replica
+    before it, a third breaks the tie. A wrong gradient sent upstream by stage 1 makes only stage 0's reductions
+    differ; the loss agrees, so stage 0's rank and the stage after it (the sender) are named, no other replica's.
+    A fault in stage 0's forward changes the loss and every stage of that replica: both its ranks are named. ABFT
+    sees neither (the faults are outside the layers it checks), nor does any reduction check."""
+    got = run_ranks(audited, 6, "", timeout=220)
+    for r in range(6):
+        assert got[r] == got[0], r  # every rank reached the same verdicts
+    out = got[0]
+    assert out["the gradient stage 1 sends"]["incidents"] == [["audit", [1, 4], AUDIT_FAULT_AT]], out
+    assert "the loss agrees" in out["the gradient stage 1 sends"]["details"][0], out
+    assert out["stage 0's forward"]["incidents"] == [["audit", [1, 4], AUDIT_FAULT_AT]], out
+    assert "the loss differs too" in out["stage 0's forward"]["details"][0], out
+    for name in AUDIT_FAULTS:
+        assert out[name]["audits"]["passed"] == AUDIT_FAULT_AT - 1, out[name]  # the clean steps before it, audited
+
+
+@pytest.mark.parametrize("named, moved, want", [
+    ([0, 3], False, [3]),  # stage 0 and the last stage of position 0 differ, the loss agrees: the last stage alone
+    ([0], False, [0, 3]),  # only stage 0: it, or the gradient stage 1 sent it
+    ([0, 3], True, [0, 3]),  # the loss moved: a forward's fault, on one of them
+    ([1, 2, 4], False, [4, 2, 5]),  # positions apart: replica 1 (stages 0, 1: the last) and replica 2 (stage 0 only)
+])
+def test_an_audit_under_a_pipeline_names_the_stages_the_direction_of_the_gradients_leaves(named, moved, want):
+    from verified_ckpt.guard.pipeline import upstream_explained
+
+    stage, position = [0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2]  # two stages of three replicas, stage-major
+    got = upstream_explained(named, stage, position, lambda r: moved and stage[r] == 1)
+    assert got == sorted(want)

@@ -53,3 +53,10 @@ def microbatch_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor |
     an audit replays to draw the owner's masks."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
+
+
+def restore_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    """Put back what :func:`microbatch_state` took: the CPU generator, and ``device``'s where it is a GPU."""
+    torch.set_rng_state(state[0])
+    if state[1] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state[1], device)

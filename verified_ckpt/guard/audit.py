@@ -29,6 +29,7 @@ from .. import decisions
 from ..comm import Communicator
 from ..history import Event
 from ..lanes import tensor_lanes
+from ..rng import restore_rng
 from .config import GuardConfig
 from .stats import Projector, StepStats, Verdict
 
@@ -225,9 +226,7 @@ def recompute(module: torch.nn.Module, params: Sequence[torch.Tensor], loss_fn: 
     cuda = [dev] if dev.type == "cuda" else []
     for mb, (cpu_rng, cuda_rng) in microbatches:
         with torch.random.fork_rng(devices=cuda), torch.enable_grad():
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None and cuda:
-                torch.cuda.set_rng_state(cuda_rng, dev)
+            restore_rng((cpu_rng, cuda_rng), dev)
             loss = loss_fn(module, mb)
             grads = torch.autograd.grad(loss, list(params), allow_unused=True)
         full = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=True)]

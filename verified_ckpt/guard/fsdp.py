@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..errors import GuardUsageError
 from ..history import NO_RANK, Event
+from ..rng import restore_rng
 from .abft import GradientChecks
 from .abft import judge as judge_abft
 from .abft.sharded import ShardedGradientChecks
@@ -207,6 +208,12 @@ class ShardedLayout:
             return rank_steps(rows, calls, shards, k)
 
         self._judge_step(s, [*judged, *self._abft_verdict(s, worst, steps)], steps)
+        self._audit_if_due(s, rows)
+
+    def _audit_if_due(self, s: int, rows: list[list[float]]) -> None:
+        """The step's audit, when the schedule (or a request) has one now; ``rows``: what each rank recorded (its
+        reductions' rows, then its loss)."""
+        g = self.g
         if g.audits_enabled and (g._audit_requested or g.sched.plan.audit):
             t0 = time.perf_counter()
             g._audit_requested = False
@@ -338,25 +345,52 @@ class ShardedLayout:
         all ranks together (they must all-gather); see ``sharded.judge_audit``. ``rows``: what each owner recorded
         while training; ``None``: each owner recomputes its own too (the weights have changed since)."""
         g = self.g
-        calls, shape = len(self.rs_tap.modes), (self.view.shards, g.project.k)
+        shape = (self.view.shards, g.project.k)
         everyone = exchange_batches(g.comm, s, mine, g.batch_for)
-        if rows is None:
-            rows = self._recompute_for(everyone, 0)
-            calls = (len(rows[0]) - 1) // ((shape[0] + 2) * (shape[1] + 1))
-        owner = [audit_vector(r, calls, *shape) for r in rows]
-        first = [audit_vector(r, calls, *shape) for r in self._recompute_for(everyone, 1)]
+
+        def vectors(rows: list[list[float]]) -> list[tuple[float, list[float], list[float]]]:
+            return [audit_vector(r, self._calls(i, r), *shape) for i, r in enumerate(rows)]
+
+        owner = vectors(rows if rows is not None else self._recompute_for(everyone, 0))
+        first = vectors(self._recompute_for(everyone, 1))
         exact, first_suspect = g.cfg.mode == "exact", g._last_pass("audit") + 1
         verdict, differ = judge_audit(s, owner, first, None, self.view, exact=exact, rtol=g.cfg.rtol,
                                       rms_weight=g.project.rms_weight, first_suspect=first_suspect)
         if differ and self.view.ring >= 3:
-            second = [audit_vector(r, calls, *shape) for r in self._recompute_for(everyone, 2)]
+            second = vectors(self._recompute_for(everyone, 2))
             verdict, _ = judge_audit(s, owner, first, second, self.view, exact=exact, rtol=g.cfg.rtol,
                                      rms_weight=g.project.rms_weight, first_suspect=first_suspect)
+        verdict = self._attribute(verdict, owner, first)
         if not verdict.ok:
             # A wrong weight shard makes its whole replica group compute wrongly (the group all-gathers it),
             # so compare the shards first: that names the one rank holding it, not its healthy peers.
             self.consensus(s)
         g.judge.judge(s, verdict)
+
+    def _attribute(self, v: Verdict, owner: Sequence[tuple[float, list[float], list[float]]],
+                   first: Sequence[tuple[float, list[float], list[float]]]) -> Verdict:
+        """The audit's verdict as this layout can explain it (``pipeline``: stages pass gradients upstream)."""
+        return v
+
+    def _calls(self, rank: int, row: Sequence[float]) -> int:
+        """How many reductions rank ``rank``'s audit row holds (the rows, then the loss)."""
+        return (len(row) - 1) // ((self.view.shards + 2) * (self.g.project.k + 1))
+
+    def _replay(self, mine: list[tuple[Any, Any]]) -> torch.Tensor:
+        """Forward and backward ``mine``'s microbatches, each from its random state; their summed loss."""
+        g = self.g
+        total = torch.zeros((), dtype=torch.float64, device=g.device)
+        for i, (mb, rng) in enumerate(mine):
+            restore_rng(rng, g.device)
+            self.before_backward(i == len(mine) - 1)
+            loss = g.loss_fn(g.model, mb)
+            loss.backward()
+            total += loss.detach().to(torch.float64)
+        return total
+
+    def _audit_row(self, total: torch.Tensor) -> torch.Tensor:
+        """What a recomputation gathers: its reductions' rows, then its loss."""
+        return torch.cat([*self.rs_tap.rows, total.view(1)])
 
     def _recompute_for(self, everyone: list[list[Any]], back: int) -> list[list[float]]:
         """Recompute, on every rank at once, the microbatches of the rank ``back`` places before it in the audit
@@ -373,17 +407,7 @@ class ShardedLayout:
             with self.paused(), torch.random.fork_rng(devices=[g.device] if g.device.type == "cuda" else []):
                 for p in g.params:
                     p.grad = None
-                total = torch.zeros((), dtype=torch.float64, device=g.device)
-                mine = everyone[owner]
-                for i, (mb, (cpu_rng, cuda_rng)) in enumerate(mine):
-                    torch.set_rng_state(cpu_rng)
-                    if cuda_rng is not None and g.device.type == "cuda":
-                        torch.cuda.set_rng_state(cuda_rng, g.device)
-                    self.before_backward(i == len(mine) - 1)
-                    loss = g.loss_fn(g.model, mb)
-                    loss.backward()
-                    total += loss.detach().to(torch.float64)
-                row = torch.cat([*self.rs_tap.rows, total.view(1)])
+                row = self._audit_row(self._replay(everyone[owner]))
         finally:
             self.rs_tap.auditing = False
             self.rs_tap.rows, self.rs_tap.modes = kept

@@ -22,8 +22,18 @@ What differs from one sharded model is about the job as a whole:
   covering modules) is measured locally at the stage's first backward and agreed among the stage's ranks at the
   step's end, outside the schedule: a collective inside it would wait on a stage that waits on this one.
 
-Not observed under a pipeline yet: recompute audits (one would be a whole schedule over another replica's
-microbatches) and interleaved (multi-stage) schedules.
+- A recompute audit is a whole schedule step over another data-parallel position's inputs: every rank of one
+  position (a replica of the whole pipeline, or a shard rank of 1-D stage meshes) replays, together, the step
+  of the position before it in the audit ring (``MeshView.shifted``, inside each stage's column) from that
+  step's inputs (``pipeline_step``'s: the first stage's, and the last stage's target) and random state, and each
+  rank's reductions are compared with what the rank it recomputed recorded. A stage of one rank without
+  replicas has nobody to recompute it: the chain, the oracle and ABFT stand for it. Where several stages of one
+  position differ, the suspects are found by direction (``upstream_explained``): gradients flow upstream, so
+  when the position's loss agrees the stages before the last differing one are explained by it, and only it and
+  the stage after it (which sent it gradients) are named; when the loss differs, a forward went wrong, which
+  reaches every stage, and the differing stages are named together (the fault is on one of them).
+
+Not observed under a pipeline yet: interleaved (multi-stage) schedules.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..errors import GuardUsageError
 from ..history import NO_RANK, Event
+from ..rng import restore_rng
 from .fsdp import ShardedLayout
 from .sharded import MeshView, RankStep, judge_step, rank_steps
 from .stats import Verdict
@@ -46,7 +57,7 @@ from .stats import Verdict
 if TYPE_CHECKING:
     from .sdcguard import SDCGuard
 
-__all__ = ["METADATA_PASSES", "PipelineLayout", "one_verdict", "stage_of", "within"]
+__all__ = ["METADATA_PASSES", "PipelineLayout", "one_verdict", "stage_of", "upstream_explained", "within"]
 
 # The stage's own passes that are not training computation (``PipelineLayout.__init__``), by torch version.
 METADATA_PASSES = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
@@ -92,12 +103,37 @@ def one_verdict(verdicts: Sequence[Verdict]) -> Verdict | None:
                    among=tuple(sorted({r for v in failed for r in (v.among or ())})))
 
 
+def upstream_explained(named: Sequence[int], stage: Sequence[int], position: Sequence[Any],
+                       loss_moved: Callable[[int], bool]) -> list[int]:
+    """The audit's named ranks, each position's narrowed to what its pipeline's direction explains (module doc).
+    When the position's loss (``loss_moved(rank)``, true only on the last stage) agreed, no forward went wrong:
+    the last differing stage computed its own gradients wrongly, or received wrong ones from the stage after it
+    (whose parameters' gradients can agree while the gradient it sent does not), so those two ranks are named and
+    the stages before them, which only received what they were sent, are not. Else every differing stage is.
+    ``stage`` and ``position``: each rank's stage index and data-parallel position (ranks of one position run
+    one pipeline together)."""
+    at = {(position[r], stage[r]): r for r in range(len(stage))}
+    by_position: dict[Any, list[int]] = {}
+    for r in named:
+        by_position.setdefault(position[r], []).append(r)
+    out: list[int] = []
+    for pos, ranks in by_position.items():
+        if any(loss_moved(r) for r in ranks):
+            out += ranks
+            continue
+        top = max(ranks, key=lambda r: stage[r])
+        after = at.get((pos, stage[top] + 1))
+        out += [top] + ([after] if after is not None else [])
+    return sorted(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageRows:
-    """What each rank's row holds, learnt at the first step: its length and its reductions' modes."""
+    """What each rank's row holds, learnt at the first step: its length, its reductions' modes and its stage."""
 
     lengths: list[int]
     modes: list[list[str | None]]
+    stages: list[int]
 
     @property
     def width(self) -> int:
@@ -157,11 +193,6 @@ class PipelineLayout(ShardedLayout):
             return got[0]
         return run
 
-    # ------------------------------------------------------------ who is where
-    @property
-    def ring(self) -> int:
-        return 0  # no recompute audits under a pipeline schedule yet (module doc)
-
     # ------------------------------------------------------------ the loop
     def run(self, args: Sequence[Any], kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         """This rank's part of one ``schedule.step``; the summed loss of its microbatches (zero off the last stage)."""
@@ -212,6 +243,44 @@ class PipelineLayout(ShardedLayout):
             return self._rank_steps(rows, losses, lay)
 
         self._judge_step(s, [*verdicts, *self._abft_verdict(s, worst, steps)], steps)
+        self._audit_if_due(s, [[*row, loss] for row, loss in zip(rows, losses, strict=True)])
+
+    # ------------------------------------------------------------ audits
+    def _attribute(self, v: Verdict, owner: Sequence[tuple[float, list[float], list[float]]],
+                   first: Sequence[tuple[float, list[float], list[float]]]) -> Verdict:
+        """``v`` with each position's named stages narrowed by the pipeline's direction (``upstream_explained``)."""
+        lay = self.layout
+        if v.ok or not v.ranks or lay is None:
+            return v
+        position = {r: (g, j) for col in self.view.columns for g, row in enumerate(col) for j, r in enumerate(row)}
+        last = max(lay.stages)
+
+        def loss_moved(r: int) -> bool:
+            return lay.stages[r] == last and owner[r][0] != first[self.view.shifted(r, 1)][0]
+
+        kept = upstream_explained(v.ranks, lay.stages, [position[r] for r in range(len(lay.stages))], loss_moved)
+        if any(loss_moved(r) for r in v.ranks):
+            why = "the loss differs too: a forward's fault reaches every stage, and it is on one of them"
+        else:
+            why = ("the loss agrees, so the fault is in the last differing stage's backward or in the gradient the "
+                   "stage after it sent: one of ranks named, and the stages before them only received it")
+        return dataclasses.replace(v, ranks=kept, detail=f"{v.detail}; {why}")
+
+    def _calls(self, rank: int, row: Sequence[float]) -> int:
+        assert self.layout is not None
+        return len(self.layout.modes[rank])  # stages reduce different numbers of buffers
+
+    def _replay(self, mine: list[tuple[Any, Any]]) -> torch.Tensor:
+        """The owner's whole step through the schedule, from its inputs and random state (one entry per step)."""
+        ((args, kwargs, target), rng), = mine
+        restore_rng(rng, self.g.device)
+        return self.run(args, kwargs, target)
+
+    def _audit_row(self, total: torch.Tensor) -> torch.Tensor:
+        """The reductions' rows, the loss, then zeros to the longest stage's row: the ranks gather equal rows."""
+        assert self.layout is not None
+        row = super()._audit_row(total)
+        return torch.cat([row, row.new_zeros(self.layout.width + 1 - row.numel())])
 
     def _end_probe(self) -> None:
         """The first step's end, outside the schedule: the stage's ranks agree on what ABFT leaves out (any of them
@@ -236,13 +305,14 @@ class PipelineLayout(ShardedLayout):
     def _learn(self, length: int) -> StageRows:
         """Every rank's row length and reductions' modes (the first step: two small gathers)."""
         g = self.g
-        mine = [length, len(self.rs_tap.modes)]
+        mine = [length, len(self.rs_tap.modes), self.stage.stage_index]
         both = g.comm.all_gather_rows(torch.tensor(mine, dtype=torch.int64, device=g.device)).tolist()
-        most = max(n for _, n in both)
+        most = max(n for _, n, _ in both)
         codes = [MODES.index(m) for m in self.rs_tap.modes] + [-1] * (most - len(self.rs_tap.modes))
         every = g.comm.all_gather_rows(torch.tensor(codes, dtype=torch.int64, device=g.device)).tolist()
-        return StageRows([n for n, _ in both], [[MODES[c] for c in row[:n]] for row, (_, n) in zip(every, both,
-                                                                                                   strict=True)])
+        return StageRows([n for n, _, _ in both], [[MODES[c] for c in row[:n]] for row, (_, n, _) in zip(every, both,
+                                                                                                         strict=True)],
+                         [k for _, _, k in both])
 
     def _rank_steps(self, rows: list[list[float]], losses: list[float], lay: StageRows) -> list[RankStep]:
         """Every rank's ledger figures; the stages before the last hold no loss, so each shows its replica's, from the

@@ -181,7 +181,7 @@ class SDCGuard(Bookkeeping):
         stage's rows carry it from the last after :meth:`step`). Then call :meth:`step`, on every rank."""
         if not self.layout.runs_schedule:
             raise GuardUsageError("pipeline_step needs SDCGuard(..., pipeline=schedule); train with backward() here")
-        self.begin(None, step=step)
+        self.begin((args, kwargs, target), step=step)  # what an audit replays: this rank's inputs of the step
         if self.abft is not None:
             self.sched.abft_ran = self.abft.on
         loss = cast("PipelineLayout", self.layout).run(args, kwargs, target)

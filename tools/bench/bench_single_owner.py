@@ -10,6 +10,10 @@ rank's local state, timed beside it.
 
     .venv/bin/python tools/bench/bench_single_owner.py --mesh 1x4 --steps 30
     .venv/bin/python tools/bench/bench_single_owner.py --mesh 2x2 --steps 14 --warmup 3
+    .venv/bin/python tools/bench/bench_single_owner.py --mesh 1x2 --steps 30
+
+``1x2`` gives each of 2 ranks a core of its own on a 2-core machine (4 ranks share 2 cores, so there every
+point-to-point transfer waits for a descheduled peer).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from verified_ckpt import GuardConfig, SDCGuard
 from verified_ckpt.lanes import lanes_on
+
+MESHES: dict[str, tuple[int, ...]] = {"1x2": (2,), "1x4": (4,), "2x2": (2, 2)}
 
 
 def build(mesh_shape: tuple[int, ...], width: int, depth: int) -> torch.nn.Module:
@@ -64,7 +70,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    shape = (4,) if args.mesh == "1x4" else (2, 2)
+    shape = MESHES[args.mesh]
     position = rank // shape[1] if len(shape) == 2 else rank  # TP ranks of one data-parallel position share data
     g = torch.Generator().manual_seed(position)
     batches = [torch.randn(args.batch, args.width, generator=g) for _ in range(4)]
@@ -118,7 +124,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mesh", choices=["1x4", "2x2"], default="1x4")
+    ap.add_argument("--mesh", choices=list(MESHES), default="1x4")
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch", type=int, default=64)
@@ -127,7 +133,8 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(worker, args=(4, f"file://{tmp}/store", args, out), nprocs=4)
+        world = MESHES[args.mesh][0] * (MESHES[args.mesh][1] if len(MESHES[args.mesh]) == 2 else 1)
+        mp.spawn(worker, args=(world, f"file://{tmp}/store", args, out), nprocs=world)
         with open(out) as f:
             res: dict[str, Any] = json.load(f)
     print(json.dumps(res, indent=1))

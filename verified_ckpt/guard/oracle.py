@@ -216,13 +216,12 @@ class UpdateOracle:
     def before_update(self) -> None:
         """Copy this turn's slice of every updated tensor as the update will read it."""
         self._inputs, self._ran = [], False
-        for _, p, (lo, hi) in self._items:
-            lp = local(p)
-            parts = [lp.detach().reshape(-1)[lo:hi].clone(), local(p.grad).reshape(-1)[lo:hi].clone()]
-            for _, v in sorted(self.optimizer.state.get(p, {}).items()):
-                if isinstance(v, torch.Tensor):
-                    lv = local(v)
-                    parts.append(lv.reshape(-1)[lo:hi].clone() if elementwise_state(v, lp) else lv.detach().clone())
+        for (_, p, (lo, hi)), described in zip(self._items, self._structure["items"], strict=True):
+            state = self.optimizer.state.get(p, {})
+            parts = [local(p).detach().reshape(-1)[lo:hi].clone(), local(p.grad).reshape(-1)[lo:hi].clone()]
+            # The plan's kinds (``_plan``): whether each state tensor is sliced with the parameter, found once.
+            parts += [local(state[k]).reshape(-1)[lo:hi].clone() if kind == "e" else local(state[k]).detach().clone()
+                      for k, kind, *_ in described[4]]
             self._inputs.append(parts)
 
     def after_update(self, step: int) -> None:
@@ -233,6 +232,7 @@ class UpdateOracle:
             lp = local(p)
             state = self.optimizer.state.get(p, {})
             after = [lp.detach().reshape(-1)[lo:hi]]
+            # Every state tensor after the update (the first update creates them: the plan, made before, has none).
             after += [local(v).reshape(-1)[lo:hi] if elementwise_state(v, lp) else local(v)
                       for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
             afters.append(after)

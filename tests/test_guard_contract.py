@@ -1,8 +1,9 @@
 """The guard's contract, the same behaviours on every layout (as ``store_contract.py`` is for stores): DDP, FSDP2,
-HSDP and FSDP2 + tensor parallel, on 4 gloo ranks in one launch, each at the defaults but where a behaviour needs a
-fault or an audit schedule:
+HSDP, FSDP2 + tensor parallel and a pipeline (2 stages of 2 replicas, ``ScheduleGPipe``), on 4 gloo ranks in one
+launch, each at the defaults but where a behaviour needs a fault or an audit schedule:
 
-- a clean run through the framework path (``begin`` / ``backward_of``, two microbatches a step) raises nothing;
+- a clean run through the framework path (``begin`` / ``backward_of``, two microbatches a step; under the
+  pipeline, ``pipeline_step`` over two microbatches) raises nothing;
 - a wrong reduced gradient on rank 1 is caught at its step, naming rank 1, and the update is withheld (the state
   after the failed step is the state before it, bit for bit);
 - audits leave no trace (with dropout, an audit every step ends bit-identical to no audits);
@@ -17,7 +18,7 @@ from dist_harness import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
-LAYOUTS = ("ddp", "fsdp", "hsdp", "fsdp+tp")
+LAYOUTS = ("ddp", "fsdp", "hsdp", "fsdp+tp", "pipeline")
 
 
 def model(layout: str) -> tuple[torch.nn.Module, int]:
@@ -34,6 +35,14 @@ def model(layout: str) -> tuple[torch.nn.Module, int]:
     rank = dist.get_rank()
     if layout == "ddp":
         return DDP(m), rank
+    if layout == "pipeline":  # stage 0 holds the first Linear (ranks 0, 1), stage 1 the rest (ranks 2, 3)
+        mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "rep", "shard"))
+        stage = m[0:2] if mesh.get_local_rank("pp") == 0 else m[2:6]  # the Sequential's names kept
+        for layer in stage:
+            if list(layer.parameters()):
+                fully_shard(layer, mesh=mesh["rep", "shard"])
+        fully_shard(stage, mesh=mesh["rep", "shard"])
+        return stage, mesh.get_local_rank("rep")
     shape, names = {"fsdp": ((4,), ("dp",)), "hsdp": ((2, 2), ("rep", "dp")), "fsdp+tp": ((2, 2), ("dp", "tp"))}[layout]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     dp = mesh if layout != "fsdp+tp" else mesh["dp"]
@@ -62,7 +71,9 @@ def run(layout: str, faults: list[str], steps: int = 3, **cfg: object) -> dict:
 
     m, replica = model(layout)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    guard = SDCGuard(m, opt, loss_fn, GuardConfig(faults=faults, **cfg))  # type: ignore[arg-type]
+    schedule = pipeline_schedule(m) if layout == "pipeline" else None
+    guard = SDCGuard(m, opt, None if schedule else loss_fn, GuardConfig(faults=faults, **cfg),  # type: ignore[arg-type]
+                     pipeline=schedule)
     from verified_ckpt.guard.protocol import Layout
 
     assert isinstance(guard.layout, Layout), f"{layout}: {type(guard.layout).__name__} does not satisfy Layout"
@@ -73,7 +84,11 @@ def run(layout: str, faults: list[str], steps: int = 3, **cfg: object) -> dict:
     try:
         for step in range(steps):
             before = full(m, opt)
-            for i in range(2):  # the framework path: it runs the forward itself
+            if schedule is not None:  # the schedule runs both microbatches: inputs on the first stage, target on the last
+                x = torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * step + replica))
+                first = schedule._stage.is_first
+                guard.pipeline_step(*([x] if first else []), step=step, target=None if first else torch.zeros(8, 1))
+            for i in range(0 if schedule is not None else 2):  # the framework path: it runs the forward itself
                 mb = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + 10 * i + replica))
                 guard.begin(mb, step=step)
                 no_sync = getattr(m, "no_sync", None)
@@ -84,6 +99,16 @@ def run(layout: str, faults: list[str], steps: int = 3, **cfg: object) -> dict:
     except SilentCorruptionDetected as e:
         return {"caught": [e.incident.kind, e.incident.ranks, e.incident.detected_step], "withheld": full(m, opt) == before}
     return {"final": full(m, opt), "failed": sum(c.failed for c in guard.counters().values()), "rows": sorted(set(rows))}
+
+
+def pipeline_schedule(stage: torch.nn.Module) -> object:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "rep", "shard"))  # as ``model`` made it
+    return ScheduleGPipe(PipelineStage(stage, mesh.get_local_rank("pp"), 2, torch.device("cpu"),
+                                       group=mesh["pp"].get_group()), n_microbatches=2,
+                         loss_fn=lambda y, _: y.square().mean())
 
 
 def contract(rank: int, world: int) -> dict:

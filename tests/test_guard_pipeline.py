@@ -229,3 +229,14 @@ def test_an_audit_under_a_pipeline_names_the_stages_the_direction_of_the_gradien
     stage, position = [0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2]  # two stages of three replicas, stage-major
     got = upstream_explained(named, stage, position, lambda r: moved and stage[r] == 1)
     assert got == sorted(want)
+
+
+def test_a_pipelines_coverage_line_is_the_whole_jobs_each_stage_weighted_by_its_parameters():
+    from verified_ckpt.guard.abft.layers import Coverage
+
+    first = Coverage({"Linear": 2, "Embedding": 2}, 1.0, 0.9, 1.0, [], {})
+    last = Coverage({"Linear": 1}, 0.5, 0.6, 1.0, [("head.weight", "why")], {"Custom": 1})
+    job = Coverage.of_parts([(first, 300), (last, 100)])
+    assert job.modules == {"Linear": 3, "Embedding": 2} and job.uncovered == {"Custom": 1}
+    assert job.param_fraction == pytest.approx(0.875) and job.flop_fraction == pytest.approx(0.825)
+    assert job.left_out == [("head.weight", "why")] and "88% of parameters" in job.summary()

@@ -448,9 +448,9 @@ PIPELINE_FAULTS = {"weight": "chain", "exp_avg": "chain", "update": "oracle", "g
 
 def pipeline_story(rank: int, world: int, base: str) -> dict:
     """``examples/pipeline_train.py`` as its users run it, 2 stages of one rank each (no data-parallel replica,
-    so every piece is held once), at the default config: a clean run saving every 3 steps; a run stopped at step
-    6 and resumed from its save in a fresh job; and for each of the test's own faults on stage 1, a run that
-    stops on the catch, then ``--resume`` in a fresh job (no fault) to the end."""
+    so every piece is held once), at the default config: a clean run saving every 3 steps, then resumed from its
+    newest save in a fresh job; and for each of the test's own faults on stage 1, a run that stops on the catch,
+    then ``--resume`` in a fresh job (no fault) to the end."""
     import pipeline_train
 
     from verified_ckpt import CheckpointManager
@@ -466,9 +466,9 @@ def pipeline_story(rank: int, world: int, base: str) -> dict:
                 "statuses": statuses, "abft": out["checks"].get("abft")}
 
     clean = example("clean", PIPELINE_STEPS)
-    stopped = example("stopped", 6)
     restored_parts(rank, world, base, 2)
-    out = {"clean": clean, "stopped": stopped, "resumed": example("stopped", PIPELINE_STEPS, "--resume")}
+    # A fresh job resumes the clean run from its newest save (step 12) and ends where the clean run ended.
+    out = {"clean": clean, "resumed": example("clean", PIPELINE_STEPS, "--resume")}
     for fault in PIPELINE_FAULTS:
         with owner_faults(rank, fault):
             out[fault] = example(fault, PIPELINE_STEPS)
@@ -512,7 +512,7 @@ def owner_faults(rank: int, fault: str) -> Iterator[None]:
 
 
 def restored_parts(rank: int, world: int, base: str, stages: int) -> None:
-    """The stopped run's step-6 checkpoint restored into ``stages`` fresh stages (one rank each, built as the
+    """The clean run's step-6 checkpoint restored into ``stages`` fresh stages (one rank each, built as the
     example builds them, from another seed; ``world == 1``: the whole model in this process), and every restored
     tensor written whole, by the whole model's names, to ``parts-<stages>-r<rank>.safetensors``."""
     import models
@@ -534,7 +534,7 @@ def restored_parts(rank: int, world: int, base: str, stages: int) -> None:
             fully_shard(block, mesh=mesh["replicate", "shard"])
         fully_shard(module, mesh=mesh["replicate", "shard"])
     part = StageState(module, torch.optim.AdamW(module.parameters(), lr=3e-3, weight_decay=0.01))
-    info = CheckpointManager(f"{base}/stopped").restore({"model": part}, step=6)
+    info = CheckpointManager(f"{base}/clean").restore({"model": part}, step=6)
     assert info.status.value == "restorable", info
     got = part.state_dict()
     tensors = {f"{k}/{n}": t for k in ("model", "optim") for n, t in got[k].items() if isinstance(t, torch.Tensor)}
@@ -551,13 +551,14 @@ def pipeline_runs(tmp_path_factory):
 
 def test_a_pipeline_without_replicas_saves_restorable_checkpoints_and_resumes_bitwise(pipeline_runs):
     """Two pipeline stages of one rank each: the stage's shards have no replica anywhere. The chain and the oracle
-    stand for the consensus: the saves are restorable, ABFT checks every step inside the schedule, and a stop at
-    step 6 then ``--resume`` in a fresh job ends with every stage's parameters bit for bit the uninterrupted run's."""
+    stand for the consensus: the saves are restorable, ABFT checks every step inside the schedule, and ``--resume``
+    in a fresh job from the newest save ends with every stage's parameters bit for bit the uninterrupted run's."""
     s = pipeline_runs
     assert s["clean"]["completed"] and s["clean"]["incidents"] == [], s["clean"]
     assert set(s["clean"]["statuses"]) == {"restorable"} and len(s["clean"]["statuses"]) == PIPELINE_STEPS // 3
     assert s["clean"]["abft"]["passed"] == PIPELINE_STEPS and s["clean"]["abft"]["failed"] == 0, s["clean"]["abft"]
     assert s["resumed"]["completed"] and s["resumed"]["fingerprint"] == s["clean"]["fingerprint"], s
+    assert s["resumed"]["abft"]["passed"] == PIPELINE_STEPS - 12, s["resumed"]  # from the save at 12, not afresh
 
 
 @pytest.mark.parametrize("fault", list(PIPELINE_FAULTS))
@@ -576,6 +577,8 @@ def test_a_fault_on_a_pipeline_stage_is_caught_then_resume_ends_bitwise_equal_to
         latency = 0 if fault == "grad" else 1
         assert (inc["ranks"], inc["detected_step"]) == ([1], FAULT_AT + latency), inc
     assert again["completed"] and again["incidents"] == [], again
+    if fault != "update":  # rolled back to the save at 3, not started afresh (an update's suspects may reach 0)
+        assert again["abft"]["passed"] == PIPELINE_STEPS - 3, again
     assert again["fingerprint"] == pipeline_runs["clean"]["fingerprint"], (again, pipeline_runs["clean"])
 
 
@@ -596,15 +599,17 @@ def test_a_pipeline_checkpoint_restores_onto_another_stage_count_and_into_the_wh
         return out
 
     two, four, one = merged(2, 2), merged(4, 4), merged(1, 1)
-    # What was restored is what the stopped run held at its save: each stage's parameters, as the example
-    # fingerprints them (stage by stage), from the whole-model restore.
-    import models
+    # What was restored is what the checkpoint holds: each stage's DTensors are one chunk each (a stage of one
+    # rank), so every restored whole tensor has the fingerprint its stored chunk has in the manifest.
+    from verified_ckpt import CheckpointManager, tensor_fingerprint
 
-    from verified_ckpt import state_fingerprint
-
-    stages = [models.pipeline_stage(models.TinyGPT(d=32, layers=4, tied=False), k, 2) for k in range(2)]
-    held = [str(state_fingerprint({"model": {n: one[f"model/{n}"] for n, _ in st.named_parameters()}})) for st in stages]
-    assert "/".join(held) == pipeline_runs["stopped"]["fingerprint"]
+    m = CheckpointManager(str(base / "clean")).list()[1].manifest
+    assert m is not None and m.step == 6
+    for name, t in one.items():
+        entry = m.layout.get(f"model/{name}")
+        stored = entry.chunks[0].tensor if entry is not None else f"model/{name}"
+        assert entry is None or len(entry.chunks) == 1, name
+        assert str(tensor_fingerprint(t)) == m.tensors[stored].fingerprint, name
     assert set(two) == set(four) == set(one) and any(n.startswith("optim/state.blocks.3.") for n in one)
     for n, t in two.items():
         for other in (four, one):
@@ -628,7 +633,7 @@ def test_a_whole_model_that_is_not_the_saved_one_is_refused_and_left_untouched(p
     part = StageState(model, opt)
     before = str(state_fingerprint({"model": model, "optim": opt}))
     with pytest.raises(InvalidState) as e:
-        CheckpointManager(str(pipeline_runs["base"] / "stopped")).restore({"model": part}, step=6)
+        CheckpointManager(str(pipeline_runs["base"] / "clean")).restore({"model": part}, step=6)
     missing = "blocks.3" if layers == 3 else "blocks.4"
     assert missing in str(e.value) and "nothing was restored" in str(e.value) and "\n" not in str(e.value), e.value
     assert str(state_fingerprint({"model": model, "optim": opt})) == before

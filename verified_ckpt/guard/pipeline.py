@@ -50,6 +50,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..errors import GuardUsageError
 from ..history import NO_RANK, Event
 from ..rng import restore_rng
+from .abft.layers import Coverage
 from .fsdp import ShardedLayout
 from .sharded import MeshView, RankStep, judge_step, rank_steps
 from .stats import Verdict
@@ -295,8 +296,14 @@ class PipelineLayout(ShardedLayout):
         checks.leave_out([any(p[i] for p in peers) for i in range(len(mine))])
         checks.end_probe()
         codes = [checks.name_of(i) for i in range(len(g.params) + 2 * len(checks.layers))]
-        self.names = [json.loads(b) for b in g.comm.gather_bytes(json.dumps(codes).encode())]
-        g._report_coverage(checks.coverage())
+        cov = dataclasses.asdict(checks.coverage())
+        sent = {"names": codes, "coverage": cov, "params": sum(p.numel() for p in g.params)}  # DTensors: global
+        told = [json.loads(b) for b in g.comm.gather_bytes(json.dumps(sent).encode())]
+        self.names = [t["names"] for t in told]
+        # One coverage for the job: each stage's (its first rank's), weighted by the stage's parameters.
+        firsts = [col[0][0] for col in self.view.columns]
+        g._report_coverage(Coverage.of_parts([(_coverage(told[r]["coverage"]), int(told[r]["params"]))
+                                              for r in firsts]))
 
     def _name_of(self, rank: int, index: int) -> str:
         names = self.names[rank] if rank < len(self.names) else []
@@ -321,6 +328,11 @@ class PipelineLayout(ShardedLayout):
         loss_of = {r: losses[last[i][j]] for col in self.view.columns for i, row in enumerate(col)
                    for j, r in enumerate(row)}
         return [rank_steps([[*row, loss_of[r]]], len(lay.modes[r]), shards, k)[0] for r, row in enumerate(rows)]
+
+
+def _coverage(d: dict[str, Any]) -> Coverage:
+    """A coverage as another rank sent it (``dataclasses.asdict``, through JSON)."""
+    return Coverage(**{**d, "left_out": [tuple(x) for x in d["left_out"]]})
 
 
 def _relabel(col: list[list[int]], ranks: list[int]) -> list[list[int]]:

@@ -150,6 +150,27 @@ class Coverage:
             line += f"; left out: {self.left_out_summary()}"
         return line + ". Parameters ABFT does not check are verified by audits and consensus only (docs/GUARD.md)."
 
+    @staticmethod
+    def of_parts(parts: Sequence[tuple[Coverage, int]]) -> Coverage:
+        """One coverage for a job whose ranks check different parameters (pipeline stages): each part's with its
+        parameter count, the fractions weighted by it (FLOP shares too: a stage's backward FLOPs grow with its
+        parameters' in these layers)."""
+        total = sum(n for _, n in parts) or 1
+
+        def weighted(values: list[float | None]) -> float | None:
+            if any(v is None for v in values):
+                return None
+            return sum(v * n for v, (_, n) in zip(values, parts, strict=True) if v is not None) / total
+
+        modules: collections.Counter[str] = collections.Counter()
+        uncovered: collections.Counter[str] = collections.Counter()
+        for c, _ in parts:
+            modules.update(c.modules)
+            uncovered.update(c.uncovered)
+        return Coverage(dict(modules), weighted([c.param_fraction for c, _ in parts]) or 0.0,
+                        weighted([c.flop_fraction for c, _ in parts]), weighted([c.linear_flop_fraction for c, _ in parts]),
+                        [x for c, _ in parts for x in c.left_out], dict(uncovered))
+
     def left_out_summary(self) -> str:
         """The parameters left out, grouped by why (a few names each)."""
         why: dict[str, list[str]] = {}

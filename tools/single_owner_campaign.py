@@ -1,5 +1,7 @@
 """Single-owner state at the default ``GuardConfig()``: clean runs with dropout, and the faults only the update
-oracle and the at-rest chain can see, on pure FSDP2 (1 x 4) and FSDP2 + tensor parallel (2 x 2), 4 gloo ranks.
+oracle and the at-rest chain can see, on pure FSDP2 (1 x 4), FSDP2 + tensor parallel (2 x 2) and a pipeline of 4
+stages of one rank each (``pp4``: examples/models.py's TinyGPT split by hand, ``Schedule1F1B``, saved through
+``StageState``), 4 gloo ranks.
 
 For each mesh: one clean run of ``--steps`` steps with dropout 0.1, saving every 50 steps (no incident, every
 save ``restorable``); then ``--trials`` runs per fault class, each with its own seed for the owner rank, the
@@ -12,6 +14,7 @@ tool's own writes and optimizer hooks, never ``verified_ckpt.faults``.
 
     .venv/bin/python tools/single_owner_campaign.py --mesh 1x4 --steps 200 --trials 8
     .venv/bin/python tools/single_owner_campaign.py --mesh 2x2 --steps 200 --trials 8
+    .venv/bin/python tools/single_owner_campaign.py --mesh pp4 --steps 200 --trials 8
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-from verified_ckpt import CheckpointManager, GuardConfig, SDCGuard, SilentCorruptionDetected
+from verified_ckpt import CheckpointManager, GuardConfig, SDCGuard, SilentCorruptionDetected, StageState
 
 D = 32
 KINDS = ("weight", "exp_avg", "update", "grad")
 WINDOW = 12  # steps after the fault a trial waits for a catch
+MESHES: dict[str, tuple[int, ...]] = {"1x4": (4,), "2x2": (2, 2), "pp4": (4, 1, 1)}  # pp4: stages x replicas x shards
 
 
 def build(shape: tuple[int, ...], dropout: float) -> tuple[torch.nn.Module, int]:
@@ -59,6 +64,33 @@ def build(shape: tuple[int, ...], dropout: float) -> tuple[torch.nn.Module, int]
             fully_shard(layer, mesh=dp)
     fully_shard(m, mesh=dp)
     return m, mesh.get_coordinate()[0]
+
+
+class Pipeline:
+    """This rank's stage of a TinyGPT (4 blocks, dropout) split into ``stages`` stages of one rank each, each stage
+    ``fully_shard``-ed over its own mesh of one, under ``Schedule1F1B`` (4 microbatches)."""
+
+    def __init__(self, stages: int, dropout: float) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        import models
+
+        mesh = init_device_mesh("cpu", (stages, 1, 1), mesh_dim_names=("pp", "replicate", "shard"))
+        self.pp, self.stages = mesh.get_local_rank("pp"), stages
+        torch.manual_seed(0)
+        self.module = models.pipeline_stage(models.TinyGPT(d=32, layers=4, tied=False, dropout=dropout), self.pp, stages)
+        for block in self.module.blocks.values():
+            fully_shard(block, mesh=mesh["replicate", "shard"])
+        fully_shard(self.module, mesh=mesh["replicate", "shard"])
+        stage = PipelineStage(self.module, self.pp, stages, torch.device("cpu"), group=mesh["pp"].get_group())
+        self.schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=models.token_loss)
+
+    def step(self, guard: SDCGuard, step: int) -> None:
+        ids = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1000 * step))
+        first, last = self.pp == 0, self.pp == self.stages - 1
+        guard.pipeline_step(*([ids[:, :-1]] if first else []), step=step, target=ids[:, 1:] if last else None)
 
 
 def loss_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +119,8 @@ def wrong_gradient(layer: torch.nn.Module, elem: int, when: Any) -> None:
 
 def run(rank: int, shape: tuple[int, ...], url: str, steps: int, dropout: float, fault: dict[str, Any] | None
         ) -> dict[str, Any]:
-    model, position = build(shape, dropout)
+    pipe = Pipeline(shape[0], dropout) if len(shape) == 3 else None
+    model, position = (pipe.module, 0) if pipe is not None else build(shape, dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     weights = [p for p in model.parameters() if p.dim() == 2]
     now = [-1]
@@ -109,18 +142,22 @@ def run(rank: int, shape: tuple[int, ...], url: str, steps: int, dropout: float,
         opt.register_step_pre_hook(pre)
         opt.register_step_post_hook(post)
     if fault is not None and fault["kind"] == "grad":
-        layers = [m for m in model if isinstance(m, torch.nn.Linear)]
+        layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         wrong_gradient(layers[fault["param"] % len(layers)], fault["elem"],
                        lambda: rank == fault["owner"] and now[0] == fault["step"])
-    guard = SDCGuard(model, opt, loss_fn, GuardConfig())
+    guard = SDCGuard(model, opt, None if pipe else loss_fn, GuardConfig(), pipeline=pipe.schedule if pipe else None)
     mgr = CheckpointManager(url, guard=guard)
+    state = {"model": StageState(model, opt)} if pipe is not None else {"model": model, "optim": opt}
     torch.manual_seed(100 + rank)  # each rank's own dropout stream (TP ranks of one position see the same batch)
     statuses = []
     try:
         for step in range(steps):
             now[0] = step
-            x = torch.randn(8, D, generator=torch.Generator().manual_seed(1000 * step + position))
-            guard.backward(x, step=step)
+            if pipe is not None:
+                pipe.step(guard, step)
+            else:
+                x = torch.randn(8, D, generator=torch.Generator().manual_seed(1000 * step + position))
+                guard.backward(x, step=step)
             guard.step()
             opt.zero_grad()
             if fault is not None and fault["kind"] in ("weight", "exp_avg") and step == fault["step"] \
@@ -132,7 +169,7 @@ def run(rank: int, shape: tuple[int, ...], url: str, steps: int, dropout: float,
                     if bits.numel():
                         bits[fault["elem"] % bits.numel()] ^= 1 << fault["bit"]
             if step % 50 == 49:
-                statuses.append(mgr.save(step, {"model": model, "optim": opt}).status.value)
+                statuses.append(mgr.save(step, state).status.value)
     except SilentCorruptionDetected as e:
         inc = e.incident
         return {"caught": True, "step": now[0], "kind": inc.kind, "ranks": inc.ranks, "statuses": statuses}
@@ -143,7 +180,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    shape = (4,) if args.mesh == "1x4" else (2, 2)
+    shape = MESHES[args.mesh]
     results: dict[str, Any] = {}
     tmp = os.path.dirname(out)  # every rank's runs in one folder (the job's)
     results["clean"] = run(rank, shape, f"{tmp}/clean", args.steps, 0.1, None)
@@ -176,7 +213,7 @@ def summary(res: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mesh", choices=["1x4", "2x2"], default="1x4")
+    ap.add_argument("--mesh", choices=list(MESHES), default="1x4")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--trials", type=int, default=8)
     args = ap.parse_args()

@@ -11,6 +11,10 @@ rank's local state, timed beside it.
     .venv/bin/python tools/bench/bench_single_owner.py --mesh 1x4 --steps 30
     .venv/bin/python tools/bench/bench_single_owner.py --mesh 2x2 --steps 14 --warmup 3
     .venv/bin/python tools/bench/bench_single_owner.py --mesh 1x2 --steps 30
+    .venv/bin/python tools/bench/bench_single_owner.py --mesh 1x2 --model gpt --steps 30
+
+``--model gpt`` is the d=256 GPT of the DDP benchmark (``bench_guard.py --model gpt``: TinyGPT, 4 layers, 8 heads,
+context 64, vocabulary 1024, batch 16), each block and the whole model under ``fully_shard``.
 
 ``1x2`` gives each of 2 ranks a core of its own on a 2-core machine (4 ranks share 2 cores, so there every
 point-to-point transfer waits for a descheduled peer).
@@ -33,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 
 from verified_ckpt import GuardConfig, SDCGuard
 from verified_ckpt.lanes import lanes_on
@@ -40,7 +45,7 @@ from verified_ckpt.lanes import lanes_on
 MESHES: dict[str, tuple[int, ...]] = {"1x2": (2,), "1x4": (4,), "2x2": (2, 2)}
 
 
-def build(mesh_shape: tuple[int, ...], width: int, depth: int) -> torch.nn.Module:
+def build(mesh_shape: tuple[int, ...], width: int, depth: int, model: str = "mlp") -> torch.nn.Module:
     """``depth`` MLP blocks (Linear up, GELU, Linear down); on 2 x 2 each block colwise then rowwise over ``tp``
     (torchtitan's recipe), FSDP over ``dp``."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -50,6 +55,16 @@ def build(mesh_shape: tuple[int, ...], width: int, depth: int) -> torch.nn.Modul
     torch.manual_seed(0)
     tp = len(mesh_shape) == 2
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp") if tp else ("dp",))
+    if model == "gpt":
+        if tp:
+            raise SystemExit("--model gpt runs on the FSDP meshes (1x2, 1x4)")
+        import models
+
+        gpt = models.TinyGPT(vocab=1024, d=width, layers=depth, heads=8, context=64)
+        for block in gpt.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(gpt, mesh=mesh)
+        return gpt
     blocks = [torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
               for _ in range(depth)]
     model = torch.nn.Sequential(*blocks)
@@ -63,6 +78,10 @@ def build(mesh_shape: tuple[int, ...], width: int, depth: int) -> torch.nn.Modul
 
 
 def loss_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.int64:  # token ids: the GPT
+        import models
+
+        return models.lm_loss(model, x)
     return model(x).square().mean()
 
 
@@ -73,7 +92,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     shape = MESHES[args.mesh]
     position = rank // shape[1] if len(shape) == 2 else rank  # TP ranks of one data-parallel position share data
     g = torch.Generator().manual_seed(position)
-    batches = [torch.randn(args.batch, args.width, generator=g) for _ in range(4)]
+    batches = [torch.randint(0, 1024, (args.batch, 65), generator=g) if args.model == "gpt"
+               else torch.randn(args.batch, args.width, generator=g) for _ in range(4)]
     per_step = {"consensus_every": 10**9, "audit_every": None}
     variants: dict[str, GuardConfig | None] = {
         "plain": None, "per-step checks": GuardConfig(**per_step),
@@ -81,7 +101,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         "per-step, no ABFT": GuardConfig(abft=False, **per_step)}  # type: ignore[arg-type]
     runs: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, SDCGuard | None]] = {}
     for name, cfg in variants.items():
-        model = build(shape, args.width, args.depth)
+        model = build(shape, args.width, args.depth, args.model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         runs[name] = (model, opt, SDCGuard(model, opt, loss_fn, cfg) if cfg else None)
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -117,7 +137,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     if rank == 0:
         worst = torch.stack(gathered).max(0).values.tolist()
         with open(out, "w") as f:
-            json.dump({"mesh": args.mesh, "params": params, "plain_step_s": statistics.median(times["plain"]),
+            json.dump({"mesh": args.mesh, "model": args.model, "params": params, "plain_step_s": statistics.median(times["plain"]),
                        "median_ratio": dict(zip(variants, worst[:-1], strict=True)), "chain_share": worst[-1]}, f)
     dist.destroy_process_group()
 
@@ -127,10 +147,13 @@ def main() -> None:
     ap.add_argument("--mesh", choices=list(MESHES), default="1x4")
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=None, help="64 for the MLP, 16 for the GPT")
+    ap.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     args = ap.parse_args()
+    if args.batch is None:
+        args.batch = 16 if args.model == "gpt" else 64
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         world = MESHES[args.mesh][0] * (MESHES[args.mesh][1] if len(MESHES[args.mesh]) == 2 else 1)

@@ -26,6 +26,9 @@ def test_gpu_check_small_mode_writes_every_section_and_fingerprints_agree(tmp_pa
     for key in ("fingerprint_gb_s", "sum_gb_s", "copy_gb_s", "many_fingerprint_gb_s"):
         assert r["throughput"][key] > 0
     assert r["step"]["plain_s"] > 0 and r["step"]["guarded_s"] > 0
+    # The oracle witnessed its own slices every step after the first, and a clean run has no mismatch.
+    [own] = r["owner"]
+    assert own["plain_s"] > 0 and own["oracle_steps_checked"] == 5 and own["oracle_mismatches"] == 0
     for key in ("torch_save_s", "verified_save_s", "dcp_save_s", "async_blocking_s", "torch_load_s",
                 "verified_restore_s", "dcp_load_s"):
         assert r["io"][key] > 0

@@ -9,7 +9,8 @@ import torch
 from dist_harness import run_ranks
 
 from verified_ckpt.comm import Communicator
-from verified_ckpt.guard.oracle import ELEMENTWISE, UpdateOracle, elementwise_optimizer, piece
+from verified_ckpt.guard.oracle import ELEMENTWISE, UpdateOracle, elementwise_optimizer
+from verified_ckpt.guard.recompute import _runs, piece
 
 SETTINGS: dict[type[torch.optim.Optimizer], dict[str, object]] = {
     torch.optim.SGD: {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4},
@@ -22,22 +23,25 @@ SETTINGS: dict[type[torch.optim.Optimizer], dict[str, object]] = {
 
 def one_rank(cls: type[torch.optim.Optimizer], steps: int, corrupt: int | None = None,
              skip: int | None = None) -> list[tuple[float, float]]:
-    """Train two odd-sized tensors for ``steps`` with the oracle on one process (which then witnesses its own
-    slices); at step ``corrupt``, one element of the slice the oracle checks gets a 10x update; at step ``skip``
-    the optimizer's step does not run (as a gradient scaler skips one). The (checked, mismatched) flags."""
+    """Train three odd-sized tensors in two groups for ``steps`` with the oracle on one process (which then
+    witnesses its own slices); at step ``corrupt``, one element of the slice the oracle checks gets a 10x update;
+    at step ``skip`` the optimizer's step does not run (as a gradient scaler skips one). The second tensor has no
+    gradient at step 2, so its step count lags the first's from then on (they are recomputed together before,
+    apart after). The (checked, mismatched) flags."""
     torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(37, 5)), torch.nn.Parameter(torch.randn(11))]
+    ps = [torch.nn.Parameter(torch.randn(37, 5)), torch.nn.Parameter(torch.randn(13)),
+          torch.nn.Parameter(torch.randn(11))]
     if isinstance(cls, str):  # "fused AdamW": the class, with that flag
         flag, name = cls.split()
         cls, settings = getattr(torch.optim, name), {"lr": 1e-3, flag: True}
     else:
         settings = SETTINGS.get(cls, {"lr": 1e-3})
-    opt = cls([{"params": ps[:1]}, {"params": ps[1:], "lr": 3e-4}], **settings)
+    opt = cls([{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-4}], **settings)
     oracle = UpdateOracle(opt, Communicator(), 4, torch.device("cpu"))
     flags = []
     for step in range(steps):
         for p in ps:
-            p.grad = torch.randn_like(p)
+            p.grad = None if step == 2 and p is ps[1] else torch.randn_like(p)
         carried = oracle.carry()
         flags.append((float(carried[0]), float(carried[1])))
         oracle.agree([carried.tolist()])
@@ -63,6 +67,23 @@ def test_a_recomputed_slice_is_the_update_and_a_wrong_element_is_seen(cls):
     clean = one_rank(cls, 9)
     assert all(checked > 0 and not bad for checked, bad in clean), clean
     assert [bad for _, bad in one_rank(cls, 9, corrupt=5)] == [0, 0, 0, 0, 0, 1, 0, 0, 0]
+
+
+def test_slices_with_equal_scalar_state_are_recomputed_as_one_tensor_and_unequal_ones_apart():
+    """One optimizer call per run, not per parameter: Adam's slices of one group with the same step count join;
+    a step count that lags (a parameter without a gradient at some step), another group, a fused item or a
+    scalar kept on a GPU stays apart."""
+    def item(gi: int, step: float, n: int = 3) -> tuple:
+        return (gi, torch.zeros(n), torch.zeros(n), {"exp_avg": torch.zeros(n), "step": torch.tensor(step)}, {})
+
+    def described(gi: int) -> list:
+        return [gi, 3, "torch.float32", "torch.float32",
+                [["exp_avg", "e", "torch.float32", [3]], ["step", "h", "torch.float32", []]], "{}", False]
+
+    items = [item(0, 4.0), item(0, 4.0), item(0, 3.0), item(1, 4.0), item(0, 4.0)]
+    assert _runs([described(i[0]) for i in items], items, [None] * 5) == [[0, 1, 4], [2], [3]]
+    assert _runs([described(i[0]) for i in items], items, [None, ("fused",), None, None, None]) == [
+        [0, 4], [1], [2], [3]]
 
 
 def test_a_skipped_optimizer_step_is_not_recomputed_as_an_update():

@@ -10,6 +10,9 @@ Sections (each timed side by side on the same device, medians of repeats):
   batched against one ``sum()`` per tensor;
 * ``consensus``: the transformer state's consensus lanes (time, and aten ops counted by a dispatch mode);
 * ``step``: plain against guarded training steps of the transformer, interleaved (single process);
+* ``owner``: the single-owner evidence's own parts on the device, interleaved against plain steps of the d=256 GPT
+  benchmark and the d=1024 transformer: the update oracle (``guard/oracle.py``; one process witnesses its own
+  slices, so everything but the transfer) and the at-rest chain (``guard/chain.py``: its two passes);
 * ``io``: verified save / restore / non-blocking-save blocking time against ``torch.save`` / ``torch.load`` +
   ``load_state_dict`` and ``dcp.save`` / ``dcp.load``.
 
@@ -140,6 +143,58 @@ def step_overhead(device: torch.device, d: int, layers: int, steps: int) -> dict
     return {"plain_s": plain, "guarded_s": guarded, "overhead": guarded / plain - 1}
 
 
+def owner(device: torch.device, models: list[tuple[int, int, int, int]], steps: int) -> list[dict[str, Any]]:
+    """Per model ``(d, layers, vocab, batch)``: a plain AdamW step, the same with the update oracle's four calls
+    around it, and with the chain's two; steps interleaved, medians of per-step ratios against plain."""
+    from models import TinyGPT, lm_loss
+    from verified_ckpt.comm import Communicator
+    from verified_ckpt.guard.chain import StateChain
+    from verified_ckpt.guard.consensus import state_tensors
+    from verified_ckpt.guard.oracle import UpdateOracle
+
+    out = []
+    for d, layers, vocab, batch in models:
+        runs = {}
+        for name in ("plain", "oracle", "chain"):
+            torch.manual_seed(0)
+            model = TinyGPT(vocab=vocab, d=d, layers=layers, heads=max(d // 32, 1), context=64).to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            params = list(model.parameters())
+            runs[name] = (model, opt, UpdateOracle(opt, Communicator(), 8, device) if name == "oracle" else None,
+                          StateChain(lambda ps=params, o=opt: state_tensors(ps, o), device) if name == "chain" else None)
+        ids = torch.randint(0, vocab, (batch, 65), device=device)
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        flags: list[list[float]] = []  # the oracle's (elements checked, mismatch) per step: clean, so no mismatch
+        for s in range(steps):
+            for name, (model, opt, oracle, chain) in runs.items():
+                sync(device)
+                t0 = time.perf_counter()
+                lm_loss(model, ids).backward()
+                if oracle is not None:
+                    row = oracle.carry().tolist()  # the step's one gathered row: its one host sync
+                    oracle.agree([row])
+                    flags.append(row[:2])
+                    oracle.before_update()
+                if chain is not None:
+                    chain.carry().tolist()
+                opt.step()
+                if oracle is not None:
+                    oracle.after_update(s)
+                if chain is not None:
+                    chain.after_update()
+                opt.zero_grad(set_to_none=True)
+                sync(device)
+                times[name].append(time.perf_counter() - t0)
+        ratio = {k: statistics.median(a / b for a, b in zip(times[k][3:], times["plain"][3:], strict=True)) - 1
+                 for k in ("oracle", "chain")}
+        out.append({"d": d, "layers": layers, "vocab": vocab, "batch": batch,
+                    "params": sum(p.numel() for p in runs["plain"][0].parameters()),
+                    "plain_s": statistics.median(times["plain"][3:]), "oracle_overhead": ratio["oracle"],
+                    "chain_overhead": ratio["chain"], "oracle_steps_checked": sum(1 for c, _ in flags if c),
+                    "oracle_mismatches": sum(1 for _, bad in flags if bad)})
+    return out
+
+
 def io(device: torch.device, tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
@@ -185,6 +240,9 @@ def main() -> int:
     result["throughput"] = throughput(device, (1 << 16) if args.small else (1 << 30), tensors, repeats)
     result["consensus"] = consensus(device, tensors, repeats)
     result["step"] = step_overhead(device, 32 if args.small else 1024, 2 if args.small else 12, 6 if args.small else 40)
+    # The d=256 GPT of the DDP and single-owner benchmarks (batch 16), and the d=1024 transformer above.
+    result["owner"] = owner(device, [(32, 2, 64, 4)] if args.small else [(256, 4, 1024, 16), (1024, 12, 8192, 8)],
+                            6 if args.small else 40)
     result["io"] = io(device, tensors, repeats)
     print(json.dumps(result, indent=1))
     if args.out:

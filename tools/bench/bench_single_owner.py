@@ -137,7 +137,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     if rank == 0:
         worst = torch.stack(gathered).max(0).values.tolist()
         with open(out, "w") as f:
-            json.dump({"mesh": args.mesh, "model": args.model, "params": params, "plain_step_s": statistics.median(times["plain"]),
+            plain_step = statistics.median(times["plain"])
+            json.dump({"mesh": args.mesh, "model": args.model, "params": params, "plain_step_s": plain_step,
                        "median_ratio": dict(zip(variants, worst[:-1], strict=True)), "chain_share": worst[-1]}, f)
     dist.destroy_process_group()
 

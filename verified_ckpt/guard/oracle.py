@@ -25,11 +25,8 @@ Adam) cannot be sliced: the oracle does not run, and the coverage says so.
 
 from __future__ import annotations
 
-import collections
-import copy
 import dataclasses
 import json
-import math
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,9 +34,9 @@ from typing import Any
 import torch
 
 from ..comm import Communicator
-from ..dtensors import local
+from ..dtensors import held
 from ..history import NO_RANK, Event
-from ..lanes import lanes_on
+from .recompute import Part, item_lanes, piece, recompute
 from .stats import Verdict, host_row
 
 __all__ = ["CARRY", "ELEMENTWISE", "UpdateOracle", "elementwise_optimizer", "elementwise_state", "piece"]
@@ -62,34 +59,6 @@ def elementwise_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     return None
 
 
-def piece(numel: int, slices: int, turn: int) -> tuple[int, int]:
-    """The ``[start, stop)`` of a tensor's flat elements that turn ``turn`` checks: one of ``slices`` pieces, in
-    rotation, so every element is checked once every ``slices`` turns."""
-    width = max(1, math.ceil(numel / slices))
-    count = math.ceil(numel / width)
-    start = (turn % count) * width
-    return start, min(numel, start + width)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Part:
-    """One tensor of a shipped slice: its dtype and shape as the receiver rebuilds it."""
-
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty(0, dtype=_dtype(self.dtype)).element_size()
-
-
-def _dtype(name: str) -> torch.dtype:
-    got = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(got, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
-    return got
-
-
 def _described(t: torch.Tensor) -> list[Any]:
     return [str(t.dtype), list(t.shape)]
 
@@ -103,7 +72,10 @@ class UpdateOracle:
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, slices: int, device: torch.device) -> None:
         self.optimizer, self.comm, self.slices, self.device = optimizer, comm, slices, device
         self.turn = 0
-        self._inputs: list[list[torch.Tensor]] = []  # per updated tensor, this turn's slice before the update
+        self._inputs: torch.Tensor | None = None  # this turn's slices before the update, as one byte buffer
+        # Each parameter's item of the structure, kept while its state stays the same (``_plan``).
+        self._described: dict[int, tuple[tuple[Any, ...], list[Any]]] = {}
+        self._digested: tuple[Any, int] = (None, 0)  # the structure's digest, and what it was taken of
         self._items: list[tuple[int, torch.Tensor, tuple[int, int]]] = []  # (group, parameter, window)
         self._hyper: list[float] = []  # the groups' numeric hyperparameters at this update
         self._structure: dict[str, Any] = {}  # what the receiver needs to rebuild this rank's slice
@@ -122,29 +94,29 @@ class UpdateOracle:
     # ------------------------------------------------------------ the owner
     def _plan(self) -> None:
         """This turn's items (every parameter with a gradient and local elements) and the structure describing
-        their slices, computed on the host from shapes and dtypes alone."""
+        their slices, computed on the host from shapes and dtypes alone (and kept per parameter while its state
+        is the same dict with the same keys: describing every parameter every step was most of this call)."""
         items: list[tuple[int, torch.Tensor, tuple[int, int]]] = []
         described: list[Any] = []
+        kept: dict[int, tuple[tuple[Any, ...], list[Any]]] = {}
         for gi, group in enumerate(self.optimizer.param_groups):
+            fused = bool(group.get("fused"))
             for p in group["params"]:
-                lp = local(p)
-                if p.grad is None or lp.numel() == 0:
+                if p.grad is None:
                     continue
-                window = piece(lp.numel(), self.slices, self.turn)
-                items.append((gi, p, window))
-                state = self.optimizer.state.get(p, {})
-                # A scalar may live on the host beside a GPU parameter (Adam's step count): rebuilt where it was.
-                entries = [[k, "e" if elementwise_state(v, lp) else "h" if local(v).device.type == "cpu" else "w",
-                            *_described(local(v))] for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
-                others = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
-                try:
-                    kept = json.dumps(others, sort_keys=True)
-                except (TypeError, ValueError):
-                    kept = None  # state the receiver cannot rebuild: this item is shipped, not checked
-                # A fused kernel is not bitwise under slicing (on a CPU its vector body and scalar tail round
-                # differently): its outputs are shipped and compared within a rounding bound instead of bitwise.
-                fused = bool(group.get("fused"))
-                described.append([gi, lp.numel(), str(lp.dtype), str(local(p.grad).dtype), entries, kept, fused])
+                state = self.optimizer.state.get(p)
+                # The state dict itself is in the key (held, so its id cannot be reused by another while cached).
+                key = (gi, fused, p.grad.dtype, state, len(state) if state is not None else -1)
+                cached = self._described.get(id(p))
+                hit = cached is not None and all(a is b or a == b for a, b in zip(cached[0], key, strict=True))
+                entry = cached[1] if cached is not None and hit else self._describe(gi, p, state or {}, fused)
+                if entry is None:
+                    continue
+                if entry[5] == "{}" and state is not None:  # non-tensor state can change every step: not kept
+                    kept[id(p)] = (key, entry)
+                items.append((gi, p, piece(entry[1], self.slices, self.turn)))
+                described.append(entry)
+        self._described = kept
         groups = []
         hyper: list[float] = []
         for group in self.optimizer.param_groups:
@@ -167,12 +139,33 @@ class UpdateOracle:
         self._items, self._hyper = items, hyper
         self._structure = {"items": described, "groups": groups, "hyper": len(hyper)}
 
+    @staticmethod
+    def _describe(gi: int, p: torch.Tensor, state: dict[str, Any], fused: bool) -> list[Any] | None:
+        """One parameter's item of the structure (``None``: no local elements to update)."""
+        lp = held(p)
+        if lp.numel() == 0:
+            return None
+        # A scalar may live on the host beside a GPU parameter (Adam's step count): rebuilt where it was.
+        entries = [[k, "e" if elementwise_state(v, lp) else "h" if held(v).device.type == "cpu" else "w",
+                    *_described(held(v))] for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
+        others = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+        try:
+            kept = json.dumps(others, sort_keys=True)
+        except (TypeError, ValueError):
+            kept = None  # state the receiver cannot rebuild: this item is shipped, not checked
+        # A fused kernel is not bitwise under slicing (on a CPU its vector body and scalar tail round
+        # differently): its outputs are shipped and compared within a rounding bound instead of bitwise.
+        return [gi, lp.numel(), str(lp.dtype), str(held(p.grad).dtype), entries, kept, fused]
+
     def carry(self) -> torch.Tensor:
         """``float64[6]`` for this step's gathered row: the verdict on the previous rank's last update (elements
         checked, mismatches), this rank's structure digest and the bytes it will ship after this update."""
         self._finish()
         self._plan()
-        digest = zlib.crc32(json.dumps(self._structure, sort_keys=True).encode())
+        same = (tuple(map(id, self._structure["items"])), self._structure["groups"])
+        if same != self._digested[0]:
+            self._digested = (same, zlib.crc32(json.dumps(self._structure, sort_keys=True).encode()))
+        digest = self._digested[1]
         size = _payload_bytes(self._structure, self.slices, self.turn)
         return torch.cat([self._pending(), host_row([float(digest), float(size)] + [0.0] * 6, self.device)])
 
@@ -208,42 +201,50 @@ class UpdateOracle:
             structure = sent.structures.get(owner)
             got = wait()
             self._flag = torch.zeros(2, dtype=torch.float64, device=self.device) if structure is None else \
-                _recompute(self.optimizer, structure, got.to(self.device), self.slices, sent.turn)
+                recompute(self.optimizer, structure, got.to(self.device), self.slices, sent.turn)
 
     def _stepped(self, *_: Any) -> None:
         self._ran = True
 
     def before_update(self) -> None:
-        """Copy this turn's slice of every updated tensor as the update will read it."""
-        self._inputs, self._ran = [], False
+        """Copy this turn's slice of every updated tensor as the update will read it: one ``cat`` of their bytes
+        (a copy per tensor was a kernel launch and a Python call each)."""
+        self._ran = False
+        views: list[torch.Tensor] = []
         for (_, p, (lo, hi)), described in zip(self._items, self._structure["items"], strict=True):
             state = self.optimizer.state.get(p, {})
-            parts = [local(p).detach().reshape(-1)[lo:hi].clone(), local(p.grad).reshape(-1)[lo:hi].clone()]
+            views += [held(p).detach().reshape(-1)[lo:hi], held(p.grad).reshape(-1)[lo:hi]]
             # The plan's kinds (``_plan``): whether each state tensor is sliced with the parameter, found once.
-            parts += [local(state[k]).reshape(-1)[lo:hi].clone() if kind == "e" else local(state[k]).detach().clone()
+            views += [held(state[k]).detach().reshape(-1)[lo:hi] if kind == "e" else held(state[k]).detach()
                       for k, kind, *_ in described[4]]
-            self._inputs.append(parts)
+        self._inputs = _bytes_on(views, self.device)
 
     def after_update(self, step: int) -> None:
         """Ship the slice (inputs, hyperparameters, lanes of what the update wrote) to the next rank, and
         recompute the previous rank's: the mismatch is carried in the next step's row."""
         afters, raw = [], []
         for (_, p, (lo, hi)), described in zip(self._items, self._structure["items"], strict=True):
-            lp = local(p)
+            lp = held(p)
             state = self.optimizer.state.get(p, {})
             after = [lp.detach().reshape(-1)[lo:hi]]
-            # Every state tensor after the update (the first update creates them: the plan, made before, has none).
-            after += [local(v).reshape(-1)[lo:hi] if elementwise_state(v, lp) else local(v)
-                      for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
+            # Every state tensor after the update, by the plan's kinds where the update kept its keys (the first
+            # update creates them: the plan, made before, has none).
+            kinds = described[4]
+            if len(kinds) == len(state) and all(k in state for k, *_ in kinds):
+                after += [held(state[k]).reshape(-1)[lo:hi] if kind == "e" else held(state[k]) for k, kind, *_ in kinds]
+            else:
+                after += [held(v).reshape(-1)[lo:hi] if elementwise_state(v, lp) else held(v)
+                          for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
             afters.append(after)
             if described[6]:  # fused: what was written, for a comparison within rounding (the entries shipped in)
-                raw += [after[0]] + [local(state[k]).reshape(-1)[lo:hi] if kind == "e" else local(state[k])
+                raw += [after[0]] + [held(state[k]).reshape(-1)[lo:hi] if kind == "e" else held(state[k])
                                      for k, kind, *_ in described[4]]
         outs = list(item_lanes(afters, self.device))
-        payload = _pack([t for parts in self._inputs for t in parts] + [t.detach() for t in raw],
+        inputs = [] if self._inputs is None else [self._inputs]
+        payload = _pack(inputs + [t.detach() for t in raw],
                         [*self._hyper, float(self._ran)], outs, self.device)
         self._sent = _Sent(payload, step, self.turn, list(self._sizes), dict(self._theirs))
-        self._inputs = []
+        self._inputs = None
         owner = (self.comm.rank - 1) % self.comm.world
         self._incoming = (self.comm.shift_start(payload, self._sizes[owner], by=1), self._sent)
         self.turn += 1
@@ -256,7 +257,7 @@ class UpdateOracle:
         structure = sent.structures.get(owner)
         if structure is None:
             return torch.zeros(2, dtype=torch.float64, device=self.device)
-        return _recompute(self.optimizer, structure, got.to(self.device), self.slices, sent.turn)
+        return recompute(self.optimizer, structure, got.to(self.device), self.slices, sent.turn)
 
     def _judge(self, flags: Sequence[Sequence[float]]) -> Verdict | None:
         sent, world = self._sent, len(flags)
@@ -305,21 +306,9 @@ class _Sent:
     structures: dict[int, dict[str, Any]]  # every rank's structure at that update
 
 
-def item_lanes(items: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """``int64[len(items), 2]``: each item's tensors folded as ``consensus.combined`` folds them, from one
-    fingerprint pass over all of them (a pass per item cost most of the oracle's time on a model of many layers)."""
-    flat = [t for item in items for t in item]
-    if not flat:
-        return torch.zeros(len(items), 2, dtype=torch.int64, device=device)
-    lanes = lanes_on(flat, device)
-    owner = torch.tensor([i for i, item in enumerate(items) for _ in item], dtype=torch.int64, device=device)
-    weight = torch.tensor([2 * j + 1 for item in items for j in range(len(item))], dtype=torch.int64, device=device)
-    return torch.zeros(len(items), 2, dtype=torch.int64, device=device).index_add_(0, owner, lanes * weight[:, None])
-
-
 def elementwise_state(v: torch.Tensor, lp: torch.Tensor) -> bool:
     """Whether a state tensor holds one value per parameter element (sliced with it) rather than a scalar."""
-    return tuple(local(v).shape) == tuple(lp.shape) and v.dim() > 0
+    return tuple(held(v).shape) == tuple(lp.shape) and v.dim() > 0
 
 
 def _payload_bytes(structure: dict[str, Any], slices: int, turn: int) -> int:
@@ -327,115 +316,19 @@ def _payload_bytes(structure: dict[str, Any], slices: int, turn: int) -> int:
     n = 0
     for _, numel, pdtype, gdtype, entries, _, fused in structure["items"]:
         lo, hi = piece(numel, slices, turn)
-        state = sum(_Part(dt, (hi - lo,) if kind == "e" else tuple(shape)).nbytes for _, kind, dt, shape in entries)
-        n += _Part(pdtype, (hi - lo,)).nbytes + _Part(gdtype, (hi - lo,)).nbytes + state
+        state = sum(Part(dt, (hi - lo,) if kind == "e" else tuple(shape)).nbytes for _, kind, dt, shape in entries)
+        n += Part(pdtype, (hi - lo,)).nbytes + Part(gdtype, (hi - lo,)).nbytes + state
         if fused:  # its outputs too (``after_update``)
-            n += _Part(pdtype, (hi - lo,)).nbytes + state
+            n += Part(pdtype, (hi - lo,)).nbytes + state
     return n + 8 * (int(structure["hyper"]) + 1) + 16 * len(structure["items"])  # the last number: whether it ran
 
 
+def _bytes_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensors' bytes, one after another, in one new ``uint8`` tensor on ``device`` (one ``cat``)."""
+    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    parts = [t if t.device == device else t.to(device) for t in parts]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
+
+
 def _pack(inputs: list[torch.Tensor], hyper: list[float], outs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in inputs]
-    parts.append(host_row(hyper, device).view(torch.uint8))
-    parts += [o.view(torch.uint8) for o in outs]
-    return torch.cat([p.to(device) for p in parts]) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
-
-
-def _recompute(optimizer: torch.optim.Optimizer, structure: dict[str, Any], got: torch.Tensor, slices: int,
-               turn: int) -> torch.Tensor:
-    """Rebuild a rank's slice from its bytes, run its update with a copy of this rank's optimizer (that class,
-    the sender's hyperparameters), and compare the lanes of the result with those it reported."""
-    at = 0
-
-    def take(part: _Part) -> torch.Tensor:
-        nonlocal at
-        raw = got[at:at + part.nbytes].clone()
-        at += part.nbytes
-        return raw.view(_dtype(part.dtype)).reshape(part.shape)
-
-    items = []
-    for gi, numel, pdtype, gdtype, entries, _others, _ in structure["items"]:
-        lo, hi = piece(numel, slices, turn)
-        p, g = take(_Part(pdtype, (hi - lo,))), take(_Part(gdtype, (hi - lo,)))
-        state = {k: take(_Part(dt, (hi - lo,) if kind == "e" else tuple(shape))) for k, kind, dt, shape in entries}
-        # Host scalars go back to the host (on a GPU, a read of the shipped bytes: docs/GUARD.md, the oracle's cost).
-        state = {k: v.cpu() if kind == "h" else v for (k, kind, *_), v in zip(entries, state.values(), strict=True)}
-        if _others is None:
-            return torch.zeros(2, dtype=torch.float64, device=got.device)
-        items.append((gi, p, g, state, json.loads(_others)))
-    # A fused item's outputs as the sender wrote them, with the inputs they came from and the state keys.
-    written: list[tuple[list[torch.Tensor], list[torch.Tensor], list[str]] | None] = []
-    for (_, numel, pdtype, _, entries, _, fused), (_, p, _, state, _) in zip(structure["items"], items, strict=True):
-        if fused:
-            lo, hi = piece(numel, slices, turn)
-            outs = [take(_Part(pdtype, (hi - lo,)))] + [take(_Part(dt, (hi - lo,) if kind == "e" else tuple(shape)))
-                                                        for _, kind, dt, shape in entries]
-            written.append((outs, [p.clone()] + [state[k].clone() for k, *_ in entries], [k for k, *_ in entries]))
-        else:
-            written.append(None)
-    *hyper, ran = take(_Part("torch.float64", (structure["hyper"] + 1,))).tolist()
-    reported = [take(_Part("torch.int64", (2,))) for _ in items]
-    if not ran:
-        return torch.zeros(2, dtype=torch.float64, device=got.device)  # the sender's optimizer skipped its step
-    groups = [_group(shape, hyper) for shape in structure["groups"]]
-    if any(g is None for g in groups):
-        return torch.zeros(2, dtype=torch.float64, device=got.device)  # a hyperparameter it cannot rebuild
-    shadow = copy.copy(optimizer)  # the same class and instance settings; its own state, groups and no hooks
-    shadow.state = collections.defaultdict(dict)
-    shadow._optimizer_step_pre_hooks = collections.OrderedDict()
-    shadow._optimizer_step_post_hooks = collections.OrderedDict()
-    params: list[list[torch.Tensor]] = [[] for _ in groups]
-    for gi, p, g, state, others in items:
-        q = torch.nn.Parameter(p, requires_grad=True)
-        q.grad = g
-        shadow.state[q] = {**state, **others}
-        params[gi].append(q)
-    shadow.param_groups = [dict(g, params=ps) for g, ps in zip(groups, params, strict=True) if ps]  # type: ignore[arg-type]
-    type(optimizer).step(shadow)  # the class's step: an instance's may be a scheduler's wrapper of the original
-    mismatch = torch.zeros((), dtype=torch.bool, device=got.device)
-    # The groups' parameters in item order: items of one group are contiguous, as the sender listed them.
-    shadows = [t for ps in params for t in ps]
-    exact = [i for i, fused in enumerate(written) if fused is None]
-    if exact:  # one pass for every bitwise item's outputs
-        mine = item_lanes([[shadows[i].detach()] + [v for _, v in sorted(shadow.state[shadows[i]].items())
-                                                    if isinstance(v, torch.Tensor)] for i in exact], got.device)
-        mismatch = mismatch | (mine != torch.stack([reported[i] for i in exact])).any()
-    for t, fused in zip(shadows, written, strict=True):
-        if fused is None:
-            continue
-        outs, before, keys = fused
-        ours_all = [t.detach()] + [shadow.state[t][k] for k in keys]
-        for theirs, ours, was in zip(outs, ours_all, before, strict=True):
-            mismatch = mismatch | ~_within_rounding(theirs, ours.to(theirs.device), was.to(theirs.device))
-    checked = float(sum(piece(numel, slices, turn)[1] - piece(numel, slices, turn)[0]
-                        for _, numel, *_ in structure["items"]))
-    return torch.stack([torch.tensor(checked, dtype=torch.float64, device=got.device), mismatch.to(torch.float64)])
-
-
-def _within_rounding(theirs: torch.Tensor, ours: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-    """Whether a fused kernel's output agrees with a recompute of it within rounding: 16 units of roundoff of
-    the values involved (the output and its input), far below any change an update makes that is 10 % off
-    unless the step is below about 1e-6 of the value. A bool tensor, no host sync."""
-    if not theirs.is_floating_point():
-        return torch.tensor(torch.equal(theirs, ours), device=theirs.device)
-    info = torch.finfo(theirs.dtype)
-    a, b, c = theirs.double(), ours.double(), before.double()
-    return ((a - b).abs() <= 16 * info.eps * (b.abs() + c.abs()) + 16 * info.tiny).all()
-
-
-def _group(shape: dict[str, Any], hyper: list[float]) -> dict[str, Any] | None:
-    """A parameter group's settings from its described shape and the shipped numbers (``None``: one cannot be
-    rebuilt, a tensor learning rate or another object)."""
-    out: dict[str, Any] = {}
-    for k, spec in shape.items():
-        tag = spec[0]
-        if tag == "j":
-            out[k] = spec[1]
-        elif tag in ("i", "f"):
-            out[k] = int(hyper[spec[1]]) if tag == "i" else hyper[spec[1]]
-        elif tag == "t":
-            out[k] = tuple(int(hyper[spec[1] + i]) if t == "i" else hyper[spec[1] + i] for i, t in enumerate(spec[2]))
-        else:
-            return None
-    return out
-
+    return _bytes_on([*inputs, host_row(hyper, device), *outs], device)

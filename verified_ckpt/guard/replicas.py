@@ -20,7 +20,8 @@ from ..comm import Communicator
 from ..history import NO_RANK, Event
 from ..lanes import lanes_on
 from .consensus import combined
-from .oracle import elementwise_state, piece
+from .oracle import elementwise_state
+from .recompute import piece
 from .stats import Verdict, host_row
 
 __all__ = ["ReplicaOracle"]

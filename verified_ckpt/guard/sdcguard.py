@@ -22,7 +22,7 @@ import torch
 
 from .. import batches
 from ..comm import Communicator
-from ..dtensors import is_fsdp, local
+from ..dtensors import held, is_fsdp
 from ..errors import GuardConfigurationError, GuardUsageError, SilentCorruptionDetected
 from ..faults import FaultPlan
 from ..records import Incident
@@ -311,7 +311,7 @@ class SDCGuard(Bookkeeping):
     def _local_state(self) -> list[torch.Tensor]:
         """This rank's pieces held by no other rank, parameters and their optimizer state, in a fixed order (the
         chain's: what a replica holds too is the consensus's)."""
-        return [local(t) for t in state_tensors(self._owned, self.optimizer)]
+        return [held(t) for t in state_tensors(self._owned, self.optimizer)]
 
     def add_capture_listener(self, fn: Callable[[Capture], None]) -> None:
         """Call ``fn(capture)`` on rank 0 with what a replay of a failed step needs (``capture.py``), after the

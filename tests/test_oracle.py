@@ -10,7 +10,7 @@ from dist_harness import run_ranks
 
 from verified_ckpt.comm import Communicator
 from verified_ckpt.guard.oracle import ELEMENTWISE, UpdateOracle, elementwise_optimizer
-from verified_ckpt.guard.recompute import _runs, piece
+from verified_ckpt.guard.recompute import _runs, piece, turn_pieces
 
 SETTINGS: dict[type[torch.optim.Optimizer], dict[str, object]] = {
     torch.optim.SGD: {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4},
@@ -46,13 +46,13 @@ def one_rank(cls: type[torch.optim.Optimizer], steps: int, corrupt: int | None =
         flags.append((float(carried[0]), float(carried[1])))
         oracle.agree([carried.tolist()])
         oracle.before_update()
-        before = ps[0].detach().clone()
+        _, hit, (lo, _) = oracle._items[0]  # the first element this turn's window checks
+        before = hit.detach().clone()
         if step != skip:
             opt.step()
         if step == corrupt:
-            lo, _ = piece(ps[0].numel(), 4, oracle.turn)
             with torch.no_grad():
-                flat = ps[0].view(-1)
+                flat = hit.view(-1)
                 flat[lo] = before.view(-1)[lo] + 10 * (flat[lo] - before.view(-1)[lo])
         oracle.after_update(step)
     flags.append(tuple(oracle.carry()[:2].tolist()))
@@ -84,6 +84,22 @@ def test_slices_with_equal_scalar_state_are_recomputed_as_one_tensor_and_unequal
     assert _runs([described(i[0]) for i in items], items, [None] * 5) == [[0, 1, 4], [2], [3]]
     assert _runs([described(i[0]) for i in items], items, [None, ("fused",), None, None, None]) == [
         [0, 4], [1], [2], [3]]
+
+
+def test_a_turn_checks_one_window_of_every_element_laid_end_to_end():
+    """Every element is checked exactly once every ``slices`` turns, and a turn touches a few tensors, not all."""
+    numels = (185, 13, 1, 11, 0, 64)
+    seen = [0] * sum(numels)
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    for turn in range(4):
+        pieces = turn_pieces(numels, 4, turn)
+        assert all(0 <= lo < hi <= numels[i] for i, lo, hi in pieces)
+        for i, lo, hi in pieces:
+            for e in range(lo, hi):
+                seen[starts[i] + e] += 1
+    assert seen == [1] * sum(numels)
+    assert turn_pieces(numels, 4, 0) == ((0, 0, 69),) and turn_pieces(numels, 4, 4) == turn_pieces(numels, 4, 0)
+    assert turn_pieces((), 4, 0) == () and turn_pieces((3,), 8, 5) == ((0, 2, 3),)
 
 
 def test_a_skipped_optimizer_step_is_not_recomputed_as_an_update():

@@ -75,8 +75,10 @@ class Job:
         if fault == "update":  # before the guard exists: the wrong element is inside the optimizer's step
             # Persistent (every step from FAULT_AT): the oracle checks a rotating eighth of each update per step, so a
             # one-off wrong element is seen at its step with probability 1/8 (tests/test_oracle.py), a persistent
-            # one within the rotation.
-            wrong_update_hooks(self.opt, self.target(2), lambda: rank == OWNER and self.step >= FAULT_AT)
+            # one within the rotation. Layer 0's weight leads the optimizer's tensors, so element ELEM lies in the
+            # first of the oracle's windows: checked clean at step 0, next at step 8, which places the first suspect
+            # step after the save at 0 (a window first checked after the fault began suspects every step before).
+            wrong_update_hooks(self.opt, self.target(0), lambda: rank == OWNER and self.step >= FAULT_AT)
         if fault == "grad":  # one element of the owner's local gradient of a sharded Linear, 10x, at one step
             wrong_gradient_hook(self.model[2], lambda: rank == OWNER and self.step == FAULT_AT)
         self.guard = SDCGuard(self.model, self.opt, loss_fn, GuardConfig())

@@ -153,6 +153,7 @@ def owner(device: torch.device, models: list[tuple[int, int, int, int]], steps: 
     from verified_ckpt.guard.oracle import UpdateOracle
 
     out = []
+    profile = True
     for d, layers, vocab, batch in models:
         runs = {}
         for name in ("plain", "oracle", "chain"):
@@ -165,34 +166,70 @@ def owner(device: torch.device, models: list[tuple[int, int, int, int]], steps: 
         ids = torch.randint(0, vocab, (batch, 65), device=device)
         times: dict[str, list[float]] = {name: [] for name in runs}
         flags: list[list[float]] = []  # the oracle's (elements checked, mismatch) per step: clean, so no mismatch
+
+        def one(s: int, model: torch.nn.Module, opt: torch.optim.Optimizer, oracle: Any, chain: Any,
+                ids: torch.Tensor = ids, flags: list[list[float]] = flags) -> None:
+            lm_loss(model, ids).backward()
+            if oracle is not None:
+                row = oracle.carry().tolist()  # the step's one gathered row: its one host sync
+                oracle.agree([row])
+                flags.append(row[:2])
+                oracle.before_update()
+            if chain is not None:
+                chain.carry().tolist()
+            opt.step()
+            if oracle is not None:
+                oracle.after_update(s)
+            if chain is not None:
+                chain.after_update()
+            opt.zero_grad(set_to_none=True)
+
         for s in range(steps):
             for name, (model, opt, oracle, chain) in runs.items():
                 sync(device)
                 t0 = time.perf_counter()
-                lm_loss(model, ids).backward()
-                if oracle is not None:
-                    row = oracle.carry().tolist()  # the step's one gathered row: its one host sync
-                    oracle.agree([row])
-                    flags.append(row[:2])
-                    oracle.before_update()
-                if chain is not None:
-                    chain.carry().tolist()
-                opt.step()
-                if oracle is not None:
-                    oracle.after_update(s)
-                if chain is not None:
-                    chain.after_update()
-                opt.zero_grad(set_to_none=True)
+                one(s, model, opt, oracle, chain)
                 sync(device)
                 times[name].append(time.perf_counter() - t0)
         ratio = {k: statistics.median(a / b for a, b in zip(times[k][3:], times["plain"][3:], strict=True)) - 1
                  for k in ("oracle", "chain")}
+        checked, bad = sum(1 for c, _ in flags if c), sum(1 for _, b in flags if b)  # the timed steps
+        where = profiled(lambda i, runs=runs: [one(steps + i, *runs[k]) for k in ("oracle", "chain")], device) if profile else {}
+        profile = False  # the first model's
         out.append({"d": d, "layers": layers, "vocab": vocab, "batch": batch,
                     "params": sum(p.numel() for p in runs["plain"][0].parameters()),
                     "plain_s": statistics.median(times["plain"][3:]), "oracle_overhead": ratio["oracle"],
-                    "chain_overhead": ratio["chain"], "oracle_steps_checked": sum(1 for c, _ in flags if c),
-                    "oracle_mismatches": sum(1 for _, bad in flags if bad)})
+                    "chain_overhead": ratio["chain"], "oracle_steps_checked": checked,
+                    "oracle_mismatches": bad, **where})
     return out
+
+
+def profiled(fn: Callable[[int], Any], device: torch.device, steps: int = 5) -> dict[str, Any]:
+    """Where ``steps`` calls of ``fn`` spend their time: the host's Python (``cProfile``, by own time) and the
+    aten ops (``torch.profiler``, by own host time, with their device time): for the next optimisation."""
+    import cProfile
+    import io as text_io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    host = cProfile.Profile()
+    host.enable()
+    for i in range(steps):
+        fn(i)
+    sync(device)
+    host.disable()
+    buf = text_io.StringIO()
+    pstats.Stats(host, stream=buf).sort_stats("tottime").print_stats(25)
+    kinds = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=kinds) as prof:
+        for i in range(steps):
+            fn(steps + i)
+        sync(device)
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]
+    return {"profile_steps": steps, "python": buf.getvalue().splitlines()[-32:],
+            "aten": [{"op": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total,
+                      "self_device_us": getattr(e, "self_device_time_total", 0.0)} for e in ops]}
 
 
 def io(device: torch.device, tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:

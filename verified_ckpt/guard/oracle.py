@@ -15,12 +15,15 @@ withheld when it fails. A third rank then recomputes the same slice: it agrees w
 owner's update was wrong: the owner is named) or with the owner (the first witness computed wrongly: it is
 named). With two ranks there is no third and nobody is named.
 
-Which slice: the update of each tensor is cut into ``slices`` pieces and turn ``t`` checks piece
-``t mod slices``, so a persistent fault in one element's update is caught within ``slices`` steps, and a
-one-off fault in one element at its step with probability ``1/slices``. A state bit flip at rest is not this
-module's: the owner ships the flipped value and the recompute agrees with it; the at-rest chain (``chain``)
-sees it. An optimizer it does not know (per-tensor norms, factored or quantised state: LAMB, Adafactor, 8-bit
-Adam) cannot be sliced: the oracle does not run, and the coverage says so.
+Which slice: the elements of every tensor it updates, laid end to end, are cut into ``slices`` equal windows
+and turn ``t`` checks window ``t mod slices`` (``recompute.turn_pieces``: a few whole tensors and parts of two),
+so a persistent fault in one element's update is caught within ``slices`` steps, and a one-off fault in one
+element at its step with probability ``1/slices``. A window of whole tensors, rather than a piece of every
+tensor, keeps the per-tensor work (Python, kernel launches) to a few tensors a step.
+
+A state bit flip at rest is not this module's: the owner ships the flipped value and the recompute agrees
+with it; the at-rest chain (``chain``) sees it. An optimizer it does not know (per-tensor norms, factored or
+quantised state: LAMB, Adafactor, 8-bit Adam) cannot be sliced: the oracle does not run, and the coverage says so.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 from ..comm import Communicator
 from ..dtensors import held
 from ..history import NO_RANK, Event
-from .recompute import Part, item_lanes, piece, recompute
+from .recompute import Part, item_lanes, piece, recompute, turn_pieces
 from .stats import Verdict, host_row
 
 __all__ = ["CARRY", "ELEMENTWISE", "UpdateOracle", "elementwise_optimizer", "elementwise_state", "piece"]
@@ -72,11 +75,15 @@ class UpdateOracle:
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, slices: int, device: torch.device) -> None:
         self.optimizer, self.comm, self.slices, self.device = optimizer, comm, slices, device
         self.turn = 0
-        self._inputs: torch.Tensor | None = None  # this turn's slices before the update, as one byte buffer
+        # This turn's payload, allocated whole before the update, and how many of its bytes (the slices as the
+        # update reads them) are filled: the rest is written after it, so the slices are copied once.
+        self._inputs: tuple[torch.Tensor, int] | None = None
+        self._size = 0  # this turn's payload bytes
         # Each parameter's item of the structure, kept while its state stays the same (``_plan``).
-        self._described: dict[int, tuple[tuple[Any, ...], list[Any]]] = {}
+        self._described: dict[int, tuple[tuple[Any, tuple[Any, ...]], list[Any]]] = {}
         self._digested: tuple[Any, int] = (None, 0)  # the structure's digest, and what it was taken of
-        self._items: list[tuple[int, torch.Tensor, tuple[int, int]]] = []  # (group, parameter, window)
+        self._items: list[tuple[int, torch.Tensor, tuple[int, int]]] = []  # this turn's (group, parameter, window)
+        self._picked: list[list[Any]] = []  # their items of the structure
         self._hyper: list[float] = []  # the groups' numeric hyperparameters at this update
         self._structure: dict[str, Any] = {}  # what the receiver needs to rebuild this rank's slice
         self._sent: _Sent | None = None  # the last slice shipped (kept for a tiebreak)
@@ -96,27 +103,31 @@ class UpdateOracle:
         """This turn's items (every parameter with a gradient and local elements) and the structure describing
         their slices, computed on the host from shapes and dtypes alone (and kept per parameter while its state
         is the same dict with the same keys: describing every parameter every step was most of this call)."""
-        items: list[tuple[int, torch.Tensor, tuple[int, int]]] = []
+        items: list[tuple[int, torch.Tensor]] = []
         described: list[Any] = []
-        kept: dict[int, tuple[tuple[Any, ...], list[Any]]] = {}
+        kept: dict[int, tuple[tuple[Any, tuple[Any, ...]], list[Any]]] = {}
         for gi, group in enumerate(self.optimizer.param_groups):
             fused = bool(group.get("fused"))
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.optimizer.state.get(p)
-                # The state dict itself is in the key (held, so its id cannot be reused by another while cached).
-                key = (gi, fused, p.grad.dtype, state, len(state) if state is not None else -1)
+                # The state dict itself is in the key, compared by identity (held, so its id cannot be reused by
+                # another while cached; its values are tensors, which have no truth value).
+                key = (gi, fused, p.grad.dtype, len(state) if state is not None else -1)
                 cached = self._described.get(id(p))
-                hit = cached is not None and all(a is b or a == b for a, b in zip(cached[0], key, strict=True))
+                hit = cached is not None and cached[0][0] is state and cached[0][1] == key
                 entry = cached[1] if cached is not None and hit else self._describe(gi, p, state or {}, fused)
                 if entry is None:
                     continue
                 if entry[5] == "{}" and state is not None:  # non-tensor state can change every step: not kept
-                    kept[id(p)] = (key, entry)
-                items.append((gi, p, piece(entry[1], self.slices, self.turn)))
+                    kept[id(p)] = ((state, key), entry)
+                items.append((gi, p))
                 described.append(entry)
         self._described = kept
+        pieces = turn_pieces(tuple(d[1] for d in described), self.slices, self.turn)
+        self._items = [(items[i][0], items[i][1], (lo, hi)) for i, lo, hi in pieces]
+        self._picked = [described[i] for i, _, _ in pieces]
         groups = []
         hyper: list[float] = []
         for group in self.optimizer.param_groups:
@@ -136,7 +147,7 @@ class UpdateOracle:
                 else:
                     shape[k] = ["r", repr(v)]  # a tensor learning rate, an object: the receiver cannot rebuild it
             groups.append(shape)
-        self._items, self._hyper = items, hyper
+        self._hyper = hyper
         self._structure = {"items": described, "groups": groups, "hyper": len(hyper)}
 
     @staticmethod
@@ -166,8 +177,8 @@ class UpdateOracle:
         if same != self._digested[0]:
             self._digested = (same, zlib.crc32(json.dumps(self._structure, sort_keys=True).encode()))
         digest = self._digested[1]
-        size = _payload_bytes(self._structure, self.slices, self.turn)
-        return torch.cat([self._pending(), host_row([float(digest), float(size)] + [0.0] * 6, self.device)])
+        self._size = _payload_bytes(self._structure, self.slices, self.turn)
+        return torch.cat([self._pending(), host_row([float(digest), float(self._size)] + [0.0] * 6, self.device)])
 
     def _pending(self) -> torch.Tensor:
         flag = self._flag if self._flag is not None else torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -211,19 +222,21 @@ class UpdateOracle:
         (a copy per tensor was a kernel launch and a Python call each)."""
         self._ran = False
         views: list[torch.Tensor] = []
-        for (_, p, (lo, hi)), described in zip(self._items, self._structure["items"], strict=True):
+        for (_, p, (lo, hi)), described in zip(self._items, self._picked, strict=True):
             state = self.optimizer.state.get(p, {})
             views += [held(p).detach().reshape(-1)[lo:hi], held(p.grad).reshape(-1)[lo:hi]]
             # The plan's kinds (``_plan``): whether each state tensor is sliced with the parameter, found once.
             views += [held(state[k]).detach().reshape(-1)[lo:hi] if kind == "e" else held(state[k]).detach()
                       for k, kind, *_ in described[4]]
-        self._inputs = _bytes_on(views, self.device)
+        buf = torch.empty(self._size, dtype=torch.uint8, device=self.device)
+        n = _bytes_into(views, buf, 0)
+        self._inputs = (buf, n)
 
     def after_update(self, step: int) -> None:
         """Ship the slice (inputs, hyperparameters, lanes of what the update wrote) to the next rank, and
         recompute the previous rank's: the mismatch is carried in the next step's row."""
         afters, raw = [], []
-        for (_, p, (lo, hi)), described in zip(self._items, self._structure["items"], strict=True):
+        for (_, p, (lo, hi)), described in zip(self._items, self._picked, strict=True):
             lp = held(p)
             state = self.optimizer.state.get(p, {})
             after = [lp.detach().reshape(-1)[lo:hi]]
@@ -240,9 +253,12 @@ class UpdateOracle:
                 raw += [after[0]] + [held(state[k]).reshape(-1)[lo:hi] if kind == "e" else held(state[k])
                                      for k, kind, *_ in described[4]]
         outs = list(item_lanes(afters, self.device))
-        inputs = [] if self._inputs is None else [self._inputs]
-        payload = _pack(inputs + [t.detach() for t in raw],
-                        [*self._hyper, float(self._ran)], outs, self.device)
+        payload, n = self._inputs if self._inputs is not None else (
+            torch.empty(self._size, dtype=torch.uint8, device=self.device), 0)
+        n = _bytes_into([*[t.detach() for t in raw], host_row([*self._hyper, float(self._ran)], self.device), *outs],
+                        payload, n)
+        if n != payload.numel():  # the plan's size and what was packed disagree: a bug, never a verdict on a rank
+            raise RuntimeError(f"update oracle: packed {n} bytes where the plan said {payload.numel()}")
         self._sent = _Sent(payload, step, self.turn, list(self._sizes), dict(self._theirs))
         self._inputs = None
         owner = (self.comm.rank - 1) % self.comm.world
@@ -313,22 +329,23 @@ def elementwise_state(v: torch.Tensor, lp: torch.Tensor) -> bool:
 
 def _payload_bytes(structure: dict[str, Any], slices: int, turn: int) -> int:
     """The bytes a rank ships for ``structure`` at ``turn`` (inputs, hyperparameters, 16 per item's lanes)."""
-    n = 0
-    for _, numel, pdtype, gdtype, entries, _, fused in structure["items"]:
-        lo, hi = piece(numel, slices, turn)
+    n, described = 0, structure["items"]
+    pieces = turn_pieces(tuple(d[1] for d in described), slices, turn)
+    for (_, _, pdtype, gdtype, entries, _, fused), (_, lo, hi) in zip([described[i] for i, _, _ in pieces], pieces,
+                                                                     strict=True):
         state = sum(Part(dt, (hi - lo,) if kind == "e" else tuple(shape)).nbytes for _, kind, dt, shape in entries)
         n += Part(pdtype, (hi - lo,)).nbytes + Part(gdtype, (hi - lo,)).nbytes + state
         if fused:  # its outputs too (``after_update``)
             n += Part(pdtype, (hi - lo,)).nbytes + state
-    return n + 8 * (int(structure["hyper"]) + 1) + 16 * len(structure["items"])  # the last number: whether it ran
+    return n + 8 * (int(structure["hyper"]) + 1) + 16 * len(pieces)  # the last number: whether it ran
 
 
-def _bytes_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The tensors' bytes, one after another, in one new ``uint8`` tensor on ``device`` (one ``cat``)."""
+def _bytes_into(tensors: Sequence[torch.Tensor], out: torch.Tensor, at: int) -> int:
+    """Copy the tensors' bytes, one after another, into ``out`` (``uint8``) from byte ``at`` on, in one ``cat``;
+    where the copy ends."""
     parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    parts = [t if t.device == device else t.to(device) for t in parts]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
-
-
-def _pack(inputs: list[torch.Tensor], hyper: list[float], outs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return _bytes_on([*inputs, host_row(hyper, device), *outs], device)
+    parts = [t if t.device == out.device else t.to(out.device) for t in parts]
+    n = sum(t.numel() for t in parts)
+    if n:
+        torch.cat(parts, out=out[at:at + n])
+    return at + n

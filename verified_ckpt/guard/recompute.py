@@ -22,7 +22,7 @@ import torch
 
 from ..lanes import lanes_on
 
-__all__ = ["Part", "dtype_of", "item_lanes", "piece", "recompute"]
+__all__ = ["Part", "dtype_of", "item_lanes", "piece", "recompute", "turn_pieces"]
 
 
 def piece(numel: int, slices: int, turn: int) -> tuple[int, int]:
@@ -32,6 +32,27 @@ def piece(numel: int, slices: int, turn: int) -> tuple[int, int]:
     count = math.ceil(numel / width)
     start = (turn % count) * width
     return start, min(numel, start + width)
+
+
+@functools.lru_cache(maxsize=256)
+def turn_pieces(numels: tuple[int, ...], slices: int, turn: int) -> tuple[tuple[int, int, int], ...]:
+    """What turn ``turn`` checks of tensors of ``numels`` elements: ``(tensor index, start, stop)`` pieces of one
+    of ``slices`` equal windows over all their elements laid end to end, in rotation, so every element is checked
+    once every ``slices`` turns. A window covers a few whole tensors and parts of two, so a step handles about
+    ``len(numels) / slices`` pieces (cutting every tensor into ``slices`` pieces made per-tensor work, Python and
+    kernel launches, most of the oracle's cost on a model of many small tensors)."""
+    total = sum(numels)
+    if not total:
+        return ()
+    lo, hi = piece(total, slices, turn)
+    out, at = [], 0
+    for i, n in enumerate(numels):
+        if n and at + n > lo and at < hi:
+            out.append((i, max(lo - at, 0), min(hi - at, n)))
+        at += n
+        if at >= hi:
+            break
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +108,11 @@ def recompute(optimizer: torch.optim.Optimizer, structure: dict[str, Any], got: 
         at += part.nbytes
         return raw.view(dtype_of(part.dtype)).reshape(part.shape)
 
+    described = structure["items"]
+    pieces = turn_pieces(tuple(d[1] for d in described), slices, turn)
+    picked = [described[i] for i, _, _ in pieces]
     items: list[_Item] = []
-    for gi, numel, pdtype, gdtype, entries, _others, _ in structure["items"]:
-        lo, hi = piece(numel, slices, turn)
+    for (gi, _, pdtype, gdtype, entries, _others, _), (_, lo, hi) in zip(picked, pieces, strict=True):
         p, g = take(Part(pdtype, (hi - lo,))), take(Part(gdtype, (hi - lo,)))
         state = {k: take(Part(dt, (hi - lo,) if kind == "e" else tuple(shape))) for k, kind, dt, shape in entries}
         # Host scalars go back to the host (on a GPU, a read of the shipped bytes: docs/GUARD.md, the oracle's cost).
@@ -99,9 +122,9 @@ def recompute(optimizer: torch.optim.Optimizer, structure: dict[str, Any], got: 
         items.append((gi, p, g, state, json.loads(_others)))
     # A fused item's outputs as the sender wrote them, with the inputs they came from and the state keys.
     written: list[tuple[list[torch.Tensor], list[torch.Tensor], list[str]] | None] = []
-    for (_, numel, pdtype, _, entries, _, fused), (_, p, _, state, _) in zip(structure["items"], items, strict=True):
+    for (_, _, pdtype, _, entries, _, fused), (_, lo, hi), (_, p, _, state, _) in zip(picked, pieces, items,
+                                                                                      strict=True):
         if fused:
-            lo, hi = piece(numel, slices, turn)
             outs = [take(Part(pdtype, (hi - lo,)))] + [take(Part(dt, (hi - lo,) if kind == "e" else tuple(shape)))
                                                         for _, kind, dt, shape in entries]
             written.append((outs, [p.clone()] + [state[k].clone() for k, *_ in entries], [k for k, *_ in entries]))
@@ -114,7 +137,7 @@ def recompute(optimizer: torch.optim.Optimizer, structure: dict[str, Any], got: 
     groups = [_group(shape, hyper) for shape in structure["groups"]]
     if any(g is None for g in groups):
         return torch.zeros(2, dtype=torch.float64, device=got.device)  # a hyperparameter it cannot rebuild
-    outputs = _shadow_update(optimizer, groups, items, _runs(structure["items"], items, written))
+    outputs = _shadow_update(optimizer, groups, items, _runs(picked, items, written))
     mismatch = torch.zeros((), dtype=torch.bool, device=got.device)
     exact = [i for i, fused in enumerate(written) if fused is None]
     if exact:  # one pass for every bitwise item's outputs
@@ -126,8 +149,7 @@ def recompute(optimizer: torch.optim.Optimizer, structure: dict[str, Any], got: 
         outs, before, keys = fused
         for theirs, ours, was in zip(outs, [param] + [state[k] for k in keys], before, strict=True):
             mismatch = mismatch | ~_within_rounding(theirs, ours.to(theirs.device), was.to(theirs.device))
-    checked = float(sum(piece(numel, slices, turn)[1] - piece(numel, slices, turn)[0]
-                        for _, numel, *_ in structure["items"]))
+    checked = float(sum(hi - lo for _, lo, hi in pieces))
     return torch.stack([torch.tensor(checked, dtype=torch.float64, device=got.device), mismatch.to(torch.float64)])
 
 

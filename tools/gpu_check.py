@@ -116,31 +116,45 @@ def consensus(device: torch.device, tensors: list[torch.Tensor], repeats: int) -
 
 
 def step_overhead(device: torch.device, d: int, layers: int, steps: int) -> dict[str, Any]:
+    """Plain AdamW steps against the default per-step checks (consensus and audits off), and against the same
+    without ABFT, interleaved; then where a guarded step's time goes (``profiled``)."""
     from models import TinyGPT, lm_loss
 
-    torch.manual_seed(0)
-    plain_model = TinyGPT(vocab=512, d=d, layers=layers, heads=max(d // 64, 1), context=64).to(device)
-    guarded_model = TinyGPT(vocab=512, d=d, layers=layers, heads=max(d // 64, 1), context=64).to(device)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain_model, guarded_model)]
-    guard = SDCGuard(guarded_model, opts[1], lm_loss, GuardConfig(audit_every=None, consensus_every=10**9))
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return TinyGPT(vocab=512, d=d, layers=layers, heads=max(d // 64, 1), context=64).to(device)
+
+    per_step: dict[str, Any] = {"audit_every": None, "consensus_every": 10**9}
+    variants: dict[str, GuardConfig | None] = {"plain": None, "guarded": GuardConfig(**per_step),
+                                               "guarded_no_abft": GuardConfig(abft=False, **per_step)}
+    runs = {}
+    for name, cfg in variants.items():
+        m = model()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        runs[name] = (m, opt, SDCGuard(m, opt, lm_loss, cfg) if cfg is not None else None)
     batch = torch.randint(0, 512, (8, 65), device=device)
-    times: dict[str, list[float]] = {"plain": [], "guarded": []}
+
+    def one(s: int, m: torch.nn.Module, opt: torch.optim.Optimizer, guard: SDCGuard | None) -> None:
+        if guard is None:
+            lm_loss(m, batch).backward()
+            opt.step()
+        else:
+            guard.backward(batch, step=s)
+            guard.step()
+        opt.zero_grad()
+
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for s in range(steps):  # interleaved, so drift in clocks and caches hits both alike
-        for name in ("plain", "guarded"):
+        for name, run in runs.items():
             sync(device)
             t0 = time.perf_counter()
-            if name == "plain":
-                lm_loss(plain_model, batch).backward()
-                opts[0].step()
-                opts[0].zero_grad()
-            else:
-                guard.backward(batch, step=s)
-                guard.step()
-                opts[1].zero_grad()
+            one(s, *run)
             sync(device)
             times[name].append(time.perf_counter() - t0)
-    plain, guarded = statistics.median(times["plain"][2:]), statistics.median(times["guarded"][2:])
-    return {"plain_s": plain, "guarded_s": guarded, "overhead": guarded / plain - 1}
+    med = {name: statistics.median(t[2:]) for name, t in times.items()}
+    return {"plain_s": med["plain"], "guarded_s": med["guarded"], "overhead": med["guarded"] / med["plain"] - 1,
+            "guarded_no_abft_s": med["guarded_no_abft"], "overhead_no_abft": med["guarded_no_abft"] / med["plain"] - 1,
+            **profiled(lambda i: one(steps + i, *runs["guarded"]), device)}
 
 
 def owner(device: torch.device, models: list[tuple[int, int, int, int]], steps: int) -> list[dict[str, Any]]:
@@ -194,7 +208,12 @@ def owner(device: torch.device, models: list[tuple[int, int, int, int]], steps: 
         ratio = {k: statistics.median(a / b for a, b in zip(times[k][3:], times["plain"][3:], strict=True)) - 1
                  for k in ("oracle", "chain")}
         checked, bad = sum(1 for c, _ in flags if c), sum(1 for _, b in flags if b)  # the timed steps
-        where = profiled(lambda i, runs=runs: [one(steps + i, *runs[k]) for k in ("oracle", "chain")], device) if profile else {}
+
+        def both(i: int, runs: dict[str, Any] = runs) -> None:
+            for k in ("oracle", "chain"):
+                one(steps + i, *runs[k])
+
+        where = profiled(both, device) if profile else {}
         profile = False  # the first model's
         out.append({"d": d, "layers": layers, "vocab": vocab, "batch": batch,
                     "params": sum(p.numel() for p in runs["plain"][0].parameters()),
@@ -263,7 +282,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--small", action="store_true", help="CPU and small sizes: seconds, for the test suite")
+    ap.add_argument("--sections", default="equality,throughput,consensus,step,owner,io",
+                    help="comma-separated: which sections to run (equality always runs)")
     args = ap.parse_args()
+    wanted = set(args.sections.split(","))
     if not args.small and not torch.cuda.is_available():
         print("no CUDA device: nothing to check (use --small for the CPU check)")
         return 0
@@ -274,13 +296,18 @@ def main() -> int:
     result: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                               "torch": torch.__version__, "small": args.small}
     result["equality"] = equality(device)
-    result["throughput"] = throughput(device, (1 << 16) if args.small else (1 << 30), tensors, repeats)
-    result["consensus"] = consensus(device, tensors, repeats)
-    result["step"] = step_overhead(device, 32 if args.small else 1024, 2 if args.small else 12, 6 if args.small else 40)
+    if "throughput" in wanted:
+        result["throughput"] = throughput(device, (1 << 16) if args.small else (1 << 30), tensors, repeats)
+    if "consensus" in wanted:
+        result["consensus"] = consensus(device, tensors, repeats)
+    if "step" in wanted:
+        result["step"] = step_overhead(device, 32 if args.small else 1024, 2 if args.small else 12, 6 if args.small else 40)
     # The d=256 GPT of the DDP and single-owner benchmarks (batch 16), and the d=1024 transformer above.
-    result["owner"] = owner(device, [(32, 2, 64, 4)] if args.small else [(256, 4, 1024, 16), (1024, 12, 8192, 8)],
-                            6 if args.small else 40)
-    result["io"] = io(device, tensors, repeats)
+    if "owner" in wanted:
+        result["owner"] = owner(device, [(32, 2, 64, 4)] if args.small else [(256, 4, 1024, 16), (1024, 12, 8192, 8)],
+                                6 if args.small else 40)
+    if "io" in wanted:
+        result["io"] = io(device, tensors, repeats)
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -48,6 +48,29 @@ def test_batched_lanes_are_bitwise_the_per_tensor_lanes(monkeypatch, direct_byte
     assert torch.equal(batched_lanes(tensors, direct_bytes), expected)
 
 
+@pytest.mark.parametrize("direct_bytes", [0, 8192, 1 << 40], ids=["all-direct", "8k", "all-staged"])
+def test_a_recurring_list_is_summed_by_its_plan_bitwise_and_a_changed_layout_gets_its_own(monkeypatch, direct_bytes):
+    """Lists of whole-word tensors (and 0-d ones of any width) take a plan kept per signature: the same lanes as
+    one tensor at a time, on the first call and on the next, with other values; a list of the same dtypes and sizes
+    whose tensors lie otherwise (not contiguous, not aligned) is not summed by the first list's plan."""
+    monkeypatch.setattr(lanes, "_CHUNK_BYTES", 100_000)
+    monkeypatch.setattr(lanes, "_PLANS", type(lanes._PLANS)())
+    tensors = [t for t in awkward_tensors(direct_bytes + 5, 300) if t.dim() == 0 or t.nbytes % 8 == 0]
+    assert lanes._signature(tensors, direct_bytes) is not None and len(tensors) > 100
+    for round_ in range(3):
+        if round_:
+            for t in tensors:
+                if t.dtype in (torch.float32, torch.float64, torch.int64, torch.int32, torch.int16):
+                    t.add_(1)  # new values, the same layout: the kept plan sums them
+        expected = torch.stack([tensor_lanes(t) for t in tensors])
+        assert torch.equal(batched_lanes(tensors, direct_bytes), expected)
+        assert len(lanes._PLANS) == 1
+    base = torch.arange(4 * 4096, dtype=torch.float32)
+    moved = [base[: 2 * 4096], base[1: 2 * 4096 + 1].clone()[::1], base.view(4096, 4)[:, :2]]
+    for t in moved:  # one contiguous, one contiguous copy, one strided view with the same dtype and size
+        assert torch.equal(batched_lanes([t], direct_bytes), tensor_lanes(t)[None])
+
+
 def test_pinned_fingerprints_do_not_change():
     # Values written by the format as stored in manifests and ledgers: a change here breaks every old checkpoint.
     pinned = {

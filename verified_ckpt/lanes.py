@@ -7,6 +7,8 @@ device.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -93,6 +95,9 @@ def batched_lanes(tensors: Sequence[torch.Tensor], direct_bytes: int | None = No
     device = tensors[0].device
     if direct_bytes is None:
         direct_bytes = DIRECT_BYTES[device.type == "cuda"]
+    key = _signature(tensors, direct_bytes)
+    if key is not None:
+        return _planned(tensors, key, direct_bytes)
     units = _Units(device)
     staged, padded = _Staged(units), _Padded(units)
     scalars: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
@@ -115,6 +120,129 @@ def batched_lanes(tensors: Sequence[torch.Tensor], direct_bytes: int | None = No
             _scalars(units, group)
         out = units.lanes(len(tensors))
         padded.correct(out)
+    return out
+
+
+# A state's lanes are taken over the same tensors step after step (the at-rest chain, twice a step; consensus): the
+# host work of sorting them into direct and staged sums, and the index tensors that fold those sums into lanes, is
+# the same each time. Kept per signature (each tensor's dtype, size, and whether it is summed where it lies), a
+# plan turns a pass into a dozen ops; without it the per-tensor Python and the index building were most of a pass
+# on a GPU (tools/gpu_check.py's owner section). A few plans: the chain's, the consensus's, the oracle's windows.
+_PLANS: collections.OrderedDict[tuple[Any, ...], _Plan] = collections.OrderedDict()
+_PLANS_KEPT = 16
+
+
+def _signature(tensors: Sequence[torch.Tensor], direct_bytes: int) -> tuple[Any, ...] | None:
+    """What a plan depends on, per tensor: dtype, bytes, and its path (0-d, summed in place, staged); ``None``
+    where a tensor of one dimension or more ends in a partial word (the padded path, left unplanned) or devices
+    differ."""
+    device = tensors[0].device
+    key: list[Any] = [device, direct_bytes]
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if t.device != device or (n % 8 and t.dim()):
+            return None
+        path = 0 if t.dim() == 0 else 1 if n >= direct_bytes and t.is_contiguous() and t.data_ptr() % 8 == 0 else 2
+        key.append((t.dtype, n, path))
+    return tuple(key)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How to sum a list of tensors of one signature (``batched_lanes``): the tensors summed where they lie, as
+    (index, whole rows, remainder words, remainder grain); the staging chunks, as (indices, grain); the 0-d tensors
+    per dtype; and per unit sum, in that order, its tensor and its weight ``2 * row + 1``."""
+
+    direct: list[tuple[int, int, int, int]]
+    staged: list[tuple[list[int], int]]
+    scalars: list[list[int]]
+    owner: torch.Tensor
+    weight: torch.Tensor
+    n: int
+
+
+def _plan(key: tuple[Any, ...]) -> _Plan:
+    device, specs = key[0], key[2:]
+    direct, owners, rows_of = [], [], []
+    groups: dict[tuple[torch.dtype, int], list[int]] = {}
+    scalars: dict[torch.dtype, list[int]] = {}
+
+    def units(i: int, first: int, count: int, per_row: int) -> None:
+        owners.append(np.full(count, i, dtype=np.int64))
+        rows_of.append((np.arange(first, first + count, dtype=np.int64)) // per_row)
+
+    for i, (dtype, nbytes, path) in enumerate(specs):
+        words = nbytes // 8
+        if not nbytes:
+            continue
+        if path == 0:
+            scalars.setdefault(dtype, []).append(i)
+        elif path == 1:
+            rows, rem = divmod(words, _ROW)
+            g = _grain(rem) if rem else 1
+            direct.append((i, rows, rem, g))
+            units(i, 0, rows, 1)
+            if rem:
+                units(i, rows * _ROW // g, rem // g, _ROW // g)
+        else:
+            groups.setdefault((dtype, min(_ROW, words & -words)), []).append(i)  # grains up to a whole row
+    staged = [(chunk, g) for (_, g), idxs in groups.items() for chunk in _chunks(idxs, [s[1] for s in specs])]
+    for chunk, g in staged:
+        for j in chunk:
+            units(j, 0, specs[j][1] // (8 * g), _ROW // g)
+    for group in scalars.values():
+        for i in group:  # a whole word is the format's row 0; a value shorter than a word is its tail word, row 1
+            units(i, 0 if specs[i][1] % 8 == 0 else 1, 1, 1)
+    owner = np.concatenate(owners) if owners else np.zeros(0, dtype=np.int64)
+    row = np.concatenate(rows_of) if rows_of else np.zeros(0, dtype=np.int64)
+    return _Plan(direct, staged, list(scalars.values()), torch.from_numpy(owner).to(device),
+                 torch.from_numpy(2 * row + 1).to(device), len(specs))
+
+
+def _chunks(idxs: list[int], nbytes: list[int]) -> list[list[int]]:
+    """``idxs`` cut into staging chunks of at most ``_CHUNK_BYTES`` each (a larger tensor alone in its own)."""
+    out: list[list[int]] = [[]]
+    held = 0
+    for i in idxs:
+        if out[-1] and held + nbytes[i] > _CHUNK_BYTES:
+            out.append([])
+            held = 0
+        out[-1].append(i)
+        held += nbytes[i]
+    return [c for c in out if c]
+
+
+def _planned(tensors: Sequence[torch.Tensor], key: tuple[Any, ...], direct_bytes: int) -> torch.Tensor:
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(key)
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    sums: list[torch.Tensor] = []
+    with torch.no_grad():
+        for i, rows, rem, g in plan.direct:
+            words = tensors[i].reshape(-1).view(torch.int64)
+            if rows:
+                sums.append((words[: rows * _ROW] if rem else words).view(rows, _ROW).sum(dim=1))
+            if rem:
+                sums.append(words[rows * _ROW:].view(-1, g).sum(dim=1))
+        for idxs, g in plan.staged:
+            chunk = torch._chunk_cat([tensors[i] for i in idxs], 0, 1)  # no_grad: no detach (an op per tensor)
+            sums.append(chunk.view(torch.int64).view(-1, g).sum(dim=1))
+        for idxs in plan.scalars:
+            width = tensors[idxs[0]].element_size()
+            raw = torch.stack([tensors[i] for i in idxs]).view(torch.uint8).view(len(idxs), width)
+            if width % 8 == 0:
+                sums.append(raw.view(torch.int64).sum(dim=1))
+            else:
+                shifts = torch.arange(0, 8 * width, 8, dtype=torch.int64, device=raw.device)
+                sums.append((raw.to(torch.int64) << shifts).sum(dim=1))
+        out = torch.zeros(plan.n, 2, dtype=torch.int64, device=plan.owner.device)
+        if sums:
+            vals = torch.cat(sums) if len(sums) > 1 else sums[0]
+            out.index_add_(0, plan.owner, torch.stack([vals, vals * plan.weight], dim=1))
     return out
 
 

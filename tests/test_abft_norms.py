@@ -155,3 +155,122 @@ def test_an_exponent_flip_that_overflows_the_bound_names_the_parameter_hit(name)
             opt.zero_grad(set_to_none=True)
     assert got.value.kind == "abft" and got.value.detected_step == 3
     assert f"the gradient of {name} " in str(got.value), got.value
+
+
+# ------------------------------------------------------------------ norms the model libraries define themselves
+def hf_model(kind: str) -> nn.Module:
+    """Tiny configurations of Hugging Face decoders whose RMSNorm is a class of their own (T5's is named
+    ``T5LayerNorm``; Gemma scales by ``1 + γ``)."""
+    import transformers as tf
+
+    small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
+    if kind == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**small))
+    if kind == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**small))
+    if kind == "gemma":
+        return tf.GemmaForCausalLM(tf.GemmaConfig(**small, head_dim=8))
+    return tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                     num_heads=4, decoder_start_token_id=0, pad_token_id=0))
+
+
+def hf_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, labels=batch).loss
+
+
+HF_NORMS = {"llama": "LlamaRMSNorm", "qwen2": "Qwen2RMSNorm", "gemma": "GemmaRMSNorm", "t5": "T5LayerNorm"}
+
+
+def hf_run(kind: str, steps: int, fault: tuple[str, int, int] | None = None) -> tuple[SDCGuard, Any]:
+    torch.manual_seed(0)
+    model = hf_model(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = SDCGuard(model, opt, hf_loss, GuardConfig())
+    if fault is not None:
+        name, at, k = fault
+
+        def hit(g: torch.Tensor) -> torch.Tensor:
+            if guard.current_step != at:
+                return g
+            g = g.clone()
+            g.view(-1)[k] *= 10
+            return g
+
+        dict(model.named_parameters())[name].register_hook(hit)
+    for step in range(1, steps + 1):
+        guard.backward(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step)), step=step)
+        try:
+            guard.step()
+        except SilentCorruptionDetected as e:
+            return guard, e
+        opt.zero_grad(set_to_none=True)
+    return guard, None
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", list(HF_NORMS))
+def test_a_libraries_own_rmsnorm_is_covered_by_what_it_computes_and_a_wrong_element_named_at_its_step(kind):
+    """At the default config: the coverage line names the class and what it computes, a clean run passes, and a
+    gradient element 10x in any of its weights (the evaluator's injection) is caught at its step naming it."""
+    guard, incident = hf_run(kind, 4)
+    assert incident is None, incident
+    cov = guard.coverage()
+    assert cov is not None and cov.modules.get(f"{HF_NORMS[kind]} (RMSNorm)", 0) >= 5, cov
+    assert HF_NORMS[kind] not in cov.uncovered, cov
+    names = [n for n, m in hf_model(kind).named_modules() if type(m).__name__ == HF_NORMS[kind]]
+    rng = random.Random(kind)
+    for name in rng.sample(names, 3):
+        at = rng.randrange(2, 4)
+        _, e = hf_run(kind, at, (f"{name}.weight", at, rng.randrange(32)))
+        assert e is not None and (e.kind, e.detected_step) == ("abft", at), (name, e)
+        assert f"the gradient of {name}.weight " in str(e), e
+
+
+class Scale(nn.Module):
+    """Not a normalisation: a 1-D weight and an ``eps``, but ``x * γ / (|x|₂ + eps)`` (no √n): never taken for an
+    RMSNorm."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x / (x.norm(dim=-1, keepdim=True) + self.eps)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(torch.ones(d)), 1e-6
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.variance_epsilon) * gate
+
+
+class MyLayerNorm(nn.Module):
+    """A LayerNorm written out, with a forward hook and a counter that the probe must not touch."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+        self.epsilon, self.calls = 1e-5, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        mu = x.mean(-1, keepdim=True)
+        return self.weight * (x - mu) / torch.sqrt((x - mu).square().mean(-1, keepdim=True) + self.epsilon) + self.bias
+
+
+def test_recognition_by_computation_takes_norms_only_and_leaves_the_module_untouched():
+    from verified_ckpt.guard.abft.norms import norm_kind
+
+    assert norm_kind(Scale(16)) is None and norm_kind(TwoInputs(16)) is None
+    mine = MyLayerNorm(16)
+    seen: list[int] = []
+    mine.register_forward_hook(lambda *_: seen.append(1))
+    before = [p.detach().clone() for p in mine.parameters()]
+    spec = norm_kind(mine)
+    assert spec is not None and (spec.kind, spec.shape, spec.eps) == ("LayerNorm", (16,), 1e-5), spec
+    assert spec.label == "MyLayerNorm (LayerNorm)"
+    assert mine.calls == 0 and not seen and all(torch.equal(a, b) for a, b in zip(before, mine.parameters()))

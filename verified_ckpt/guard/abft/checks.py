@@ -70,7 +70,7 @@ class GradientChecks:
                 continue
             if nkind is not None:
                 checked |= norms.install(self, mod, nkind, names, index, g)
-                self._norms[nkind] += 1
+                self._norms[nkind.label] += 1
                 continue
             assert kind is not None
             layer = self._install(name, mod, kind, names, index, g)

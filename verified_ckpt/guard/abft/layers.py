@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -141,9 +142,9 @@ class Coverage:
         """One line: what ABFT checks, and what it does not."""
         mods = ", ".join(f"{n} {k}" for k, n in sorted(self.modules.items())) or "no layer"
         flops = "" if self.flop_fraction is None else (
-            f", {self.flop_fraction:.0%} of backward FLOPs ({self.linear_flop_fraction or 0:.0%} of the Linear-like "
-            "layers')")
-        line = f"ABFT checks the gradients of {mods}: {self.param_fraction:.0%} of parameters{flops}"
+            f", {percent(self.flop_fraction)} of backward FLOPs ({percent(self.linear_flop_fraction or 0)} of the "
+            "Linear-like layers')")
+        line = f"ABFT checks the gradients of {mods}: {percent(self.param_fraction)} of parameters{flops}"
         if self.uncovered:
             line += "; not covered: " + ", ".join(f"{n} {k}" for k, n in sorted(self.uncovered.items()))
         if self.left_out:
@@ -178,6 +179,11 @@ class Coverage:
             why.setdefault(reason, []).append(name)
         return "; ".join(f"{', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}: {reason}"
                          for reason, names in why.items())
+
+
+def percent(x: float) -> str:
+    """A share as a percentage rounded down to 0.1 %, so that a gap never reads as "100%"."""
+    return f"{math.floor(max(0.0, min(x, 1.0)) * 1000) / 10:g}%"
 
 
 def gradient_paths(loss: torch.Tensor | Sequence[torch.Tensor]) -> collections.Counter[int]:

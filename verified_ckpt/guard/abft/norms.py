@@ -12,12 +12,15 @@ recomputed from the row or channel statistics taken in the forward), summed like
 rounding bound takes the per-row spread ``‖dY_n ⊙ X̂_n‖`` and, for the recomputed ``X̂`` (``X - μ`` loses digits
 when the mean is large against the spread), ``(1 + |μ| / σ) ‖dY_n‖``.
 
-Only the classes' own ``forward`` (a subclass may compute something else), and BatchNorm only where it normalises
+The stock classes with their own ``forward`` (a subclass may compute something else), modules a model library
+defines that compute an RMSNorm or a LayerNorm (``computed_norm``), and BatchNorm only where it normalises
 with the batch's statistics or with running ones it holds (not ``SyncBatchNorm``: its statistics span ranks).
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -26,22 +29,95 @@ import torch
 
 from .sums import EPS32, Covered, row_norms, signed_weights, unit_roundoff
 
-__all__ = ["NORMS", "Normalised", "install", "norm_kind", "norm_rows"]
+__all__ = ["NORMS", "NormSpec", "Normalised", "computed_norm", "install", "norm_kind", "norm_rows"]
 
 NORMS = ("LayerNorm", "RMSNorm", "BatchNorm")
 _RECOMPUTE_EPS = 4 * EPS32  # X̂ recomputed: a subtraction, a square root and a product, each rounded
 
 
-def norm_kind(mod: torch.nn.Module) -> str | None:
-    """``"LayerNorm"``, ``"RMSNorm"`` or ``"BatchNorm"`` for a stock layer with affine parameters, else ``None``."""
+@dataclasses.dataclass(frozen=True)
+class NormSpec:
+    """A normalisation layer ABFT checks: what it computes (``kind``), over which trailing shape (``None``:
+    BatchNorm's channels), with which ``eps`` (``None``: ``nn.RMSNorm``'s default, the input dtype's), and the name
+    the coverage line gives it (the class, and what it computes where that is not the class)."""
+
+    kind: str
+    shape: tuple[int, ...] | None
+    eps: float | None
+    label: str
+
+
+def norm_kind(mod: torch.nn.Module) -> NormSpec | None:
+    """The stock layers with affine parameters (``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.BatchNorm1d/2d/3d``), and
+    any other module that computes a LayerNorm or an RMSNorm (``computed_norm``); else ``None``."""
     t = type(mod)
     if isinstance(mod, torch.nn.LayerNorm) and t.forward is torch.nn.LayerNorm.forward and mod.elementwise_affine:
-        return "LayerNorm"
+        return NormSpec("LayerNorm", tuple(mod.normalized_shape), mod.eps, "LayerNorm")
     rms = getattr(torch.nn, "RMSNorm", None)
     if rms is not None and isinstance(mod, rms) and t.forward is getattr(rms, "forward") and mod.elementwise_affine:  # noqa: B009
-        return "RMSNorm"
+        return NormSpec("RMSNorm", tuple(mod.normalized_shape), mod.eps, "RMSNorm")
     if t in (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d) and getattr(mod, "affine", False):
-        return "BatchNorm"
+        return NormSpec("BatchNorm", None, float(getattr(mod, "eps", 1e-5)), "BatchNorm")
+    return computed_norm(mod)
+
+
+_EPS_NAMES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
+
+
+def computed_norm(mod: torch.nn.Module) -> NormSpec | None:
+    """A normalisation the model library defines itself, recognised by what its ``forward`` computes rather than
+    by its class: Hugging Face's per-model RMSNorm classes (``LlamaRMSNorm``, ``Qwen2RMSNorm``, T5's
+    ``T5LayerNorm``, Gemma's ``1 + γ`` form), Megatron's and torchtitan's norms, a LayerNorm subclass with its own
+    ``forward``. A candidate holds a 1-D ``weight`` (and an optional ``bias`` like it), nothing else, no buffers
+    and no children, and names its ``eps``. Its class's ``forward`` runs once on a stand-in (a shallow copy with
+    fresh host parameters of the same shape, no hooks: the real module, its parameters and any process group are
+    not touched) over a probe input, and must give the RMSNorm or LayerNorm of that input, scaled by ``γ`` or
+    ``1 + γ`` and shifted by ``β``, within float32 rounding. Both scalings have the same parameter gradients
+    (``dγ = Σ dY ⊙ X̂``, ``dβ = Σ dY``), which is all ABFT checks."""
+    params = dict(mod.named_parameters(recurse=False))
+    w, b = params.get("weight"), params.get("bias")
+    if (w is None or w.dim() != 1 or not 1 < w.shape[0] <= 1 << 16 or set(params) - {"weight", "bias"}
+            or (b is not None and tuple(b.shape) != tuple(w.shape)) or next(mod.children(), None) is not None
+            or next(mod.buffers(recurse=False), None) is not None):
+        return None
+    eps = next((float(v) for k in _EPS_NAMES if isinstance(v := getattr(mod, k, None), (int, float))
+                and not isinstance(v, bool) and 0 < v < 1), None)
+    if eps is None:
+        return None
+    kind = _probe(mod, w.shape[0], eps, b is not None)
+    return None if kind is None else NormSpec(kind, (w.shape[0],), eps, f"{type(mod).__name__} ({kind})")
+
+
+def _probe(mod: torch.nn.Module, n: int, eps: float, biased: bool) -> str | None:
+    """What ``type(mod).forward`` computes on a stand-in (``computed_norm``): ``"RMSNorm"``, ``"LayerNorm"`` or
+    ``None``."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(2, 3, n, generator=g) * 3 + 0.5  # a mean away from zero tells LayerNorm from RMSNorm
+    gamma = torch.rand(n, generator=g) + 0.5
+    beta = torch.randn(n, generator=g) if biased else None
+    stand_in = copy.copy(mod)  # the instance's settings; its own dicts below, so nothing is shared or kept
+    stand_in._parameters = {"weight": torch.nn.Parameter(gamma.clone(), requires_grad=False)}
+    if beta is not None:
+        stand_in._parameters["bias"] = torch.nn.Parameter(beta.clone(), requires_grad=False)
+    stand_in._buffers, stand_in._modules = {}, {}
+    for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+        setattr(stand_in, hooks, collections.OrderedDict())
+    try:
+        with torch.no_grad():
+            out = type(mod).forward(stand_in, x)
+    except Exception:  # noqa: BLE001 - a forward that needs more than one input, or another device: not a norm here
+        return None
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape or not out.is_floating_point():
+        return None
+    out = out.float()
+    rms = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    mean = x.mean(-1, keepdim=True)
+    layer = (x - mean) * torch.rsqrt((x - mean).square().mean(-1, keepdim=True) + eps)
+    shift = beta if beta is not None else torch.zeros(n)
+    for kind, xhat in (("RMSNorm", rms), ("LayerNorm", layer)):
+        for scale in (gamma, 1 + gamma):
+            if torch.allclose(out, xhat * scale + shift, rtol=1e-4, atol=1e-5):
+                return kind
     return None
 
 
@@ -65,19 +141,19 @@ class Normalised:
         return k.reshape(-1) if k.shape[0] == n else k.max().expand(n)
 
 
-def norm_rows(mod: torch.nn.Module, kind: str, x: torch.Tensor, out: torch.Tensor | None = None) -> Normalised | None:
+def norm_rows(mod: torch.nn.Module, spec: NormSpec, x: torch.Tensor, out: torch.Tensor | None = None) -> Normalised | None:
     """From the forward's input: its rows and their normalisation, ``None`` where this forward's normalisation is
     not one this module checks (an unexpected shape). A LayerNorm's own row statistics are taken from its output's
     autograd node where it saved them (no pass over the input)."""
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         xf = x.detach().float()
+        kind = spec.kind
         if kind in ("LayerNorm", "RMSNorm"):
-            shape = tuple(getattr(mod, "normalized_shape", ()))
+            shape = spec.shape
             if not shape or tuple(xf.shape[-len(shape):]) != shape:
                 return None
             rows = xf.reshape(-1, int(torch.Size(shape).numel()))
-            eps = getattr(mod, "eps", None)
-            eps = torch.finfo(x.dtype).eps if eps is None else eps  # RMSNorm's default
+            eps = torch.finfo(x.dtype).eps if spec.eps is None else spec.eps  # nn.RMSNorm's default
             saved = _saved_stats(out, rows.shape[0]) if kind == "LayerNorm" else None
             if saved is not None:
                 mean, rstd = saved
@@ -98,7 +174,7 @@ def norm_rows(mod: torch.nn.Module, kind: str, x: torch.Tensor, out: torch.Tenso
             else:
                 running_mean, running_var = getattr(mod, "running_mean"), getattr(mod, "running_var")  # noqa: B009
                 mean, var = running_mean.view(1, -1).float(), running_var.view(1, -1).float()
-            rstd = torch.rsqrt(var + float(getattr(mod, "eps", 1e-5)))
+            rstd = torch.rsqrt(var + (1e-5 if spec.eps is None else spec.eps))
     return Normalised(rows, mean, rstd, kind == "BatchNorm", unit_roundoff(x.dtype) if x.dtype.is_floating_point else EPS32)
 
 
@@ -129,7 +205,7 @@ def record(gamma: Covered | None, beta: Covered | None, x: Normalised, dy: torch
             gamma.add(None, None, torch.mv(prod, gamma.v0), spread, eps)
 
 
-def hook(checks: Any, mod: torch.nn.Module, kind: str, gamma_of: Callable[[], Covered | None],
+def hook(checks: Any, mod: torch.nn.Module, spec: NormSpec, gamma_of: Callable[[], Covered | None],
          beta_of: Callable[[], Covered | None]) -> Callable[[torch.nn.Module, Any, Any], None]:
     """The forward hook of one normalisation layer (``checks``: the ``GradientChecks`` it reports to)."""
 
@@ -144,7 +220,7 @@ def hook(checks: Any, mod: torch.nn.Module, kind: str, gamma_of: Callable[[], Co
                     c.uses += 1
         if gamma is None and beta is None:
             return
-        normalised = norm_rows(m, kind, x, out)
+        normalised = norm_rows(m, spec, x, out)
         if normalised is None:
             return
         out.register_hook(checks.watch.timed("abft")(lambda dy: record(gamma, beta, normalised, dy)))
@@ -152,7 +228,7 @@ def hook(checks: Any, mod: torch.nn.Module, kind: str, gamma_of: Callable[[], Co
     return forward
 
 
-def install(checks: Any, mod: torch.nn.Module, kind: str, names: dict[int, str], index: dict[int, int],
+def install(checks: Any, mod: torch.nn.Module, spec: NormSpec, names: dict[int, str], index: dict[int, int],
             g: torch.Generator) -> set[int]:
     """Cover one normalisation layer's scale and shift in ``checks`` (a ``GradientChecks``) as sums over rows, and
     register its forward hook; returns the ids of the parameters covered."""
@@ -163,6 +239,6 @@ def install(checks: Any, mod: torch.nn.Module, kind: str, names: dict[int, str],
             checks.covered[id(p)] = Covered(names.get(id(p), "?"), index[id(p)], signed_weights(p.numel(), g, p.device),
                                             None)
     w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
-    mod.register_forward_hook(hook(checks, mod, kind, lambda: checks.covered.get(id(w)) if w is not None else None,
+    mod.register_forward_hook(hook(checks, mod, spec, lambda: checks.covered.get(id(w)) if w is not None else None,
                                    lambda: checks.covered.get(id(b)) if b is not None else None))
     return {id(p) for p in held}

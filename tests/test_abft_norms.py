@@ -274,3 +274,38 @@ def test_recognition_by_computation_takes_norms_only_and_leaves_the_module_untou
     assert spec is not None and (spec.kind, spec.shape, spec.eps) == ("LayerNorm", (16,), 1e-5), spec
     assert spec.label == "MyLayerNorm (LayerNorm)"
     assert mine.calls == 0 and not seen and all(torch.equal(a, b) for a, b in zip(before, mine.parameters()))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model", ["tiny-gpt", "llama"])
+def test_an_overflowing_activation_is_caught_at_its_step_and_blames_no_gradient(model):
+    """Bit 30 flipped in one element of a Linear's forward output (the evaluator's up_proj case): the next Linear's
+    input row is past float32's range for a square, so its bound overflows. Its gradient is right for that input,
+    so the incident names the rank and where the values arrived, and no parameter's gradient (or, where the value
+    made a gradient infinite, the NaN/Inf check names the rank first)."""
+    torch.manual_seed(0)
+    net, loss, hit, reached = ((TinyGPT(), lm_loss, "blocks.0.mlp.0", "blocks.0.mlp.2") if model == "tiny-gpt" else
+                               (hf_model("llama"), hf_loss, "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    guard = SDCGuard(net, opt, loss, GuardConfig())
+
+    def flip(_m: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        if guard.current_step != 3:
+            return out
+        with torch.no_grad():  # positive, so that the activation after it passes it on; then bit 30 flipped
+            v = (out.detach().reshape(-1)[5:6].float().abs() + 0.5).view(torch.int32) ^ (1 << 30)
+        out = out.clone()
+        out.view(-1)[5] = v.view(torch.float32)[0]
+        return out
+
+    dict(net.named_modules())[hit].register_forward_hook(flip)
+    with pytest.raises(SilentCorruptionDetected) as got:
+        for step in range(1, 4):
+            guard.backward(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step)), step=step)
+            guard.step()
+            opt.zero_grad(set_to_none=True)
+    e = got.value  # where the huge value makes a gradient infinite, the NaN/Inf check sees it first
+    assert e.kind in ("abft", "nonfinite_local") and (e.detected_step, list(e.ranks)) == (3, [0]), e
+    assert "the gradient of" not in str(e), e
+    if e.kind == "abft":
+        assert f"the values reaching {reached} " in str(e), e

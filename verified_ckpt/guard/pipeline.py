@@ -295,7 +295,7 @@ class PipelineLayout(ShardedLayout):
         peers = [every[r] for row in stage for r in row]
         checks.leave_out([any(p[i] for p in peers) for i in range(len(mine))])
         checks.end_probe()
-        codes = [checks.name_of(i) for i in range(len(g.params) + 2 * len(checks.layers))]
+        codes = [checks.name_of(i) for i in range(checks.codes)]
         cov = dataclasses.asdict(checks.coverage())
         sent = {"names": codes, "coverage": cov, "params": sum(p.numel() for p in g.params)}  # DTensors: global
         told = [json.loads(b) for b in g.comm.gather_bytes(json.dumps(sent).encode())]

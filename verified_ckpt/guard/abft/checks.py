@@ -367,23 +367,59 @@ class GradientChecks:
                if (c := self.covered.get(id(p))) is not None and c.rows]
         if not got:
             return None
-        return worst_ratio(got, sumsq, self.slack)
+        return worst_ratio(got, sumsq, self.slack, self.overflow_at)
 
     def inputs_worst(self) -> torch.Tensor | None:
         """float64[2]: the worst input-gradient ratio of this step and ``n_params + layer`` naming its layer (on the
         device); ``None`` when no input gradient was checked."""
         return worst_layer(self._inputs, self._forwards, self._n, len(self.layers))
 
+    @property
+    def overflow_at(self) -> int:
+        """Where the codes of products whose operands overflowed start (``sums.ratio_of``): after the parameters',
+        the layers' input-gradient checks' and their forward checks'."""
+        return self._n + 2 * len(self.layers)
+
+    @property
+    def codes(self) -> int:
+        """How many codes :meth:`name_of` names."""
+        return self.overflow_at + self._n
+
     def name_of(self, index: int) -> str:
-        """What a failed check's index names: a parameter's gradient, or a layer's input gradient."""
-        if index >= self._n:
-            code = index - self._n
-            forward, number = code >= len(self.layers), code % max(len(self.layers), 1)
-            layer = next((x for x in self.layers.values() if x.number == number), None)
-            what = "the forward output of" if forward else "the input gradient computed by"
-            return f"{what} {layer.name or 'the model'}" if layer else f"check {index}"
-        name = next((c.name for c in self.covered.values() if c.index == index), f"parameter {index}")
-        return f"the gradient of {name}"
+        """What a failed check's index names (``code_name``)."""
+        return code_name(index, self._n, list(self.layers.values()), list(self.covered.values()))
+
+
+# The start of a failure that no gradient is blamed for: a product's operands overflowed float32 (``ratio_of``).
+OVERFLOWED = "the values reaching"
+
+
+def code_name(index: int, n: int, layers: Sequence[Layer], covered: Sequence[Covered]) -> str:
+    """What a failed check's index names: a parameter's gradient (below ``n``), a layer's input gradient or
+    forward output (the next ``2 * len(layers)``), or the values reaching the layer that holds a parameter
+    (``OVERFLOWED``, from ``n + 2 * len(layers)`` on)."""
+    overflow_at = n + 2 * len(layers)
+    if index >= overflow_at:
+        name = next((c.name for c in covered if c.index == index - overflow_at), None)
+        where = name.rsplit(".", 1)[0] if name and "." in name else name or "a covered layer"
+        return f"{OVERFLOWED} {where}"
+    if index >= n:
+        code = index - n
+        forward, number = code >= len(layers), code % max(len(layers), 1)
+        layer = next((x for x in layers if x.number == number), None)
+        what = "the forward output of" if forward else "the input gradient computed by"
+        return f"{what} {layer.name or 'the model'}" if layer else f"check {index}"
+    name = next((c.name for c in covered if c.index == index), f"parameter {index}")
+    return f"the gradient of {name}"
+
+
+def failure_text(name: str, ratio: float) -> str:
+    """One rank's failed ABFT check in words: ``name`` from ``name_of``."""
+    if name.startswith(OVERFLOWED):
+        return (f"{name} (its input or its output's gradient) are past float32's range for a square (|x| > 1.8e19): "
+                "a fault earlier in the step's forward or backward, or a diverging model; no parameter's gradient is "
+                "named")
+    return f"{name} does not match its ABFT checksum ({ratio:.3g} x the rounding bound)"
 
 
 def check(step: int, gathered: Sequence[StepStats], name_of: Callable[[int], str], rank_rows: int) -> Verdict | None:
@@ -404,6 +440,5 @@ def judge(worst: Sequence[tuple[float, int]], name_of: Callable[[int, int], str]
     bad = [r for r, (ratio, _) in enumerate(worst) if ratio > 1.0]
     if not bad:
         return Verdict("abft", True, margin=max(ratio for ratio, _ in worst))
-    detail = "; ".join(f"rank {r}: {name_of(r, worst[r][1])} does not match its ABFT checksum "
-                       f"({worst[r][0]:.3g} x the rounding bound)" for r in bad)
+    detail = "; ".join(f"rank {r}: {failure_text(name_of(r, worst[r][1]), worst[r][0])}" for r in bad)
     return Verdict("abft", False, bad, detail, rows=lambda: rows(bad))

@@ -168,4 +168,4 @@ class ShardedGradientChecks(GradientChecks):
         got = sorted(self._measured, key=lambda m: m[0].v1 is None)  # weights first, as ``ratio_of`` takes them
         with torch.no_grad():
             return ratio_of([m[0] for m in got], torch.stack([m[1] for m in got]), torch.stack([m[2] for m in got]),
-                            [m[3] for m in got])
+                            [m[3] for m in got], self.overflow_at)

@@ -174,7 +174,8 @@ def coefficients_on(coefs: tuple[tuple[float, float, float], ...], device: torch
     return torch.tensor(coefs, dtype=torch.float64, device=device).T.contiguous()
 
 
-def worst_ratio(got: list[tuple[Covered, torch.Tensor]], sumsq: torch.Tensor | None, slack: float) -> torch.Tensor:
+def worst_ratio(got: list[tuple[Covered, torch.Tensor]], sumsq: torch.Tensor | None, slack: float,
+                overflow_at: int) -> torch.Tensor:
     """float64[2]: the worst ratio |actual - expected| / bound over ``got`` (covered parameters and their gradients)
     and that parameter's index, on the device (no host sync).
 
@@ -190,13 +191,19 @@ def worst_ratio(got: list[tuple[Covered, torch.Tensor]], sumsq: torch.Tensor | N
     low = any(c.eps_out > EPS32 for c, _ in got)
     norms = sumsq.to(torch.float64).sqrt().clamp_min(TINY) if sumsq is not None and not low else \
         torch.stack([norm(g.float()) for _, g in got])
-    return ratio_of([c for c, _ in got], actual, norms, [bound_coefficients(c, g.shape, slack) for c, g in got])
+    return ratio_of([c for c, _ in got], actual, norms, [bound_coefficients(c, g.shape, slack) for c, g in got],
+                    overflow_at)
 
 
 def ratio_of(covered: list[Covered], actual: torch.Tensor, norms: torch.Tensor,
-             coefficients: Sequence[tuple[float, float, float]]) -> torch.Tensor:
+             coefficients: Sequence[tuple[float, float, float]], overflow_at: int) -> torch.Tensor:
     """:func:`worst_ratio` from each gradient's measured ``v0ᵀ G v1`` (``actual``, float64) and norm, taken where the
-    gradient was whole (weights first, as ``covered``); the expected values and spreads of all at once."""
+    gradient was whole (weights first, as ``covered``); the expected values and spreads of all at once.
+
+    The code names the parameter (its index), or, where the picked bound overflowed because the product's own
+    operands did (a row of the layer's input or of its output's gradient past ``1.8e19``, whose square float32
+    cannot hold), ``overflow_at + index``: such values come from a fault earlier in the step (or a diverging
+    model), and the layer's gradient may well be right for them, so no parameter is blamed for it."""
     expected, spread = expected_sums(covered)
     coef = coefficients_on(tuple(coefficients), actual.device)
     bound = coef[0] * spread.sqrt() + coef[1] * norms + 1e-30
@@ -210,7 +217,8 @@ def ratio_of(covered: list[Covered], actual: torch.Tensor, norms: torch.Tensor,
     # Picked on the device (no host sync), as ``worst`` does.
     key = torch.where(finite.all(), ratio, torch.where(finite, -1.0, dev))
     pick = key.argmax().view(1)
-    return torch.cat([ratio.index_select(0, pick), coef[2].index_select(0, pick)])
+    code = coef[2] + torch.where(spread.isfinite(), 0.0, float(overflow_at))
+    return torch.cat([ratio.index_select(0, pick), code.index_select(0, pick)])
 
 
 def expected_sums(covered: list[Covered]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,11 +30,12 @@ walked, and a covered parameter that receives a gradient from more places than i
 forwards (a weight used outside its module: a head tied with ``F.linear(x, wte.weight)``, attention's
 ``out_proj`` inside ``F.multi_head_attention_forward``) is left out with one warning that names it. Modules
 whose class overrides ``forward`` are not covered (a subclass may compute something else from its weight).
-Not covered: attention's matmuls, elementwise and normalisation layers, convolutions, and any parameter of
-another module type. Coverage is reported at the first step as a share of parameters and of backward FLOPs.
+Normalisation layers are checked by ``norms``, attention's forward products by ``products``. Not covered:
+elementwise layers, convolutions, and any parameter of another module type. Coverage is reported at the first step as a share of parameters and of backward FLOPs.
 """
 
-from .checks import GradientChecks, check, judge
+from .checks import GradientChecks
 from .layers import OUTSIDE, Coverage, layer_kind
+from .verdict import check, judge
 
 __all__ = ["OUTSIDE", "Coverage", "GradientChecks", "check", "judge", "layer_kind"]

@@ -12,16 +12,16 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ...history import Event
 from ..budget import Stopwatch
-from ..stats import StepStats, Verdict, failed_rows
 from . import forward as fwd
 from . import norms
 from .layers import COMPILED, OUTSIDE, Coverage, InputCheck, InputTap, Layer, gradient_paths, layer_kind, worst_layer
 from .norms import norm_kind
+from .products import ProductChecks
 from .sums import EPS32, RMS, Covered, matmul_eps, rgs, row_norms, signed_weights, unit_roundoff, worst_ratio
+from .verdict import code_name
 
-__all__ = ["GradientChecks", "check", "judge"]
+__all__ = ["GradientChecks"]
 
 
 class GradientChecks:
@@ -92,6 +92,9 @@ class GradientChecks:
         self._open: dict[int, InputCheck] = {}  # by id of the module: a forward between its two hooks
         self._inputs: list[InputCheck] = []  # this step's input-gradient checks, filled
         self._forwards: list[tuple[torch.Tensor, int]] = []  # this step's forward-output ratios, and their layer
+        # Attention's products, at their step (``products.py``); not inside torch.compile'd code, which would trace
+        # the mode into its graphs.
+        self.products = ProductChecks(lambda: self.on, slack, seed, None if in_compiled else module)
 
     def _install(self, name: str, mod: torch.nn.Module, kind: str, names: dict[int, str], index: dict[int, int],
                  g: torch.Generator) -> Layer:
@@ -174,6 +177,7 @@ class GradientChecks:
         total, covered, linear = self._flops["total"], self._flops["covered"], self._flops["linear"]
         self.flop_fraction = min(covered / total, 1.0) if total else 0.0
         self.linear_flop_fraction = min(covered / linear, 1.0) if linear else 0.0
+        self.products.end_probe()
 
     def leave_out(self, mask: Sequence[bool], why: str = OUTSIDE) -> list[str]:
         """Stop checking the parameters ``mask`` marks (over ``order``); returns their names."""
@@ -189,6 +193,7 @@ class GradientChecks:
             c.entries, c.base, c.base_spread, c.rows, c.eps_in, c.eps_out = [], None, None, 0, EPS32, EPS32
         self._inputs = []
         self._forwards = []
+        self.products.reset()
         self._open = {}
         self._tag += 1  # a new step: the weights may have changed
         self.counted = False
@@ -372,7 +377,9 @@ class GradientChecks:
     def inputs_worst(self) -> torch.Tensor | None:
         """float64[2]: the worst input-gradient ratio of this step and ``n_params + layer`` naming its layer (on the
         device); ``None`` when no input gradient was checked."""
-        return worst_layer(self._inputs, self._forwards, self._n, len(self.layers))
+        base = self.overflow_at + self._n
+        return worst_layer(self._inputs, self._forwards, self._n, len(self.layers),
+                           [(r, base + number) for r, number in self.products.ratios])
 
     @property
     def overflow_at(self) -> int:
@@ -383,62 +390,8 @@ class GradientChecks:
     @property
     def codes(self) -> int:
         """How many codes :meth:`name_of` names."""
-        return self.overflow_at + self._n
+        return self.overflow_at + self._n + len(self.products.names)
 
     def name_of(self, index: int) -> str:
         """What a failed check's index names (``code_name``)."""
-        return code_name(index, self._n, list(self.layers.values()), list(self.covered.values()))
-
-
-# The start of a failure that no gradient is blamed for: a product's operands overflowed float32 (``ratio_of``).
-OVERFLOWED = "the values reaching"
-
-
-def code_name(index: int, n: int, layers: Sequence[Layer], covered: Sequence[Covered]) -> str:
-    """What a failed check's index names: a parameter's gradient (below ``n``), a layer's input gradient or
-    forward output (the next ``2 * len(layers)``), or the values reaching the layer that holds a parameter
-    (``OVERFLOWED``, from ``n + 2 * len(layers)`` on)."""
-    overflow_at = n + 2 * len(layers)
-    if index >= overflow_at:
-        name = next((c.name for c in covered if c.index == index - overflow_at), None)
-        where = name.rsplit(".", 1)[0] if name and "." in name else name or "a covered layer"
-        return f"{OVERFLOWED} {where}"
-    if index >= n:
-        code = index - n
-        forward, number = code >= len(layers), code % max(len(layers), 1)
-        layer = next((x for x in layers if x.number == number), None)
-        what = "the forward output of" if forward else "the input gradient computed by"
-        return f"{what} {layer.name or 'the model'}" if layer else f"check {index}"
-    name = next((c.name for c in covered if c.index == index), f"parameter {index}")
-    return f"the gradient of {name}"
-
-
-def failure_text(name: str, ratio: float) -> str:
-    """One rank's failed ABFT check in words: ``name`` from ``name_of``."""
-    if name.startswith(OVERFLOWED):
-        return (f"{name} (its input or its output's gradient) are past float32's range for a square (|x| > 1.8e19): "
-                "a fault earlier in the step's forward or backward, or a diverging model; no parameter's gradient is "
-                "named")
-    return f"{name} does not match its ABFT checksum ({ratio:.3g} x the rounding bound)"
-
-
-def check(step: int, gathered: Sequence[StepStats], name_of: Callable[[int], str], rank_rows: int) -> Verdict | None:
-    """The ABFT verdict: ranks whose worst covered gradient is off by more than its rounding bound.
-
-    ``None`` when no rank had a covered gradient this step (nothing was checked).
-    """
-    return judge([(x.abft_ratio, x.abft_index) for x in gathered], lambda _, index: name_of(index),
-                 lambda bad: failed_rows(step, gathered, "abft", bad, rank_rows))
-
-
-def judge(worst: Sequence[tuple[float, int]], name_of: Callable[[int, int], str],
-          rows: Callable[[list[int]], list[Event]]) -> Verdict | None:
-    """:func:`check` from every rank's worst (ratio, index) pair; ``name_of(rank, index)`` names what a rank's index
-    stands for (a pipeline's stages index different parameters); ``rows(bad)`` builds the ledger rows of a failure."""
-    if all(ratio < 0 for ratio, _ in worst):
-        return None
-    bad = [r for r, (ratio, _) in enumerate(worst) if ratio > 1.0]
-    if not bad:
-        return Verdict("abft", True, margin=max(ratio for ratio, _ in worst))
-    detail = "; ".join(f"rank {r}: {failure_text(name_of(r, worst[r][1]), worst[r][0])}" for r in bad)
-    return Verdict("abft", False, bad, detail, rows=lambda: rows(bad))
+        return code_name(index, self._n, list(self.layers.values()), list(self.covered.values()), self.products.names)

@@ -77,17 +77,19 @@ class InputCheck:
 
 
 def worst_layer(inputs: list[InputCheck], forwards: list[tuple[torch.Tensor, int]], base: int,
-                n_layers: int) -> torch.Tensor | None:
-    """float64[2]: the worst of a step's input-gradient checks (``inputs``) and forward-output ratios (``forwards``:
-    ratio and layer number), and its code: ``base + layer``, or ``base + n_layers + layer`` for a forward; on the
-    device (no host sync). ``None`` when nothing was checked."""
-    if not inputs and not forwards:
+                n_layers: int, others: Sequence[tuple[torch.Tensor, int]] = ()) -> torch.Tensor | None:
+    """float64[2]: the worst of a step's input-gradient checks (``inputs``), forward-output ratios (``forwards``:
+    ratio and layer number) and other ratios with their codes (``others``: the products', ``products.py``), and its
+    code: ``base + layer``, or ``base + n_layers + layer`` for a forward; on the device (no host sync). ``None``
+    when nothing was checked."""
+    if not inputs and not forwards and not others:
         return None
     parts = [input_ratios(inputs)] if inputs else []
-    if forwards:
-        parts.append(torch.stack([r for r, _ in forwards]).double())
+    if forwards or others:
+        parts.append(torch.stack([r.reshape(()) for r, _ in [*forwards, *others]]).double())
     ratios = torch.cat(parts) if len(parts) > 1 else parts[0]
-    codes = tuple(base + c.layer.number for c in inputs) + tuple(base + n_layers + number for _, number in forwards)
+    codes = (tuple(base + c.layer.number for c in inputs) + tuple(base + n_layers + number for _, number in forwards)
+             + tuple(code for _, code in others))
     which = constant_on(codes, torch.float64, ratios.device)
     return worst(torch.stack([ratios, which]).T)
 

@@ -1,0 +1,189 @@
+"""ABFT of attention's products at their step (``guard/abft/products.py``): batched matmuls by their linear
+checksum, fused ``scaled_dot_product_attention`` by ``P (V r)``; clean runs pass (float32 and bf16 autocast),
+a x10 transient in a product is caught at its step naming the module, training is left bit for bit as it was
+(dropout inside the fused attention included), and nothing is checked outside the model's forward."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from models import TinyGPT, lm_loss
+from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
+
+pytestmark = pytest.mark.timeout(240)
+
+PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, F.scaled_dot_product_attention)
+
+
+def hf(kind: str) -> nn.Module:
+    import transformers as tf
+
+    if kind == "llama":  # grouped-query attention, no dropout
+        return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  max_position_embeddings=32))
+    if kind == "gpt2":  # dropout 0.1 inside the fused attention
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                                bos_token_id=0, eos_token_id=0))
+    return tf.BertForMaskedLM(tf.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                            intermediate_size=64, max_position_embeddings=32))
+
+
+def hf_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, labels=batch).loss
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[..., torch.Tensor], str]] = {
+    "tiny-gpt": (lambda: TinyGPT(vocab=64, d=32, layers=2, heads=4, context=16), lm_loss, "batched matmul"),
+    "llama": (lambda: hf("llama"), hf_loss, "fused attention"),
+    "gpt2": (lambda: hf("gpt2"), hf_loss, "fused attention"),
+    "bert": (lambda: hf("bert"), hf_loss, "fused attention"),
+}
+
+
+class Transient(TorchFunctionMode):
+    """The test's own fault: the ``which``-th product of the forward (counted in call order) gets one element x10."""
+
+    def __init__(self, which: int, element: int) -> None:
+        super().__init__()
+        self.which, self.element, self.seen, self.changed = which, element, 0, False
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in PRODUCTS and isinstance(out, torch.Tensor) and out.dim() >= 3 and torch.is_grad_enabled():
+            self.seen += 1
+            if self.seen == self.which:
+                out = out.clone(memory_format=torch.contiguous_format)
+                k = self.element % out.numel()
+                before = out.view(-1)[k].item()
+                out.view(-1)[k] = out.view(-1)[k] * 10
+                self.changed = before != 0
+        return out
+
+
+def run(kind: str, steps: int, fault: tuple[int, int, int] | None = None, bf16: bool = False,
+        seed: int = 0) -> tuple[SDCGuard, nn.Module, Any, Transient | None]:
+    build, loss, _ = MODELS[kind]
+    torch.manual_seed(seed)
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return loss(m, b)
+
+    guard = SDCGuard(model, opt, loss_fn, GuardConfig())
+    hit = None
+    for step in range(1, steps + 1):
+        batch = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
+        try:
+            if fault is not None and step == fault[0]:
+                hit = Transient(fault[1], fault[2])
+                with hit:
+                    guard.backward(batch, step=step)
+            else:
+                guard.backward(batch, step=step)
+            guard.step()
+        except SilentCorruptionDetected as e:
+            return guard, model, e, hit
+        opt.zero_grad(set_to_none=True)
+    return guard, model, None, hit
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_clean_runs_check_every_attention_product_and_pass(kind, bf16):
+    guard, _, e, _ = run(kind, 5, bf16=bf16)
+    assert e is None, e
+    names = guard.abft.products.names
+    what = MODELS[kind][2]
+    assert len([n for n in names if n.startswith(what)]) == (4 if what == "batched matmul" else 2), names
+    assert guard.checks["abft"].passed == 5
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_transient_in_an_attention_product_is_caught_at_its_step_naming_the_module(kind):
+    """x10 on a random element of a random product, at a random step: caught at that step (95 % or better over
+    the trials, counting only faults that changed a value: x10 of an exact 0, a masked score's weight, is none)."""
+    rng = random.Random(kind)
+    n = 4 if MODELS[kind][2] == "batched matmul" else 2
+    caught = changed = 0
+    for _ in range(10):
+        at, which, element = rng.randrange(2, 4), rng.randrange(1, n + 1), rng.randrange(10**6)
+        _, _, e, hit = run(kind, at, (at, which, element))
+        assert hit is not None and hit.seen >= which
+        if not hit.changed:
+            continue
+        changed += 1
+        if e is not None:
+            assert (e.kind, e.detected_step) == ("abft", at), e
+            assert MODELS[kind][2] in str(e) and " in " in str(e), e
+            caught += 1
+    assert changed >= 6 and caught >= 0.95 * changed, (caught, changed)
+
+
+def test_the_checks_leave_training_bit_for_bit_as_it_was_with_dropout_inside_the_fused_attention():
+    """GPT-2's attention draws its dropout mask inside ``scaled_dot_product_attention``: the check's second call
+    replays the random state, and leaves it where the first call left it, so the weights equal a plain loop's."""
+    def plain(steps: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = hf("gpt2")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(1, steps + 1):
+            hf_loss(model, torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()]
+
+    guard, model, e, _ = run("gpt2", 4)
+    assert e is None and guard.abft.products.names
+    assert all(torch.equal(a, b) for a, b in zip(plain(4), model.parameters(), strict=True))
+
+
+class Raises(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x).view(2, 4, 8)
+        h = h @ h.transpose(-2, -1)
+        if self.fail:
+            raise RuntimeError("the model's own error")
+        return h.sum()
+
+
+def test_nothing_is_checked_outside_the_forward_and_an_error_in_it_leaves_no_mode_behind():
+    from torch.overrides import _get_current_function_mode
+
+    torch.manual_seed(0)
+    model = Raises()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra: list[int] = []
+
+    def loss_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = m(x)
+        extra.append(len(guard.abft.products.ratios))
+        y = x.view(2, 4, 8)
+        return out + (y @ y.transpose(-2, -1)).sum() * 0  # a product outside the model's forward: not checked
+
+    guard = SDCGuard(model, opt, loss_fn, GuardConfig())
+    guard.backward(torch.randn(8, 8), step=1)
+    assert len(guard.abft.products.ratios) == extra[0] == 1 and _get_current_function_mode() is None
+    guard.step()
+    with torch.no_grad():
+        model(torch.randn(8, 8))  # evaluation: not a step's forward
+    assert not guard.abft.products.ratios and _get_current_function_mode() is None
+    model.fail = True
+    with pytest.raises(RuntimeError, match="the model's own error"):
+        guard.backward(torch.randn(8, 8), step=2)
+    assert _get_current_function_mode() is None

@@ -1,0 +1,202 @@
+"""ABFT of the batched products inside a forward: attention's ``Q Kᵀ`` and ``P V``, at their step.
+
+A Linear's GEMM is covered by its own hooks (``checks``); attention's products are not module calls but
+function calls inside a module's ``forward``: ``q @ k.transpose(-2, -1)`` and ``att @ v`` (TinyGPT, Hugging
+Face's eager attention), or one fused ``F.scaled_dot_product_attention`` (Hugging Face's default). A
+``TorchFunctionMode`` held while the model's forward runs (from its outermost module's call to that call's
+return, ``ProductChecks.hooks``) sees each of them:
+
+* a product ``C = A @ B`` of tensors of 3 or more dimensions (``torch.matmul``, ``@``, ``torch.bmm``) is
+  checked by its linear checksum (ATTNChecker's approach), for a fixed random vector ``r`` over ``C``'s columns:
+  ``C r = A (B r)``, row by row, with the bound
+
+      bound_i = slack · RMS · ‖A_i‖ · ‖B‖_F · (2 ε_in + ε_out + ε₃₂ (√k + 2 √n + 2))
+
+  (the product's input and output roundings and its float32 accumulation over ``k`` terms, the check's own
+  float32 products; ``‖B‖_F`` bounds each column's norm, per batch element and head): three passes, over ``A``,
+  ``B`` and ``C``, against the product's ``k`` multiply-adds per element;
+* a fused ``scaled_dot_product_attention`` materialises neither the scores nor ``P``, and softmax is not linear:
+  its output ``O = P V`` is checked by a second call of the same function with ``V r`` as the values, which gives
+  ``P (V r)`` (with the same dropout mask: the random state is replayed and left as the first call left it),
+  against ``O r``. That costs the scores again, about half of the attention's forward FLOPs: a recomputation,
+  so a persistent fault that hits both calls alike is the audits' (docs/GUARD.md); a transient one is caught at
+  its step. The bound takes the scores' size, which moves ``P``'s rounding:
+
+      bound_i = slack · max_l |(V r)_l| · (ε_in (4 + 2 s ‖q_i‖ max_l ‖k_l‖) + ε₃₂ (√t + √d_v + 2))
+
+The worst ratio joins the step's other ABFT ratios (no host sync): a wrong product is caught before the update,
+naming the module whose forward ran it (learnt at the first step). Products under ``no_grad`` (evaluation), in
+paused passes (audits) and outside the model's forward are not checked. Not covered: softmax, masking, dropout
+and activations themselves (elementwise: no checksum; audits recompute them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ...dtensors import is_dtensor
+from .sums import EPS32, RMS, matmul_eps, row_norms, signed_weights, unit_roundoff
+
+__all__ = ["ProductChecks"]
+
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+_SDPA = F.scaled_dot_product_attention
+
+
+class ProductChecks(TorchFunctionMode):
+    """This rank's checks of the forward's batched products (module doc). ``on()``: whether this step is checked;
+    ``slack``: the bound's safety factor; ``module``: the model whose forwards are watched (``None``: none)."""
+
+    def __init__(self, on: Callable[[], bool], slack: float, seed: int, module: torch.nn.Module | None) -> None:
+        super().__init__()
+        self.on, self.slack = on, slack
+        self._g = torch.Generator().manual_seed(seed + 104729)
+        self._r: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._stack: list[str] = []  # the modules whose forward is running, outermost first
+        self.ratios: list[tuple[torch.Tensor, int]] = []  # this step's worst ratio of each product, and its number
+        self.names: list[str] = []  # what each product number is, in call order (learnt at the first step)
+        self._count = 0  # products seen in this step's forwards
+        self.learning = True  # the first step: name the products
+        if module is not None:
+            self.hooks(module)
+
+    # ------------------------------------------------------------ where the forward runs
+    def hooks(self, module: torch.nn.Module) -> None:
+        """Hold this mode while ``module``'s forward runs, from its outermost module's call to that call's return
+        (a framework may call a child rather than the root), and keep the stack of module names for naming."""
+        for name, mod in module.named_modules():
+            mod.register_forward_pre_hook(self._enter(name))
+            mod.register_forward_hook(self._leave, always_call=True)
+
+    def _enter(self, name: str) -> Callable[..., None]:
+        def pre(_mod: torch.nn.Module, _args: Any) -> None:
+            if not self._stack:
+                if not self.on() or not torch.is_grad_enabled():
+                    return
+                self.__enter__()  # type: ignore[no-untyped-call]
+            self._stack.append(name)
+
+        return pre
+
+    def _leave(self, _mod: torch.nn.Module, _args: Any, _out: Any) -> None:
+        if not self._stack:
+            return
+        self._stack.pop()
+        if not self._stack:
+            self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    def reset(self) -> None:
+        """A new step: its products are numbered from 0 again."""
+        self.ratios, self._count = [], 0
+
+    def end_probe(self) -> None:
+        self.learning = False
+
+    # ------------------------------------------------------------ the checks
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            return self._attention(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if func in _MATMULS and len(args) >= 2 and isinstance(out, torch.Tensor) and self._checked(*args[:2]):
+            self._record(_product_ratio(args[0], args[1], out, self._vector(out.shape[-1], out.device), self.slack),
+                         "batched matmul")
+        return out
+
+    def _checked(self, *tensors: Any) -> bool:
+        """Plain floating tensors of 3 or more dimensions, in a checked step's forward (a DTensor's product is its
+        shards' and their collectives': its local GEMMs are checked where tensor parallel hands them out)."""
+        return (torch.is_grad_enabled() and self.on() and all(
+            isinstance(t, torch.Tensor) and t.dim() >= 3 and t.is_floating_point() and not is_dtensor(t)
+            for t in tensors))
+
+    def _vector(self, n: int, device: torch.device) -> torch.Tensor:
+        r = self._r.get((n, device))
+        if r is None:
+            r = self._r[(n, device)] = signed_weights(n, self._g, device)
+        return r
+
+    def _record(self, ratio: torch.Tensor | None, kind: str) -> None:
+        if ratio is None:
+            return
+        number = self._count
+        self._count += 1
+        if self.learning and number == len(self.names):
+            self.names.append(f"{kind} {number} in {self._stack[-1] if self._stack and self._stack[-1] else 'the model'}")
+        self.ratios.append((ratio, number))
+
+    def _attention(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+        given = dict(zip(names, args, strict=False)) | kwargs
+        q, k, v = given.get("query"), given.get("key"), given.get("value")
+        if not self._checked(q, k, v):
+            return func(*args, **kwargs)
+        assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        dropout = float(given.get("dropout_p") or 0.0) > 0
+        before = _rng_state(q.device) if dropout else None
+        out = func(*args, **kwargs)
+        with torch.no_grad():
+            r = self._vector(v.shape[-1], v.device)
+            vr = torch.matmul(v.detach().float(), r).unsqueeze(-1).to(v.dtype)  # V r, in the values' dtype
+            # With dropout the second call must draw the same mask: the same shapes (V r repeated over the value
+            # width), from the same random state; the state is then put back where the first call left it.
+            again = {**given, "query": q.detach(), "key": k.detach(), "value": vr.expand_as(v).contiguous() if dropout else vr}
+            after = _rng_state(q.device) if dropout else None
+            if before is not None:
+                _set_rng_state(q.device, before)
+            ref = func(**again)[..., 0]
+            if after is not None:
+                _set_rng_state(q.device, after)
+            ratio = _attention_ratio(q, k, out, ref, vr, r, given.get("scale"), self.slack)
+        self._record(ratio, "fused attention")
+        return out
+
+
+def _product_ratio(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, r: torch.Tensor, slack: float) -> torch.Tensor:
+    """The worst row's ``|C_i r - A_i (B r)| / bound_i`` of one batched product (module doc), 0-d float32."""
+    with torch.no_grad(), torch.autocast(c.device.type, enabled=False):
+        af, bf, cf = a.detach().float(), b.detach().float(), c.detach().float()
+        got = torch.matmul(cf, r)
+        want = torch.matmul(af, torch.matmul(bf, r).unsqueeze(-1)).squeeze(-1)
+        k, n = a.shape[-1], c.shape[-1]
+        eps_in = max(matmul_eps(c.device.type, a.dtype), matmul_eps(c.device.type, b.dtype))
+        coef = slack * RMS * (2 * eps_in + unit_roundoff(c.dtype) + EPS32 * (math.sqrt(k) + 2 * math.sqrt(n) + 2))
+        anorm = row_norms(af.reshape(-1, k)).view(af.shape[:-1])
+        bnorm = torch.linalg.vector_norm(bf, dim=(-2, -1)).unsqueeze(-1)
+        bound = coef * anorm * bnorm + 1e-30
+        worst: torch.Tensor = ((got - want).abs() / bound).nan_to_num(nan=torch.inf).max()
+        return worst
+
+
+def _attention_ratio(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, ref: torch.Tensor, vr: torch.Tensor,
+                     r: torch.Tensor, scale: Any, slack: float) -> torch.Tensor:
+    """The worst row's ``|O_i r - (P (V r))_i| / bound_i`` of one fused attention (module doc), 0-d float32."""
+    with torch.autocast(out.device.type, enabled=False):
+        got = torch.matmul(out.detach().float(), r)
+        s = float(scale) if scale is not None else 1 / math.sqrt(q.shape[-1])
+        qn = row_norms(q.detach().float().reshape(-1, q.shape[-1])).view(q.shape[:-1])
+        kmax = row_norms(k.detach().float().reshape(-1, k.shape[-1])).max()  # any head: grouped-query heads too
+        eps_in = max(unit_roundoff(q.dtype), unit_roundoff(out.dtype))
+        t, dv = k.shape[-2], out.shape[-1]
+        vmax = vr.detach().float().abs().max()  # over every head: grouped-query attention has fewer value heads
+        spread = eps_in * (4 + 2 * s * qn * kmax) + EPS32 * (math.sqrt(t) + math.sqrt(dv) + 2)
+        bound = slack * (vmax * spread + EPS32 * math.sqrt(dv) * RMS * got.abs()) + 1e-30
+        worst: torch.Tensor = ((got - ref.float()).abs() / bound).nan_to_num(nan=torch.inf).max()
+        return worst
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)

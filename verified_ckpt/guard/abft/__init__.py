@@ -31,7 +31,8 @@ forwards (a weight used outside its module: a head tied with ``F.linear(x, wte.w
 ``out_proj`` inside ``F.multi_head_attention_forward``) is left out with one warning that names it. Modules
 whose class overrides ``forward`` are not covered (a subclass may compute something else from its weight).
 Normalisation layers are checked by ``norms``, attention's forward products by ``products``. Not covered:
-elementwise layers, convolutions, and any parameter of another module type. Coverage is reported at the first step as a share of parameters and of backward FLOPs.
+elementwise layers, convolutions, and any parameter of another module type. Coverage is reported at the first
+step as a share of parameters and of backward FLOPs.
 """
 
 from .checks import GradientChecks

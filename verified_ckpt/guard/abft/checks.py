@@ -94,7 +94,7 @@ class GradientChecks:
         self._forwards: list[tuple[torch.Tensor, int]] = []  # this step's forward-output ratios, and their layer
         # Attention's products, at their step (``products.py``); not inside torch.compile'd code, which would trace
         # the mode into its graphs.
-        self.products = ProductChecks(lambda: self.on, slack, seed, None if in_compiled else module)
+        self.products = ProductChecks(lambda: self.on, slack, seed, None if in_compiled else module, timed)
 
     def _install(self, name: str, mod: torch.nn.Module, kind: str, names: dict[int, str], index: dict[int, int],
                  g: torch.Generator) -> Layer:

@@ -190,7 +190,7 @@ class GradientChecks:
 
     def reset(self) -> None:
         for c in self.covered.values():
-            c.entries, c.base, c.base_spread, c.rows, c.eps_in, c.eps_out = [], None, None, 0, EPS32, EPS32
+            c.entries, c.base, c.base_spread, c.rows, c.eps_in, c.eps_out, c.eps_acc = [], None, None, 0, EPS32, EPS32, EPS32
         self._inputs = []
         self._forwards = []
         self.products.reset()

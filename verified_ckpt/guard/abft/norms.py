@@ -197,12 +197,16 @@ def record(gamma: Covered | None, beta: Covered | None, x: Normalised, dy: torch
         rows = d.movedim(1, -1).reshape(-1, d.shape[1]) if x.channels_first else d.reshape(-1, d.shape[-1])
         b = row_norms(rows)
         eps = (max(_RECOMPUTE_EPS, x.eps), unit_roundoff(dy.dtype))
+        # The layer's own backward on a CPU sums a low-precision output gradient's terms in that precision (the
+        # error of LayerNorm's γ gradient under bf16 autocast grows as √rows: measured, docs/GUARD.md); on a GPU it
+        # accumulates in float32.
+        acc = unit_roundoff(dy.dtype) if dy.device.type == "cpu" else EPS32
         if beta is not None:
-            beta.add(None, None, torch.mv(rows, beta.v0), b, eps)
+            beta.add(None, None, torch.mv(rows, beta.v0), b, eps, acc)
         if gamma is not None:
             prod = rows * x.xhat()
             spread = torch.sqrt(row_norms(prod).square() + (x.kappa(rows.shape[0]) * b).square())
-            gamma.add(None, None, torch.mv(prod, gamma.v0), spread, eps)
+            gamma.add(None, None, torch.mv(prod, gamma.v0), spread, eps, acc)
 
 
 def hook(checks: Any, mod: torch.nn.Module, spec: NormSpec, gamma_of: Callable[[], Covered | None],

@@ -67,13 +67,17 @@ class Covered:
     # TF32 where CUDA matmuls use it) and of the gradient it produced (bf16 under autocast, then cast to float32).
     eps_in: float = EPS32
     eps_out: float = EPS32
+    # Of the sum over rows that produced the gradient: float32 in a GEMM, but a normalisation layer's own backward on
+    # a CPU sums bf16 terms in bf16 (measured: its error grows as √rows, ``docs/GUARD.md``).
+    eps_acc: float = EPS32
     uses: int = 0  # forwards of covering modules at the first step (what the graph walk compares with)
 
     def add(self, x: torch.Tensor | None, a: torch.Tensor | None, y: torch.Tensor, b: torch.Tensor,
-            eps: tuple[float, float]) -> None:
+            eps: tuple[float, float], acc: float = EPS32) -> None:
         self.entries.append((x, a, y, b))
         self.rows += y.numel()
         self.eps_in, self.eps_out = max(self.eps_in, eps[0]), max(self.eps_out, eps[1])
+        self.eps_acc = max(self.eps_acc, acc)
         if len(self.entries) > MAX_ENTRIES:  # long gradient accumulation: hold sums, not every microbatch's rows
             self.fold()
 
@@ -255,7 +259,8 @@ def bound_coefficients(c: Covered, shape: torch.Size, slack: float) -> tuple[flo
     accumulation over ``rows`` and the float32 projections over ``in`` and ``out`` (``√rows + √in + √out``), the
     gradient rounded to its own dtype before the cast to float32 (``eps_out``, of its norm, or of ``‖a∘b‖`` when
     microbatches cancel), and the float32 ``G v1`` of the check itself (``√in + 1``). Under bf16 autocast the
-    roundings are bf16 only where the data is: accumulation and projections stay float32.
+    roundings are bf16 only where the data is: accumulation and projections stay float32, except a normalisation
+    layer's own sum over rows on a CPU (``eps_acc``).
     """
     once_in, once_out = c.eps_in / _SQRT3, c.eps_out / _SQRT3  # one rounding of each element: std u/√3
     if c.v1 is not None and len(shape) == 2:
@@ -263,5 +268,5 @@ def bound_coefficients(c: Covered, shape: torch.Size, slack: float) -> tuple[flo
         spread = 2 * once_in + once_out + EPS32 * (math.sqrt(c.rows) + math.sqrt(shape[1]) + math.sqrt(shape[0]))
         return k * spread, k * (once_out + EPS32 * (math.sqrt(shape[1]) + 1)), float(c.index)
     k = slack * RMS
-    return (k * (once_in + once_out + EPS32 * (math.sqrt(c.rows) + math.sqrt(shape.numel()))), k * (once_out + EPS32),
-            float(c.index))
+    return (k * (once_in + once_out + c.eps_acc * math.sqrt(c.rows) + EPS32 * math.sqrt(shape.numel())),
+            k * (once_out + EPS32), float(c.index))

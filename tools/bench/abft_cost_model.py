@@ -1,0 +1,156 @@
+"""The per-step checks' cost on a GPU, predicted from what they do, counted on this CPU.
+
+One plain training step and one guarded step (the default per-step checks: NaN/Inf, ABFT with attention's products;
+consensus and audits off) of TinyGPT run under a ``TorchDispatchMode`` that counts every aten op that is not a view
+(each is at least one kernel launch on a GPU), the bytes each reads and writes (its tensor arguments and results:
+what it moves through memory at most once each), and the matmul FLOPs (``FlopCounterMode``). The counts do not
+depend on the device. The prediction for a device of bandwidth ``B``, matmul throughput ``F`` and host time per
+op ``h`` (the launch and the Python around it) is the slower of the host and the device:
+
+    T = max(ops_training · h + ops_checks · h_checks, bytes / B + flops / F)
+
+for the plain step and the guarded one; the overhead is their ratio. ``h`` defaults to what the H200 runs measured
+(``docs/gpu/h200-2026-12-04-c.json``: the plain d=1024 step's 26.7 ms over its counted ops; a check's op costs the
+host 2.13 times a training op, from the guarded step there), ``B`` to 4.8 TB/s and
+``F`` to 40 % of the H200's 990 dense bf16 TFLOP/s (fp32 matmuls run as TF32 at half that: pass ``--flops``).
+
+    .venv/bin/python tools/bench/abft_cost_model.py --d 1024 --layers 12 --batch 8 --context 64 --vocab 8192
+    .venv/bin/python tools/bench/abft_cost_model.py --d 4096 --layers 2 --batch 4 --context 2048 --vocab 32000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+
+from verified_ckpt import GuardConfig, SDCGuard
+
+VIEWS = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "slice", "select", "unsqueeze",
+         "squeeze", "as_strided", "alias", "detach", "split", "split_with_sizes", "unbind", "_reshape_alias",
+         "unfold", "diagonal", "view_as_real", "view_as_complex", "lift_fresh"}
+
+
+class Counts(TorchDispatchMode):
+    """Ops that are not views, and the bytes of their tensor arguments and results."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.bytes = 0
+        self.by_op: dict[str, list[int]] = {}  # op -> [count, bytes]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.split(".")[0] not in VIEWS:
+            self.ops += 1
+            seen: set[int] = set()
+            moved = 0
+            for t in [*_tensors(args), *_tensors(kwargs or {}), *_tensors(out)]:
+                key = t.untyped_storage().data_ptr() if t.numel() else id(t)
+                if key not in seen:
+                    seen.add(key)
+                    moved += t.numel() * t.element_size()
+            self.bytes += moved
+            row = self.by_op.setdefault(func.__name__, [0, 0])
+            row[0] += 1
+            row[1] += moved
+        return out
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    if isinstance(x, dict):
+        return [t for y in x.values() for t in _tensors(y)]
+    return []
+
+
+def counted(run: Any) -> tuple[dict[str, float], dict[str, list[int]]]:
+    with FlopCounterMode(display=False) as flops, Counts() as c:
+        run()
+    return {"ops": c.ops, "bytes": c.bytes, "flops": flops.get_total_flops()}, c.by_op
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s")
+    ap.add_argument("--flops", type=float, default=0.4 * 990e12, help="matmul FLOP/s achieved")
+    ap.add_argument("--host-per-op", type=float, default=None, help="seconds of host time per op, training's and the "
+                    "checks' alike (default: the H200 runs', training 11.9 us, the checks' 2.13 times that)")
+    ap.add_argument("--no-products", action="store_true", help="without attention's product checks (as the H200 "
+                    "runs measured)")
+    args = ap.parse_args()
+    import models
+
+    torch.manual_seed(0)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return models.TinyGPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(args.d // 64, 1),
+                              context=args.context)
+
+    plain, guarded = build(), build()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain, guarded)]
+    guard = SDCGuard(guarded, opts[1], models.lm_loss, GuardConfig(audit_every=None, consensus_every=10**9))
+    if args.no_products:
+        guard.abft.products.on = lambda: False
+    batch = torch.randint(0, args.vocab, (args.batch, args.context + 1))
+
+    def plain_step() -> None:
+        models.lm_loss(plain, batch).backward()
+        opts[0].step()
+        opts[0].zero_grad()
+
+    def guarded_step(s: int) -> None:
+        guard.backward(batch, step=s)
+        guard.step()
+        opts[1].zero_grad()
+
+    plain_step()
+    guarded_step(0)  # the first step probes coverage: count a steady one
+    (p, p_ops), (g, g_ops) = counted(plain_step), counted(lambda: guarded_step(1))
+    added_by_op = {k: [n - p_ops.get(k, [0, 0])[0], b - p_ops.get(k, [0, 0])[1]] for k, (n, b) in g_ops.items()}
+    top = sorted(added_by_op.items(), key=lambda kv: -kv[1][1])[:12]
+    # Host time per op, from the H200 runs (docs/gpu/h200-2026-12-04-c.json, d=1024, 12 layers, batch 8 x 64): the
+    # plain step's 26.7 ms over its 2,252 counted ops, and the guarded step's 41.9 ms more over the 1,658 ops the
+    # checks added then (attention's products came after that run): a guard op costs the host about twice a
+    # training op, its hooks' Python included.
+    h_plain = args.host_per_op if args.host_per_op is not None else 26.7e-3 / 2252
+    h_added = 2.13 * h_plain if args.host_per_op is None else args.host_per_op
+    def time_of(c: dict[str, float]) -> dict[str, float]:
+        host = p["ops"] * h_plain + (c["ops"] - p["ops"]) * h_added
+        device = c["bytes"] / args.bandwidth + c["flops"] / args.flops
+        return {"host_s": host, "device_s": device, "step_s": max(host, device)}
+
+    tp, tg = time_of(p), time_of(g)
+    print(json.dumps({
+        "model": {"d": args.d, "layers": args.layers, "batch": args.batch, "context": args.context,
+                  "vocab": args.vocab, "params": sum(x.numel() for x in plain.parameters())},
+        "plain": p, "guarded": g, "added": {k: g[k] - p[k] for k in p},
+        "host_per_op_s": {"training": h_plain, "checks": h_added}, "bandwidth": args.bandwidth, "flops_per_s": args.flops,
+        "predicted_plain": tp, "predicted_guarded": tg,
+        "predicted_overhead": tg["step_s"] / tp["step_s"] - 1,
+        "predicted_overhead_if_device_bound": tg["device_s"] / tp["device_s"] - 1,
+        "added_by_op (count, bytes)": dict(top),
+        "bound_by": "host (launches)" if tp["host_s"] > tp["device_s"] else "device"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ amortised cost of one consensus and one audit.
     .venv/bin/python tools/bench/bench_guard.py --model gpt --d-model 256 --batch 16
     .venv/bin/python tools/bench/bench_guard.py --model gpt --d-model 256 --batch 16 --world-size 2 --budgets --steps 200
     .venv/bin/python tools/bench/bench_guard.py --model gpt --d-model 256 --batch 16 --world-size 2 --oracle --steps 60
+    .venv/bin/python tools/bench/bench_guard.py --model hf-llama --d-model 256 --batch 16 --world-size 2 --parts
 
 ``--budgets`` adds ABFT's forward-GEMM checks (``abft_forward=True``), the default ``GuardConfig()`` (a 3 % budget for
 consensus and audits) and budgets of 1 % and 10 %: their overhead is the
@@ -39,6 +40,17 @@ from verified_ckpt import GuardConfig, SDCGuard
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
+    if args.model.startswith("hf-"):  # Hugging Face's own classes, at the library's default options
+        import transformers as tf
+
+        torch.manual_seed(0)
+        d, n, heads, v, t = args.d_model, args.depth, 8 if args.d_model >= 64 else 4, args.vocab, args.context + 1
+        if args.model == "hf-gpt2":
+            return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=v, n_embd=d, n_layer=n, n_head=heads, n_positions=t,
+                                                    bos_token_id=0, eos_token_id=0))
+        return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=v, hidden_size=d, intermediate_size=4 * d,
+                                                  num_hidden_layers=n, num_attention_heads=heads,
+                                                  num_key_value_heads=max(heads // 2, 1), max_position_embeddings=t))
     if args.model == "gpt":
         torch.manual_seed(0)
         return models.TinyGPT(vocab=args.vocab, d=args.d_model, layers=args.depth, heads=8 if args.d_model >= 64 else 4,
@@ -48,6 +60,8 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
 
 def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
+    if y.dim() == 0 and y.item() == 1:  # token ids for a Hugging Face model (its own shifted loss)
+        return model(input_ids=x, labels=x).loss  # type: ignore[no-any-return]
     if y.dim() == 0:  # token ids: a language model
         return models.lm_loss(model, x)
     return models.mse_loss(model, batch)
@@ -69,9 +83,9 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     g = torch.Generator().manual_seed(rank)
-    if args.model == "gpt":
-        batches = [(torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=g), torch.zeros(()))
-                   for _ in range(4)]
+    if args.model != "mlp":  # a 0-d tag: 0 TinyGPT's loss, 1 the Hugging Face model's own
+        tag = torch.ones(()) if args.model.startswith("hf-") else torch.zeros(())
+        batches = [(torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=g), tag) for _ in range(4)]
     else:
         batches = [(torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, 8, generator=g))
                    for _ in range(4)]
@@ -85,6 +99,10 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     if args.oracle:  # the update oracle's share of a step: the same per-step checks with and without it
         variants = {"plain DDP": None, "per-step checks": variants["per-step checks"],
                     "per-step, no oracle": GuardConfig(consensus_every=10**9, audit_every=None, oracle_slices=0)}
+    if args.parts:  # issue 39: the default guard, and what its per-step parts cost
+        variants = {"plain DDP": None, "default (3 %)": GuardConfig(), "per-step checks": variants["per-step checks"],
+                    "per-step, no products": GuardConfig(consensus_every=10**9, audit_every=None),
+                    "per-step, no ABFT": variants["per-step, no ABFT"]}
     if args.budgets:
         variants = {"plain DDP": None, "per-step checks": variants["per-step checks"],
                     "per-step, no ABFT": variants["per-step, no ABFT"],
@@ -99,6 +117,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         model = DDP(build(args))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         runs[name] = (model, opt, SDCGuard(model, opt, loss_fn, cfg) if cfg else None)
+        if name == "per-step, no products":  # attention's product checks off (no setting for it: a bench's cut)
+            runs[name][2].abft.products.on = lambda: False  # type: ignore[union-attr]
     times: dict[str, list[float]] = {name: [] for name in variants}
     for step in range(1, args.steps + 1):
         b = batches[step % 4]
@@ -136,11 +156,13 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
+    ap.add_argument("--model", choices=["mlp", "gpt", "hf-gpt2", "hf-llama"], default="mlp")
     ap.add_argument("--d-model", type=int, default=256, help="TinyGPT width (--model gpt)")
     ap.add_argument("--context", type=int, default=64, help="TinyGPT context length (--model gpt)")
     ap.add_argument("--vocab", type=int, default=1024, help="TinyGPT vocabulary (--model gpt)")
     ap.add_argument("--budgets", action="store_true", help="measure the default budget and budgets of 1 %% and 10 %%")
+    ap.add_argument("--parts", action="store_true", help="the default guard, and the per-step checks with and without "
+                    "attention's products and ABFT")
     ap.add_argument("--oracle", action="store_true", help="measure the per-step checks with and without the update oracle")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
@@ -148,9 +170,9 @@ def main() -> None:
     args = ap.parse_args()
     res = spawn_ranks(worker, args)
     s = res["step_s"]
-    shape = (f"TinyGPT d={args.d_model} x{args.depth} layers, vocab {args.vocab}, context {args.context}"
-             if args.model == "gpt" else f"MLP {args.depth}x{args.width}")
-    if args.budgets or args.oracle:
+    shape = (f"{'TinyGPT' if args.model == 'gpt' else args.model} d={args.d_model} x{args.depth} layers, vocab "
+             f"{args.vocab}, context {args.context}" if args.model != "mlp" else f"MLP {args.depth}x{args.width}")
+    if args.budgets or args.oracle or args.parts:
         print(f"{args.world_size} gloo ranks, {shape} ({res['params'] / 1e6:.3f} M params), batch {args.batch}, "
               f"{args.steps - args.warmup} interleaved steps")
         for k, v in s.items():

@@ -130,12 +130,15 @@ def test_a_transient_in_an_attention_product_is_caught_at_its_step_naming_the_mo
     assert changed >= 6 and caught >= 0.95 * changed, (caught, changed)
 
 
-def test_the_checks_leave_training_bit_for_bit_as_it_was_with_dropout_inside_the_fused_attention():
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_checks_leave_training_bit_for_bit_as_it_was_with_dropout_inside_the_fused_attention(kind):
     """GPT-2's attention draws its dropout mask inside ``scaled_dot_product_attention``: the check's second call
-    replays the random state, and leaves it where the first call left it, so the weights equal a plain loop's."""
+    replays the random state, and leaves it where the first call left it, so the weights equal a plain loop's.
+    Llama's too, from the first step on: the coverage's FLOP count at that step must not change how the backward
+    computes (torch's ``FlopCounterMode`` ran the fused attention's backward as its decomposition)."""
     def plain(steps: int) -> list[torch.Tensor]:
         torch.manual_seed(0)
-        model = hf("gpt2")
+        model = hf(kind)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for step in range(1, steps + 1):
             hf_loss(model, torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))).backward()
@@ -143,7 +146,7 @@ def test_the_checks_leave_training_bit_for_bit_as_it_was_with_dropout_inside_the
             opt.zero_grad(set_to_none=True)
         return [p.detach().clone() for p in model.parameters()]
 
-    guard, model, e, _ = run("gpt2", 4)
+    guard, model, e, _ = run(kind, 4)
     assert e is None and guard.abft.products.names
     assert all(torch.equal(a, b) for a, b in zip(plain(4), model.parameters(), strict=True))
 

@@ -29,6 +29,11 @@ def test_gpu_check_small_mode_writes_every_section_and_fingerprints_agree(tmp_pa
     # The oracle witnessed its own slices every step after the first, and a clean run has no mismatch.
     [own] = r["owner"]
     assert own["plain_s"] > 0 and own["oracle_steps_checked"] == 5 and own["oracle_mismatches"] == 0
+    # HF GPT-2 (dropout inside the fused attention) and Llama: clean, and the weights the plain loop's, bit for bit.
+    for row in r["hf"]:
+        assert row["incident"] is None and row["weights_equal_plain"] and row["abft_passed"] == 5, row
+        assert [n.split(" in ")[0] for n in row["products"]] == ["fused attention 0", "fused attention 1", "fused "
+                                                                   "attention 2", "fused attention 3"], row
     for key in ("torch_save_s", "verified_save_s", "dcp_save_s", "async_blocking_s", "torch_load_s",
                 "verified_restore_s", "dcp_load_s"):
         assert r["io"][key] > 0

@@ -251,6 +251,68 @@ def profiled(fn: Callable[[int], Any], device: torch.device, steps: int = 5) -> 
                       "self_device_us": getattr(e, "self_device_time_total", 0.0)} for e in ops]}
 
 
+def hf(device: torch.device, kinds: list[str], d: int, steps: int) -> list[dict[str, Any]]:
+    """Hugging Face GPT-2 (dropout 0.1 inside the fused attention) and Llama (grouped-query attention) at the
+    library's defaults: a plain loop and the guarded one (the default per-step checks, attention's products among
+    them), from the same seed: the guard must leave the weights bit for bit as the plain loop's (the fused
+    attention's dropout mask is replayed for its check), raise nothing, and its cost is measured per step."""
+    import transformers as tf
+
+    def build(kind: str) -> torch.nn.Module:
+        torch.manual_seed(0)
+        if kind == "gpt2":
+            m = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=1024, n_embd=d, n_layer=4, n_head=8, n_positions=65,
+                                                 bos_token_id=0, eos_token_id=0))
+        else:
+            m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=1024, hidden_size=d, intermediate_size=4 * d,
+                                                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                                                   max_position_embeddings=65))
+        return m.to(device)
+
+    def loss(m: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(input_ids=b, labels=b).loss  # type: ignore[no-any-return]
+
+    out = []
+    for kind in kinds:
+        batches = [torch.randint(0, 1024, (16, 65), generator=torch.Generator().manual_seed(i)).to(device)
+                   for i in range(steps)]
+        runs: dict[str, Any] = {}
+        for name in ("plain", "guarded"):
+            m = build(kind)
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+            runs[name] = (m, opt, SDCGuard(m, opt, loss, GuardConfig(audit_every=None, consensus_every=10**9))
+                          if name == "guarded" else None)
+        times: dict[str, list[float]] = {"plain": [], "guarded": []}
+        incident = None
+        for name, (m, opt, guard) in runs.items():  # each from the same seed, its random stream its own
+            torch.manual_seed(1)
+            torch.cuda.manual_seed_all(1) if device.type == "cuda" else None
+            for s, b in enumerate(batches):
+                sync(device)
+                t0 = time.perf_counter()
+                try:
+                    if guard is None:
+                        loss(m, b).backward()
+                        opt.step()
+                    else:
+                        guard.backward(b, step=s)
+                        guard.step()
+                except Exception as e:  # an incident on a clean run is the finding
+                    incident = str(e)[:300]
+                    break
+                opt.zero_grad()
+                sync(device)
+                times[name].append(time.perf_counter() - t0)
+        same = all(torch.equal(a, b) for a, b in zip(runs["plain"][0].parameters(), runs["guarded"][0].parameters(),
+                                                      strict=True))
+        g = runs["guarded"][2]
+        plain, guarded = statistics.median(times["plain"][2:]), statistics.median(times["guarded"][2:] or [0.0])
+        out.append({"model": kind, "d": d, "incident": incident, "weights_equal_plain": same,
+                    "abft_passed": g.checks["abft"].passed, "products": g.abft.products.names,
+                    "plain_s": plain, "guarded_s": guarded, "overhead": guarded / plain - 1})
+    return out
+
+
 def io(device: torch.device, tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
@@ -282,7 +344,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--small", action="store_true", help="CPU and small sizes: seconds, for the test suite")
-    ap.add_argument("--sections", default="equality,throughput,consensus,step,owner,io",
+    ap.add_argument("--sections", default="equality,throughput,consensus,step,owner,hf,io",
                     help="comma-separated: which sections to run (equality always runs)")
     args = ap.parse_args()
     wanted = set(args.sections.split(","))
@@ -306,6 +368,8 @@ def main() -> int:
     if "owner" in wanted:
         result["owner"] = owner(device, [(32, 2, 64, 4)] if args.small else [(256, 4, 1024, 16), (1024, 12, 8192, 8)],
                                 6 if args.small else 40)
+    if "hf" in wanted:
+        result["hf"] = hf(device, ["gpt2", "llama"], 32 if args.small else 256, 5 if args.small else 20)
     if "io" in wanted:
         result["io"] = io(device, tensors, repeats)
     print(json.dumps(result, indent=1))

@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..budget import Stopwatch
 from . import forward as fwd
 from . import norms
+from .flops import FlopCount
 from .layers import COMPILED, OUTSIDE, Coverage, InputCheck, InputTap, Layer, gradient_paths, layer_kind, worst_layer
 from .norms import norm_kind
 from .products import ProductChecks
@@ -168,9 +168,9 @@ class GradientChecks:
         """``run()``, a backward of the first step, under the FLOP counter; a pipeline stage counts each of its
         microbatches' backwards, and :meth:`end_probe` closes the count."""
         self.counted = True
-        with FlopCounterMode(display=False) as counted:
+        with FlopCount() as counted:
             run()
-        self._flops["total"] += counted.get_total_flops()
+        self._flops["total"] += counted.total
 
     def end_probe(self) -> None:
         """The first step's backwards are over: the covered shares of their FLOPs (and no longer ``probing``)."""

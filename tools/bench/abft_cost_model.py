@@ -11,11 +11,11 @@ op ``h`` (the launch and the Python around it) is the slower of the host and the
 
 for the plain step and the guarded one; the overhead is their ratio. ``h`` defaults to what the H200 runs measured
 (``docs/gpu/h200-2026-12-04-c.json``: the plain d=1024 step's 26.7 ms over its counted ops; a check's op costs the
-host 2.13 times a training op, from the guarded step there), ``B`` to 4.8 TB/s and
+host 2.78 times a training op, from the guarded step there), ``B`` to 4.8 TB/s and
 ``F`` to 40 % of the H200's 990 dense bf16 TFLOP/s (fp32 matmuls run as TF32 at half that: pass ``--flops``).
 
     .venv/bin/python tools/bench/abft_cost_model.py --d 1024 --layers 12 --batch 8 --context 64 --vocab 8192
-    .venv/bin/python tools/bench/abft_cost_model.py --d 4096 --layers 2 --batch 4 --context 2048 --vocab 32000
+    .venv/bin/python tools/bench/abft_cost_model.py --no-products   # as the H200 run c measured it
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s")
     ap.add_argument("--flops", type=float, default=0.4 * 990e12, help="matmul FLOP/s achieved")
     ap.add_argument("--host-per-op", type=float, default=None, help="seconds of host time per op, training's and the "
-                    "checks' alike (default: the H200 runs', training 11.9 us, the checks' 2.13 times that)")
+                    "checks' alike (default: the H200 runs', training 11.9 us, the checks' 2.78 times that)")
     ap.add_argument("--no-products", action="store_true", help="without attention's product checks (as the H200 "
                     "runs measured)")
     args = ap.parse_args()
@@ -128,12 +128,12 @@ def main() -> None:
     (p, p_ops), (g, g_ops) = counted(plain_step), counted(lambda: guarded_step(1))
     added_by_op = {k: [n - p_ops.get(k, [0, 0])[0], b - p_ops.get(k, [0, 0])[1]] for k, (n, b) in g_ops.items()}
     top = sorted(added_by_op.items(), key=lambda kv: -kv[1][1])[:12]
-    # Host time per op, from the H200 runs (docs/gpu/h200-2026-12-04-c.json, d=1024, 12 layers, batch 8 x 64): the
-    # plain step's 26.7 ms over its 2,252 counted ops, and the guarded step's 41.9 ms more over the 1,658 ops the
-    # checks added then (attention's products came after that run): a guard op costs the host about twice a
-    # training op, its hooks' Python included.
+    # Host time per op, from the H200 run c (docs/gpu/h200-2026-12-04-c.json, d=1024, 12 layers, batch 8 x 64): the
+    # plain step's 26.7 ms over its 2,252 counted ops, and the guarded step's 41.9 ms more over the 1,271 ops the
+    # checks added then (this tool with --no-products: attention's products came after that run). A check's op
+    # costs the host 2.78 times a training op: its hooks' Python, and small ops each launched alone.
     h_plain = args.host_per_op if args.host_per_op is not None else 26.7e-3 / 2252
-    h_added = 2.13 * h_plain if args.host_per_op is None else args.host_per_op
+    h_added = 2.78 * h_plain if args.host_per_op is None else args.host_per_op
     def time_of(c: dict[str, float]) -> dict[str, float]:
         host = p["ops"] * h_plain + (c["ops"] - p["ops"]) * h_added
         device = c["bytes"] / args.bandwidth + c["flops"] / args.flops

@@ -39,6 +39,7 @@ from verified_ckpt import (
 )
 from verified_ckpt.flatten import unflatten
 from verified_ckpt.skeleton import tensor_refs
+from verified_ckpt.crc import Crc64
 from verified_ckpt.manifest import MAX_DEPTH, Manifest
 from verified_ckpt.shards import parse_header, read_into, tensors_from_buffer, write_shard
 
@@ -644,7 +645,7 @@ def test_a_fuzzed_shard_on_disk_is_never_restored_and_fails_verify(run_template,
 @SLOW
 @given(ops=OPS)
 def test_a_fuzzed_shard_with_a_matching_manifest_is_caught_by_header_and_fingerprint_checks(run_template, ops):
-    """Worse than bit rot: the manifest's size and digest were rewritten to match the damaged shard."""
+    """Worse than bit rot: the manifest's size and digests were rewritten to match the damaged shard."""
     with tempfile.TemporaryDirectory() as tmp:
         url, folder = _copy_run(run_template, tmp)
         name = run_template["shards"][0]
@@ -654,7 +655,9 @@ def test_a_fuzzed_shard_with_a_matching_manifest_is_caught_by_header_and_fingerp
         open(path, "wb").write(fuzzed)
         doc = json.loads(run_template["manifest"])
         [entry] = [s for s in doc["shards"] if s["path"] == name]
-        entry["size"], entry["digest"] = len(fuzzed), blake3.blake3(fuzzed).hexdigest()
+        crc = Crc64()
+        crc.update(fuzzed)  # every digest the manifest keeps, rewritten to match
+        entry["size"], entry["digest"], entry["crc64nvme"] = len(fuzzed), blake3.blake3(fuzzed).hexdigest(), crc.hexdigest()
         open(os.path.join(folder, "manifest.json"), "wb").write(json.dumps(doc).encode())
         same = _same_tensors(original, fuzzed)
         if not same:

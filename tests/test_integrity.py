@@ -129,10 +129,10 @@ def rotten(rank: int, world: int, run: str) -> dict:
     write_shard = saving.write_shard
 
     def rotting(f, tensors):
-        size, digest = write_shard(f, tensors)
-        f.seek(size - 2)
+        written = write_shard(f, tensors)
+        f.seek(written.size - 2)
         f.write(b"\xff\xff")
-        return size, digest
+        return written
 
     for step in range(1, 11):
         guard.backward(ddp_train.make_batch(0, step, rank), step=step)

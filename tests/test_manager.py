@@ -191,8 +191,13 @@ def test_changed_bytes_with_a_recomputed_digest_are_caught_by_fingerprints(local
     open(shard, "wb").write(data)
     import blake3
 
+    from verified_ckpt.crc import Crc64
+
+    crc = Crc64()
+    crc.update(bytes(data))
     m = json.loads(open(os.path.join(d, "manifest.json")).read())
     m["shards"][0]["digest"] = blake3.blake3(bytes(data)).hexdigest()
+    m["shards"][0]["crc64nvme"] = crc.hexdigest()  # both digests rewritten: the fingerprints still see it
     os.remove(os.path.join(d, "manifest.json"))
     open(os.path.join(d, "manifest.json"), "w").write(json.dumps(m))
     [result] = mgr.verify()

@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from .crc import is_hex
 from .errors import ManifestError
 from .evidence import evidence_problem
 from .hosts import Topology
@@ -55,6 +56,9 @@ class ShardEntry:
     size: int
     digest: str  # blake3 hex of the whole file
     tensors: list[str]
+    # CRC-64/NVME of the whole file, 16 hex digits (``crc.py``): what an object store keeps beside it. Written by
+    # saves since issue 40; ``None`` in older manifests, which verify as they always did.
+    crc64nvme: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +117,9 @@ class Manifest:
             del d["layout"]
         if not self.bookkeeping:
             del d["bookkeeping"]
+        for shard in d["shards"]:  # an older manifest's shards stay as they were, byte for byte
+            if shard.get("crc64nvme") is None:
+                del shard["crc64nvme"]
         return d
 
     def to_json(self) -> bytes:
@@ -227,8 +234,11 @@ def _shards(raw: list[Any], bad: _Bad) -> list[ShardEntry]:
             raise bad(f"shard {path!r} must list distinct tensor names (strings)")
         if path in paths:
             raise bad("two shards share a path")
+        crc = s.get("crc64nvme")
+        if crc is not None and not is_hex(crc):
+            raise bad(f"shard {path!r} has an invalid crc64nvme (16 lowercase hex digits)")
         paths.add(path)
-        shards.append(ShardEntry(path, s["size"], s["digest"], list(names)))
+        shards.append(ShardEntry(path, s["size"], s["digest"], list(names), crc))
     return shards
 
 

@@ -23,6 +23,7 @@ import blake3
 import torch
 
 from . import tensorspec
+from .crc import Crc64
 from .errors import CorruptCheckpoint
 from .jsonx import JSONBudgetError, Limits, decode_object, short_repr
 from .tensorspec import MAX_NDIM, MAX_TENSORS, bounded_numel
@@ -96,15 +97,29 @@ def encode_header(items: dict[str, torch.Tensor], metadata: dict[str, str] | Non
     return struct.pack("<Q", len(body)) + body
 
 
-def write_shard(f: BinaryIO, items: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[int, str]:
-    """Write ``items`` as one safetensors file to ``f``; return (size, blake3 hex).
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """What :func:`write_shard` wrote: its size, blake3 hex digest and CRC-64/NVME (``crc``)."""
+
+    size: int
+    digest: str
+    crc64nvme: str
+
+
+def write_shard(f: BinaryIO, items: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Written:
+    """Write ``items`` as one safetensors file to ``f``; its size, blake3 digest and CRC-64/NVME.
 
     Each chunk is hashed on a helper thread while this thread writes it
-    (both release the GIL), so the digest costs no extra pass over the data.
+    (blake3 releases the GIL), so the digests cost no extra pass over the data.
     """
-    hasher = blake3.blake3()
+    hasher, crc = blake3.blake3(), Crc64()
+
+    def digest(chunk: bytes | memoryview) -> None:
+        hasher.update(chunk)
+        crc.update(chunk)
+
     head = encode_header(items, metadata)
-    hasher.update(head)
+    digest(head)
     f.write(head)
     size = len(head)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vckpt-hash") as pool:
@@ -112,11 +127,11 @@ def write_shard(f: BinaryIO, items: dict[str, torch.Tensor], metadata: dict[str,
             mv = _raw_bytes(items[name])
             for start in range(0, len(mv), WRITE_CHUNK):
                 chunk = mv[start : start + WRITE_CHUNK]
-                pending = pool.submit(hasher.update, chunk)
+                pending = pool.submit(digest, chunk)
                 f.write(chunk)
                 pending.result()
             size += len(mv)
-    return size, hasher.hexdigest()
+    return Written(size, hasher.hexdigest(), crc.hexdigest())
 
 
 def parse_header(prefix: bytes | memoryview, total_size: int, where: str) -> Header:

@@ -58,7 +58,7 @@ def export_hf(reader: Reader, m: Manifest, dest: str) -> None:
         if problems:
             raise _failed(m, problems[0].kind, problems[0].detail)
         tensors = {key: loaded[ref] for key, ref in names.items()}
-        folder.write("model.safetensors", lambda f: write_shard(f, tensors, {"format": "pt"}))  # HF checks "format"
+        folder.write("model.safetensors", lambda f: write_shard(f, tensors, {"format": "pt"}).size)  # HF checks "format"
         config = m.state.get(CONFIG_ENTRY, {}).get("value")
         if isinstance(config, str):
             folder.write("config.json", config.encode())

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import blake3
 import torch
 
+from ..crc import Crc64
 from ..errors import CorruptCheckpoint
 from ..lanes import lanes_of
 from ..manifest import Manifest, ShardEntry
@@ -112,10 +113,10 @@ class Reader:
             actual = self.store.shard_size(m.checkpoint_id, s.path)
             if actual != s.size:
                 return {}, [Problem("size", f"{where} is {actual} bytes, the manifest says {s.size}")]
-            hasher = blake3.blake3()
+            digests = _Digests(s)
 
             def on_chunk(chunk: memoryview) -> None:
-                hasher.update(chunk)
+                digests.update(chunk)
                 if progress:
                     progress(len(chunk))
 
@@ -124,8 +125,9 @@ class Reader:
             return {}, [Problem("missing", f"{where} does not exist")]
         except CorruptCheckpoint as e:  # the bytes were read and are wrong (short, long); an outage is raised
             return {}, [Problem("read", f"{where}: {e}")]
-        if hasher.hexdigest() != s.digest:
-            return {}, [Problem("digest", f"{where} blake3 digest does not match the manifest (bytes changed on storage)")]
+        wrong = digests.problem(where)
+        if wrong is not None:
+            return {}, [wrong]
         try:
             header = parse_header(buf.numpy().data, s.size, where)
             if sorted(header.entries) != sorted(s.tensors):
@@ -165,3 +167,23 @@ def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
     """
     sums = torch.stack([t.sum().to(torch.float64) for t in tensors]).isfinite().tolist()
     return [True if fine else bool(torch.isfinite(t).all()) for t, fine in zip(tensors, sums, strict=True)]
+
+
+class _Digests:
+    """A shard's blake3 digest, and its CRC-64/NVME where the manifest records one, over the bytes as they stream."""
+
+    def __init__(self, s: ShardEntry) -> None:
+        self.shard, self.blake3, self.crc = s, blake3.blake3(), Crc64() if s.crc64nvme is not None else None
+
+    def update(self, chunk: memoryview) -> None:
+        self.blake3.update(chunk)
+        if self.crc is not None:
+            self.crc.update(chunk)
+
+    def problem(self, where: str) -> Problem | None:
+        if self.blake3.hexdigest() != self.shard.digest:
+            return Problem("digest", f"{where} blake3 digest does not match the manifest (bytes changed on storage)")
+        if self.crc is not None and self.crc.hexdigest() != self.shard.crc64nvme:  # the bytes are right: the record is not
+            return Problem("digest", f"{where}: its CRC-64/NVME does not match the manifest's, though its blake3 digest "
+                           "does (a wrong checksum was recorded: store-side scrubs would flag this shard)")
+        return None

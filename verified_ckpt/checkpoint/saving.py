@@ -373,8 +373,8 @@ class Saver:
             path = pattern.format(i) + ".safetensors"
             nbytes = sum(t.numel() * t.element_size() for t in plan[i].values())
             with self.store.open_shard_for_write(cid, path, size_hint=nbytes) as f:
-                size, digest = write_shard(f, plan[i])
-            return ShardEntry(path, size, digest, sorted(plan[i]))
+                w = write_shard(f, plan[i])
+            return ShardEntry(path, w.size, w.digest, sorted(plan[i]), w.crc64nvme)
 
         with concurrent.futures.ThreadPoolExecutor(self.io_workers, thread_name_prefix="vckpt-io") as pool:
             return RankReport(tuple(pool.map(one, indices)), {n: str(fp) for n, fp in fps.items()})

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..crc import is_hex
 from ..errors import InvalidState, ManifestError, StorageError
 from ..jsonx import JSONBudgetError, Limits, canonical_json, decode_object
 from ..layout import LayoutEntry
@@ -147,12 +148,15 @@ def _int(x: Any) -> int:
 
 
 def _shard(e: Any) -> ShardEntry:
-    if not isinstance(e, dict) or set(e) != {"path", "size", "digest", "tensors"}:
-        raise TypeError("a shard entry has other fields than path, size, digest, tensors")
+    if not isinstance(e, dict) or set(e) != {"path", "size", "digest", "tensors", "crc64nvme"}:
+        raise TypeError("a shard entry has other fields than path, size, digest, tensors, crc64nvme")
     path = _str(e["path"])
     if not SEGMENT.match(path) or path in (".", ".."):
         raise ValueError(f"shard path {path[:80]!r} is not a plain file name")
-    return ShardEntry(path, _int(e["size"]), _str(e["digest"]), [_str(t) for t in e["tensors"]])
+    crc = e["crc64nvme"]
+    if crc is not None and not is_hex(crc):
+        raise ValueError("a shard's crc64nvme is not 16 lowercase hex digits")
+    return ShardEntry(path, _int(e["size"]), _str(e["digest"]), [_str(t) for t in e["tensors"]], crc)
 
 
 class Rendezvous:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from ..errors import CheckpointNotFound, ManifestError, StorageError
 from ..manifest import MAX_MANIFEST_BYTES, SEGMENT
 from .backend import Backend
+from .checksummed import ChecksummedUpload, is_s3
 from .objects import LedgerObjects, ReplayObjects
 from .paths import LEDGER, MANIFEST, RUN_META, modified, plain, stamp
 from .records import RecordObjects
@@ -137,6 +138,10 @@ class RunStore:
             # Object stores: a multipart part goes up whenever this much is buffered,
             # so uploads stream while the writer is still producing bytes. Parts grow
             # only for shards that would otherwise exceed S3's part-count limit.
+            if is_s3(b.fs):  # S3 keeps the shard's CRC-64/NVME and rejects an upload that does not match it
+                with ChecksummedUpload(b.fs, path, part_bytes(size_hint)) as up:
+                    yield up  # type: ignore[misc]
+                return
             kwargs = {"block_size": part_bytes(size_hint)} if b.caps.multipart else {}
             with b.fs.open(path, "wb", **kwargs) as f:
                 yield f

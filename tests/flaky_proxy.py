@@ -19,6 +19,7 @@ class FlakyProxy:
         self.fail = fail  # (method, path, request number) -> answer 503?
         self.count = 0
         self.injected = 0
+        self.seen: list[tuple[str, str, int]] = []  # every forwarded request: method, path, response body bytes sent
         self.lock = threading.Lock()
         proxy = self
 
@@ -54,10 +55,14 @@ class FlakyProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("content-length", "transfer-encoding", "connection"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # A HEAD's answer has no body but the object's length (what an object store's metadata says).
+                head_length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", head_length or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
+                with proxy.lock:
+                    proxy.seen.append((self.command, self.path, 0 if self.command == "HEAD" else len(data)))
                 conn.close()
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay

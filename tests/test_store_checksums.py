@@ -12,7 +12,7 @@ import s3fs
 import torch
 
 from verified_ckpt import CheckpointManager, StorageError
-from verified_ckpt.crc import from_base64, to_base64
+from verified_ckpt.crc import Crc64, from_base64, to_base64
 from verified_ckpt.store import checksummed
 
 pytestmark = pytest.mark.timeout(120)
@@ -118,3 +118,85 @@ def test_s3_rejects_an_upload_whose_bytes_changed_after_their_crc_and_the_save_c
 def test_the_base64_form_s3_uses_round_trips():
     assert from_base64(to_base64("ae8b14860a799888")) == "ae8b14860a799888"
     assert from_base64("not base64!") is None and from_base64(to_base64("00" * 8)[:-4]) is None
+
+
+# ------------------------------------------------------------------------------ the scrub that reads no bytes
+def test_a_head_scrub_reads_no_shard_byte_and_finds_an_object_replaced_by_one_of_the_same_size(s3_server, s3_bucket):
+    """An object replaced by another of the same size with one byte changed (written straight to the store, as a
+    stray process or a wrong restore would): ``verify(depth="head")`` finds it with one HEAD per shard and 0 bytes of
+    shard data, counted at a proxy in front of the server; the checkpoint is ``corrupt`` from then on, the others
+    pass, and the record says what the check covered."""
+    from flaky_proxy import FlakyProxy
+
+    from verified_ckpt import Status
+
+    url = f"s3://{s3_bucket}/run"
+    direct = s3_server.storage_options()
+    mgr = CheckpointManager(url, storage_options=direct, shard_bytes=1 << 16)
+    good = mgr.save(1, {"a": torch.arange(40_000.0), "b": torch.ones(20_000)})
+    bad = mgr.save(2, {"a": torch.arange(40_000.0) + 1, "b": torch.ones(20_000)})
+    fs = s3fs.S3FileSystem(**direct)
+    victim = f"{s3_bucket}/run/checkpoints/{bad.id}/{bad.manifest.shards[-1].path}"
+    data = bytearray(fs.cat_file(victim))
+    data[len(data) // 2] ^= 0x10
+    # The same size, one byte changed, uploaded with the CRC-64/NVME of its own bytes: what AWS S3 stores for an
+    # upload that sends none (its default since 2025), and what a current SDK sends.
+    crc = Crc64()
+    crc.update(bytes(data))
+    bucket, key, _ = fs.split_path(victim)
+    fs.call_s3("put_object", Bucket=bucket, Key=key, Body=bytes(data), ChecksumCRC64NVME=to_base64(crc.hexdigest()))
+    port = int(s3_server.endpoint_url.rsplit(":", 1)[1])
+    with FlakyProxy(port, lambda *_: False) as proxy:
+        opts = {**direct, "client_kwargs": {**direct["client_kwargs"], "endpoint_url": f"http://127.0.0.1:{proxy.port}"}}
+        s3fs.S3FileSystem.clear_instance_cache()
+        scrub = CheckpointManager(url, storage_options=opts)
+        infos = scrub.list()
+        before = len(proxy.seen)
+        results = scrub.verify(infos, depth="head")
+        seen = proxy.seen[before:]
+    s3fs.S3FileSystem.clear_instance_cache()
+    shard_requests = [(m, p, n) for m, p, n in seen if ".safetensors" in p]
+    shards = len(good.manifest.shards) + len(bad.manifest.shards)
+    assert sorted(m for m, _, _ in shard_requests) == ["HEAD"] * shards and sum(n for *_, n in shard_requests) == 0
+    ok = {r.id: r for r in results}
+    assert ok[good.id].ok and ok[good.id].depth == "head"
+    assert ok[good.id].coverage == f"the store's CRC-64/NVME of {len(good.manifest.shards)} shard(s), the size alone of 0"
+    assert not ok[bad.id].ok and [p.kind for p in ok[bad.id].problems] == ["checksum"]
+    statuses = {i.id: i.status for i in CheckpointManager(url, storage_options=direct).list()}
+    assert statuses[bad.id] is Status.CORRUPT and statuses[good.id] is not Status.CORRUPT
+    [read] = CheckpointManager(url, storage_options=direct).verify(bad.id)  # a read agrees: the bytes changed
+    assert not read.ok and read.problems[0].kind == "digest"
+
+
+def test_a_head_scrub_of_a_local_run_checks_sizes_and_says_so(local_url):
+    """A local folder keeps no checksum: the head check compares sizes, finds a truncated shard, and its record says
+    that sizes alone were compared."""
+    mgr = CheckpointManager(local_url)
+    info = mgr.save(1, {"w": torch.arange(1000.0)})
+    [r] = mgr.verify(depth="head")
+    assert r.ok and r.coverage == "the store's CRC-64/NVME of 0 shard(s), the size alone of 1"
+    shard = os.path.join(local_url, "checkpoints", info.id, info.manifest.shards[0].path)
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    [r] = mgr.verify(depth="head")
+    assert not r.ok and r.problems[0].kind == "size"
+    os.remove(shard)
+    [r] = CheckpointManager(local_url).verify(depth="head")
+    assert not r.ok and r.problems[0].kind == "missing"
+
+
+def test_an_object_replaced_without_a_checksum_passes_a_head_check_by_size_alone_and_says_so(s3_server, s3_bucket):
+    """The head check's limit: an object rewritten by a client that sends no checksum, on a store that computes none
+    (SeaweedFS), keeps no CRC to compare; the check compares its size, passes, and its record says so. A read sees it."""
+    url = f"s3://{s3_bucket}/run"
+    opts = s3_server.storage_options()
+    info = CheckpointManager(url, storage_options=opts).save(1, {"w": torch.arange(1000.0)})
+    fs = s3fs.S3FileSystem(**opts)
+    victim = f"{s3_bucket}/run/checkpoints/{info.id}/{info.manifest.shards[0].path}"
+    data = bytearray(fs.cat_file(victim))
+    data[-1] ^= 0x01
+    fs.pipe_file(victim, bytes(data))
+    [head] = CheckpointManager(url, storage_options=opts).verify(depth="head")
+    assert head.ok and head.coverage == "the store's CRC-64/NVME of 0 shard(s), the size alone of 1"
+    [read] = CheckpointManager(url, storage_options=opts).verify()
+    assert not read.ok and read.problems[0].kind == "digest"

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 _SEVERITY = {Status.RESTORABLE: 0, Status.UNVERIFIED: 1, Status.SUSPECT: 2, Status.CORRUPT: 3}
 
 # Problem kinds that mean the stored bytes are not what was committed.
-_CORRUPTING = {"digest", "size", "header", "fingerprint", "missing", "manifest", "read"}
+_CORRUPTING = {"digest", "size", "header", "fingerprint", "missing", "manifest", "read", "checksum"}
 
 
 def worst(a: Status, b: Status) -> Status:

@@ -191,6 +191,11 @@ class Supervision:
                    signature=signature)
 
 
+# How deep a verification looked: every byte read and checked ("read"); the store's size and checksum of each shard,
+# no byte read ("head", ``verification.head_all``).
+DEPTHS = ("read", "head")
+
+
 @dataclasses.dataclass(frozen=True)
 class VerificationResult:
     """The outcome of re-reading one checkpoint, as returned and as recorded."""
@@ -202,6 +207,10 @@ class VerificationResult:
     verified_at: str
     verifier: dict[str, str] | None = None  # who re-read it (host, version); None: the job or the CLI
     signature: str = "unsigned"
+    # What was checked (``DEPTHS``): the bytes themselves ("read"), or the store's own record of each shard, its size
+    # and full-object CRC-64/NVME, without reading a byte ("head"). Records older than issue 40 are reads.
+    depth: str = "read"
+    coverage: str | None = None  # a head check's: how many shards had their CRC compared, and how many their size only
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -216,6 +225,10 @@ class VerificationResult:
         }
         if self.verifier is not None:
             rec["verifier"] = dict(self.verifier)
+        if self.depth != "read":  # a read's record is what it always was
+            rec["depth"] = self.depth
+        if self.coverage is not None:
+            rec["coverage"] = self.coverage
         return rec
 
     @classmethod
@@ -229,7 +242,12 @@ class VerificationResult:
         if verifier is not None and not (isinstance(verifier, dict) and len(verifier) <= 16 and all(
                 isinstance(k, str) and isinstance(v, str) and len(v) <= 256 for k, v in verifier.items())):
             raise RecordError("field 'verifier' must map names to short strings")
-        return cls(r.segment("checkpoint_id"), r.step("step"), ok, problems, r.text("at", 64), verifier, signature)
+        depth = d.get("depth", "read")
+        if depth not in DEPTHS:
+            raise RecordError(f"field 'depth' must be one of {', '.join(DEPTHS)}")
+        coverage = r.text("coverage", 200) if d.get("coverage") is not None else None
+        return cls(r.segment("checkpoint_id"), r.step("step"), ok, problems, r.text("at", 64), verifier, signature, depth,
+                   coverage)
 
 
 @dataclasses.dataclass(frozen=True)

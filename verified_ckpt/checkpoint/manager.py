@@ -24,7 +24,7 @@ from ..evidence import EvidenceTracker
 from ..history import NO_RANK, Columns, Event
 from ..ledger import read_ledger
 from ..manifest import CheckpointInfo
-from ..records import Incident, VerificationResult
+from ..records import DEPTHS, Incident, VerificationResult
 from ..signing import Signer
 from ..status import Status
 from ..store import RunStore
@@ -365,9 +365,12 @@ class CheckpointManager:
         return housekeeping.gc(self._catalog, grace_s, dry_run, on_note or log.warning)
 
     def verify(self, step: int | str | Collection[str | CheckpointInfo] | None = None, *, jobs: int = 1, progress:
-               Callable[[int], None] | None = None, verifier: dict[str, str] | None = None) -> builtins.list[VerificationResult]:
+               Callable[[int], None] | None = None, verifier: dict[str, str] | None = None,
+               depth: str = "read") -> builtins.list[VerificationResult]:
         """Re-read checkpoints offline, record and return the results (oldest first; see ``verification``); memory
         stays bounded by ``jobs * io_workers`` shards in flight. A mismatch makes a checkpoint ``corrupt`` from then on.
+        ``depth="head"`` reads no byte: each shard's size and the CRC-64/NVME the store keeps, against the manifest
+        (one metadata request per shard; what that proves: ``verification.head_all``).
 
         Args:
             step: the checkpoints at this step, with this id, these ids, or these as just listed (no second listing);
@@ -377,15 +380,19 @@ class CheckpointManager:
             verifier: who re-reads (recorded with each result; ``vckpt serve`` names its host and version).
         """
         from .reading import Reader
-        from .verification import verify_all
+        from .verification import head_all, verify_all
 
         if not isinstance(jobs, int) or jobs < 1:
             raise InvalidState(f"jobs= must be an int >= 1, got {jobs!r}")
         listed = [i for i in step if isinstance(i, CheckpointInfo)] if isinstance(step, Collection) else []
         wanted = None if step is None else {step} if isinstance(step, (int, str)) else {getattr(i, "id", i) for i in step}
         infos = listed or [i for i in self.list() if wanted is None or i.step in wanted or i.id in wanted]
+        if depth not in DEPTHS:
+            raise InvalidState(f"depth= must be one of {', '.join(DEPTHS)}, got {depth!r}")
         if not infos:
             self.get(step) if isinstance(step, (int, str)) else self.require_run()  # raises a helpful error
+        if depth == "head":
+            return head_all(self._catalog, infos, jobs=max(jobs, self.io_workers), verifier=verifier)
         return verify_all(self._catalog, Reader(self._store, self.io_workers), infos, jobs=jobs, progress=progress,
                           verifier=verifier)
 

@@ -25,7 +25,7 @@ from . import housekeeping
 from .catalog import Catalog
 from .reading import VERIFY, Reader
 
-__all__ = ["verify_all"]
+__all__ = ["head_all", "verify_all"]
 
 
 def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo], *, jobs: int,
@@ -62,4 +62,55 @@ def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo]
     with reader, concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="vckpt-verify") as pool:
         results = list(pool.map(one, infos))
     housekeeping.compact(catalog)  # each scrub adds a record per checkpoint: the superseded ones go, so listings stay bounded
+    return results
+
+
+def head_all(catalog: Catalog, infos: Sequence[CheckpointInfo], *, jobs: int,
+             verifier: dict[str, str] | None = None) -> list[VerificationResult]:
+    """Check ``infos`` from the store's metadata alone (``depth="head"``): each shard exists, has the manifest's
+    size and, where both the store and the manifest keep one, the manifest's CRC-64/NVME. One request per shard and
+    no byte of data; record each result and return them in order.
+
+    What it proves: the store holds, under each shard's name, the object that was uploaded (not a replaced,
+    overwritten, truncated or other version). What it does not: that the stored bytes have not decayed since (the
+    store's own checksums and scrubbing, or a read, see that), nor the fingerprints, headers and NaN/Inf a read
+    checks. A shard whose store keeps no CRC (not S3, or uploaded before issue 40) is checked by size only; the
+    record's ``coverage`` says how many were.
+    """
+    store = catalog.store
+
+    def one(ck: CheckpointInfo) -> VerificationResult:
+        problems: list[Problem] = []
+        compared = sized = 0
+        if ck.manifest is None:
+            problems.append(Problem("manifest", ck.reasons[0] if ck.reasons else "manifest unreadable"))
+        else:
+            for s in ck.manifest.shards:
+                where = f"{ck.id}/{s.path}"
+                try:
+                    size, crc = store.shard_head(ck.id, s.path)  # an outage raises: nothing recorded
+                except FileNotFoundError:
+                    problems.append(Problem("missing", f"{where} does not exist"))
+                    continue
+                if size != s.size:
+                    problems.append(Problem("size", f"{where} is {size} bytes, the manifest says {s.size}"))
+                elif crc is not None and s.crc64nvme is not None:
+                    compared += 1
+                    if crc != s.crc64nvme:
+                        problems.append(Problem("checksum", f"{where}: the store's CRC-64/NVME {crc} is not the "
+                                                f"manifest's {s.crc64nvme} (the object was replaced or changed after "
+                                                "its upload)"))
+                else:
+                    sized += 1
+            if not Signature(ck.signature).trusted:
+                problems.insert(0, Problem("signature", ck.reasons[0]))
+        coverage = f"the store's CRC-64/NVME of {compared} shard(s), the size alone of {sized}"
+        result = VerificationResult(ck.id, ck.step, not problems, problems, utc_now(), verifier, depth="head",
+                                    coverage=coverage)
+        catalog.append(VERIFICATION, result.to_record())
+        return result
+
+    with concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="vckpt-head") as pool:
+        results = list(pool.map(one, infos))
+    housekeeping.compact(catalog)
     return results

@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from ..crc import from_base64
 from ..errors import CheckpointNotFound, ManifestError, StorageError
 from ..manifest import MAX_MANIFEST_BYTES, SEGMENT
 from .backend import Backend
@@ -145,6 +146,24 @@ class RunStore:
             kwargs = {"block_size": part_bytes(size_hint)} if b.caps.multipart else {}
             with b.fs.open(path, "wb", **kwargs) as f:
                 yield f
+
+    def shard_head(self, cid: str, name: str) -> tuple[int, str | None]:
+        """The shard's size and the CRC-64/NVME the store keeps for it (16 hex digits; ``None`` where the store has
+        none: not S3, an object uploaded without one, a multipart object's per-part form), from its metadata alone:
+        one request, no byte of data (``HeadObject`` with checksum mode on S3).
+
+        Raises:
+            FileNotFoundError: no such shard.
+        """
+        b = self.backend
+        path = b.readable(self._object(cid, name))
+        with b.io(f"looking at shard {name} of {cid}"):
+            if not is_s3(b.fs):
+                return int(b.fs.size(path)), None
+            bucket, key, _ = b.fs.split_path(path)
+            head = b.fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+            stored = head.get("ChecksumCRC64NVME")
+            return int(head["ContentLength"]), from_base64(stored) if isinstance(stored, str) else None
 
     def shard_size(self, cid: str, name: str) -> int:
         b = self.backend

@@ -371,13 +371,16 @@ def gc_cmd(mgr: CheckpointManager, out: Output, dry_run: bool, grace: float) -> 
 @click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--poll", "poll_s", default=10.0, show_default=True, type=float, help="Seconds between looks at each run.")
 @click.option("--scrub-interval", "scrub_s", default=86400.0, show_default=True, type=float,
-              help="Re-verify every checkpoint this often (seconds).")
+              help="Re-read every checkpoint this often (seconds).")
+@click.option("--head-interval", "head_s", default=3600.0, show_default=True, type=float,
+              help="Between re-reads, check every checkpoint's shards against what the store keeps of them (size and "
+                   "S3's CRC-64/NVME, no byte read) this often (seconds; 0: never).")
 @click.option("--bandwidth", "bytes_per_s", default=0.0, show_default=True, type=float,
               help="Cap on bytes read per second across all runs (0: none).")
 @click.option("--request-timeout", "request_s", default=10.0, show_default=True, type=float,
               help="Close a connection that has not sent a whole request within this many seconds.")
 def serve_cmd(runs: tuple[str, ...], discover: tuple[str, ...], storage_options: tuple[str, ...], host: str, port: int,
-              poll_s: float, scrub_s: float, bytes_per_s: float, request_s: float) -> None:
+              poll_s: float, scrub_s: float, head_s: float, bytes_per_s: float, request_s: float) -> None:
     """Watch RUNS: verify each new commit independently, scrub old checkpoints, serve health over HTTP.
 
     JSON API under /api, Prometheus metrics at /metrics, /healthz, /readyz and a dashboard at /.
@@ -389,8 +392,8 @@ def serve_cmd(runs: tuple[str, ...], discover: tuple[str, ...], storage_options:
     err = Output(False).err
     try:
         cfg = ServiceConfig(runs=runs, discover=discover, storage_options=parse_storage_options(storage_options) or None,
-                            host=host, port=port, poll_s=poll_s, scrub_interval_s=scrub_s, bytes_per_s=bytes_per_s,
-                            request_timeout_s=request_s)
+                            host=host, port=port, poll_s=poll_s, scrub_interval_s=scrub_s, head_interval_s=head_s,
+                            bytes_per_s=bytes_per_s, request_timeout_s=request_s)
         missing_extra()
     except ServiceError as e:
         err.print(f"[red]error:[/] {escape(as_flags(str(e)))}", markup=True, highlight=False)

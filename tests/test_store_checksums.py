@@ -200,3 +200,31 @@ def test_an_object_replaced_without_a_checksum_passes_a_head_check_by_size_alone
     assert head.ok and head.coverage == "the store's CRC-64/NVME of 0 shard(s), the size alone of 1"
     [read] = CheckpointManager(url, storage_options=opts).verify()
     assert not read.ok and read.problems[0].kind == "digest"
+
+
+def test_the_service_plans_head_checks_between_reads():
+    """A read every 24 h and a head check every hour: never read -> read now; read 25 h ago -> read (a read covers
+    what a head check does); read 2 h ago -> head; read 2 h ago and head-checked 30 min ago -> nothing."""
+    import datetime
+
+    from verified_ckpt import CheckpointInfo, Status, VerificationResult
+    from verified_ckpt.service.scrub import plan
+
+    now = 1_000_000.0
+    service = {"service": "vckpt serve"}
+
+    def at(hours_ago: float) -> str:
+        return datetime.datetime.fromtimestamp(now - 3600 * hours_ago, datetime.timezone.utc).isoformat()
+
+    def info(cid: str) -> CheckpointInfo:
+        return CheckpointInfo(cid, 1, Status.RESTORABLE, at(100), 10, [], object())  # type: ignore[arg-type]
+
+    def rec(cid: str, hours_ago: float, depth: str) -> VerificationResult:
+        return VerificationResult(cid, 1, True, [], at(hours_ago), service, depth=depth)
+
+    infos = [info(c) for c in ("new", "old", "mid", "fresh")]
+    recs = {"old": [rec("old", 25, "read")], "mid": [rec("mid", 2, "read")],
+            "fresh": [rec("fresh", 2, "read"), rec("fresh", 0.5, "head")]}
+    p = plan(infos, recs, None, now, 24 * 3600, 3600)
+    assert [c.id for c in p.new] == ["new"] and [c.id for c in p.due] == ["old"] and [c.id for c in p.head] == ["mid"]
+    assert plan(infos, recs, None, now, 24 * 3600, 0).head == []

@@ -44,7 +44,9 @@ class ServiceConfig:
         token: bearer token for the write endpoints (``flag``, ``rollback``); required for a
             non-loopback bind. ``None`` reads ``VCKPT_SERVICE_TOKEN`` or the file ``VCKPT_SERVICE_TOKEN_FILE``.
         poll_s: how often each run is looked at for new commits.
-        scrub_interval_s: re-verify each checkpoint this often.
+        scrub_interval_s: re-read each checkpoint this often.
+        head_interval_s: between reads, check each checkpoint's shards against what the store keeps of them (size
+            and S3's CRC-64/NVME, no byte read) this often; 0: never.
         bytes_per_s: cap on the bytes read per second across all runs (0: none).
         concurrency: runs verified at the same time (each reads two checkpoints at a time).
         request_timeout_s: a connection that has not sent a whole request this long after it opened (or after its
@@ -59,6 +61,7 @@ class ServiceConfig:
     token: str | None = None
     poll_s: float = 10.0
     scrub_interval_s: float = 24 * 3600.0
+    head_interval_s: float = 3600.0
     bytes_per_s: float = 0.0
     concurrency: int = 2
     request_timeout_s: float = 10.0
@@ -71,6 +74,8 @@ class ServiceConfig:
                 raise ServiceError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not isinstance(self.concurrency, int) or self.concurrency < 1:
             raise ServiceError(f"concurrency must be an int >= 1, got {self.concurrency!r}")
+        if self.head_interval_s < 0:
+            raise ServiceError(f"head_interval_s must be >= 0 (0: no head checks), got {self.head_interval_s!r}")
         if self.bytes_per_s < 0:
             raise ServiceError(f"bytes_per_s must be >= 0, got {self.bytes_per_s!r}")
         token = self.resolved_token()
@@ -197,7 +202,8 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None, log_to_st
     def watch(urls: list[str]) -> None:
         for u in urls:
             w = Watcher(run_key(u, cfg.storage_options), u, cfg.storage_options, metrics, throttle, poll_s=cfg.poll_s,
-                        scrub_interval_s=cfg.scrub_interval_s, verifier=who, slots=slots)
+                        scrub_interval_s=cfg.scrub_interval_s, verifier=who, slots=slots,
+                        head_interval_s=cfg.head_interval_s)
             if watchers.add(w):
                 log.info("watching run %s: %s", w.key, redact_url(u))
                 metrics.run_info.labels(w.key, redact_url(u)).set(1)

@@ -29,42 +29,52 @@ def epoch(stamp: str) -> float:
         return 0.0  # an unreadable time counts as long ago: re-read it first
 
 
-def last_service_check(results: Sequence[VerificationResult]) -> float | None:
-    """When a verification service last re-read a checkpoint (epoch seconds), or ``None``: never."""
-    times = [epoch(r.verified_at) for r in results if r.verifier and "service" in r.verifier]
+def last_service_check(results: Sequence[VerificationResult], depths: tuple[str, ...] = ("read",)) -> float | None:
+    """When a verification service last checked a checkpoint to one of ``depths`` (epoch seconds), or ``None``:
+    never. A read covers all a head check does, so a head check is due by the newest of either."""
+    times = [epoch(r.verified_at) for r in results if r.verifier and "service" in r.verifier and r.depth in depths]
     return max(times) if times else None
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One pass over a run: checkpoints never re-read by a service (newest first), then those due for a scrub."""
+    """One pass over a run: checkpoints never re-read by a service (newest first), then those due for a read scrub,
+    then those due for a head check only (the store's size and checksum of each shard, no byte read)."""
 
     new: list[CheckpointInfo]
     due: list[CheckpointInfo]
-    lag_s: float  # how long the most overdue checkpoint has waited past its scrub time (0: none overdue)
+    lag_s: float  # how long the most overdue checkpoint has waited past its read scrub's time (0: none overdue)
+    head: list[CheckpointInfo] = dataclasses.field(default_factory=list)
 
 
 def plan(infos: Sequence[CheckpointInfo], verifications: dict[str, list[VerificationResult]], target: str | None,
-         now: float, interval_s: float) -> Plan:
-    """What to verify now. ``target`` is the run's rollback target id.
+         now: float, interval_s: float, head_interval_s: float = 0.0) -> Plan:
+    """What to verify now. ``target`` is the run's rollback target id; ``head_interval_s``: how often a checkpoint's
+    shards are checked against what the store keeps of them, between reads (0: never).
 
     Checkpoints already ``corrupt`` are not read again: nothing can make them restorable. Scrubs put
     those at risk first: the rollback target, then restorable ones, then by oldest verification.
     """
     new: list[CheckpointInfo] = []
     due: list[tuple[tuple[int, int, float], CheckpointInfo]] = []
+    head: list[tuple[tuple[int, int, float], CheckpointInfo]] = []
     lag = 0.0
     for ck in infos:
         if ck.status is Status.CORRUPT or ck.manifest is None:
             continue
-        last = last_service_check(verifications.get(ck.id, []))
+        recs = verifications.get(ck.id, [])
+        last = last_service_check(recs)
         if last is None:
             new.append(ck)
         elif now - last >= interval_s:
             lag = max(lag, now - last - interval_s)
             due.append(((ck.id != target, ck.status is not Status.RESTORABLE, last), ck))
+        elif head_interval_s > 0:
+            looked = last_service_check(recs, ("read", "head")) or last
+            if now - looked >= head_interval_s:
+                head.append(((ck.id != target, ck.status is not Status.RESTORABLE, looked), ck))
     new.sort(key=lambda c: (c.created_at, c.step), reverse=True)  # a fresh commit is the likely next restore
-    return Plan(new, [ck for _, ck in sorted(due, key=lambda x: x[0])], lag)
+    return Plan(new, [ck for _, ck in sorted(due, key=lambda x: x[0])], lag, [ck for _, ck in sorted(head, key=lambda x: x[0])])
 
 
 class Throttle:

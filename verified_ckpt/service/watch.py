@@ -71,7 +71,8 @@ class RunState:
             "key": self.key, "url": redact_url(self.url), "error": self.error, "passes": self.passes,
             "last_pass_at": self.last_pass_at, **(self._view_summary or _of_view(None)),
             "scrub": {"reading": self.reading, "never_verified": len(p.new) if p else None,
-                      "due": len(p.due) if p else None, "lag_s": p.lag_s if p else None},
+                      "due": len(p.due) if p else None, "head_due": len(p.head) if p else None,
+                      "lag_s": p.lag_s if p else None},
         }
 
 
@@ -95,9 +96,11 @@ class Watcher:
     """
 
     def __init__(self, key: str, url: str, storage_options: dict[str, Any] | None, metrics: Metrics, throttle: Throttle,
-                 *, poll_s: float, scrub_interval_s: float, verifier: dict[str, str], slots: Slots) -> None:
+                 *, poll_s: float, scrub_interval_s: float, verifier: dict[str, str], slots: Slots,
+                 head_interval_s: float = 0.0) -> None:
         self.key, self.url, self.metrics, self.throttle, self.slots = key, url, metrics, throttle, slots
         self.poll_s, self.scrub_interval_s, self.verifier = poll_s, scrub_interval_s, verifier
+        self.head_interval_s = head_interval_s
         self.storage_options = storage_options
         self.stop = threading.Event()
         self._lock = threading.Lock()  # every write of _state and of the tickets below, from any thread
@@ -163,16 +166,23 @@ class Watcher:
         # A mistyped URL watches nothing: say so (and keep looking, the job may not have started yet).
         self._publish(ticket, view, None if view.infos or mgr.exists() else "nothing is stored at this URL yet")
         todo = self.state.plan
-        queue = (todo.new + todo.due) if todo else []
+        # The head checks first: one metadata request per shard, no byte read, so a replaced object is found within
+        # a pass however long the reads that follow take.
+        queue = [(ck, "head") for ck in todo.head] + [(ck, "read") for ck in todo.new + todo.due] if todo else []
         # In batches of the infos just listed (verify() lists nothing more); the view is read again after each
         # batch, so a checkpoint found corrupt moves the rollback target within one batch.
         for at in range(0, len(queue), BATCH):
             if self.stop.is_set():
                 break
             batch = queue[at:at + BATCH]
-            self._update(lambda s: dataclasses.replace(s, reading=batch[0].id))  # noqa: B023 - called at once
-            with self.slots.reads:  # bounded concurrency across runs: a few runs read at a time, not all of them
-                results = mgr.verify(batch, jobs=JOBS, progress=self._read, verifier=self.verifier)
+            self._update(lambda s: dataclasses.replace(s, reading=batch[0][0].id))  # noqa: B023 - called at once
+            results = []
+            for depth in ("head", "read"):
+                part = [ck for ck, d in batch if d == depth]
+                if not part:
+                    continue
+                with self.slots.reads:  # bounded concurrency across runs: a few runs read at a time, not all of them
+                    results += mgr.verify(part, jobs=JOBS, progress=self._read, verifier=self.verifier, depth=depth)
             self.metrics.verified.labels(self.key).inc(len(results))
             self.metrics.failures.labels(self.key).inc(sum(not r.ok for r in results))
             self._publish(*self._look(mgr), None)
@@ -214,7 +224,8 @@ class Watcher:
         summary = _of_view(view)  # the rollback target, counts and incidents, derived once for the API and metrics
         target = summary["rollback_target"]
         now = time.time()
-        p = plan(view.infos, view.verifications, target["id"] if target else None, now, self.scrub_interval_s)
+        p = plan(view.infos, view.verifications, target["id"] if target else None, now, self.scrub_interval_s,
+                 self.head_interval_s)
         checked = [c for c in view.infos if last_service_check(view.verifications.get(c.id, [])) is not None]
         newest = max(checked, key=lambda c: (c.created_at, c.step), default=None)
         with self._lock:  # the state and its metrics together, from one view, against the view on show

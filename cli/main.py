@@ -6,10 +6,8 @@ Exit codes, the library's table (``verified_ckpt.recovery.exits``, docs/CLI.md):
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -20,12 +18,12 @@ from verified_ckpt import (
     ManifestError,
     Status,
     StorageError,
-    VerifiedCkptError,
     evidence_basis,
     render_html,
 )
 
-from .options import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, OneLineErrors, as_flags, exit_code_for, parse_storage_options
+from .command import run_command
+from .options import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, OneLineErrors, as_flags, parse_storage_options
 from .output import Output, escape, human_size, status_text
 from .recovery import register
 
@@ -39,29 +37,6 @@ SIGNATURE_TEXT = {
     "missing": "[bold red]MISSING[/] (a key is configured but the manifest is unsigned)",
     "invalid": "[bold red]INVALID[/] (edited after signing, or another key)",
 }
-
-
-def run_command(fn: Callable[..., int | None]) -> Callable[..., None]:
-    """Shared options and error handling: a library error becomes one line on stderr and an exit code."""
-
-    @click.argument("run")
-    @click.option("--storage-option", "-o", "storage_options", multiple=True, metavar="KEY=VALUE",
-                  help="fsspec storage option (repeatable); AWS_* environment variables also apply.")
-    @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
-    @functools.wraps(fn)
-    def wrapper(run: str, storage_options: tuple[str, ...], as_json: bool, **kwargs: Any) -> None:
-        from verified_ckpt import CheckpointManager  # the catalog, fsspec: only once a command runs
-        out = Output(as_json)
-        try:
-            mgr = CheckpointManager(run, storage_options=parse_storage_options(storage_options))
-            code = fn(mgr, out, **kwargs) or EXIT_OK
-        except VerifiedCkptError as e:
-            # Messages quote lists and paths such as "[0, 1]": escape them so rich shows them verbatim.
-            out.err.print(f"[red]error:[/] {escape(as_flags(str(e)))}", markup=True, highlight=False)
-            code = exit_code_for(e)
-        sys.exit(code)
-
-    return wrapper
 
 
 @click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})

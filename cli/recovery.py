@@ -90,8 +90,11 @@ def supervise_cmd(run_url: str, max_restarts: int, backoff: float, on_exclude: s
 
 def register(group: click.Group) -> None:
     """Add this module's commands to the ``vckpt`` group."""
+    from .batch import batch_manifest_cmd, batch_record_cmd
     from .replay import replay_cmd
 
+    group.add_command(batch_manifest_cmd)
+    group.add_command(batch_record_cmd)
     group.add_command(node_health_cmd)
     group.add_command(supervise_cmd)
     group.add_command(replay_cmd)

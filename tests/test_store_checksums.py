@@ -228,3 +228,96 @@ def test_the_service_plans_head_checks_between_reads():
     p = plan(infos, recs, None, now, 24 * 3600, 3600)
     assert [c.id for c in p.new] == ["new"] and [c.id for c in p.due] == ["old"] and [c.id for c in p.head] == ["mid"]
     assert plan(infos, recs, None, now, 24 * 3600, 0).head == []
+
+
+# ------------------------------------------------------------------------ the deep scrub by S3 Batch Operations
+def report_row(bucket: str, key: str, crc_hex: str | None, status: str = "succeeded", algorithm: str = "CRC64NVME") -> list:
+    """A row of a completion report as AWS documents it (Report_CSV_20180820: Bucket, Key, VersionId, TaskStatus,
+    ErrorCode, HTTPStatusCode, ResultMessage), a "Compute checksum" task's message a JSON object with the checksum."""
+    import urllib.parse
+
+    message = "" if crc_hex is None else json.dumps({"checksum_base64": to_base64(crc_hex), "checksumAlgorithm": algorithm,
+                                                     "checksumType": "FULL_OBJECT"})
+    return [bucket, urllib.parse.quote(key), "", status, "" if status == "succeeded" else "AccessDenied",
+            "200" if status == "succeeded" else "403", message]
+
+
+def test_a_completion_report_with_one_mismatching_checksum_makes_exactly_that_checkpoint_corrupt(
+        s3_server, s3_bucket, monkeypatch, tmp_path):
+    """The manifest lists every shard; the report (one file with a header, one without; a failed task, a row of
+    another algorithm, a malformed row) is joined back: the checkpoint whose recomputed CRC differs is corrupt, the
+    others record what was recomputed, the records are signed, and the CLI says so with exit 1."""
+    import csv
+    import io
+    import subprocess
+    import sys
+
+    from verified_ckpt import Status
+
+    monkeypatch.setenv("VCKPT_SIGNING_KEY", "k" * 32)
+    url = f"s3://{s3_bucket}/run"
+    opts = s3_server.storage_options()
+    mgr = CheckpointManager(url, storage_options=opts, shard_bytes=1 << 12)
+    infos = [mgr.save(step, {"w": torch.arange(2000.0) + step}) for step in (1, 2, 3)]
+    manifest = list(csv.reader(io.StringIO(mgr.batch().manifest())))
+    keys = [(ck.id, s) for ck in infos for s in ck.manifest.shards]
+    assert [tuple(r) for r in manifest] == [(s3_bucket, f"run/checkpoints/{cid}/{s.path}") for cid, s in keys]
+    rows = [report_row(b, k, s.crc64nvme) for (b, k), (_, s) in zip(manifest, keys)]
+    wrong = next(i for i, (cid, _) in enumerate(keys) if cid == infos[1].id)
+    rows[wrong] = report_row(*manifest[wrong], "0123456789abcdef")  # the bytes at rest give another CRC
+    third = [i for i, (cid, _) in enumerate(keys) if cid == infos[2].id]
+    rows[third[0]] = report_row(*manifest[third[0]], None, status="failed")  # no conclusion: coverage, not a problem
+    rows[third[-1]] = report_row(*manifest[third[-1]], "00" * 8, algorithm="SHA256") if len(third) > 1 else rows[third[-1]]
+
+    def csv_bytes(rs: list, header: bool) -> bytes:
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        if header:
+            w.writerow(["Bucket", "Key", "VersionId", "TaskStatus", "ErrorCode", "HTTPStatusCode", "ResultMessage"])
+        w.writerows(rs)
+        return buf.getvalue().encode()
+
+    half = len(rows) // 2
+    files = [csv_bytes(rows[:half], True), csv_bytes(rows[half:], False) + b"only,three,columns\n"]
+    paths = []
+    for i, data in enumerate(files):
+        paths.append(tmp_path / f"report-{i}.csv")
+        paths[-1].write_bytes(data)
+    env = {**os.environ, "VCKPT_SIGNING_KEY": "k" * 32}
+    args = [sys.executable, "-m", "verified_ckpt_cli.main", "batch-record", url, *map(str, paths), "--json"]
+    args += [x for k, v in (("key", opts["key"]), ("secret", opts["secret"])) for x in ("-o", f"{k}={v}")]
+    args += ["-o", f"client_kwargs={json.dumps(opts['client_kwargs'])}"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert done.returncode == 1, done.stderr
+    got = json.loads(done.stdout)
+    assert got["malformed_rows"] == 1
+    by_id = {r["id"]: r for r in got["results"]}
+    assert not by_id[infos[1].id]["ok"] and by_id[infos[1].id]["problems"][0].startswith("checksum:")
+    assert by_id[infos[0].id]["ok"] and by_id[infos[0].id]["depth"] == "store"
+    statuses = {i.id: i for i in CheckpointManager(url, storage_options=opts).list()}
+    assert statuses[infos[1].id].status is Status.CORRUPT
+    assert all(statuses[ck.id].status is not Status.CORRUPT for ck in (infos[0], infos[2]))
+    fs = s3fs.S3FileSystem(**opts)
+    recorded = [json.loads(fs.cat_file(p)) for p in fs.find(f"{s3_bucket}/run/records/verification")]
+    assert recorded and all("signature" in r and r.get("depth") == "store" for r in recorded)
+
+
+def test_batch_operations_need_an_s3_run(local_url):
+    from verified_ckpt import InvalidRunURL
+
+    mgr = CheckpointManager(local_url)
+    mgr.save(1, {"w": torch.ones(3)})
+    with pytest.raises(InvalidRunURL, match="not an S3 run"):
+        mgr.batch().manifest()
+
+
+def test_a_hostile_report_is_bounded_and_never_crashes():
+    from verified_ckpt.checkpoint.batchops import MAX_REPORT_BYTES, parse_report
+
+    rows, bad = parse_report([b"b,k,,succeeded,,200,{not json\n", b'b,k,,succeeded,,200,"[1,2]"\n',
+                              b"b,k,,succeeded,,200,\"{\"\"checksumAlgorithm\"\":\"\"CRC64NVME\"\"}\"\n", b"\n\n"])
+    assert rows == {} and bad == 3
+    with pytest.raises(ValueError, match="more than"):
+        parse_report([b"x" * (MAX_REPORT_BYTES + 1)])
+    with pytest.raises(ValueError, match="UTF-8"):
+        parse_report([b"\xff\xfe"])

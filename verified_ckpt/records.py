@@ -192,8 +192,9 @@ class Supervision:
 
 
 # How deep a verification looked: every byte read and checked ("read"); the store's size and checksum of each shard,
-# no byte read ("head", ``verification.head_all``).
-DEPTHS = ("read", "head")
+# no byte read ("head", ``verification.head_all``); the store's checksum recomputed over the bytes at rest, by S3
+# Batch Operations ("store", ``batchops``).
+DEPTHS = ("read", "head", "store")
 
 
 @dataclasses.dataclass(frozen=True)

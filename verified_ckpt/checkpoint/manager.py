@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ..comm import Communicator
     from ..flatten import Flat
     from ..guard import SDCGuard
+    from .batchops import BatchScrub
     from .opening import OpenCheckpoint
     from .saving import Saver
     from .session import SaveSession
@@ -395,6 +396,13 @@ class CheckpointManager:
             return head_all(self._catalog, infos, jobs=max(jobs, self.io_workers), verifier=verifier)
         return verify_all(self._catalog, Reader(self._store, self.io_workers), infos, jobs=jobs, progress=progress,
                           verifier=verifier)
+
+    def batch(self) -> BatchScrub:
+        """The run's deep scrub at rest through S3 Batch Operations ("Compute checksum"): the job's manifest, and
+        its completion report joined back into verification records (``batchops.BatchScrub``)."""
+        from .batchops import BatchScrub
+
+        return BatchScrub(self._catalog, self._store, self.list)
 
     def total_bytes(self, step: int | None = None) -> int:
         """Bytes a :meth:`verify` with the same ``step`` would read (for progress bars)."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..crc import from_base64
-from ..errors import CheckpointNotFound, ManifestError, StorageError
+from ..errors import CheckpointNotFound, InvalidRunURL, ManifestError, StorageError
 from ..manifest import MAX_MANIFEST_BYTES, SEGMENT
 from .backend import Backend
 from .checksummed import ChecksummedUpload, is_s3
@@ -146,6 +146,18 @@ class RunStore:
             kwargs = {"block_size": part_bytes(size_hint)} if b.caps.multipart else {}
             with b.fs.open(path, "wb", **kwargs) as f:
                 yield f
+
+    def shard_object(self, cid: str, name: str) -> tuple[str, str]:
+        """The bucket and key of a shard on S3 (what S3 Batch Operations names objects by).
+
+        Raises:
+            InvalidRunURL: the run is not on S3.
+        """
+        if not is_s3(self.backend.fs):
+            raise InvalidRunURL(f"{self.backend.url!r} is not an S3 run: S3 Batch Operations checksum only S3 objects; "
+                                "use `vckpt verify` (reads) or `vckpt verify --depth head` there")
+        bucket, key, _ = self.backend.fs.split_path(self._object(cid, name))
+        return bucket, key
 
     def shard_head(self, cid: str, name: str) -> tuple[int, str | None]:
         """The shard's size and the CRC-64/NVME the store keeps for it (16 hex digits; ``None`` where the store has

@@ -22,7 +22,7 @@ from verified_ckpt import (
     render_html,
 )
 
-from .command import run_command
+from .command import dask_client, run_command
 from .options import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, OneLineErrors, as_flags, parse_storage_options
 from .output import Output, escape, human_size, status_text
 from .recovery import register
@@ -111,7 +111,11 @@ def show_cmd(mgr: CheckpointManager, out: Output, step: str) -> int:
 @click.option("--depth", type=click.Choice(["read", "head"]), default="read", show_default=True,
               help="read: every byte, digests and fingerprints; head: each shard's size and the checksum the store "
                    "keeps (S3's CRC-64/NVME), from its metadata alone, no byte read.")
-def verify_cmd(mgr: CheckpointManager, out: Output, step: int | None, every: bool, jobs: int, depth: str) -> int:
+@click.option("--dask", "dask_at", default=None, metavar="ADDRESS|local",
+              help="Read on a Dask cluster (a scheduler address, or 'local' for a LocalCluster of --jobs workers); this "
+                   "process records the results. Needs the dask extra.")
+def verify_cmd(mgr: CheckpointManager, out: Output, step: int | None, every: bool, jobs: int, depth: str,
+               dask_at: str | None) -> int:
     """Re-read checkpoints, recompute digests and fingerprints, cross-check the ledger, and record the result
     (--depth head: check what the store keeps of each shard instead, reading no byte)."""
     if every and step is not None:
@@ -119,8 +123,8 @@ def verify_cmd(mgr: CheckpointManager, out: Output, step: int | None, every: boo
     if depth == "head":
         results = mgr.verify(step, jobs=jobs, depth="head")
     else:
-        with out.progress(mgr.total_bytes(step), "verifying") as advance:
-            results = mgr.verify(step, jobs=jobs, progress=advance)
+        with dask_client(dask_at, jobs) as client, out.progress(mgr.total_bytes(step), "verifying") as advance:
+            results = mgr.verify(step, jobs=jobs, progress=advance, cluster=client)
     rows = [{**r.to_dict(), "depth": r.depth, **({"coverage": r.coverage} if r.coverage else {})} for r in results]
 
     def human(console: Any) -> None:

@@ -78,6 +78,7 @@ class CheckpointManager:
     ) -> None:
         _check_options(keep_last, shard_bytes, io_workers)
         self._store = RunStore(url, storage_options)
+        self._options = storage_options  # handed to a cluster's workers by verify(cluster=...)
         self._signer = Signer.from_env() if signing_key is None else Signer.of(signing_key)
         self.url, self.keep_last, self.guard = url, keep_last, guard
         self.shard_bytes, self.io_workers, self.report_timeout_s = shard_bytes, io_workers, report_timeout_s
@@ -367,7 +368,7 @@ class CheckpointManager:
 
     def verify(self, step: int | str | Collection[str | CheckpointInfo] | None = None, *, jobs: int = 1, progress:
                Callable[[int], None] | None = None, verifier: dict[str, str] | None = None,
-               depth: str = "read") -> builtins.list[VerificationResult]:
+               depth: str = "read", cluster: Any = None) -> builtins.list[VerificationResult]:
         """Re-read checkpoints offline, record and return the results (oldest first; see ``verification``); memory
         stays bounded by ``jobs * io_workers`` shards in flight. A mismatch makes a checkpoint ``corrupt`` from then on.
         ``depth="head"`` reads no byte: each shard's size and the CRC-64/NVME the store keeps, against the manifest
@@ -379,6 +380,8 @@ class CheckpointManager:
             jobs, progress: checkpoints verified at the same time; called with byte counts as data is read (from
                 several threads), it may block to pace the reads.
             verifier: who re-reads (recorded with each result; ``vckpt serve`` names its host and version).
+            cluster: a ``distributed.Client``: the reads run as tasks on its cluster, ``jobs`` at a time, and this
+                process records each result (``fleet``); ``None``: here.
         """
         from .reading import Reader
         from .verification import head_all, verify_all
@@ -394,8 +397,13 @@ class CheckpointManager:
             self.get(step) if isinstance(step, (int, str)) else self.require_run()  # raises a helpful error
         if depth == "head":
             return head_all(self._catalog, infos, jobs=max(jobs, self.io_workers), verifier=verifier)
+        reads = None
+        if cluster is not None:
+            from .fleet import DaskReads
+
+            reads = DaskReads(cluster, self.url, self._options, io_workers=self.io_workers)
         return verify_all(self._catalog, Reader(self._store, self.io_workers), infos, jobs=jobs, progress=progress,
-                          verifier=verifier)
+                          verifier=verifier, reads=reads)
 
     def batch(self) -> BatchScrub:
         """The run's deep scrub at rest through S3 Batch Operations ("Compute checksum"): the job's manifest, and

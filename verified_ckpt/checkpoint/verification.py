@@ -29,13 +29,17 @@ __all__ = ["head_all", "verify_all"]
 
 
 def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo], *, jobs: int,
-               progress: Callable[[int], None] | None, verifier: dict[str, str] | None = None) -> list[VerificationResult]:
+               progress: Callable[[int], None] | None, verifier: dict[str, str] | None = None,
+               reads: Callable[[CheckpointInfo, Callable[[int], None] | None], list[Problem]] | None = None,
+               ) -> list[VerificationResult]:
     """Verify ``infos`` ``jobs`` at a time, record each result, and return them in order.
 
     A malformed ledger does not stop verification: every checkpoint's bytes are
     still checked, and a consensus claim the ledger cannot back is a problem. A
     store that stops answering raises ``StorageError`` and records nothing for the
     checkpoint it was reading: an outage is not a fact about the checkpoint.
+    ``reads(checkpoint, progress)``: where its bytes are read and checked (default: ``reader``, here; ``fleet``:
+    on a Dask cluster); this process records every result either way.
     """
     try:
         ledger: Columns | None = read_ledger(catalog.store)
@@ -48,7 +52,10 @@ def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo]
         if ck.manifest is None:
             problems = [Problem("manifest", ck.reasons[0] if ck.reasons else "manifest unreadable")]
         else:
-            _, problems = reader.read(ck.manifest, VERIFY, progress=progress)  # an outage raises: nothing recorded
+            if reads is not None:
+                problems = reads(ck, progress)  # an outage raises: nothing recorded
+            else:
+                _, problems = reader.read(ck.manifest, VERIFY, progress=progress)
             if ledger_problem is not None and consensus_claim(ck.manifest.evidence) is not None:
                 problems.append(Problem("ledger", f"the consensus claim cannot be checked: {ledger_problem}"))
             else:

@@ -571,3 +571,35 @@ def test_reads_answer_from_what_the_watcher_published_and_never_from_the_store(t
         assert [c["id"] for c in client.get(f"/api/runs/{w.key}/checkpoints").json()] == [cid]
         assert client.get(f"/api/runs/{w.key}").json()["checkpoints"] == {"unverified": 1}
         assert f'<a href="/runs/{w.key}/report">{w.key}</a>' in client.get("/").text
+
+
+def test_the_api_and_the_dashboard_answer_a_page_at_a_time(tmp_path, monkeypatch):
+    """Thousands of runs or checkpoints come a page at a time: ``offset``/``limit`` with ``X-Total-Count``, bad
+    values refused with 400; the dashboard shows a page of runs, the least healthy first, and links the next."""
+    from verified_ckpt.service import app
+
+    runs = [str(tmp_path / f"run{i}") for i in range(3)]
+    for i, run in enumerate(runs):
+        for step in range(1, 4):
+            save(run, step)
+        if i == 2:
+            CheckpointManager(run).flag(1, reason="a fault")  # an open incident: the least healthy
+    watchers = [watcher_of(r) for r in runs]
+    for w in watchers:
+        w.one_pass()
+    monkeypatch.setattr(app, "DASHBOARD_PAGE", 2)
+    with served(*watchers) as client:
+        got = client.get("/api/runs", params={"limit": 2})
+        assert got.status_code == 200 and got.headers["x-total-count"] == "3" and len(got.json()) == 2
+        rest = client.get("/api/runs", params={"offset": 2, "limit": 2}).json()
+        assert [r["key"] for r in got.json() + rest] == [w.key for w in watchers]
+        page = client.get(f"/api/runs/{watchers[0].key}/checkpoints", params={"offset": 1, "limit": 1})
+        assert page.headers["x-total-count"] == "3" and [c["step"] for c in page.json()] == [2]
+        for bad in ({"limit": 0}, {"limit": 10**6}, {"offset": -1}, {"offset": "x"}):
+            assert client.get("/api/runs", params=bad).status_code == 400
+        first = client.get("/").text
+        assert "page 1 of 2 (3 runs" in first and 'href="/?page=2"' in first
+        assert first.index(f'run-{watchers[2].key}') < first.index('<h2>')  # the run with an incident comes first
+        second = client.get("/", params={"page": 2}).text
+        assert second.count('data-testid="run-') == 1 and 'href="/?page=1"' in second
+        assert client.get("/", params={"page": "0"}).status_code == 400

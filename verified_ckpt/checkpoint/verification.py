@@ -10,6 +10,7 @@ checkpoint ``corrupt`` (or ``suspect``) from then on.
 from __future__ import annotations
 
 import concurrent.futures
+import weakref
 from collections.abc import Callable, Sequence
 
 from .. import history
@@ -27,6 +28,33 @@ from .reading import VERIFY, Reader
 
 __all__ = ["head_all", "verify_all"]
 
+# Each run's index of passing consensus checks (``history.passing_consensus``), kept between verifications while it
+# covers the newest step they claim: the ledger only grows (rows are appended, never rewritten), so a check it held
+# stays as it was. A service pass verifies in batches; reading the whole ledger again for each batch was most of a
+# pass on a run with a long ledger.
+_INDEXES: weakref.WeakKeyDictionary[Catalog, tuple[dict[int, list[dict[int, str]]] | None, int]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _consensus_index(catalog: Catalog, infos: Sequence[CheckpointInfo]
+                     ) -> tuple[dict[int, list[dict[int, str]]] | None, str | None]:
+    """The run's passing consensus checks by step (``None``: no ledger), and why the ledger cannot be read."""
+    claims = [c.step for ck in infos if ck.manifest is not None and (c := consensus_claim(ck.manifest.evidence))]
+    if not claims:
+        return None, None  # nothing to back: the ledger is not needed
+    kept = _INDEXES.get(catalog)
+    if kept is not None and kept[1] >= max(claims):
+        return kept[0], None
+    try:
+        ledger: Columns | None = read_ledger(catalog.store)
+    except CorruptCheckpoint as e:
+        return None, str(e)
+    index = history.passing_consensus(ledger) if ledger is not None else None
+    if ledger is not None and len(ledger.step):
+        _INDEXES[catalog] = (index, int(ledger.step.max()))
+    return index, None
+
+
 
 def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo], *, jobs: int,
                progress: Callable[[int], None] | None, verifier: dict[str, str] | None = None,
@@ -41,12 +69,7 @@ def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo]
     ``reads(checkpoint, progress)``: where its bytes are read and checked (default: ``reader``, here; ``fleet``:
     on a Dask cluster); this process records every result either way.
     """
-    try:
-        ledger: Columns | None = read_ledger(catalog.store)
-        ledger_problem = None
-    except CorruptCheckpoint as e:
-        ledger, ledger_problem = None, str(e)
-    consensus = history.passing_consensus(ledger) if ledger is not None else None
+    consensus, ledger_problem = _consensus_index(catalog, infos)
 
     def one(ck: CheckpointInfo) -> VerificationResult:
         if ck.manifest is None:

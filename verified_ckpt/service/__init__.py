@@ -214,7 +214,7 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None, log_to_st
         while not stop.is_set():
             for prefix in cfg.discover:
                 try:
-                    watch(discover_runs(prefix, cfg.storage_options))
+                    watch(discover_runs(prefix, cfg.storage_options, known={w.url for w in watchers.all()}))
                 except VerifiedCkptError as e:  # an unreachable prefix: try again at the next look
                     log.warning("discovering runs under %s: %s", prefix, e)
             stop.wait(cfg.poll_s * 10)

@@ -34,6 +34,21 @@ __all__ = ["build_app"]
 
 REFRESH_S = 10
 MAX_BODY = 64 << 10  # a flag's body: a reason of up to 64 KiB and a few numbers
+DASHBOARD_PAGE = 100  # runs per dashboard page
+API_PAGE, API_PAGE_MAX = 500, 5000  # items per API page: by default, and at most
+_WORST = {"open-incident": 0, "nothing-restorable": 1, "unread": 2, "ok": 3}  # the dashboard's order
+
+
+def _page(request: Request) -> tuple[int, int] | Response:
+    """The ``offset`` and ``limit`` query parameters (defaults 0 and ``API_PAGE``), or a 400 naming the bad one."""
+    out = []
+    for name, default, top in (("offset", 0, 10**12), ("limit", API_PAGE, API_PAGE_MAX)):
+        raw = request.query_params.get(name, str(default))
+        if not raw.isdigit() or not (name == "offset" or int(raw) >= 1) or int(raw) > top:
+            return JSONResponse({"error": f"{name} must be an integer from {0 if name == 'offset' else 1} to {top}"},
+                                status_code=400)
+        out.append(int(raw))
+    return out[0], out[1]
 
 
 class _Api:
@@ -43,12 +58,12 @@ class _Api:
     def __init__(self, watchers: Watchers, metrics: Metrics, token: str | None) -> None:
         self.watchers, self.metrics, self.token = watchers, metrics, token
 
-    def per_run(self, handler: Callable[[Watcher], Response]) -> Callable[[Request], Any]:
+    def per_run(self, handler: Callable[..., Response], paged: bool = False) -> Callable[[Request], Any]:
         async def endpoint(request: Request) -> Response:
             w = self.watchers.get(request.path_params["key"])
             if w is None:
                 return JSONResponse({"error": f"no watched run {request.path_params['key']!r}"}, status_code=404)
-            return handler(w)
+            return handler(w, request) if paged else handler(w)
 
         return endpoint
 
@@ -66,19 +81,31 @@ class _Api:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def runs(self, request: Request) -> Response:
-        return JSONResponse([w.state.summary() for w in self.watchers.all()])
+        """Every watched run's summary, a page at a time (``offset``, ``limit``; ``X-Total-Count`` says how many)."""
+        page = _page(request)
+        if isinstance(page, Response):
+            return page
+        watchers = self.watchers.all()
+        chosen = watchers[page[0]:page[0] + page[1]]
+        return JSONResponse([w.state.summary() for w in chosen], headers={"X-Total-Count": str(len(watchers))})
 
     def summary(self, w: Watcher) -> Response:
         return JSONResponse(w.state.summary())
 
-    def checkpoints(self, w: Watcher) -> Response:
+    def checkpoints(self, w: Watcher, request: Request) -> Response:
+        """The run's checkpoints, oldest first, a page at a time (``offset``, ``limit``, ``X-Total-Count``)."""
         state = w.state
         view = state.view
         if view is None:
             return JSONResponse({"error": state.error or "not read yet"}, status_code=503)
+        page = _page(request)
+        if isinstance(page, Response):
+            return page
+        chosen = view.infos[page[0]:page[0] + page[1]]
         return JSONResponse([dict(c.to_dict(), evidence=c.manifest.evidence if c.manifest else None,
-                                  verifications=[dict(r.to_dict(), verifier=r.verifier)
-                                                 for r in view.verifications.get(c.id, [])]) for c in view.infos])
+                                  verifications=[dict(r.to_dict(), verifier=r.verifier, depth=r.depth)
+                                                 for r in view.verifications.get(c.id, [])]) for c in chosen],
+                            headers={"X-Total-Count": str(len(view.infos))})
 
     async def write(self, request: Request) -> Response:
         """``flag`` and ``rollback``: only with the bearer token (compared in constant time). The body is bounded
@@ -115,8 +142,18 @@ class _Api:
         return JSONResponse(body, status_code=200 if health.healthy and not unread else 503)
 
     async def dashboard(self, request: Request) -> Response:
+        """A page of runs, the least healthy first (``?page=N``, ``DASHBOARD_PAGE`` a page), and the latest changes."""
         states = [w.state for w in self.watchers.all()]
-        return HTMLResponse(_dashboard([s.summary() for s in states], [c for s in states for c in s.changes]))
+        raw = request.query_params.get("page", "1")
+        if not raw.isdigit() or int(raw) < 1:
+            return PlainTextResponse("page must be a positive integer", status_code=400)
+        pages = max(1, -(-len(states) // DASHBOARD_PAGE))
+        at = min(int(raw), pages)
+        summaries = sorted((s.summary() for s in states), key=lambda r: (_WORST.get(r.get("health") or "unread", 9),
+                                                                       r["key"]))
+        shown = summaries[(at - 1) * DASHBOARD_PAGE: at * DASHBOARD_PAGE]
+        recent = sorted((c for s in states for c in s.changes), key=lambda x: -x["at"])[:20]
+        return HTMLResponse(_dashboard(shown, recent, (at, pages, len(states))))
 
     def report(self, w: Watcher) -> Response:
         """The page the watcher built at its last pass (never built here: a hostile ledger must not stall a request)."""
@@ -184,7 +221,7 @@ def build_app(watchers: Watchers, metrics: Metrics, token: str | None) -> Starle
     return Starlette(routes=[
         Route("/healthz", api.healthz), Route("/readyz", api.readyz), Route("/metrics", api.metrics_text),
         Route("/api/runs", api.runs), Route("/api/runs/{key}", api.per_run(api.summary)),
-        Route("/api/runs/{key}/checkpoints", api.per_run(api.checkpoints)),
+        Route("/api/runs/{key}/checkpoints", api.per_run(api.checkpoints, paged=True)),
         Route("/api/runs/{key}/flag", api.write, methods=["POST"]),
         Route("/api/runs/{key}/rollback", api.write, methods=["POST"]),
         Route("/runs/{key}/report", api.per_run(api.report)), Route("/", api.dashboard),
@@ -195,9 +232,10 @@ def build_app(watchers: Watchers, metrics: Metrics, token: str | None) -> Starle
 _COLOURS = {s: c.web for s, c in PALETTE.items()} | {s: c.web for s, c in HEALTH_COLOURS.items()}
 
 
-def _dashboard(runs: list[dict[str, Any]], changes: list[dict[str, Any]]) -> str:
+def _dashboard(runs: list[dict[str, Any]], changes: list[dict[str, Any]], page: tuple[int, int, int] = (1, 1, 0)) -> str:
     """Runs at a glance and what changed recently; refreshes itself, no external assets, no scripts. A run is named
-    by its key, as in the API's paths and the metrics' ``run`` label, with its URL beside it."""
+    by its key, as in the API's paths and the metrics' ``run`` label, with its URL beside it. ``page``: this page,
+    how many, and how many runs in all."""
     e = html.escape
     rows = []
     for r in runs:
@@ -213,12 +251,16 @@ def _dashboard(runs: list[dict[str, Any]], changes: list[dict[str, Any]]) -> str
     recent = "".join(f"<li data-testid=\"change\">{e(time.strftime('%H:%M:%S', time.gmtime(c['at'])))} "
                      f"<b>{e(c['run'])}</b>: {e(c['checkpoint'])} (step {int(c['step'])}) {e(c['from'])} → "
                      f"<span class=\"b\" style=\"background:{_COLOURS.get(c['to'], '#555')}\">{e(c['to'])}</span> "
-                     f"{e(c.get('reason', ''))}</li>" for c in sorted(changes, key=lambda x: -x["at"])[:20])
+                     f"{e(c.get('reason', ''))}</li>" for c in changes)
+    at, pages, total = page
+    nav = "" if pages <= 1 else (f'<p data-testid="pages">page {at} of {pages} ({total} runs, the least healthy first)'
+                                 + (f' <a href="/?page={at - 1}">previous</a>' if at > 1 else "")
+                                 + (f' <a href="/?page={at + 1}">next</a>' if at < pages else "") + "</p>")
     return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'">
 <title>vckpt serve</title><style>body{{font:14px sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px}}.b{{color:#fff;padding:2px 6px;border-radius:3px;margin-right:4px}}
-.err{{color:#c62828}}.url{{color:#616161;font-size:12px}}</style></head><body><h1>Runs</h1><table><tr><th>run</th>
+.err{{color:#c62828}}.url{{color:#616161;font-size:12px}}</style></head><body><h1>Runs</h1>{nav}<table><tr><th>run</th>
 <th>health</th><th>checkpoints</th><th>rollback target</th><th>open incidents</th><th>exclude hosts</th><th>error</th></tr>
 {''.join(rows)}</table>
 <h2>Recent changes</h2><ul>{recent or '<li>none</li>'}</ul></body></html>"""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from typing import Any
 
 import fsspec
@@ -14,23 +15,35 @@ from .paths import RUN_META
 __all__ = ["canonical_url", "discover_runs"]
 
 
-def discover_runs(prefix: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+def discover_runs(prefix: str, storage_options: dict[str, Any] | None = None, known: Collection[str] = ()) -> list[str]:
     """URLs of the runs in the folders directly under ``prefix`` (any fsspec URL; a folder holding ``run.json``
     or ``checkpoints/``), sorted.
+
+    One listing of ``prefix`` itself (a delimited LIST on S3: a thousand runs in one request, not every object under
+    them), then a look into each child folder not in ``known`` (URLs this caller already knows to be runs): a
+    service looking every few minutes pays for the runs that are new since its last look, not for all of them.
 
     Raises:
         InvalidRunURL: the prefix cannot be opened.
         StorageError: the store could not be listed.
     """
     b = Backend(prefix, storage_options)
+    base = prefix.rstrip("/")
     with b.io("listing runs"):
-        b.fs.invalidate_cache()
+        b.fs.invalidate_cache(b.root)
         try:
-            found = b.fs.glob(b.join("*", RUN_META)) + b.fs.glob(b.join("*", "checkpoints"))
+            children = b.fs.ls(b.root, detail=False)
         except FileNotFoundError:
             return []
-    names = sorted({p.rstrip("/").split("/")[-2] for p in found})
-    return [f"{prefix.rstrip('/')}/{n}" for n in names if SEGMENT.match(n)]
+        names = sorted({str(c).rstrip("/").split("/")[-1] for c in children} - {""})
+        runs = []
+        for n in names:
+            if not SEGMENT.match(n):
+                continue
+            url = f"{base}/{n}"
+            if url in known or b.fs.exists(b.join(n, RUN_META)) or b.fs.exists(b.join(n, "checkpoints")):
+                runs.append(url)
+    return runs
 
 
 def canonical_url(url: str, storage_options: dict[str, Any] | None = None) -> str:

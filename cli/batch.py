@@ -33,7 +33,7 @@ def batch_manifest_cmd(mgr: CheckpointManager, out: Output, step: int | None) ->
 @run_command
 @click.argument("reports", nargs=-1, required=True)
 def batch_record_cmd(mgr: CheckpointManager, out: Output, reports: tuple[str, ...]) -> int:
-    """Join REPORTS, the completion report CSV files of a "Compute checksum" job (local paths or fsspec URLs), back
+    """Join REPORTS, the completion report CSV files of a "Compute checksum" job (paths, fsspec URLs or globs), back
     into verification records: a checksum recomputed at rest that is not the manifest's makes its checkpoint corrupt
     (exit 1)."""
     import fsspec
@@ -43,11 +43,17 @@ def batch_record_cmd(mgr: CheckpointManager, out: Output, reports: tuple[str, ..
     files = []
     for url in reports:
         try:
-            with fsspec.open(url, "rb") as f:
-                files.append(f.read())
-        except OSError as e:
+            # The run's storage options (its -o) for a report on the same kind of store: the job's reports bucket.
+            same = url.split("://")[0] == mgr.url.split("://")[0] and "://" in url
+            opened = fsspec.open_files(url, "rb", **(mgr.storage_options if same else {}))  # a glob: results/*.csv
+            if not opened:
+                raise FileNotFoundError(url)
+            for of in opened:
+                with of as f:
+                    files.append(f.read())
+        except (OSError, ValueError) as e:
             raise InvalidState(f"cannot read the completion report {url!r} ({type(e).__name__}: {e}); pass the "
-                               "report's CSV files") from None
+                               "report's CSV files (a glob such as .../results/*.csv matches them all)") from None
     results, malformed = mgr.batch().record(files)
     rows = [{**r.to_dict(), "depth": r.depth, "coverage": r.coverage} for r in results]
 

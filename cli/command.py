@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -15,7 +14,7 @@ from verified_ckpt import VerifiedCkptError
 from .options import EXIT_OK, as_flags, exit_code_for, parse_storage_options
 from .output import Output, escape
 
-__all__ = ["dask_client", "run_command"]
+__all__ = ["run_command"]
 
 
 def run_command(fn: Callable[..., int | None]) -> Callable[..., None]:
@@ -39,27 +38,3 @@ def run_command(fn: Callable[..., int | None]) -> Callable[..., None]:
         sys.exit(code)
 
     return wrapper
-
-
-@contextlib.contextmanager
-def dask_client(address: str | None, workers: int) -> Iterator[Any]:
-    """A Dask client for ``--dask``: to the scheduler at ``address``, or to a ``LocalCluster`` of ``workers`` worker
-    processes started here (and closed on leaving) for ``local``; ``None`` without ``--dask``."""
-    if address is None:
-        yield None
-        return
-    try:
-        from distributed import Client, LocalCluster
-    except ImportError:
-        raise click.UsageError("--dask needs Dask distributed: pip install -e \".[dask]\"") from None
-    if address == "local":
-        with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,  # type: ignore[no-untyped-call]
-                          dashboard_address=None) as cluster, Client(cluster) as client:  # type: ignore[no-untyped-call]
-            yield client
-        return
-    try:
-        client = Client(address, timeout=30)  # type: ignore[no-untyped-call]
-    except OSError as e:
-        raise click.UsageError(f"cannot reach the Dask scheduler at {address!r} ({e}); check the address") from None
-    with client:
-        yield client

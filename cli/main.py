@@ -6,6 +6,7 @@ Exit codes, the library's table (``verified_ckpt.recovery.exits``, docs/CLI.md):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ import click
 
 from verified_ckpt import (
     CheckpointNotRestorable,
+    InvalidConfig,
     InvalidState,
     ManifestError,
     Status,
@@ -22,7 +24,7 @@ from verified_ckpt import (
     render_html,
 )
 
-from .command import dask_client, run_command
+from .command import run_command
 from .options import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, OneLineErrors, as_flags, parse_storage_options
 from .output import Output, escape, human_size, status_text
 from .recovery import register
@@ -123,7 +125,10 @@ def verify_cmd(mgr: CheckpointManager, out: Output, step: int | None, every: boo
     if depth == "head":
         results = mgr.verify(step, jobs=jobs, depth="head")
     else:
-        with dask_client(dask_at, jobs) as client, out.progress(mgr.total_bytes(step), "verifying") as advance:
+        from verified_ckpt.checkpoint.fleet import connect
+
+        cluster = connect(dask_at, jobs) if dask_at else contextlib.nullcontext()
+        with cluster as client, out.progress(mgr.total_bytes(step), "verifying") as advance:
             results = mgr.verify(step, jobs=jobs, progress=advance, cluster=client)
     rows = [{**r.to_dict(), "depth": r.depth, **({"coverage": r.coverage} if r.coverage else {})} for r in results]
 
@@ -358,8 +363,14 @@ def gc_cmd(mgr: CheckpointManager, out: Output, dry_run: bool, grace: float) -> 
               help="Cap on bytes read per second across all runs (0: none).")
 @click.option("--request-timeout", "request_s", default=10.0, show_default=True, type=float,
               help="Close a connection that has not sent a whole request within this many seconds.")
+@click.option("--concurrency", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Runs read at the same time (each two checkpoints at a time); with --dask local, the workers.")
+@click.option("--dask", "dask_at", default=None, metavar="ADDRESS|local",
+              help="Read on a Dask cluster (a scheduler address, or 'local' for a LocalCluster); the service records "
+                   "the results. Needs the dask extra.")
 def serve_cmd(runs: tuple[str, ...], discover: tuple[str, ...], storage_options: tuple[str, ...], host: str, port: int,
-              poll_s: float, scrub_s: float, head_s: float, bytes_per_s: float, request_s: float) -> None:
+              poll_s: float, scrub_s: float, head_s: float, bytes_per_s: float, request_s: float, concurrency: int,
+              dask_at: str | None) -> None:
     """Watch RUNS: verify each new commit independently, scrub old checkpoints, serve health over HTTP.
 
     JSON API under /api, Prometheus metrics at /metrics, /healthz, /readyz and a dashboard at /.
@@ -372,12 +383,16 @@ def serve_cmd(runs: tuple[str, ...], discover: tuple[str, ...], storage_options:
     try:
         cfg = ServiceConfig(runs=runs, discover=discover, storage_options=parse_storage_options(storage_options) or None,
                             host=host, port=port, poll_s=poll_s, scrub_interval_s=scrub_s, head_interval_s=head_s,
-                            bytes_per_s=bytes_per_s, request_timeout_s=request_s)
+                            bytes_per_s=bytes_per_s, request_timeout_s=request_s, concurrency=concurrency, dask=dask_at)
         missing_extra()
     except ServiceError as e:
         err.print(f"[red]error:[/] {escape(as_flags(str(e)))}", markup=True, highlight=False)
         sys.exit(EXIT_USAGE)
-    serve(cfg, log_to_stderr=True)
+    try:
+        serve(cfg, log_to_stderr=True)
+    except InvalidConfig as e:  # the Dask cluster it was told to read on cannot be reached, or Dask is missing
+        err.print(f"[red]error:[/] {escape(as_flags(str(e)))}", markup=True, highlight=False)
+        sys.exit(EXIT_USAGE)
 
 
 register(main)

@@ -95,3 +95,29 @@ def test_the_cli_verifies_on_a_local_cluster(tmp_path):
     rows = json.loads(done.stdout)
     assert [r["ok"] for r in rows] == [True, True, False, True, True, True]
     assert len(records(url)) == len(infos)
+
+
+def test_the_service_reads_on_the_cluster_and_records_once(tmp_path, cluster):
+    """The service's loop for a run (``Watcher``) with the cluster: its first pass reads every checkpoint as a task,
+    records each once, as the service, and the damaged checkpoint turns corrupt; the next pass reads nothing."""
+    from verified_ckpt.service.metrics import Metrics
+    from verified_ckpt.service.scrub import Slots, Throttle
+    from verified_ckpt.service.watch import Watcher, verifier_identity
+
+    url, infos = a_run(str(tmp_path))
+    w = Watcher("run-x", url, None, Metrics(), Throttle(0), poll_s=1, scrub_interval_s=3600, verifier=verifier_identity(),
+                slots=Slots.of(2), cluster=cluster)
+    def done() -> int:  # read tasks the scheduler has seen finish (the fixture's cluster is shared by the module)
+        return cluster.run_on_scheduler(lambda dask_scheduler: sum(
+            p.state_counts["memory"] for k, p in dask_scheduler.task_prefixes.items() if k.startswith("vckpt-verify")))
+
+    before = done()
+    w.one_pass()
+    assert done() - before == len(infos)  # every read ran as a task on the cluster
+    assert w.state.error is None
+    recs = records(url)
+    assert sorted(r["checkpoint_id"] for r in recs) == sorted(i.id for i in infos)
+    assert all(r["verifier"]["service"] == "vckpt serve" for r in recs)
+    assert {c.id: c.status.value for c in w.state.view.infos}[infos[2].id] == "corrupt"
+    w.one_pass()
+    assert len(records(url)) == len(infos)

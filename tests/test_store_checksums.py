@@ -279,12 +279,12 @@ def test_a_completion_report_with_one_mismatching_checksum_makes_exactly_that_ch
 
     half = len(rows) // 2
     files = [csv_bytes(rows[:half], True), csv_bytes(rows[half:], False) + b"only,three,columns\n"]
-    paths = []
-    for i, data in enumerate(files):
-        paths.append(tmp_path / f"report-{i}.csv")
-        paths[-1].write_bytes(data)
+    fs = s3fs.S3FileSystem(**opts)
+    for i, data in enumerate(files):  # where the job writes them: its report prefix, results/*.csv
+        fs.pipe_file(f"{s3_bucket}/reports/job-1/results/{i:040x}.csv", data)
     env = {**os.environ, "VCKPT_SIGNING_KEY": "k" * 32}
-    args = [sys.executable, "-m", "verified_ckpt_cli.main", "batch-record", url, *map(str, paths), "--json"]
+    args = [sys.executable, "-m", "verified_ckpt_cli.main", "batch-record", url,
+            f"s3://{s3_bucket}/reports/job-1/results/*.csv", "--json"]
     args += [x for k, v in (("key", opts["key"]), ("secret", opts["secret"])) for x in ("-o", f"{k}={v}")]
     args += ["-o", f"client_kwargs={json.dumps(opts['client_kwargs'])}"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env, check=False)
@@ -297,7 +297,6 @@ def test_a_completion_report_with_one_mismatching_checksum_makes_exactly_that_ch
     statuses = {i.id: i for i in CheckpointManager(url, storage_options=opts).list()}
     assert statuses[infos[1].id].status is Status.CORRUPT
     assert all(statuses[ck.id].status is not Status.CORRUPT for ck in (infos[0], infos[2]))
-    fs = s3fs.S3FileSystem(**opts)
     recorded = [json.loads(fs.cat_file(p)) for p in fs.find(f"{s3_bucket}/run/records/verification")]
     assert recorded and all("signature" in r and r.get("depth") == "store" for r in recorded)
 
@@ -321,3 +320,14 @@ def test_a_hostile_report_is_bounded_and_never_crashes():
         parse_report([b"x" * (MAX_REPORT_BYTES + 1)])
     with pytest.raises(ValueError, match="UTF-8"):
         parse_report([b"\xff\xfe"])
+
+
+def test_batch_record_names_a_report_it_cannot_read(local_url, tmp_path):
+    import subprocess
+    import sys
+
+    CheckpointManager(local_url).save(1, {"w": torch.ones(3)})
+    done = subprocess.run([sys.executable, "-m", "verified_ckpt_cli.main", "batch-record", local_url,
+                           str(tmp_path / "results" / "*.csv")], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "cannot read the completion report" in done.stderr, done.stderr

@@ -22,14 +22,16 @@ credentials (``AWS_*`` in their environment) and pass no secrets in ``storage_op
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..errors import InvalidConfig
 from ..manifest import CheckpointInfo, Manifest
 from ..records import Problem
 
-__all__ = ["SEMAPHORE", "DaskReads", "read_problems"]
+__all__ = ["SEMAPHORE", "DaskReads", "connect", "read_problems"]
 
 SEMAPHORE = "vckpt-verify-reads"
 
@@ -68,6 +70,32 @@ class _Pace:
             wait = self._at - now - 1.0  # a second's worth is free
         if wait > 0:
             time.sleep(wait)
+
+
+@contextlib.contextmanager
+def connect(address: str, workers: int = 2, timeout_s: float = 30.0) -> Iterator[Any]:
+    """A Dask client, closed on leaving: to the scheduler at ``address``, or, for ``"local"``, to a ``LocalCluster``
+    of ``workers`` worker processes started here (and stopped on leaving).
+
+    Raises:
+        InvalidConfig: Dask distributed is not installed, or no scheduler answers at ``address`` within ``timeout_s``.
+    """
+    try:
+        from distributed import Client, LocalCluster
+    except ImportError:
+        raise InvalidConfig("reading on a Dask cluster needs Dask distributed: pip install \"verified-ckpt[dask]\"") from None
+    if address == "local":
+        with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,  # type: ignore[no-untyped-call]
+                          dashboard_address=None) as cluster, Client(cluster) as client:  # type: ignore[no-untyped-call]
+            yield client
+        return
+    try:
+        client = Client(address, timeout=timeout_s)  # type: ignore[no-untyped-call]
+    except OSError as e:
+        raise InvalidConfig(f"cannot reach the Dask scheduler at {address!r} ({e}); check the address, or use 'local'") \
+            from None
+    with client:
+        yield client
 
 
 class DaskReads:

@@ -105,6 +105,11 @@ class CheckpointManager:
                 warnings.warn(warning, stacklevel=2)
 
     @property
+    def storage_options(self) -> dict[str, Any]:
+        """The fsspec options the run was opened with (a copy)."""
+        return dict(self._options or {})
+
+    @property
     def comm(self) -> Communicator:
         """The ranks that save together (created on first use, so listing a run needs no process group)."""
         if self._comm is None:

@@ -9,6 +9,7 @@ records, so it keeps no state of its own that a restart could lose.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import ipaddress
@@ -48,6 +49,8 @@ class ServiceConfig:
         head_interval_s: between reads, check each checkpoint's shards against what the store keeps of them (size
             and S3's CRC-64/NVME, no byte read) this often; 0: never.
         bytes_per_s: cap on the bytes read per second across all runs (0: none).
+        dask: read on a Dask cluster: a scheduler's address, or ``"local"`` for a ``LocalCluster`` of ``concurrency``
+            worker processes (``checkpoint.fleet``); the service stays the only writer of records. ``None``: here.
         concurrency: runs verified at the same time (each reads two checkpoints at a time).
         request_timeout_s: a connection that has not sent a whole request this long after it opened (or after its
             last response) is closed: an idle or trickling client cannot hold a connection forever.
@@ -63,6 +66,7 @@ class ServiceConfig:
     scrub_interval_s: float = 24 * 3600.0
     head_interval_s: float = 3600.0
     bytes_per_s: float = 0.0
+    dask: str | None = None
     concurrency: int = 2
     request_timeout_s: float = 10.0
 
@@ -179,11 +183,20 @@ def _warm_up() -> None:
 
 def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None, log_to_stderr: bool = False) -> None:
     """Watch ``cfg.runs`` and serve HTTP until interrupted (SIGINT/SIGTERM). ``log_to_stderr``: what the service
-    does goes to stderr (``vckpt serve``): its address at start, each pass that read something, each status change."""
-    import uvicorn
+    does goes to stderr (``vckpt serve``): its address at start, each pass that read something, each status change.
+    With ``cfg.dask``, the cluster is connected (or the local one started) first, and closed when serving ends."""
+    from ..checkpoint import fleet
 
     if log_to_stderr:
         _log_to_stderr()
+    _warm_up()
+    with contextlib.ExitStack() as resources:
+        cluster = resources.enter_context(fleet.connect(cfg.dask, cfg.concurrency)) if cfg.dask else None
+        _serve(cfg, cluster, ready)
+
+
+def _serve(cfg: ServiceConfig, cluster: Any, ready: threading.Event | None) -> None:
+    import uvicorn
 
     from .. import VerifiedCkptError, discover_runs
     from ..history import redact_url
@@ -192,7 +205,6 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None, log_to_st
     from .scrub import Slots, Throttle
     from .watch import Watcher, Watchers, verifier_identity
 
-    _warm_up()
     metrics, throttle, who = Metrics(), Throttle(cfg.bytes_per_s), verifier_identity()
     slots = Slots.of(cfg.concurrency)
     watchers = Watchers()  # added to by the discovery thread, read by the event loop
@@ -203,7 +215,7 @@ def serve(cfg: ServiceConfig, *, ready: threading.Event | None = None, log_to_st
         for u in urls:
             w = Watcher(run_key(u, cfg.storage_options), u, cfg.storage_options, metrics, throttle, poll_s=cfg.poll_s,
                         scrub_interval_s=cfg.scrub_interval_s, verifier=who, slots=slots,
-                        head_interval_s=cfg.head_interval_s)
+                        head_interval_s=cfg.head_interval_s, cluster=cluster)
             if watchers.add(w):
                 log.info("watching run %s: %s", w.key, redact_url(u))
                 metrics.run_info.labels(w.key, redact_url(u)).set(1)

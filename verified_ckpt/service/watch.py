@@ -97,10 +97,11 @@ class Watcher:
 
     def __init__(self, key: str, url: str, storage_options: dict[str, Any] | None, metrics: Metrics, throttle: Throttle,
                  *, poll_s: float, scrub_interval_s: float, verifier: dict[str, str], slots: Slots,
-                 head_interval_s: float = 0.0) -> None:
+                 head_interval_s: float = 0.0, cluster: Any = None) -> None:
         self.key, self.url, self.metrics, self.throttle, self.slots = key, url, metrics, throttle, slots
         self.poll_s, self.scrub_interval_s, self.verifier = poll_s, scrub_interval_s, verifier
         self.head_interval_s = head_interval_s
+        self.cluster = cluster  # a Dask client the reads run on (``checkpoint.fleet``), shared by every run; None: here
         self.storage_options = storage_options
         self.stop = threading.Event()
         self._lock = threading.Lock()  # every write of _state and of the tickets below, from any thread
@@ -182,7 +183,8 @@ class Watcher:
                 if not part:
                     continue
                 with self.slots.reads:  # bounded concurrency across runs: a few runs read at a time, not all of them
-                    results += mgr.verify(part, jobs=JOBS, progress=self._read, verifier=self.verifier, depth=depth)
+                    results += mgr.verify(part, jobs=JOBS, progress=self._read, verifier=self.verifier, depth=depth,
+                                          cluster=self.cluster if depth == "read" else None)
             self.metrics.verified.labels(self.key).inc(len(results))
             self.metrics.failures.labels(self.key).inc(sum(not r.ok for r in results))
             self._publish(*self._look(mgr), None)

@@ -36,25 +36,8 @@ def batch_record_cmd(mgr: CheckpointManager, out: Output, reports: tuple[str, ..
     """Join REPORTS, the completion report CSV files of a "Compute checksum" job (paths, fsspec URLs or globs), back
     into verification records: a checksum recomputed at rest that is not the manifest's makes its checkpoint corrupt
     (exit 1)."""
-    import fsspec
-
-    from verified_ckpt import InvalidState
-
-    files = []
-    for url in reports:
-        try:
-            # The run's storage options (its -o) for a report on the same kind of store: the job's reports bucket.
-            same = url.split("://")[0] == mgr.url.split("://")[0] and "://" in url
-            opened = fsspec.open_files(url, "rb", **(mgr.storage_options if same else {}))  # a glob: results/*.csv
-            if not opened:
-                raise FileNotFoundError(url)
-            for of in opened:
-                with of as f:
-                    files.append(f.read())
-        except (OSError, ValueError) as e:
-            raise InvalidState(f"cannot read the completion report {url!r} ({type(e).__name__}: {e}); pass the "
-                               "report's CSV files (a glob such as .../results/*.csv matches them all)") from None
-    results, malformed = mgr.batch().record(files)
+    batch = mgr.batch()
+    results, malformed = batch.record(batch.read_reports(reports))
     rows = [{**r.to_dict(), "depth": r.depth, "coverage": r.coverage} for r in results]
 
     def human(console: Any) -> None:

@@ -26,6 +26,7 @@ import io
 import json
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from ..crc import from_base64, is_hex
 from ..errors import InvalidState
@@ -154,8 +155,36 @@ def join(infos: Sequence[CheckpointInfo], rows: dict[tuple[str, str], ReportRow]
 class BatchScrub:
     """A run's deep scrub at rest through S3 Batch Operations (``CheckpointManager.batch``)."""
 
-    def __init__(self, catalog: Catalog, store: RunStore, listing: Callable[[], list[CheckpointInfo]]) -> None:
+    def __init__(self, catalog: Catalog, store: RunStore, listing: Callable[[], list[CheckpointInfo]], url: str,
+                 options: dict[str, Any] | None) -> None:
         self._catalog, self._store, self._list = catalog, store, listing
+        self._url, self._options = url, options
+
+    def read_reports(self, urls: Sequence[str]) -> list[bytes]:
+        """The bytes of the completion report files at ``urls`` (paths, fsspec URLs or globs such as the job's
+        ``.../results/*.csv``), each at most :data:`MAX_REPORT_BYTES`.
+
+        Raises:
+            InvalidState: a URL that matches nothing or cannot be read.
+        """
+        import fsspec
+
+        files = []
+        for url in urls:
+            # The run's storage options for a report on the same kind of store (the job's reports bucket): a report
+            # elsewhere (a local download) gets none, so the run's S3 endpoint is never sent to another scheme.
+            same = "://" in url and url.split("://")[0] == self._url.split("://")[0]
+            try:
+                opened = fsspec.open_files(url, "rb", **((self._options or {}) if same else {}))
+                if not opened:
+                    raise FileNotFoundError(url)
+                for of in opened:
+                    with of as f:
+                        files.append(f.read(MAX_REPORT_BYTES + 1))
+            except (OSError, ValueError) as e:
+                raise InvalidState(f"cannot read the completion report {url!r} ({type(e).__name__}: {e}); pass the "
+                                   "report's CSV files (a glob such as .../results/*.csv matches them all)") from None
+        return files
 
     def manifest(self, step: int | None = None) -> str:
         """The job's CSV manifest: every shard of the checkpoints at ``step`` (all: ``None``).

@@ -83,7 +83,7 @@ def connect(address: str, workers: int = 2, timeout_s: float = 30.0) -> Iterator
     try:
         from distributed import Client, LocalCluster
     except ImportError:
-        raise InvalidConfig("reading on a Dask cluster needs Dask distributed: pip install \"verified-ckpt[dask]\"") from None
+        raise InvalidConfig("reading on a Dask cluster needs Dask distributed: pip install -e '.[dask]'") from None
     if address == "local":
         with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,  # type: ignore[no-untyped-call]
                           dashboard_address=None) as cluster, Client(cluster) as client:  # type: ignore[no-untyped-call]

@@ -105,11 +105,6 @@ class CheckpointManager:
                 warnings.warn(warning, stacklevel=2)
 
     @property
-    def storage_options(self) -> dict[str, Any]:
-        """The fsspec options the run was opened with (a copy)."""
-        return dict(self._options or {})
-
-    @property
     def comm(self) -> Communicator:
         """The ranks that save together (created on first use, so listing a run needs no process group)."""
         if self._comm is None:
@@ -415,7 +410,7 @@ class CheckpointManager:
         its completion report joined back into verification records (``batchops.BatchScrub``)."""
         from .batchops import BatchScrub
 
-        return BatchScrub(self._catalog, self._store, self.list)
+        return BatchScrub(self._catalog, self._store, self.list, self.url, self._options)
 
     def total_bytes(self, step: int | None = None) -> int:
         """Bytes a :meth:`verify` with the same ``step`` would read (for progress bars)."""

@@ -12,6 +12,11 @@ repeat across runs, which nothing here depends on).
 
     .venv/bin/python tools/bench/bench_fleet.py --runs 1000 --store local
     .venv/bin/python tools/bench/bench_fleet.py --runs 1000 --store s3
+
+``--wide N`` instead times the head check of one checkpoint of ``N`` shards (a large model's checkpoint is thousands
+of shards) with 1, 4, 16 and 64 requests in flight: the per-request rate the cost model in docs/SERVICE.md scales.
+
+    .venv/bin/python tools/bench/bench_fleet.py --wide 2000 --store s3
 """
 
 from __future__ import annotations
@@ -87,6 +92,21 @@ def passes(prefix: str, runs: list[str], opts: dict[str, Any] | None, workers: t
     return out
 
 
+def wide(url: str, opts: dict[str, Any] | None, shards: int) -> dict[str, Any]:
+    """One checkpoint of ``shards`` shards (a tensor each, 64 bytes), head-checked at several concurrencies."""
+    mgr = CheckpointManager(url, storage_options=opts, shard_bytes=64)
+    t0 = time.perf_counter()
+    mgr.save(1, {f"t{i:05d}": torch.full((16,), float(i)) for i in range(shards)})
+    out: dict[str, Any] = {"shards": len(mgr.list()[0].manifest.shards), "made_s": time.perf_counter() - t0}
+    for jobs in (1, 4, 16, 64):
+        t0 = time.perf_counter()
+        (res,) = mgr.verify(depth="head", jobs=jobs)
+        out[f"head_jobs_{jobs}_s"] = time.perf_counter() - t0
+        out[f"head_jobs_{jobs}_ok"] = res.ok
+    out["head_coverage"] = res.coverage
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=1000)
@@ -94,13 +114,24 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=4096, help="float32 elements per checkpoint (one small shard)")
     ap.add_argument("--store", choices=["local", "s3"], default="local")
     ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--wide", type=int, default=0, help="time the head check of one checkpoint of this many shards")
     args = ap.parse_args()
     workers = tuple(int(x) for x in args.workers.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         src = template(tmp, args.checkpoints, args.numel)
         names = [f"run{i:05d}" for i in range(args.runs)]
-        if args.store == "local":
+        if args.wide and args.store == "local":
+            res = wide(os.path.join(tmp, "wide"), None, args.wide)
+        elif args.wide:
+            import seaweed
+
+            handle = seaweed.start(os.path.join(tmp, "weed"))
+            try:
+                res = wide("s3://wide/run", handle.storage_options(), args.wide)
+            finally:
+                seaweed.stop(handle)
+        elif args.store == "local":
             prefix = os.path.join(tmp, "fleet")
             for n in names:
                 shutil.copytree(src, os.path.join(prefix, n))
@@ -136,6 +167,9 @@ def main() -> None:
                 res = passes("s3://fleet", [f"s3://fleet/{n}" for n in names], opts, workers)
             finally:
                 seaweed.stop(handle)
+    if args.wide:
+        print(json.dumps(res | {"store": args.store}, indent=1))
+        return
     res |= {"store": args.store, "made_s": made, "checkpoints_per_run": args.checkpoints, "numel": args.numel}
     print(json.dumps(res, indent=1))
 

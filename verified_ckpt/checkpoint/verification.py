@@ -109,19 +109,26 @@ def head_all(catalog: Catalog, infos: Sequence[CheckpointInfo], *, jobs: int,
     """
     store = catalog.store
 
+    def head(ck: CheckpointInfo, path: str) -> tuple[int, str | None] | None:
+        try:
+            return store.shard_head(ck.id, path)  # an outage raises: nothing recorded
+        except FileNotFoundError:
+            return None
+
     def one(ck: CheckpointInfo) -> VerificationResult:
         problems: list[Problem] = []
         compared = sized = 0
         if ck.manifest is None:
             problems.append(Problem("manifest", ck.reasons[0] if ck.reasons else "manifest unreadable"))
         else:
-            for s in ck.manifest.shards:
+            # A large model's checkpoint has thousands of shards: their requests go out together, not one by one.
+            heads = shards.map(lambda s: head(ck, s.path), ck.manifest.shards)
+            for s, got in zip(ck.manifest.shards, heads, strict=True):
                 where = f"{ck.id}/{s.path}"
-                try:
-                    size, crc = store.shard_head(ck.id, s.path)  # an outage raises: nothing recorded
-                except FileNotFoundError:
+                if got is None:
                     problems.append(Problem("missing", f"{where} does not exist"))
                     continue
+                size, crc = got
                 if size != s.size:
                     problems.append(Problem("size", f"{where} is {size} bytes, the manifest says {s.size}"))
                 elif crc is not None and s.crc64nvme is not None:
@@ -140,7 +147,9 @@ def head_all(catalog: Catalog, infos: Sequence[CheckpointInfo], *, jobs: int,
         catalog.append(VERIFICATION, result.to_record())
         return result
 
-    with concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="vckpt-head") as pool:
+    # Two pools: checkpoints wait on their shards' requests, which never wait on anything, so neither can deadlock.
+    with concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="vckpt-head") as shards, \
+            concurrent.futures.ThreadPoolExecutor(jobs, thread_name_prefix="vckpt-head-ck") as pool:
         results = list(pool.map(one, infos))
     housekeeping.compact(catalog)
     return results

@@ -1,142 +1,177 @@
-"""Fault-injection campaign: N random injections into the example DDP job, and a detection table.
+"""The fault campaign at scale: thousands of independent trials on a Dask cluster, resumable, with outcome classes
+against clean twins and 95 % intervals (``docs/FAULTS.md``, "Detection figures").
 
-    .venv/bin/python tools/campaign.py --runs 40 --world-size 3 --steps 30 --seed 1
+    .venv/bin/python tools/campaign.py --results campaign.jsonl                       # LocalCluster, the full plan
+    .venv/bin/python tools/campaign.py --results campaign.jsonl --limit 200           # a part; run again to go on
+    .venv/bin/python tools/campaign.py --results campaign.jsonl --dask tcp://sched:8786 --repo /shared/verified-ckpt
+    .venv/bin/python tools/campaign.py --results campaign.jsonl --report              # the table, no trial run
 
-Each run injects one fault (site, rank, step, mode drawn at random) and trains
-until the step limit or the first incident. A run counts as
-  detected     an incident names the injected rank at or after the injected step,
-  misnamed     an incident at or after the injected step names other ranks or none,
-  missed       no incident,
-  false alarm  an incident before the injected step (or any incident in a clean run).
-`docs/FAULTS.md` explains each class of miss.
+The plan (``campaign_trials.plan``) is fixed by ``--seed``, ``--group`` and ``--steps``: the same arguments give the
+same trials, each reproducible from its seeds. Trials run in chunks, one chunk a Dask task (a job of ``--world``
+gloo ranks, ``campaign_job.py``); this process is the only writer of ``--results``, one JSON line per trial, appended
+and flushed as each chunk completes. A restarted campaign skips the trials already there, so a kill at any point
+loses at most the chunks in flight and counts nothing twice. A worker lost mid-chunk is retried by Dask.
 
-    .venv/bin/python tools/campaign.py --clean-only --clean-steps 400
-
-runs only the clean configurations (models people train: dropout, BatchNorm,
-AdamW with warmup and cosine, accumulation with clipping, bf16 autocast in
-tolerance mode) and counts false alarms over every step.
+Workers elsewhere (``--dask ADDRESS``) need this repository at ``--repo`` and its environment; each chunk runs
+``python campaign_job.py`` there as a process (a Dask worker's own process may not start children).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import random
+import signal
+import subprocess
 import sys
-from collections import defaultdict
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
+from campaign_trials import KINDS, plan  # noqa: E402
 
-from campaign_table import report
-
-import ddp_train
-
-MODES = ["nan", "inf", "scale=0.5", "scale=1.001", "scale=10", "bitflip=low", "bitflip=high"]
-
-
-def draw(rng: random.Random, world: int, steps: int) -> tuple[str, str]:
-    site = rng.choice(["grad", "allreduce", "weights", "compute"])
-    mode = rng.choice(MODES)
-    if mode == "bitflip=low":
-        mode = f"bitflip={rng.randint(0, 11)}"
-    elif mode == "bitflip=high":
-        mode = f"bitflip={rng.randint(23, 30)}"
-    step = rng.randint(2, steps - 3)
-    steps_part = f"{step}-" if site == "compute" else str(step)
-    cls = f"{site}:{mode.split('=')[0] if mode.startswith('bitflip') else mode}"
-    if mode.startswith("bitflip"):
-        cls += "-low" if int(mode.split("=")[1]) < 12 else "-high"
-    return f"{site}:{rng.randrange(world)}:{steps_part}:{mode}", cls
+GROUPS = {"default": 100, "fmt=bf16": 30, "overhead=0.01": 30, "overhead=0.10": 30, "abft=budget": 30}
 
 
-def judge(spec: str, result: dict) -> str:
-    rank, step = int(spec.split(":")[1]), int(spec.split(":")[2].rstrip("-"))
-    if not result["incidents"]:
-        return "missed"
-    inc = result["incidents"][0]
-    if inc["detected_step"] < step:
-        return "false alarm"
-    return "detected" if rank in inc["ranks"] else "misnamed"
+def run_chunk(trials: list[dict[str, Any]], world: int, repo: str, timeout_s: float) -> list[dict[str, Any]]:
+    """A Dask task: ``trials`` as one job of ``world`` ranks, in a process of its own; their results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "trials.json"), os.path.join(tmp, "out.json")
+        with open(src, "w") as f:
+            json.dump(trials, f)
+        job = subprocess.run([sys.executable, os.path.join(repo, "tools", "campaign_job.py"), "--trials", src, "--out",
+                              out, "--world", str(world)], check=False, capture_output=True, text=True,
+                             timeout=timeout_s)
+        if job.returncode != 0:
+            raise RuntimeError(f"campaign job exited {job.returncode}: {job.stderr[-600:]}")
+        with open(out) as f:
+            return list(json.load(f))
 
 
-# Clean configurations: (name, extra ddp_train flags). Every one audits and compares often.
-CLEAN = [
-    ("gpt dropout 0.1, exact", ["--model", "gpt"]),
-    ("bnmlp BatchNorm + dropout", ["--model", "bnmlp"]),
-    ("mlp AdamW warmup + cosine", ["--lr-schedule", "warmup-cosine"]),
-    ("gpt accumulation 2 + clipping 1.0", ["--model", "gpt", "--accum", "2", "--clip", "1.0"]),
-    ("gpt bf16 autocast, tolerance", ["--model", "gpt", "--autocast", "--mode", "tolerance"]),
-]
+def done(path: str) -> dict[str, dict[str, Any]]:
+    """The trials already in the results file, by id (a torn last line, from a kill mid-write, is not a trial)."""
+    got: dict[str, dict[str, Any]] = {}
+    if not os.path.exists(path):
+        return got
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(r, dict) and "id" in r:
+                got.setdefault(r["id"], r)
+    return got
 
 
-def clean_campaign(args: argparse.Namespace) -> None:
-    """Run every clean configuration for ``--clean-steps`` steps and count false alarms."""
-    rows = []
-    total = alarms = 0
-    for name, extra in CLEAN:
-        a = ddp_train.parse(["--world-size", str(args.world_size), "--steps", str(args.clean_steps), "--audit-every",
-                             str(args.audit_every), "--consensus-every", str(args.consensus_every), "--seed",
-                             str(args.seed), *extra])
-        result = ddp_train.run_spawned(a)
-        n = result["final_step"]
-        total += n
-        alarms += len(result["incidents"])
-        checks = result["checks"]
-        margins = result.get("margins", {})
-        rows.append([name, str(n), str(checks.get("audit", {}).get("passed", 0)),
-                     str(checks.get("consensus", {}).get("passed", 0)), f"{margins.get('checksum', 0):.3f}",
-                     f"{margins.get('abft', 0):.3f}", str(len(result["incidents"]))])
-        print(f"{name}: {n} steps, incidents {result['incidents']}", flush=True)
-    rows.append(["total", str(total), "", "", "", "", str(alarms)])
-    report(f"clean configurations: world {args.world_size}, {args.clean_steps} steps each, audit every "
-           f"{args.audit_every}, consensus every {args.consensus_every}; worst = largest deviation / bound passed",
-           ["configuration", "steps", "audits", "consensus", "worst checksum", "worst abft", "false alarms"], rows,
-           None, {})
+def repair(path: str) -> None:
+    """Cut a torn last line (a kill mid-write) so the next append starts a line of its own."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def chunks(items: list[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def connect(address: str | None, workers: int) -> Any:
+    import dask
+    from distributed import Client, LocalCluster
+
+    if address:
+        return Client(address, timeout=30)  # type: ignore[no-untyped-call]
+    dask.config.set({"distributed.scheduler.allowed-failures": 2})
+    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,  # type: ignore[no-untyped-call]
+                           silence_logs=40)
+    return Client(cluster)  # type: ignore[no-untyped-call]
+
+
+def run(args: argparse.Namespace, trials: list[dict[str, Any]]) -> None:
+    from distributed import as_completed
+    from rich.progress import Progress
+
+    repair(args.results)
+    have = done(args.results)
+    todo = [t for t in trials if t["id"] not in have]
+    # Twins first: every trial's outcome needs its twin, and a part that stops early should leave them done.
+    todo.sort(key=lambda t: t["kind"] not in ("clean", "plain"))
+    if args.limit is not None:
+        todo = todo[:args.limit]
+    print(f"{len(trials)} trials planned, {len(have)} done, {len(todo)} to run now", flush=True)
+    if not todo:
+        return
+    written = 0
+    client = connect(args.dask, args.workers)
+    try:
+        futures = [client.submit(run_chunk, c, args.world, args.repo, args.chunk_timeout, key=f"campaign-{c[0]['id']}",
+                                 retries=1, pure=False) for c in chunks(todo, args.chunk)]
+        with Progress() as bar, open(args.results, "a") as out:
+            task = bar.add_task("trials", total=len(todo))
+            for fut, result in as_completed(futures, with_results=True, raise_errors=False):
+                if fut.status == "error":
+                    bar.console.print(f"a chunk failed after its retry ({fut.exception()}); its trials run next time")
+                    continue
+                for r in result:
+                    out.write(json.dumps(r) + "\n")
+                    out.flush()
+                    written += 1
+                    if args.kill_after == written:  # the test's chosen point: a SIGKILL between two appends
+                        os.fsync(out.fileno())
+                        os.kill(os.getpid(), signal.SIGKILL)
+                os.fsync(out.fileno())
+                bar.advance(task, len(result))
+    finally:
+        cluster = client.cluster if args.dask is None else None
+        client.close()
+        if cluster is not None:
+            cluster.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=40)
-    ap.add_argument("--clean-runs", type=int, default=3)
-    ap.add_argument("--world-size", type=int, default=3)
+    ap.add_argument("--results", required=True, help="the JSON-lines file trials are appended to (and resumed from)")
+    ap.add_argument("--group", action="append", metavar="NAME:N",
+                    help="a group of trials and its trials per kind (default: " +
+                    ", ".join(f"{g}:{n}" for g, n in GROUPS.items()) + ")")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--head-to-head", type=int, default=100, help="trials of each of the competitor's two cases")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--audit-every", type=int, default=5)
-    ap.add_argument("--consensus-every", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--json", dest="json_out", default=None, help="write every run's outcome to this file")
-    ap.add_argument("--clean-only", action="store_true", help="only the clean configurations (false alarms)")
-    ap.add_argument("--clean-steps", type=int, default=400, help="steps per clean configuration")
+    ap.add_argument("--world", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chunk", type=int, default=8, help="trials per Dask task (one job of --world ranks)")
+    ap.add_argument("--chunk-timeout", type=float, default=1800.0)
+    ap.add_argument("--limit", type=int, default=None, help="run at most this many pending trials, then stop")
+    ap.add_argument("--dask", default=None, help="a Dask scheduler's address (default: a LocalCluster here)")
+    ap.add_argument("--workers", type=int, default=1, help="LocalCluster workers (each job is --world processes)")
+    ap.add_argument("--repo", default=os.path.dirname(HERE), help="this repository's path on the workers")
+    ap.add_argument("--report", action="store_true", help="print the table from --results and run nothing")
+    ap.add_argument("--json", dest="json_out", default=None, help="with --report: write the summary here")
+    ap.add_argument("--kill-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: SIGKILL after N appends
     args = ap.parse_args()
-    if args.clean_only:
-        clean_campaign(args)
-        return
-    rng = random.Random(args.seed)
-    table: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    runs = []
-    plan = [draw(rng, args.world_size, args.steps) for _ in range(args.runs)] + [(None, "clean")] * args.clean_runs
-    for i, (spec, cls) in enumerate(plan):
-        a = ddp_train.parse(["--world-size", str(args.world_size), "--steps", str(args.steps),
-                             "--audit-every", str(args.audit_every), "--consensus-every", str(args.consensus_every)]
-                            + (["--inject", spec] if spec else []))
-        try:
-            result = ddp_train.run_spawned(a)
-        except Exception as e:
-            table[cls]["crashed"] += 1
-            runs.append({"spec": spec, "class": cls, "outcome": "crashed", "error": str(e)[-300:]})
-            print(f"[{i + 1}/{len(plan)}] {spec or 'clean run'}: CRASHED {str(e).strip().splitlines()[-1][:200]}", flush=True)
-            continue
-        outcome = judge(spec, result) if spec else ("false alarm" if result["incidents"] else "clean")
-        table[cls][outcome] += 1
-        inc = result["incidents"][0] if result["incidents"] else None
-        runs.append({"spec": spec, "class": cls, "outcome": outcome, "incident": inc})
-        print(f"[{i + 1}/{len(plan)}] {spec or 'clean run'}: {outcome}"
-              + (f" ({inc['kind']} at step {inc['detected_step']}, ranks {inc['ranks']})" if inc else ""), flush=True)
-    cols = ["detected", "misnamed", "missed", "false alarm", "clean", "crashed"]
-    report(f"campaign: {args.runs} injections + {args.clean_runs} clean runs, world {args.world_size}, "
-           f"audit every {args.audit_every}, consensus every {args.consensus_every}",
-           ["class", *cols], [[cls, *[str(table[cls].get(c, 0)) for c in cols]] for cls in sorted(table)],
-           args.json_out, {"args": vars(args), "runs": runs})
+    groups = {g.rsplit(":", 1)[0]: int(g.rsplit(":", 1)[1]) for g in args.group} if args.group else GROUPS
+    trials = plan(groups, world=args.world, steps=args.steps, seed=args.seed, kinds=args.kinds.split(","),
+                  head_to_head=args.head_to_head)
+    if not args.report:
+        run(args, trials)
+    from campaign_report import report
+
+    have = done(args.results)
+    summary = report([have[t["id"]] for t in trials if t["id"] in have], args.world)
+    print(summary["markdown"])
+    counts = Counter(t["id"] in have for t in trials)
+    print(f"\n{counts[True]} of {len(trials)} planned trials have results")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=1)
 
 
 if __name__ == "__main__":

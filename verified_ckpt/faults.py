@@ -14,10 +14,15 @@ fault: a step replayed after a rollback runs clean); ``S-`` every step from S
 on; ``S-E`` every step from S to E inclusive (persistent faults).
 
 Modes: ``nan`` and ``inf`` set one element; ``bitflip=B`` flips bit B of one
-element's bit pattern; ``elem=F`` multiplies one element by F; ``scale=F``
-multiplies the whole tensor by F. "One element" is element 0 of the target,
-or element K with a ``@K`` suffix (``bitflip=22@1234``; taken modulo the
-target's size), so injections are reproducible. RANK ``*`` fires on every rank
+element's bit pattern; ``bits=B+B+...`` flips several bits of one element (most
+hardware bit-flip events are not single-bit); ``burst=B`` flips bit B in 32
+consecutive elements and ``burst=B/S`` in 32 elements S apart (the warp-aligned
+spacing corrupted addresses repeat with); ``stuck=V`` sets one element to V (with
+``S-``, a lane stuck at V from step S on); ``elem=F`` multiplies one element by F
+(with ``S-``, a persistent multiplier); ``scale=F`` multiplies the whole tensor
+by F. "One element" is element 0 of the target, or element K with a ``@K``
+suffix (``bitflip=22@1234``; taken modulo the target's size), so injections are
+reproducible. RANK ``*`` fires on every rank
 alike (the same wrong value everywhere, as a faulty reduction would deliver).
 """
 
@@ -45,14 +50,23 @@ class Fault:
     start: int
     end: int | None  # None: open-ended (``S-``)
     once: bool  # ``S``: fires during the first execution of step S only
-    mode: str  # nan | inf | bitflip | elem | scale
+    mode: str  # nan | inf | bitflip | bits | burst | stuck | elem | scale
     arg: float = 0.0
     at: int = 0  # the element, modulo the target's size
+    bits: tuple[int, ...] = ()  # ``bits``: the bits flipped in one element
+    stride: int = 1  # ``burst``: the distance between its 32 elements
 
     @property
     def spec(self) -> str:
         steps = str(self.start) if self.once else f"{self.start}-{'' if self.end is None else self.end}"
-        mode = self.mode if self.mode in ("nan", "inf") else f"{self.mode}={self.arg:g}"
+        if self.mode in ("nan", "inf"):
+            mode = self.mode
+        elif self.mode == "bits":
+            mode = "bits=" + "+".join(map(str, self.bits))
+        elif self.mode == "burst":
+            mode = f"burst={self.arg:g}" + (f"/{self.stride}" if self.stride != 1 else "")
+        else:
+            mode = f"{self.mode}={self.arg:g}"
         rank = "*" if self.rank == EVERY_RANK else str(self.rank)
         return f"{self.site}:{rank}:{steps}:{mode}" + (f"@{self.at}" if self.at else "")
 
@@ -76,14 +90,33 @@ class Fault:
                 t.mul_(self.arg)
             elif self.mode == "elem":
                 flat[k] *= self.arg
+            elif self.mode == "stuck":
+                flat[k] = self.arg
             elif self.mode == "bitflip":
-                bits = flat[k : k + 1].view(_INT_VIEW[t.element_size()])
-                bit = int(self.arg)
-                if bit == 8 * t.element_size() - 1:  # the sign bit: xor with the minimum value
-                    bits ^= torch.iinfo(bits.dtype).min if bits.dtype != torch.uint8 else 0x80
-                else:
-                    bits ^= 1 << bit
+                _flip(flat[k : k + 1], (int(self.arg),))
+            elif self.mode == "bits":
+                _flip(flat[k : k + 1], self.bits)
+            elif self.mode == "burst":
+                lanes = torch.arange(BURST_LANES, device=t.device) * self.stride + k
+                idx = lanes % flat.numel()  # a target smaller than the burst wraps round: fewer elements, each flipped once
+                picked = flat[idx]
+                _flip(picked, (int(self.arg),))
+                flat[idx] = picked
 
+
+BURST_LANES = 32  # a warp
+
+
+def _flip(t: torch.Tensor, bits: tuple[int, ...]) -> None:
+    """Flip ``bits`` of every element of ``t`` (contiguous) in place."""
+    view = t.view(_INT_VIEW[t.element_size()])
+    top = 8 * t.element_size() - 1
+    mask = 0
+    for b in set(bits):
+        mask |= 1 << b
+    if mask >> top & 1:  # the sign bit: as the dtype's minimum, since 1 << top does not fit the signed type
+        mask = mask - (1 << (top + 1))
+    view ^= mask
 
 def parse(spec: str) -> Fault:
     """Parse one ``SITE:RANK:STEP[:MODE]`` spec (MODE defaults to ``nan``).
@@ -101,22 +134,42 @@ def parse(spec: str) -> Fault:
     end = int(m["end"]) if m["end"] else None
     if end is not None and end < start:
         raise ValueError(f"fault spec {spec!r}: step range ends before it starts")
-    mode_text = m["mode"] or "nan"
-    arg = 0.0
+    mode, arg, bits, stride = _mode(spec, m["mode"] or "nan")
+    rank = EVERY_RANK if m["rank"] == "*" else int(m["rank"])
+    return Fault(site, rank, start, end, once=m["dash"] is None, mode=mode, arg=arg, at=int(m["at"] or 0), bits=bits,
+                 stride=stride)
+
+
+def _mode(spec: str, mode_text: str) -> tuple[str, float, tuple[int, ...], int]:
+    """A spec's MODE part: the mode, its number, the bits of ``bits=`` and the stride of ``burst=``."""
+    arg: float = 0.0
+    bits: tuple[int, ...] = ()
+    stride = 1
     if mode_text in ("nan", "inf"):
         mode = mode_text
     else:
         mode, sep, value = mode_text.partition("=")
-        if mode not in ("scale", "elem", "bitflip") or not sep:
-            raise ValueError(f"fault spec {spec!r}: mode must be nan, inf, scale=F, elem=F or bitflip=B")
+        if mode not in ("scale", "elem", "stuck", "bitflip", "bits", "burst") or not sep:
+            raise ValueError(f"fault spec {spec!r}: mode must be nan, inf, scale=F, elem=F, stuck=V, bitflip=B, "
+                             "bits=B+B, or burst=B[/S]")
         try:
-            arg = float(value) if mode in ("scale", "elem") else int(value)
+            if mode in ("scale", "elem", "stuck"):
+                arg = float(value)
+            elif mode == "bits":
+                bits = tuple(int(b) for b in value.split("+"))
+            elif mode == "burst":
+                bit, _, every = value.partition("/")
+                arg, stride = int(bit), int(every or 1)
+            else:
+                arg = int(value)
         except ValueError:
             raise ValueError(f"fault spec {spec!r}: {mode} needs a number, got {value!r}") from None
-        if mode == "bitflip" and not 0 <= arg < 64:
-            raise ValueError(f"fault spec {spec!r}: bit must be in 0..63")
-    rank = EVERY_RANK if m["rank"] == "*" else int(m["rank"])
-    return Fault(site, rank, start, end, once=m["dash"] is None, mode=mode, arg=arg, at=int(m["at"] or 0))
+        if any(not 0 <= b < 64 for b in (*bits, *([int(arg)] if mode in ("bitflip", "burst") else []))) or (
+                mode == "bits" and not bits):
+            raise ValueError(f"fault spec {spec!r}: a bit must be in 0..63")
+        if stride < 1:
+            raise ValueError(f"fault spec {spec!r}: a burst's stride must be at least 1")
+    return mode, arg, bits, stride
 
 
 class FaultPlan:

@@ -37,6 +37,18 @@ class ConvBN(nn.Module):
         return self.head(torch.relu(self.bn(self.conv(x))).mean(dim=(2, 3)))
 
 
+
+def times_ten(guard: SDCGuard, model: torch.nn.Module, name: str, at: int, k: int) -> None:
+    """The evaluator's kind of injection: a hook on parameter ``name``'s gradient, x10 on element ``k`` at step ``at``."""
+    def hit(g: torch.Tensor) -> torch.Tensor:
+        if guard.current_step != at:
+            return g
+        g = g.clone()
+        g.view(-1)[k] *= 10
+        return g
+
+    dict(model.named_parameters())[name].register_hook(hit)
+
 def gpt_batch(step: int) -> torch.Tensor:
     return torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
 
@@ -73,17 +85,8 @@ def run(case: str, steps: int, fault: tuple[str, int, int] | None = None) -> tup
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = SDCGuard(model, opt, loss, GuardConfig(abft_every=1, mode=mode))
-    if fault is not None:  # the evaluator's kind of injection: a hook on the parameter's gradient, x10 on one element
-        name, at, k = fault
-
-        def hit(g: torch.Tensor) -> torch.Tensor:
-            if guard.current_step != at:
-                return g
-            g = g.clone()
-            g.view(-1)[k] *= 10
-            return g
-
-        dict(model.named_parameters())[name].register_hook(hit)
+    if fault is not None:
+        times_ten(guard, model, *fault)
     for step in range(1, steps + 1):
         guard.backward(batch(step), step=step)
         try:
@@ -188,16 +191,7 @@ def hf_run(kind: str, steps: int, fault: tuple[str, int, int] | None = None) -> 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = SDCGuard(model, opt, hf_loss, GuardConfig())
     if fault is not None:
-        name, at, k = fault
-
-        def hit(g: torch.Tensor) -> torch.Tensor:
-            if guard.current_step != at:
-                return g
-            g = g.clone()
-            g.view(-1)[k] *= 10
-            return g
-
-        dict(model.named_parameters())[name].register_hook(hit)
+        times_ten(guard, model, *fault)
     for step in range(1, steps + 1):
         guard.backward(torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step)), step=step)
         try:
@@ -273,7 +267,7 @@ def test_recognition_by_computation_takes_norms_only_and_leaves_the_module_untou
     spec = norm_kind(mine)
     assert spec is not None and (spec.kind, spec.shape, spec.eps) == ("LayerNorm", (16,), 1e-5), spec
     assert spec.label == "MyLayerNorm (LayerNorm)"
-    assert mine.calls == 0 and not seen and all(torch.equal(a, b) for a, b in zip(before, mine.parameters()))
+    assert mine.calls == 0 and not seen and all(torch.equal(a, b) for a, b in zip(before, mine.parameters(), strict=True))
 
 
 @pytest.mark.timeout(120)

@@ -37,7 +37,6 @@ class ConvBN(nn.Module):
         return self.head(torch.relu(self.bn(self.conv(x))).mean(dim=(2, 3)))
 
 
-
 def times_ten(guard: SDCGuard, model: torch.nn.Module, name: str, at: int, k: int) -> None:
     """The evaluator's kind of injection: a hook on parameter ``name``'s gradient, x10 on element ``k`` at step ``at``."""
     def hit(g: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ trial is judged against its clean twin; the intervals are Wilson's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,10 +28,8 @@ def campaign(results: str, *extra: str) -> subprocess.CompletedProcess[str]:
     try:
         out, _ = proc.communicate(timeout=400)
     finally:
-        try:  # the cluster's workers and a chunk in flight die with the campaign they served
+        with contextlib.suppress(ProcessLookupError):  # the cluster's workers and a chunk in flight go with it
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace, trials: list[dict[str, Any]]) -> None:
                                  retries=1, pure=False) for c in chunks(todo, args.chunk)]
         with Progress() as bar, open(args.results, "a") as out:
             task = bar.add_task("trials", total=len(todo))
-            for fut, result in as_completed(futures, with_results=True, raise_errors=False):
+            for fut, result in as_completed(futures, with_results=True, raise_errors=False):  # type: ignore[no-untyped-call]
                 if fut.status == "error":
                     bar.console.print(f"a chunk failed after its retry ({fut.exception()}); its trials run next time")
                     continue
@@ -134,6 +134,29 @@ def run(args: argparse.Namespace, trials: list[dict[str, Any]]) -> None:
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def reproduce(args: argparse.Namespace, have: dict[str, dict[str, Any]], n: int) -> None:
+    """Run ``n`` recorded trials again (a seeded sample) and say which results repeat: the training and the fault are
+    fixed by the seeds; a budgeted check's step is not, since the budget schedules from measured costs."""
+    import random
+
+    sample = random.Random(args.seed).sample(sorted(have), min(n, len(have)))
+    fields = ("caught", "ranks", "detected_step", "loss", "weights")
+    again = run_chunk([{k: have[i][k] for k in PLANNED if k in have[i]} for i in sample], args.world, args.repo,
+                      args.chunk_timeout)
+    same: Counter[str] = Counter()
+    for r in again:
+        old = have[r["id"]]
+        for f in fields:
+            same[f] += old.get(f) == r.get(f)
+        if any(old.get(f) != r.get(f) for f in fields):
+            print(f"  {r['id']}: " + ", ".join(f"{f} {old.get(f)} -> {r.get(f)}" for f in fields
+                                               if old.get(f) != r.get(f)))
+    print(f"reproduced {len(again)} trials: " + ", ".join(f"{f} equal in {same[f]}" for f in fields))
+
+
+PLANNED = ("id", "group", "seed", "kind", "steps", "site", "target", "rank", "step", "persistent", "mode")
 
 
 def main() -> None:
@@ -155,6 +178,8 @@ def main() -> None:
     ap.add_argument("--repo", default=os.path.dirname(HERE), help="this repository's path on the workers")
     ap.add_argument("--report", action="store_true", help="print the table from --results and run nothing")
     ap.add_argument("--json", dest="json_out", default=None, help="with --report: write the summary here")
+    ap.add_argument("--reproduce", type=int, default=0, metavar="N",
+                    help="with --report: run N recorded trials again here and compare their results")
     ap.add_argument("--kill-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: SIGKILL after N appends
     args = ap.parse_args()
     groups = {g.rsplit(":", 1)[0]: int(g.rsplit(":", 1)[1]) for g in args.group} if args.group else GROUPS
@@ -165,6 +190,8 @@ def main() -> None:
     from campaign_report import report
 
     have = done(args.results)
+    if args.reproduce:
+        reproduce(args, have, args.reproduce)
     summary = report([have[t["id"]] for t in trials if t["id"] in have], args.world)
     print(summary["markdown"])
     counts = Counter(t["id"] in have for t in trials)

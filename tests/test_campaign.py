@@ -91,6 +91,8 @@ def test_a_trial_is_judged_against_its_twin():
     assert outcome({**base, "caught": "consensus", "ranks": [1], "detected_step": 9}, twin, 3)["outcome"] == "false alarm"
     every = outcome({**base, "rank": "*", "caught": "abft", "ranks": [0, 1, 2], "detected_step": 12}, twin, 3)
     assert every["outcome"] == "caught later" and every["named"] and not every["withheld"]
+    assert outcome({**base, "rank": "*", "caught": "checksum", "ranks": [], "detected_step": 10}, twin, 3)["named"]
+    assert not outcome({**base, "rank": "*", "caught": "abft", "ranks": [2], "detected_step": 10}, twin, 3)["named"]
 
 
 def test_the_intervals():

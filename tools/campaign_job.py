@@ -13,6 +13,7 @@ with the eval loss of rank 0 and every rank's weights digest, which its clean tw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
@@ -42,10 +43,10 @@ from verified_ckpt.faults import Fault, parse  # noqa: E402
 VOCAB, CONTEXT, D, LAYERS, BATCH = 256, 32, 128, 2, 8
 
 
-def tokens(seed: int, rank: int, step: int) -> torch.Tensor:
+def tokens(seed: int, rank: int, step: int, micro: int = 0) -> torch.Tensor:
     """A learnable task: each next token follows a fixed permutation 80 % of the time, else is uniform."""
     perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(12345))
-    g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * rank + 104_729 * step)
+    g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * rank + 104_729 * step + 15_485_863 * micro)
     x = torch.empty(BATCH, CONTEXT + 1, dtype=torch.long)
     x[:, 0] = torch.randint(0, VOCAB, (BATCH,), generator=g)
     noise = torch.randint(0, VOCAB, (BATCH, CONTEXT), generator=g)
@@ -141,7 +142,7 @@ def install(t: dict[str, Any], fault: Fault, rank: int, world: int, module: nn.M
 
 
 def trial(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
-    fmt = group_config(t["group"])["fmt"]
+    fmt, accum = group_config(t["group"])["fmt"], group_config(t["group"])["accum"]
     fault = the_fault(t)
     torch.manual_seed(1000 + t["seed"])
     module = TinyGPT(vocab=VOCAB, d=D, layers=LAYERS, heads=4, context=CONTEXT)
@@ -160,13 +161,14 @@ def trial(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
         1 + math.cos(math.pi * min(s, steps) / steps)))
     loss_fn = bf16_loss if fmt == "bf16" else lm_loss
     if t["kind"] == "plain":  # the same training without the guard: what the guard's cost is measured against
-        return plain(model, module, opt, sched, loss_fn, t, rank, world)
+        return plain(model, module, opt, sched, loss_fn, t, rank, world, accum)
     guard = box["g"] = SDCGuard(model, opt, loss_fn, guard_config(t, fault))
     between = later(module, opt) if later is not None else None
     t0 = time.perf_counter()
     out: dict[str, Any] = {"caught": None}
     for step in range(1, steps + 1):
-        guard.backward(tokens(t["seed"], rank, step), step=step)
+        for i in range(accum):
+            guard.backward(tokens(t["seed"], rank, step, i), step=step, sync=i == accum - 1)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         try:
             guard.step()
@@ -191,10 +193,12 @@ def trial(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
 
 def plain(model: nn.Module, module: nn.Module, opt: torch.optim.Optimizer, sched: Any,
           loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor], t: dict[str, Any], rank: int,
-          world: int) -> dict[str, Any]:
+          world: int, accum: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     for step in range(1, t["steps"] + 1):
-        loss_fn(model, tokens(t["seed"], rank, step)).backward()
+        for i in range(accum):
+            with model.no_sync() if i < accum - 1 else contextlib.nullcontext():  # type: ignore[operator]
+                loss_fn(model, tokens(t["seed"], rank, step, i)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -46,7 +46,7 @@ PARAMS = [f"{m}.{w}" for m in LINEARS for w in ("weight", "bias")] + [
 
 def group_config(group: str) -> dict[str, Any]:
     """The settings a group of trials runs with: the default ``GuardConfig()`` in fp32 unless the group says."""
-    cfg: dict[str, Any] = {"fmt": "fp32", "overhead": None, "abft_every": None}
+    cfg: dict[str, Any] = {"fmt": "fp32", "overhead": None, "abft_every": None, "accum": 1}
     for part in group.split(","):
         key, _, value = part.partition("=")
         if key == "fmt":
@@ -55,6 +55,8 @@ def group_config(group: str) -> dict[str, Any]:
             cfg["overhead"] = float(value)
         elif key == "abft":
             cfg["abft_every"] = value
+        elif key == "accum":
+            cfg["accum"] = int(value)
     return cfg
 
 
@@ -141,8 +143,11 @@ def outcome(r: dict[str, Any], twin: dict[str, Any] | None, world: int) -> dict[
         latency = r["detected_step"] - r["step"]
         # A fault after the update (optimizer state, a weight at rest) is first used at the next step.
         used = 1 if r["site"] in ("state", "weights") else 0
+        # Right: the faulty rank; for a fault on every rank alike, no rank (the same failure everywhere is no host's
+        # fault to see) or all of them.
+        right = [[int(r["rank"])]] if r["rank"] != "*" else [[], list(range(world))]
         out.update(outcome="caught at the step" if latency <= used else "caught later", latency=latency,
-                   named=sorted(r["ranks"]) == fault_ranks(r, world), withheld=latency <= used)
+                   named=sorted(r["ranks"]) in right, withheld=latency <= used)
         return out
     if twin is None:
         return out

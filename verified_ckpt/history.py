@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 # Codes are positions in these lists; the ledger stores both lists in its attributes.
 KINDS = ["step", "audit", "consensus", "save", "incident", "restore", "verify", "nonfinite", "checksum", "abft",
-         "coverage", "budget", "oracle", "chain"]  # append only
+         "coverage", "budget", "oracle", "chain", "overflow"]  # append only
 VERDICTS = ["pass", "fail", "none"]
 NO_RANK = -1  # a job-wide row (a save, a restore, or a per-step summary of a large job)
 STEP_CHECKS = ("step", "nonfinite", "checksum", "abft", "audit", "consensus")  # what a step's checks write

@@ -80,8 +80,10 @@ class Auditor:
 
     def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor], *,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], comm: Communicator, project: Projector,
-                 cfg: GuardConfig, node_of: Sequence[int]) -> None:
+                 cfg: GuardConfig, node_of: Sequence[int],
+                 grad_scale: Callable[[], torch.Tensor | None] = lambda: None) -> None:
         self.module, self.params, self.loss_fn = module, list(params), loss_fn
+        self.grad_scale = grad_scale  # a gradient scaler's scale at the step: the owner's gradients carry it
         self.comm, self.project, self.cfg = comm, project, cfg
         self.node_of = list(node_of)
         self.targets = decisions.audit_targets(self.node_of)
@@ -204,7 +206,8 @@ class Auditor:
 
     def _recompute(self, microbatches: Sequence[Any], layout: dict[int, list[int]]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return recompute(self.module, self.params, self.loss_fn, microbatches, layout, self.project)
+        return recompute(self.module, self.params, self.loss_fn, microbatches, layout, self.project,
+                         scale=self.grad_scale())
 
     def recompute_round(self, jobs: dict[int, int], batches: list[list[Any]], layout: dict[int, list[int]]
                         ) -> dict[int, Recomputed]:
@@ -215,11 +218,13 @@ class Auditor:
 
 def recompute(module: torch.nn.Module, params: Sequence[torch.Tensor], loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
               microbatches: Sequence[Any], layout: dict[int, list[int]], project: Projector,
-              on_bucket: Callable[[int, torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              on_bucket: Callable[[int, torch.Tensor], None] | None = None, scale: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss and gradient fingerprint of ``microbatches`` (``(batch, (cpu_rng, cuda_rng))`` pairs) with
     ``module``'s current weights, bucket by bucket as ``layout`` groups ``params``: what an audit or a replay
     recomputes. ``on_bucket(index, flat)`` may change a bucket's gradient before it is fingerprinted (a replay's
-    simulated fault, where the training step's fault hit the reduction's bucket)."""
+    simulated fault, where the training step's fault hit the reduction's bucket). ``scale``: a gradient scaler's scale,
+    which the gradients are taken of ``loss * scale`` with, as ``GradScaler.scale(loss).backward()`` took them."""
     dev = params[0].device if params else torch.device("cpu")
     acc: list[torch.Tensor] | None = None
     loss_total = torch.zeros((), dtype=torch.float64, device=dev)
@@ -228,7 +233,8 @@ def recompute(module: torch.nn.Module, params: Sequence[torch.Tensor], loss_fn: 
         with torch.random.fork_rng(devices=cuda), torch.enable_grad():
             restore_rng((cpu_rng, cuda_rng), dev)
             loss = loss_fn(module, mb)
-            grads = torch.autograd.grad(loss, list(params), allow_unused=True)
+            scaled = loss if scale is None else loss * scale.to(loss.device)
+            grads = torch.autograd.grad(scaled, list(params), allow_unused=True)
         full = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=True)]
         # Same order of additions as autograd's accumulation into .grad.
         acc = full if acc is None else [x + g for x, g in zip(acc, full, strict=True)]

@@ -9,6 +9,7 @@ microbatches (``audit.Auditor``). The loop itself (``begin``, ``backward_of``, `
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
 from collections.abc import Callable
@@ -39,6 +40,8 @@ TWO_REPLICAS = ("SDCGuard with two replicas: a failed audit, or a disagreement o
                 "break a tie), so such incidents name no host; a replica whose state changed at rest, after its own "
                 "update wrote it, is named. Use 3 or more data-parallel replicas to have every suspect named "
                 "(docs/GUARD.md).")
+
+log = logging.getLogger(__name__)
 
 
 def module_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -71,7 +74,7 @@ class ReplicatedLayout:
         self._buffer_names = [n for n, _ in named_buffers]
         self._replicated = [True] * len(g.buffers)  # DDP starts every replica from rank 0's buffers
         self.auditor = Auditor(g.module, g.params, loss_fn=g.loss_fn, comm=g.comm, project=g.project, cfg=cfg,
-                               node_of=g.comm.node_of())
+                               node_of=g.comm.node_of(), grad_scale=lambda: g.scale)
         if g.world == 2 and g.rank == 0:
             warnings.warn(TWO_REPLICAS, stacklevel=3)
         self.abft = GradientChecks(g.module, g.params, cfg.seed, cfg.abft_slack, cfg.abft_exclude,
@@ -173,6 +176,12 @@ class ReplicatedLayout:
         g, cfg = self.g, self.g.cfg
         rows = cfg.ledger_rank_rows
         verdicts: list[Verdict | None] = list(nonfinite.check(s, gathered, rows)) if cfg.check_nonfinite else []
+        if g.scaler is not None and any(v is not None and not v.ok for v in verdicts):
+            # Under a gradient scaler, NaN/Inf is the scale overflowing: the scaler skips this step and lowers the
+            # scale, as it does without the guard; no check can judge this step's values, and no host is blamed.
+            log.info("step %d: the gradients overflowed under the loss scale; the gradient scaler skips the step", s)
+            g.judge.emit(lambda: [Event(s, "overflow", NO_RANK, "none")])
+            return
         if cfg.check_checksum:
             verdicts.append(checksum.check(s, gathered, cfg.checksum_slack, g.project.rms_weight, rows))
         if self.abft is not None:

@@ -38,6 +38,7 @@ from .protocol import Layout
 from .replicas import ReplicaOracle
 from .replicated import TWO_REPLICAS, ReplicatedLayout
 from .rest import RestWitness
+from .scaling import Scaling
 from .schedule import Schedule
 from .stats import Projector
 
@@ -66,6 +67,9 @@ class SDCGuard(Bookkeeping):
         process_group: the data-parallel group (default: the world); under ``pipeline``, the whole job's.
         pipeline: a single-stage ``torch.distributed.pipelining`` schedule (``ScheduleGPipe``, ``Schedule1F1B``)
             over ``model``; train with :meth:`pipeline_step` (docs/GUARD.md, "Pipeline parallel").
+        scaler: a ``torch.amp.GradScaler`` (fp16 autocast): backward takes ``scaler.scale(loss)``, :meth:`step` calls
+            ``scaler.step(optimizer)`` and ``scaler.update()``, and a step whose gradients overflowed is the scaler's
+            to skip, not an incident (DDP; docs/GUARD.md, "fp16 and a gradient scaler").
 
     Usage::
 
@@ -88,8 +92,11 @@ class SDCGuard(Bookkeeping):
         batch_for: Callable[[int, int], Sequence[Any]] | None = None,
         process_group: Any = None,
         pipeline: Any = None,
+        scaler: Any = None,
     ) -> None:
         self.cfg = config or GuardConfig()
+        self.scaler = Scaling(scaler) if scaler is not None else None
+        self.scale: torch.Tensor | None = None  # the scaler's scale at the step in progress (audits recompute with it)
         if loss_fn is None and pipeline is None:
             raise GuardUsageError("SDCGuard needs loss_fn(model, batch) -> loss: audits recompute with it")
         self.model, self.optimizer, self.batch_for = model, optimizer, batch_for
@@ -100,6 +107,9 @@ class SDCGuard(Bookkeeping):
             from .fsdp import ShardedLayout
 
             kind = ShardedLayout
+        if scaler is not None and sharded:
+            raise GuardUsageError("SDCGuard(scaler=...) is for DDP jobs; FSDP2 and pipeline jobs with fp16 gradient "
+                                  "scaling are not supported yet: train them in bf16")
         self.module = kind.module_of(model)
         self.params = list(self.module.parameters())
         self.buffers = list(self.module.buffers())
@@ -201,6 +211,8 @@ class SDCGuard(Bookkeeping):
             self._start = step
         if not self._batches:
             self.sched.watch.start()
+            if self.scaler is not None:
+                self.scale = self.scaler.scale_now(self.device)
         self.layout.first_forward(batch)
         self._ran_backward = True
         if self.layout.records_batches and self.batch_for is None:
@@ -218,6 +230,8 @@ class SDCGuard(Bookkeeping):
         if len(self._batches) != len(self._rng) or len(self._losses) >= len(self._batches):
             raise GuardUsageError("call guard.begin(batch, step=...) before guard.backward_of(loss)")
         run = backward if backward is not None else torch.Tensor.backward
+        if backward is None and self.scaler is not None:
+            run = self.scaler.backward
         self.layout.before_backward(sync)
         if self.abft is not None and not self._losses:
             # Where ABFT starts from: what the gradients hold as the step's backward begins (a framework may zero
@@ -248,28 +262,14 @@ class SDCGuard(Bookkeeping):
         try:
             self.layout.check_before_update(s, self._carry(), lambda rows: self._judge_carried(s, rows))
             before = False
-            self.rest.before_update()
-            if self.oracle is not None:
-                self.oracle.before_update()
-            t0 = time.perf_counter()
-            self.optimizer.step()
-            self.sched.watch.update = time.perf_counter() - t0
-            self.rest.after_update()
-            if self.chain is not None:
-                self.chain.after_update()
-            if self.oracle is not None:
-                self.oracle.after_update(s)
-            self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
-            diverged = self.oracle is not None and self.oracle.diverged
-            if (self.sched.plan.consensus or diverged) and self.world >= 2:
-                t0 = time.perf_counter()
-                self.layout.consensus(s)
-                self.sched.watch.consensus = time.perf_counter() - t0
+            self._update(s)
         except SilentCorruptionDetected as e:
             if before and cast("Incident", e.incident).kind not in ("oracle", "chain"):
                 self._capture(s, e)  # a replay recomputes gradients: nothing to replay of an update or a change at rest
             self._forget()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler is not None:
+                self.scaler.settle(self.optimizer)
             raise
         except GuardConfigurationError:
             self.optimizer.zero_grad(set_to_none=True)
@@ -283,6 +283,31 @@ class SDCGuard(Bookkeeping):
             self.faults.step_done(s)
             self._reset_step()
             self._step = None
+
+    def _update(self, s: int) -> None:
+        """Step ``s``'s update, once its checks passed: the witnesses around it, then a consensus when one is due."""
+        if self.scaler is not None:
+            self.scaler.unscale(self.optimizer)  # the oracle ships the gradients the update will use
+        self.rest.before_update()
+        if self.oracle is not None:
+            self.oracle.before_update()
+        t0 = time.perf_counter()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+        else:
+            self.optimizer.step()
+        self.sched.watch.update = time.perf_counter() - t0
+        self.rest.after_update()
+        if self.chain is not None:
+            self.chain.after_update()
+        if self.oracle is not None:
+            self.oracle.after_update(s)
+        self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
+        diverged = self.oracle is not None and self.oracle.diverged
+        if (self.sched.plan.consensus or diverged) and self.world >= 2:
+            t0 = time.perf_counter()
+            self.layout.consensus(s)
+            self.sched.watch.consensus = time.perf_counter() - t0
 
     def _carry(self) -> torch.Tensor:
         """What the oracle and the chain carry in this step's gathered row (zeros for the ones not running)."""
@@ -420,3 +445,4 @@ class SDCGuard(Bookkeeping):
 
 def _no_loss_fn(module: torch.nn.Module, batch: Any) -> torch.Tensor:
     raise GuardUsageError("this guard was given no loss_fn: under a pipeline schedule the schedule holds the loss")
+

@@ -61,6 +61,14 @@ def bf16_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         return lm_loss(model, batch)
 
 
+def fp16_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.float16):
+        return lm_loss(model, batch)
+
+
+LOSSES = {"fp32": lm_loss, "bf16": bf16_loss, "fp16": fp16_loss}
+
+
 def guard_config(t: dict[str, Any], fault: Fault | None) -> GuardConfig:
     cfg = group_config(t["group"])
     kw: dict[str, Any] = {}
@@ -159,16 +167,19 @@ def trial(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
     steps, warm = t["steps"], 5
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
         1 + math.cos(math.pi * min(s, steps) / steps)))
-    loss_fn = bf16_loss if fmt == "bf16" else lm_loss
+    loss_fn = LOSSES[fmt]
+    scaler = torch.amp.GradScaler("cpu") if fmt == "fp16" else None  # fp16 needs loss scaling; its defaults
     if t["kind"] == "plain":  # the same training without the guard: what the guard's cost is measured against
-        return plain(model, module, opt, sched, loss_fn, t, rank, world, accum)
-    guard = box["g"] = SDCGuard(model, opt, loss_fn, guard_config(t, fault))
+        return plain(model, module, opt, sched, loss_fn, t, rank, world, accum, scaler)
+    guard = box["g"] = SDCGuard(model, opt, loss_fn, guard_config(t, fault), scaler=scaler)
     between = later(module, opt) if later is not None else None
     t0 = time.perf_counter()
     out: dict[str, Any] = {"caught": None}
     for step in range(1, steps + 1):
         for i in range(accum):
             guard.backward(tokens(t["seed"], rank, step, i), step=step, sync=i == accum - 1)
+        if scaler is not None:
+            scaler.unscale_(opt)  # the AMP recipe: unscale, then clip
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         try:
             guard.step()
@@ -193,14 +204,21 @@ def trial(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
 
 def plain(model: nn.Module, module: nn.Module, opt: torch.optim.Optimizer, sched: Any,
           loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor], t: dict[str, Any], rank: int,
-          world: int, accum: int) -> dict[str, Any]:
+          world: int, accum: int, scaler: torch.amp.GradScaler | None) -> dict[str, Any]:
     t0 = time.perf_counter()
     for step in range(1, t["steps"] + 1):
         for i in range(accum):
             with model.no_sync() if i < accum - 1 else contextlib.nullcontext():  # type: ignore[operator]
-                loss_fn(model, tokens(t["seed"], rank, step, i)).backward()
+                loss = loss_fn(model, tokens(t["seed"], rank, step, i))
+                (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
     return {"caught": None, "steps_run": t["steps"], "s_per_step": (time.perf_counter() - t0) / t["steps"],

@@ -35,7 +35,7 @@ sys.path.insert(0, HERE)
 from campaign_trials import KINDS, plan  # noqa: E402
 
 GROUPS = {"default": 100, "fmt=bf16": 30, "overhead=0.01": 30, "overhead=0.10": 30, "abft=budget": 30, "fmt=fp16": 30,
-          "accum=2": 30}
+          "accum=2": 30, "abft_forward=1": 30}
 
 
 def run_chunk(trials: list[dict[str, Any]], world: int, repo: str, timeout_s: float) -> list[dict[str, Any]]:

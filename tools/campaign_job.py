@@ -76,6 +76,8 @@ def guard_config(t: dict[str, Any], fault: Fault | None) -> GuardConfig:
         kw["overhead"] = cfg["overhead"]
     if cfg["abft_every"] is not None:
         kw["abft_every"] = cfg["abft_every"]
+    if cfg["abft_forward"]:
+        kw["abft_forward"] = True
     if fault is not None and t["site"] == "allreduce":
         kw["faults"] = (fault.spec,)
     return GuardConfig(**kw)

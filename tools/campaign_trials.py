@@ -46,7 +46,7 @@ PARAMS = [f"{m}.{w}" for m in LINEARS for w in ("weight", "bias")] + [
 
 def group_config(group: str) -> dict[str, Any]:
     """The settings a group of trials runs with: the default ``GuardConfig()`` in fp32 unless the group says."""
-    cfg: dict[str, Any] = {"fmt": "fp32", "overhead": None, "abft_every": None, "accum": 1}
+    cfg: dict[str, Any] = {"fmt": "fp32", "overhead": None, "abft_every": None, "accum": 1, "abft_forward": False}
     for part in group.split(","):
         key, _, value = part.partition("=")
         if key == "fmt":
@@ -57,6 +57,8 @@ def group_config(group: str) -> dict[str, Any]:
             cfg["abft_every"] = value
         elif key == "accum":
             cfg["accum"] = int(value)
+        elif key == "abft_forward":
+            cfg["abft_forward"] = value == "1"
     return cfg
 
 
@@ -99,8 +101,8 @@ def plan(groups: dict[str, int], *, world: int, steps: int, seed: int, kinds: Se
             for i in range(per_kind):
                 out.append({"id": f"{group}/{kind}/{i:04d}", "group": group, "seed": rng.randrange(SEEDS),
                             "steps": steps, **draw(rng, kind, world, steps)})
-        if head_to_head and group == next(iter(groups)):
-            for i in range(head_to_head):
+        if head_to_head and (group == next(iter(groups)) or group_config(group)["abft_forward"]):
+            for i in range(head_to_head if group == next(iter(groups)) else per_kind):
                 for persistent in (False, True):
                     name = "h2h-persistent" if persistent else "h2h-transient"
                     out.append({"id": f"{group}/{name}/{i:04d}", "group": group, "seed": rng.randrange(SEEDS),

@@ -55,3 +55,9 @@ def test_a_bad_mode_is_refused_in_one_line(bad):
     with pytest.raises(ValueError, match="fault spec") as e:
         parse(bad)
     assert "\n" not in str(e.value)
+
+
+def test_a_byte_tensors_top_bit_flips_too():
+    t = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    parse("buffers:0:1:bitflip=7@1").apply(t)
+    assert t.tolist() == [1, 130, 3]

@@ -84,18 +84,6 @@ def chunks(items: list[dict[str, Any]], size: int) -> Iterator[list[dict[str, An
         yield items[i:i + size]
 
 
-def connect(address: str | None, workers: int) -> Any:
-    import dask
-    from distributed import Client, LocalCluster
-
-    if address:
-        return Client(address, timeout=30)  # type: ignore[no-untyped-call]
-    dask.config.set({"distributed.scheduler.allowed-failures": 2})
-    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,  # type: ignore[no-untyped-call]
-                           silence_logs=40)
-    return Client(cluster)  # type: ignore[no-untyped-call]
-
-
 def run(args: argparse.Namespace, trials: list[dict[str, Any]]) -> None:
     from distributed import as_completed
     from rich.progress import Progress
@@ -110,9 +98,13 @@ def run(args: argparse.Namespace, trials: list[dict[str, Any]]) -> None:
     print(f"{len(trials)} trials planned, {len(have)} done, {len(todo)} to run now", flush=True)
     if not todo:
         return
+    import dask
+
+    from verified_ckpt.checkpoint.fleet import connect
+
     written = 0
-    client = connect(args.dask, args.workers)
-    try:
+    dask.config.set({"distributed.scheduler.allowed-failures": 2})  # a worker lost twice fails its chunk, not the run
+    with connect(args.dask or "local", args.workers) as client:
         futures = [client.submit(run_chunk, c, args.world, args.repo, args.chunk_timeout, key=f"campaign-{c[0]['id']}",
                                  retries=1, pure=False) for c in chunks(todo, args.chunk)]
         with Progress() as bar, open(args.results, "a") as out:
@@ -130,11 +122,6 @@ def run(args: argparse.Namespace, trials: list[dict[str, Any]]) -> None:
                         os.kill(os.getpid(), signal.SIGKILL)
                 os.fsync(out.fileno())
                 bar.advance(task, len(result))
-    finally:
-        cluster = client.cluster if args.dask is None else None
-        client.close()
-        if cluster is not None:
-            cluster.close()
 
 
 def reproduce(args: argparse.Namespace, have: dict[str, dict[str, Any]], n: int) -> None:

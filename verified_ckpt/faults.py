@@ -114,9 +114,10 @@ def _flip(t: torch.Tensor, bits: tuple[int, ...]) -> None:
     mask = 0
     for b in set(bits):
         mask |= 1 << b
-    if mask >> top & 1:  # the sign bit: as the dtype's minimum, since 1 << top does not fit the signed type
+    if view.dtype != torch.uint8 and mask >> top & 1:  # the sign bit of a signed view: 1 << top does not fit it
         mask = mask - (1 << (top + 1))
     view ^= mask
+
 
 def parse(spec: str) -> Fault:
     """Parse one ``SITE:RANK:STEP[:MODE]`` spec (MODE defaults to ``nan``).

@@ -45,8 +45,7 @@ class Scaling:
         self.scaler.step(optimizer)
         self.scaler.update()
 
-    def settle(self, optimizer: torch.optim.Optimizer) -> None:
-        """After a withheld update: end the scaler's step, its scale kept, so the next step starts clean."""
-        scale = self.scaler.get_scale()
-        self.unscale(optimizer)  # records the inf checks that ``update`` needs
-        self.scaler.update(scale)
+    def settle(self) -> None:
+        """After a withheld update: end the scaler's step, its scale kept, so the next step starts clean (an
+        ``update`` given the scale needs no inf checks, and it forgets whether this step unscaled)."""
+        self.scaler.update(self.scaler.get_scale())

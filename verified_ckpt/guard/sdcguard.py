@@ -269,7 +269,7 @@ class SDCGuard(Bookkeeping):
             self._forget()
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler is not None:
-                self.scaler.settle(self.optimizer)
+                self.scaler.settle()
             raise
         except GuardConfigurationError:
             self.optimizer.zero_grad(set_to_none=True)

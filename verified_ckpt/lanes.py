@@ -25,8 +25,8 @@ _ROW = 1024  # int64 words per row: large enough to stream, small enough that ro
 # Largest granule, in words, of a staged chunk. Granule sums are 1/64 of the data, so folding them (a few
 # passes) costs little, and a tensor's rows start on a granule boundary when its words are a multiple of it.
 _GRAIN = 64
-# Bytes staged per cat in batched_lanes: bounds the extra memory (one copy of this much at a time), and is
-# large enough that a whole training state takes a handful of chunks (a few kernels each).
+# Bytes staged per cat in batched_lanes: bounds the extra memory (one buffer of this much per pass), and large enough
+# that a state takes a few chunks (on a GPU a ``_chunk_cat`` costs about 60 us of host time: docs/BENCHMARKS.md).
 _CHUNK_BYTES = 256 << 20
 # From how many bytes a contiguous tensor is summed where it lies rather than copied into a staging chunk, on
 # CPU and on CUDA. On CPU a copy costs far more than the few ops of an in-place sum (staging everything
@@ -150,11 +150,11 @@ def _signature(tensors: Sequence[torch.Tensor], direct_bytes: int) -> tuple[Any,
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """How to sum a list of tensors of one signature (``batched_lanes``): the tensors summed where they lie, as
-    (index, whole rows, remainder words, remainder grain); the staging chunks, as (indices, grain); the 0-d tensors
-    per dtype; and per unit sum, in that order, its tensor and its weight ``2 * row + 1``."""
+    (index, whole rows, remainder words, remainder grain); the staging chunks, as (indices, grain, dtype, elements);
+    the 0-d tensors per dtype; and per unit sum, in that order, its tensor and its weight ``2 * row + 1``."""
 
     direct: list[tuple[int, int, int, int]]
-    staged: list[tuple[list[int], int]]
+    staged: list[tuple[list[int], int, torch.dtype, int]]
     scalars: list[list[int]]
     owner: torch.Tensor
     weight: torch.Tensor
@@ -186,8 +186,9 @@ def _plan(key: tuple[Any, ...]) -> _Plan:
                 units(i, rows * _ROW // g, rem // g, _ROW // g)
         else:
             groups.setdefault((dtype, min(_ROW, words & -words)), []).append(i)  # grains up to a whole row
-    staged = [(chunk, g) for (_, g), idxs in groups.items() for chunk in _chunks(idxs, [s[1] for s in specs])]
-    for chunk, g in staged:
+    staged = [(chunk, g, dtype, sum(specs[j][1] for j in chunk) // dtype.itemsize)
+              for (dtype, g), idxs in groups.items() for chunk in _chunks(idxs, [s[1] for s in specs])]
+    for chunk, g, _, _ in staged:
         for j in chunk:
             units(j, 0, specs[j][1] // (8 * g), _ROW // g)
     for group in scalars.values():
@@ -228,8 +229,13 @@ def _planned(tensors: Sequence[torch.Tensor], key: tuple[Any, ...], direct_bytes
                 sums.append((words[: rows * _ROW] if rem else words).view(rows, _ROW).sum(dim=1))
             if rem:
                 sums.append(words[rows * _ROW:].view(-1, g).sum(dim=1))
-        for idxs, g in plan.staged:
-            chunk = torch._chunk_cat([tensors[i] for i in idxs], 0, 1)  # no_grad: no detach (an op per tensor)
+        # One staging buffer for the pass, each chunk summed before the next is copied in (stream order): a fresh
+        # chunk per copy had the copy fault its pages in first (3.5 against 8.5 GB/s on a CPU, --staging there).
+        room = max((n * dtype.itemsize for _, _, dtype, n in plan.staged), default=0)
+        buffer = torch.empty(room, dtype=torch.uint8, device=plan.owner.device)
+        for idxs, g, dtype, n in plan.staged:
+            into = buffer[: n * dtype.itemsize].view(dtype).view(1, n)
+            chunk = torch._chunk_cat([tensors[i] for i in idxs], 0, 1, out=into)  # no_grad: no detach (an op per tensor)
             sums.append(chunk.view(torch.int64).view(-1, g).sum(dim=1))
         for idxs in plan.scalars:
             width = tensors[idxs[0]].element_size()

@@ -78,12 +78,18 @@ def bf16_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor
     return torch.nn.functional.mse_loss(out.float(), y)
 
 
+def every(text: str) -> int | str:
+    """A schedule option: a number of steps, or ``budget`` (GuardConfig's default: as often as its overhead allows)."""
+    return text if text == "budget" else int(text)
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Deterministic DDP training guarded by SDCGuard.")
     ap.add_argument("--world-size", type=int, default=3, help="gloo processes to spawn (ignored under torchrun)")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--consensus-every", type=int, default=10)
-    ap.add_argument("--audit-every", type=int, default=25, help="0 disables scheduled audits")
+    ap.add_argument("--consensus-every", type=every, default="budget", help="steps, or 'budget' (the default)")
+    ap.add_argument("--audit-every", type=every, default="budget",
+                    help="steps, or 'budget' (the default); 0 disables scheduled audits")
     ap.add_argument("--accum", type=int, default=1, help="microbatches per step (no_sync for all but the last)")
     ap.add_argument("--clip", type=float, default=0.0, help="gradient clipping norm (0: off)")
     ap.add_argument("--autocast", action="store_true", help="bf16 autocast in the forward pass")

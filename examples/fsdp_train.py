@@ -40,8 +40,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mesh", default="3x2", help="replica groups x shards, e.g. 3x2 (HSDP) or 1x4 (FSDP)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1: none)")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--consensus-every", type=int, default=10)
-    ap.add_argument("--audit-every", type=int, default=10, help="0 disables audits")
+    ap.add_argument("--consensus-every", type=ddp_train.every, default="budget", help="steps, or 'budget' (the default)")
+    ap.add_argument("--audit-every", type=ddp_train.every, default="budget",
+                    help="steps, or 'budget' (the default); 0 disables scheduled audits")
     ap.add_argument("--mode", choices=["exact", "tolerance"], default="exact")
     ap.add_argument("--inject", action="append", default=[], metavar="SITE:RANK:STEP[:MODE]")
     ap.add_argument("--seed", type=int, default=0)

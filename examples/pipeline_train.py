@@ -34,18 +34,14 @@ import models
 from verified_ckpt import CheckpointManager, GuardConfig, RNGState, SDCGuard, StageState, state_fingerprint
 
 
-def every(text: str) -> int | str:
-    return text if text == "budget" else int(text)
-
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Pipeline-parallel training guarded by SDCGuard.")
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--replicas", type=int, default=2, help="data-parallel replicas of each stage")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--consensus-every", type=every, default="budget", help="steps, or 'budget' (the default)")
-    ap.add_argument("--audit-every", type=every, default="budget",
+    ap.add_argument("--consensus-every", type=ddp_train.every, default="budget", help="steps, or 'budget' (the default)")
+    ap.add_argument("--audit-every", type=ddp_train.every, default="budget",
                     help="steps, or 'budget' (the default); 0 disables scheduled audits")
     ap.add_argument("--mode", choices=["exact", "tolerance"], default="exact")
     ap.add_argument("--inject", action="append", default=[], metavar="SITE:RANK:STEP[:MODE]")

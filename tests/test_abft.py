@@ -38,7 +38,7 @@ def bf16_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 def run(model: torch.nn.Module, loss_fn, steps: int, *, accum: int = 1, clip: float = 0.0, faults: tuple = (),
         mode: str = "exact") -> tuple[SDCGuard, SilentCorruptionDetected | None]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = SDCGuard(model, opt, loss_fn, GuardConfig(audit_every=None, consensus_every=1000, faults=faults, mode=mode))
+    guard = SDCGuard(model, opt, loss_fn, GuardConfig(faults=faults, mode=mode))
     g = torch.Generator().manual_seed(0)
     for step in range(1, steps + 1):
         for _ in range(accum):
@@ -132,7 +132,7 @@ def test_long_gradient_accumulation_folds_its_rows_and_still_catches_a_wrong_gra
     torch.manual_seed(0)
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = SDCGuard(model, opt, lm_loss, GuardConfig(audit_every=None, consensus_every=1000))
+    guard = SDCGuard(model, opt, lm_loss, GuardConfig())
     g = torch.Generator().manual_seed(0)
     for _ in range(12):
         guard.backward(torch.randint(0, 64, (4, 17), generator=g), step=1)
@@ -150,8 +150,7 @@ def test_gradients_left_from_the_step_before_are_where_the_check_starts(spec):
     torch.manual_seed(0)
     model = TinyGPT()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    guard = SDCGuard(model, opt, lm_loss, GuardConfig(audit_every=None, consensus_every=1000,
-                                                      faults=(spec,) if spec else ()))
+    guard = SDCGuard(model, opt, lm_loss, GuardConfig(faults=(spec,) if spec else ()))
     g = torch.Generator().manual_seed(0)
     incident = None
     for step in range(1, 5):

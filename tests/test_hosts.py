@@ -37,7 +37,7 @@ def guarded_save(rank: int, world: int, run: str) -> None:
 
     model = DDP(ddp_train.build_model(0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig(audit_every=None, consensus_every=1))
+    guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig())
     mgr = CheckpointManager(run, guard=guard)
     for step in (1, 2):
         guard.backward(ddp_train.make_batch(0, step, rank), step=step)

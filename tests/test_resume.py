@@ -111,7 +111,7 @@ def test_a_run_holding_only_an_incident_is_a_fresh_start(local_url):
 def rank0_only_save(rank: int, world: int, run: str) -> dict:
     model = DDP(ddp_train.build_model(0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig(audit_every=None, arrival_timeout_s=3))
+    guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig(arrival_timeout_s=3))
     mgr = CheckpointManager(run, guard=guard)
     out: dict = {"error": None}
     if rank == 0:  # the torch.save habit

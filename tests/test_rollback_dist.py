@@ -142,7 +142,7 @@ def kill_rank_1_mid_save(rank: int, world: int, run: str, blocking: bool) -> dic
 
     model = DDP(ddp_train.build_model(0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig(audit_every=1, consensus_every=1000))
+    guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig())
     mgr = CheckpointManager(run, guard=guard, shard_bytes=4096, report_timeout_s=4)  # rank 1 never reports: not long
     state = {"model": model.module, "optim": opt}
     for step in (1, 2):

@@ -6,6 +6,7 @@ Self time of ``DistributedDataParallel.forward`` is the Python that runs in the 
 own (the same in both) and the checks' forward hooks.
 
     .venv/bin/python tools/bench/guard_step_profile.py --model gpt --d-model 256 --depth 4
+    .venv/bin/python tools/bench/guard_step_profile.py --model gpt --d-model 64 --depth 2 --steps 40 --no-abft
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def worker(_: int, args: argparse.Namespace, guarded: bool, out: str, init: str)
     batches = [(torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=g), tag) for _ in range(4)]
     model = DDP(build(args))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    guard = SDCGuard(model, opt, loss_fn, GuardConfig(consensus_every=10**9, audit_every=None)) if guarded else None
+    cfg = GuardConfig(consensus_every=10**9, audit_every=None, abft=not args.no_abft)
+    guard = SDCGuard(model, opt, loss_fn, cfg) if guarded else None
     for step in range(1, args.warmup + 1):
         train_step(model, opt, guard, batches[step % 4], step)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -61,6 +63,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--no-abft", action="store_true", help="the guarded step without ABFT: the rest of its checks")
     args = ap.parse_args()
     args.width = 0
     runs: dict[bool, dict[str, Any]] = {}

@@ -155,6 +155,7 @@ class _Plan:
 
     direct: list[tuple[int, int, int, int]]
     staged: list[tuple[list[int], int, torch.dtype, int]]
+    room: int  # bytes of the largest staging chunk: the pass's one staging buffer
     scalars: list[list[int]]
     owner: torch.Tensor
     weight: torch.Tensor
@@ -196,7 +197,8 @@ def _plan(key: tuple[Any, ...]) -> _Plan:
             units(i, 0 if specs[i][1] % 8 == 0 else 1, 1, 1)
     owner = np.concatenate(owners) if owners else np.zeros(0, dtype=np.int64)
     row = np.concatenate(rows_of) if rows_of else np.zeros(0, dtype=np.int64)
-    return _Plan(direct, staged, list(scalars.values()), torch.from_numpy(owner).to(device),
+    room = max((n * dtype.itemsize for _, _, dtype, n in staged), default=0)
+    return _Plan(direct, staged, room, list(scalars.values()), torch.from_numpy(owner).to(device),
                  torch.from_numpy(2 * row + 1).to(device), len(specs))
 
 
@@ -231,9 +233,9 @@ def _planned(tensors: Sequence[torch.Tensor], key: tuple[Any, ...], direct_bytes
                 sums.append(words[rows * _ROW:].view(-1, g).sum(dim=1))
         # One staging buffer for the pass, each chunk summed before the next is copied in (stream order): a fresh
         # chunk per copy had the copy fault its pages in first (3.5 against 8.5 GB/s on a CPU, --staging there).
-        room = max((n * dtype.itemsize for _, _, dtype, n in plan.staged), default=0)
-        buffer = torch.empty(room, dtype=torch.uint8, device=plan.owner.device)
+        buffer = torch.empty(plan.room, dtype=torch.uint8, device=plan.owner.device) if plan.room else None
         for idxs, g, dtype, n in plan.staged:
+            assert buffer is not None
             into = buffer[: n * dtype.itemsize].view(dtype).view(1, n)
             chunk = torch._chunk_cat([tensors[i] for i in idxs], 0, 1, out=into)  # no_grad: no detach (an op per tensor)
             sums.append(chunk.view(torch.int64).view(-1, g).sum(dim=1))

@@ -27,7 +27,7 @@ import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,8 +43,9 @@ from verified_ckpt.guard.abft import layers, products, sums
 Seen = collections.defaultdict[str, list[float]]
 
 
-def spy(seen: Seen) -> None:
-    """Wrap the checks' ratio functions so that each check's ratio lands in ``seen`` by kind."""
+@contextlib.contextmanager
+def spy(seen: Seen) -> Iterator[None]:
+    """Inside: the checks' ratio functions wrapped so that each check's ratio lands in ``seen`` by kind."""
     ratio_of, input_ratios = sums.ratio_of, layers.input_ratios
     product, attention = products._product_ratio, products._attention_ratio
 
@@ -72,9 +73,14 @@ def spy(seen: Seen) -> None:
     layers.input_ratios = wrapped("input", input_ratios)  # type: ignore[assignment]
     products._product_ratio = wrapped("product", product)  # type: ignore[assignment]
     products._attention_ratio = wrapped("attention", attention)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sums.ratio_of, layers.input_ratios = ratio_of, input_ratios  # type: ignore[assignment]
+        products._product_ratio, products._attention_ratio = product, attention  # type: ignore[assignment]
 
 
-def run(model: str, bf16: bool, steps: int, seen: Seen) -> None:
+def run(model: str, bf16: bool, steps: int) -> None:
     args = argparse.Namespace(model=model, d_model=128, depth=2, vocab=1024, context=64, width=0)
     torch.manual_seed(0)
     ddp = DDP(build(args))
@@ -116,10 +122,8 @@ def main() -> None:
     for model in args.models.split(","):
         for bf16 in (False, True):
             seen: Seen = collections.defaultdict(list)
-            spy(seen)
-            run(model, bf16, args.steps, seen)
-            for module, name, fn in RESTORE:
-                setattr(module, name, fn)
+            with spy(seen):
+                run(model, bf16, args.steps)
             key = f"{model} {'bf16' if bf16 else 'fp32'}"
             results[key] = summary(seen)
             for kind, s in results[key].items():
@@ -130,10 +134,6 @@ def main() -> None:
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=1)
 
-
-RESTORE = [(sums, "ratio_of", sums.ratio_of), (layers, "input_ratios", layers.input_ratios),
-           (products, "_product_ratio", products._product_ratio),
-           (products, "_attention_ratio", products._attention_ratio)]
 
 if __name__ == "__main__":
     main()

@@ -2,8 +2,8 @@
 consensus and audits off), each profiled in a process of its own (steps of two models in one process slow each
 other's kernels unevenly), one gloo rank, one thread; the difference in self CPU time per aten op and input shape.
 
-Self time of ``DistributedDataParallel.forward`` is the Python that runs in the forward outside any op: the model's
-own (the same in both) and the checks' forward hooks.
+Self time of ``DistributedDataParallel.forward`` is what the forward spends outside any recorded op: the model's
+Python (the same in both), the checks' forward hooks, and the profiler's own cost for each op the checks add.
 
     .venv/bin/python tools/bench/guard_step_profile.py --model gpt --d-model 256 --depth 4
     .venv/bin/python tools/bench/guard_step_profile.py --model gpt --d-model 64 --depth 2 --steps 40 --no-abft

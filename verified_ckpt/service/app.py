@@ -35,19 +35,29 @@ __all__ = ["build_app"]
 REFRESH_S = 10
 MAX_BODY = 64 << 10  # a flag's body: a reason of up to 64 KiB and a few numbers
 DASHBOARD_PAGE = 100  # runs per dashboard page
+MAX_PAGE = 10**9  # a dashboard page number past the last shows the last; past this it is refused
 API_PAGE, API_PAGE_MAX = 500, 5000  # items per API page: by default, and at most
 _WORST = {"open-incident": 0, "nothing-restorable": 1, "unread": 2, "ok": 3}  # the dashboard's order
+
+
+def _number(raw: str, lo: int, hi: int) -> int | None:
+    """``raw`` as an integer from ``lo`` to ``hi``, or ``None``. ASCII digits only, and no more of them than ``hi``
+    has: ``str.isdigit`` accepts a superscript ``²``, which ``int`` refuses, and ``int`` refuses more than 4,300
+    digits; a query string must reach neither."""
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > len(str(hi)):
+        return None
+    value = int(raw)
+    return value if lo <= value <= hi else None
 
 
 def _page(request: Request) -> tuple[int, int] | Response:
     """The ``offset`` and ``limit`` query parameters (defaults 0 and ``API_PAGE``), or a 400 naming the bad one."""
     out = []
-    for name, default, top in (("offset", 0, 10**12), ("limit", API_PAGE, API_PAGE_MAX)):
-        raw = request.query_params.get(name, str(default))
-        if not raw.isdigit() or not (name == "offset" or int(raw) >= 1) or int(raw) > top:
-            return JSONResponse({"error": f"{name} must be an integer from {0 if name == 'offset' else 1} to {top}"},
-                                status_code=400)
-        out.append(int(raw))
+    for name, default, lo, top in (("offset", 0, 0, 10**12), ("limit", API_PAGE, 1, API_PAGE_MAX)):
+        value = _number(request.query_params.get(name, str(default)), lo, top)
+        if value is None:
+            return JSONResponse({"error": f"{name} must be an integer from {lo} to {top}"}, status_code=400)
+        out.append(value)
     return out[0], out[1]
 
 
@@ -144,11 +154,11 @@ class _Api:
     async def dashboard(self, request: Request) -> Response:
         """A page of runs, the least healthy first (``?page=N``, ``DASHBOARD_PAGE`` a page), and the latest changes."""
         states = [w.state for w in self.watchers.all()]
-        raw = request.query_params.get("page", "1")
-        if not raw.isdigit() or int(raw) < 1:
-            return PlainTextResponse("page must be a positive integer", status_code=400)
+        asked = _number(request.query_params.get("page", "1"), 1, MAX_PAGE)
+        if asked is None:
+            return PlainTextResponse(f"page must be an integer from 1 to {MAX_PAGE}", status_code=400)
         pages = max(1, -(-len(states) // DASHBOARD_PAGE))
-        at = min(int(raw), pages)
+        at = min(asked, pages)
         summaries = sorted((s.summary() for s in states), key=lambda r: (_WORST.get(r.get("health") or "unread", 9),
                                                                        r["key"]))
         shown = summaries[(at - 1) * DASHBOARD_PAGE: at * DASHBOARD_PAGE]
@@ -167,7 +177,7 @@ class _Api:
 async def _bounded_body(request: Request, limit: int) -> bytes | None:
     """The request body, or ``None`` past ``limit`` bytes (read no further: a 256 MiB body costs nothing)."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and _number(declared, 0, limit) is None:
         return None
     body = bytearray()
     async for chunk in request.stream():

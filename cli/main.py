@@ -96,6 +96,8 @@ def show_cmd(mgr: CheckpointManager, out: Output, step: str) -> int:
         console.print(f"  run {m['run_id']}  created {m['created_at']}  size {human_size(info.size_bytes)}")
         console.print(f"  state fingerprint {m['state_fingerprint']}  world size {m['topology'].get('world_size')}")
         console.print(f"  evidence basis: {escape(evidence_basis(m['evidence']))}")
+        for fault_class, how in (m["evidence"] or {}).get("checked_by_class", {}).items():
+            console.print(f"  checked since the previous checkpoint, {escape(fault_class)}: {escape(how)}")
         console.print(f"  evidence: {json.dumps(m['evidence'], sort_keys=True) if m['evidence'] else 'none'}")
         console.print(out.table(None, ["shard", "size", "blake3", "tensors"],
                                 [[s["path"], human_size(s["size"]), s["digest"][:16] + "…", len(s["tensors"])]

@@ -175,3 +175,39 @@ def test_sigkill_of_a_non_zero_rank_mid_save_commits_nothing(tmp_path, blocking)
     infos = CheckpointManager(run).list()
     assert [(i.step, i.status) for i in infos] == [(1, Status.RESTORABLE)]
     assert CheckpointManager(run).rollback_target()[0].step == 1
+
+
+def saves_then_fault(rank: int, world: int, run: str, spec: str) -> dict:
+    model = DDP(ddp_train.build_model(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig(audit_every=5, consensus_every=5, faults=(spec,)))
+    mgr = CheckpointManager(run, guard=guard)
+    state = {"model": model.module, "optim": opt}
+    for step in range(1, 11):
+        guard.backward(ddp_train.make_batch(0, step, rank), step=step)
+        try:
+            guard.step()
+        except SilentCorruptionDetected as e:
+            return {"kind": e.incident.kind, "ranks": e.incident.ranks, "first_suspect": e.incident.first_suspect_step}
+        opt.zero_grad()
+        if step in (3, 7):
+            mgr.save(step, state)
+    return {"kind": None}
+
+
+def test_every_save_is_covered_by_an_audit_at_its_step_and_stays_the_rollback_target(tmp_path):
+    """Issue 48, finding 5: a save runs an audit when none covered its step (here the last scheduled one was at step
+    5), and an incident's interval starts after the newest step every kind of check covered: the save at step 7, so
+    the save at 7 stays restorable and the rollback target. Before, the save at 7 stood on the audit of step 5, and a
+    fault below ABFT's bound since step 6 left it restorable with nothing to say so."""
+    run = str(tmp_path / "run")
+    got = run_ranks(saves_then_fault, 3, run, "grad:1:8:scale=40")[0]
+    assert got == {"kind": "abft", "ranks": [1], "first_suspect": 8}
+    mgr = CheckpointManager(run)
+    infos = mgr.list()
+    assert [(i.step, i.status) for i in infos] == [(3, Status.RESTORABLE), (7, Status.RESTORABLE)]
+    assert [i.manifest.evidence["checks_since_previous"]["audit"]["last_pass"] for i in infos] == [3, 7]
+    assert mgr.rollback_target()[0].step == 7
+    checked = infos[1].manifest.evidence["checked_by_class"]
+    assert set(checked) == {"gradients", "forward outputs", "all-reduce", "state at rest", "updates"}
+    assert "consensus of 3 replicas" in checked["state at rest"] and "recompute audit" in checked["gradients"]

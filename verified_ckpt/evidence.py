@@ -3,10 +3,13 @@
 A checkpoint is ``restorable`` only with evidence: a unanimous consensus of
 every replica's fingerprint taken for this save, no failed check since the
 previous checkpoint, and (when audits are scheduled) at least one passed
-recompute audit since the previous restorable checkpoint. The schema lives
+recompute audit since the previous checkpoint, so that every kind of check covered the checkpoint's step (a save
+runs the audit itself when none ran: ``audit_before_save``). The schema lives
 here once: :class:`Evidence` writes it, :func:`evidence_problem` validates it
 when a manifest is read, and :func:`consensus_claim` reads the claim back for
-the ledger cross-check.
+the ledger cross-check. Each manifest also says, per fault class, what was checked since the previous checkpoint
+and how (:func:`checked_by_class`), so that ``restorable`` is read for what it is: no check that ran saw a fault,
+not "no fault".
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ from typing import Any
 from .status import MAX_STEP, Status
 
 __all__ = [
-    "NO_AUDIT", "SINGLE_REPLICA", "CheckCounts", "ConsensusClaim", "Evidence", "EvidenceTracker", "consensus_claim",
-    "evidence_basis", "evidence_problem", "remedies", "save_status",
+    "FAULT_CLASSES", "NO_AUDIT", "SINGLE_REPLICA", "CheckCounts", "ConsensusClaim", "Evidence", "EvidenceTracker",
+    "checked_by_class", "consensus_claim", "evidence_basis", "evidence_problem", "remedies", "save_status",
 ]
 
 SINGLE_REPLICA = "a single replica: no cross-replica consensus or audit is possible"
-NO_AUDIT = "no recompute audit has passed since the previous restorable checkpoint"
+NO_AUDIT = "no recompute audit has passed since the previous checkpoint"
 FAILED = "checks failed since the previous checkpoint: "
 # What to change, for each reason a save is not restorable (logged with it; the manifest keeps the reason).
 _REMEDIES = {
@@ -81,6 +84,7 @@ class Evidence:
     audits_enabled: bool
     audits_since_restorable: int
     single_owner: bool = False  # state without a replica stood on the update oracle and the at-rest chain
+    checked: dict[str, str] = dataclasses.field(default_factory=dict)  # per fault class: what ran, and how
 
     def to_dict(self) -> dict[str, Any]:
         owner = {"single_owner": {"chain_step": self.consensus_step,
@@ -92,6 +96,7 @@ class Evidence:
             "checks_since_previous": {k: c.to_dict() for k, c in sorted(self.checks_since_previous.items())},
             "audits_enabled": self.audits_enabled,
             "audits_since_restorable": self.audits_since_restorable,
+            **({"checked_by_class": dict(self.checked)} if self.checked else {}),
         }
 
 
@@ -111,22 +116,31 @@ class EvidenceTracker:
         self._baseline = {k: dataclasses.replace(c) for k, c in counters.items()}
         self._audits_at_restorable = self._baseline.get("audit", CheckCounts()).passed
 
-    def needs_audit(self, counters: Mapping[str, CheckCounts], audits_enabled: bool) -> bool:
-        """Whether a save now would lack a recompute audit since the previous restorable checkpoint."""
-        return audits_enabled and counters.get("audit", CheckCounts()).passed - self._audits_at_restorable < 1
+    @staticmethod
+    def needs_audit(counters: Mapping[str, CheckCounts], audits_enabled: bool, step: int) -> bool:
+        """Whether a save of ``step`` must audit first: no recompute audit passed at that step. Every kind of check
+        then covers each checkpoint's step, so a later incident's suspect interval, which starts after the newest
+        step where every kind passed (``guard.judge``), starts after the previous save, never before it."""
+        last = counters.get("audit", CheckCounts()).last_pass
+        return audits_enabled and (last is None or last < step)
 
     def for_save(self, step: int, fingerprints: Sequence[str], counters: Mapping[str, CheckCounts], *, world: int,
-                 audits_enabled: bool, single_owner: bool = False) -> tuple[Evidence, Status, list[str]]:
-        """The evidence, status and reasons of a save whose consensus gave ``fingerprints``; advances the baselines."""
+                 audits_enabled: bool, single_owner: bool = False, oracle_slices: int = 0,
+                 forward: bool = False) -> tuple[Evidence, Status, list[str]]:
+        """The evidence, status and reasons of a save whose consensus gave ``fingerprints``; advances the baselines.
+        ``oracle_slices`` and ``forward`` are the guard's configuration (``GuardConfig``), which the per-class
+        account of what was checked states."""
         since = {k: CheckCounts(c.passed - self._baseline.get(k, CheckCounts()).passed,
                                 c.failed - self._baseline.get(k, CheckCounts()).failed, c.last_pass, c.coverage)
                  for k, c in counters.items()}
         audits = counters.get("audit", CheckCounts()).passed - self._audits_at_restorable
         # The oracle must have compared an update since the previous checkpoint, not only be configured.
         owned = single_owner and since.get("oracle", CheckCounts()).passed >= 1
-        status, reasons = save_status(world, {k: c.failed for k, c in since.items()}, audits_enabled, audits,
-                                      single_owner=owned)
-        evidence = Evidence(step, list(fingerprints), since, audits_enabled, audits, owned)
+        status, reasons = save_status(world, {k: c.failed for k, c in since.items()}, audits_enabled,
+                                      since.get("audit", CheckCounts()).passed, single_owner=owned)
+        checked = checked_by_class(since, replicas=world, audits_enabled=audits_enabled,
+                                   oracle_slices=oracle_slices, forward=forward)
+        evidence = Evidence(step, list(fingerprints), since, audits_enabled, audits, owned, checked)
         self._baseline = {k: dataclasses.replace(c) for k, c in counters.items()}
         if status is Status.RESTORABLE:
             self._audits_at_restorable = counters.get("audit", CheckCounts()).passed
@@ -134,7 +148,7 @@ class EvidenceTracker:
 
 
 def save_status(
-    world: int, failed_since_previous: Mapping[str, int], audits_enabled: bool, audits_since_restorable: int, *,
+    world: int, failed_since_previous: Mapping[str, int], audits_enabled: bool, audits_since_previous: int, *,
     single_owner: bool = False,
 ) -> tuple[Status, list[str]]:
     """The status a guarded save commits with (the consensus already agreed, or the save raised).
@@ -143,7 +157,7 @@ def save_status(
         world: replicas that took part in the consensus.
         failed_since_previous: failures per check kind since the previous checkpoint.
         audits_enabled: whether recompute audits are scheduled.
-        audits_since_restorable: audits passed since the previous restorable checkpoint.
+        audits_since_previous: audits passed since the previous checkpoint (of any status).
         single_owner: state without a replica carries its own evidence instead of a consensus: the at-rest
             chain held at this save and the update oracle compared updates since the previous checkpoint.
     """
@@ -152,13 +166,52 @@ def save_status(
         return Status.SUSPECT, [FAILED + ", ".join(f"{k} x{n}" for k, n in sorted(failed.items()))]
     if world < 2 and not single_owner:
         return Status.UNVERIFIED, [SINGLE_REPLICA]
-    if audits_enabled and audits_since_restorable < 1:
+    if audits_enabled and audits_since_previous < 1:
         return Status.UNVERIFIED, [NO_AUDIT]
     return Status.RESTORABLE, []
 
 
+FAULT_CLASSES = ("gradients", "forward outputs", "all-reduce", "state at rest", "updates")
+
+
+def checked_by_class(since: Mapping[str, CheckCounts], *, replicas: int, audits_enabled: bool, oracle_slices: int,
+                     forward: bool) -> dict[str, str]:
+    """Per fault class (:data:`FAULT_CLASSES`), what the checks that ran since the previous checkpoint (``since``)
+    looked at, and how: the words ``vckpt show`` prints, so that a sampled check reads as sampled."""
+    def n(kind: str) -> int:
+        return since.get(kind, CheckCounts()).passed
+
+    audits = (f"{n('audit')} recompute audit(s), each of a slice of one microbatch per rank" if audits_enabled
+              else "no recompute audit (audits off, or no second replica to recompute)")
+    cov = since.get("abft", CheckCounts()).coverage
+    abft = (f"ABFT on {n('abft')} step(s)" + (f", {cov:.0%} of the backward FLOPs" if cov is not None else "")
+            if n("abft") else "ABFT did not run")
+    rest = [f"consensus of {replicas} replicas x{n('consensus')}" if replicas >= 2 and n("consensus")
+            else "no replica compared by a consensus"]
+    if n("chain"):
+        rest.append(f"at-rest chain on {n('chain')} step(s)")
+    if n("oracle"):
+        updates = (f"update oracle on {n('oracle')} step(s): 1/{max(oracle_slices, 1)} of each rank's updated elements "
+                   "recomputed per step; the other elements only through a consensus of replicas")
+    else:
+        updates = "replicas' updates compared by the consensus" if replicas >= 2 else "not checked"
+    return {
+        "gradients": f"{abft}; {audits}",
+        "forward outputs": f"{'ABFT forward checks with ABFT' if forward and n('abft') else 'no per-step check'}; "
+                           f"{audits}",
+        "all-reduce": f"NaN/Inf before and after the reduction on {n('nonfinite_local')} step(s); checksum on "
+                      f"{n('checksum')} step(s)",
+        "state at rest": "; ".join(rest),
+        "updates": updates,
+    }
+
+
 def evidence_problem(evidence: Mapping[str, Any]) -> str | None:
     """Why a manifest's ``evidence`` object is not one this library could have written (``None`` if it is)."""
+    checked = evidence.get("checked_by_class")
+    if checked is not None and not (isinstance(checked, dict) and len(checked) <= 16 and all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 1000 for k, v in checked.items())):
+        return "evidence checked_by_class must map at most 16 fault classes to short texts"
     claim = evidence.get("consensus")
     if claim is None:
         return None

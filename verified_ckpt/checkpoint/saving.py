@@ -28,14 +28,14 @@ import torch
 from ..comm import Communicator, describe_device
 from ..errors import CorruptCheckpoint, InvalidState, ManifestError
 from ..evidence import EvidenceTracker, remedies
-from ..fingerprint import Fingerprint, combine
+from ..fingerprint import Fingerprint
 from ..flatten import Flat, bookkeeping, flatten, is_per_rank
 from ..guard import SDCGuard
 from ..hosts import Topology
 from ..jsonx import canonical_json
 from ..lanes import lanes_of
 from ..layout import LayoutEntry
-from ..manifest import CheckpointInfo, Manifest, ShardEntry, TensorEntry
+from ..manifest import CheckpointInfo, Manifest, ShardEntry, TensorEntry, state_fingerprint_of
 from ..sharding import split
 from ..shards import supported, write_shard
 from ..signing import Signer
@@ -151,12 +151,13 @@ class Saver:
         if g is None:
             status, reasons, evidence = Status.UNVERIFIED, [UNGUARDED], {}
         else:
-            if g.cfg.audit_before_save and self.tracker.needs_audit(g.counters(), g.audits_enabled):
-                g.audit_now()  # this save would be unverified for want of an audit: one now (raises on a mismatch)
+            if g.cfg.audit_before_save and self.tracker.needs_audit(g.counters(), g.audits_enabled, step):
+                g.audit_now()  # no audit covered this step yet: one now, as the consensus below (raises on a mismatch)
             fingerprints = g.consensus(step)  # raises on disagreement: nothing is written
             ev, status, reasons = self.tracker.for_save(step, fingerprints, g.counters(), world=g.replicas,
                                                         audits_enabled=g.audits_enabled,
-                                                        single_owner=g.single_owner_evidence(step))
+                                                        single_owner=g.single_owner_evidence(step),
+                                                        oracle_slices=g.cfg.oracle_slices, forward=g.cfg.abft_forward)
             evidence = ev.to_dict()
             if fingerprints and self.comm.rank == 0:
                 agreed = agreed_names(parts.replicated, g.agreed())
@@ -389,12 +390,8 @@ class Saver:
             for n in s.tensors:
                 dtype, shape = specs[n]
                 tensors[n] = TensorEntry(dtype, shape, s.path, str(fps[n]))
-        # Per-rank entries differ between ranks by design: the state fingerprint, the one every rank's live
-        # state must reproduce (``state_fingerprint``), leaves them out; their tensors keep their own fingerprints.
-        own = set().union(*(tensor_refs(v) for k in job.flat.per_rank for v in job.flat.skeleton[k]["value"].values()))
-        shared = {k: v for k, v in job.flat.skeleton.items() if k not in job.flat.per_rank}
-        state_fp = combine([(n, e.dtype, e.shape, fps[n]) for n, e in tensors.items() if n not in own],
-                           canonical_json(shared))
+        # The function every parse recomputes it with: what is written is what a reader checks.
+        state_fp = state_fingerprint_of(tensors, job.flat.skeleton)
         return Manifest(
             run_id=run_id, checkpoint_id=job.cid, step=job.step, created_at=utc_now(), topology=job.topology,
             shards=shards, tensors=tensors, state_fingerprint=str(state_fp), state=job.flat.skeleton,

@@ -59,9 +59,10 @@ class GuardConfig:
             of each rank's optimizer update, in rotation (8: a persistent fault in one element's update is caught
             within 8 steps, a one-off one at its step with probability 1/8; the cost is in docs/BENCHMARKS.md).
             0: no oracle (a save of state without a replica is then ``unverified``).
-        audit_before_save: a save that would be ``unverified`` only for lack of a recompute audit since the
-            previous restorable checkpoint runs one first (``SDCGuard.audit_now``: one forward-backward of the
-            last step's first microbatch per rank, twice), so saves are ``restorable`` whatever ``audit_every``.
+        audit_before_save: a save whose step no recompute audit covered runs one first (``SDCGuard.audit_now``:
+            one forward-backward of the last step's first microbatch per rank, twice), as it runs a consensus, so
+            every kind of check covers each checkpoint's step whatever ``audit_every``; off, a save with no audit
+            since the previous checkpoint is ``unverified``.
         arrival_timeout_s: how long a save, consensus or audit waits for every rank to arrive
             before failing with an error naming the missing ranks (a save called on rank 0 only).
         faults: fault-injection specs ``SITE:RANK:STEP[:MODE]`` (testing only).

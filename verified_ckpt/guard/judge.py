@@ -63,6 +63,10 @@ class Judge:
         self.incidents: list[Incident] = []
         self.listeners: list[Callable[[Incident], None]] = []
         self.event_listeners: list[Callable[[list[Event]], None]] = []
+        # The scheduled kinds (audit, consensus) that, with the per-step checks, make a step "covered by every kind";
+        # the guard sets them once its layout is known.
+        self.scheduled: tuple[str, ...] = ()
+        self.first: int | None = None  # the first step judged: before it, no check of this process ran
 
     def counters(self) -> dict[str, CheckCounts]:
         """A snapshot of every check's pass/fail counts and last passing step."""
@@ -75,6 +79,13 @@ class Judge:
             return c.last_pass
         return (start if start is not None else 0) - 1
 
+    def covered(self, step: int) -> int:
+        """The newest step at or before ``step`` at which every scheduled kind of check had passed (the per-step
+        checks pass every step they do not raise): a fault that may be persistent can have begun right after it
+        and stayed below every check that ran since. ``first - 1`` when one of them never passed."""
+        first = self.first if self.first is not None else step
+        return min((self.last_pass(k, first) for k in self.scheduled), default=step - 1)
+
     def judge(self, step: int, v: Verdict) -> None:
         """Count ``v``; on failure, log its rows, tell the listeners and raise.
 
@@ -84,6 +95,8 @@ class Judge:
             GuardConfigurationError: ``v`` failed alike on every rank the first time its check ran.
         """
         first = v.kind not in self.checks
+        if self.first is None:
+            self.first = step
         c = self.checks.setdefault(v.kind, CheckCounts())
         if v.margin is not None:
             self.margins[v.kind] = max(self.margins.get(v.kind, 0.0), v.margin)
@@ -106,7 +119,11 @@ class Judge:
             self.emit(v.rows)  # the failed check's own rows reach the ledger before the incident
         ranks = [] if everyone and len(among) > 1 else sorted(v.ranks)
         detail = f"{v.detail} ({EVERY_RANK})" if everyone and len(among) > 1 else v.detail
-        inc = Incident(kind=v.kind, detected_step=step, first_suspect_step=step if v.first_suspect is None else v.first_suspect,
+        # A check that just crossed its bound may have missed the same fault below it for a while (a persistent
+        # fault that grew), so the interval starts after the newest step every kind of check covered, never later:
+        # a checkpoint saved since then was not covered by every kind, and must not stay the rollback target.
+        own = step if v.first_suspect is None else v.first_suspect
+        inc = Incident(kind=v.kind, detected_step=step, first_suspect_step=min(own, self.covered(step) + 1),
                        ranks=ranks, hosts=[self.host_of(r) for r in ranks], detail=detail,
                        software=v.software and not ranks)
         self.incidents.append(inc)

@@ -22,25 +22,20 @@ import torch
 
 from .. import batches
 from ..comm import Communicator
-from ..dtensors import held, is_fsdp
+from ..dtensors import is_fsdp
 from ..errors import GuardConfigurationError, GuardUsageError, SilentCorruptionDetected
 from ..faults import FaultPlan
 from ..records import Incident
 from ..rng import microbatch_state
 from .budget import Rates, Stopwatch
 from .capture import Capture
-from .chain import StateChain
 from .config import GuardConfig
-from .consensus import state_tensors
 from .judge import Bookkeeping, Judge
-from .oracle import CARRY, UpdateOracle, elementwise_optimizer
 from .protocol import Layout
-from .replicas import ReplicaOracle
 from .replicated import TWO_REPLICAS, ReplicatedLayout
-from .rest import RestWitness
-from .scaling import Scaling
 from .schedule import Schedule
 from .stats import Projector
+from .witnesses import Witnesses, scaling
 
 __all__ = ["TWO_REPLICAS", "SDCGuard"]
 
@@ -95,7 +90,7 @@ class SDCGuard(Bookkeeping):
         scaler: Any = None,
     ) -> None:
         self.cfg = config or GuardConfig()
-        self.scaler = Scaling(scaler) if scaler is not None else None
+        scaled = scaling(scaler)
         self.scale: torch.Tensor | None = None  # the scaler's scale at the step in progress (audits recompute with it)
         if loss_fn is None and pipeline is None:
             raise GuardUsageError("SDCGuard needs loss_fn(model, batch) -> loss: audits recompute with it")
@@ -136,20 +131,11 @@ class SDCGuard(Bookkeeping):
         else:
             self.layout = kind(self)
         self.abft = self.layout.abft
-        self.rest = RestWitness(self.layout.local_params, self.device, on=self.world >= 2 and self.layout.witnessed)
         self.sched = Schedule(self.cfg, audits=self.audits_enabled, abft=self.abft is not None, replicas=self.world,
                               watch=self.watch)
-        # The single-owner evidence (``oracle``, ``chain``): a peer recomputes a slice of every rank's update, and
-        # state no replica holds is fingerprinted between its update and its next use. Both need a second rank.
-        sliced = elementwise_optimizer(optimizer) if self.world >= 2 and self.cfg.oracle_slices else None
-        self._owned = [p for p, alone in zip(self.params, self.layout.owned(), strict=True) if alone]
-        # Where every rank holds the whole state (DDP), the replicas' own updates of a slice are its recomputation.
-        oracle: type[ReplicaOracle] | type[UpdateOracle] = UpdateOracle
-        if not self._owned and self.layout.replicas == self.world:
-            oracle = ReplicaOracle
-        self.oracle = oracle(sliced, self.comm, self.cfg.oracle_slices, self.device) if sliced else None
-        self.chain = StateChain(self._local_state, self.device) if self.world >= 2 and self._owned else None
-        self._chain_checked: int | None = None  # the step of the last save whose chain held
+        self.judge.scheduled = (("audit",) if self.audits_enabled else ()) + (("consensus",) if self.replicas >= 2 else ())
+        self.witnesses = Witnesses(self.params, optimizer, self.layout, self.comm, slices=self.cfg.oracle_slices,
+                                   scaler=scaled, judge=self.judge.judge)
 
     # ------------------------------------------------------------ who is where
     @property
@@ -211,8 +197,7 @@ class SDCGuard(Bookkeeping):
             self._start = step
         if not self._batches:
             self.sched.watch.start()
-            if self.scaler is not None:
-                self.scale = self.scaler.scale_now(self.device)
+            self.scale = self.witnesses.scaler.scale_now(self.device)
         self.layout.first_forward(batch)
         self._ran_backward = True
         if self.layout.records_batches and self.batch_for is None:
@@ -229,9 +214,7 @@ class SDCGuard(Bookkeeping):
                                   "the backward")
         if len(self._batches) != len(self._rng) or len(self._losses) >= len(self._batches):
             raise GuardUsageError("call guard.begin(batch, step=...) before guard.backward_of(loss)")
-        run = backward if backward is not None else torch.Tensor.backward
-        if backward is None and self.scaler is not None:
-            run = self.scaler.backward
+        run = backward if backward is not None else self.witnesses.scaler.backward
         self.layout.before_backward(sync)
         if self.abft is not None and not self._losses:
             # Where ABFT starts from: what the gradients hold as the step's backward begins (a framework may zero
@@ -260,16 +243,15 @@ class SDCGuard(Bookkeeping):
         s = self._step
         before = True  # a failure before the update leaves the step's weights for a replay capture
         try:
-            self.layout.check_before_update(s, self._carry(), lambda rows: self._judge_carried(s, rows))
+            self.layout.check_before_update(s, self.witnesses.carry(), lambda rows: self.witnesses.judge_carried(s, rows))
             before = False
             self._update(s)
         except SilentCorruptionDetected as e:
             if before and cast("Incident", e.incident).kind not in ("oracle", "chain"):
                 self._capture(s, e)  # a replay recomputes gradients: nothing to replay of an update or a change at rest
-            self._forget()
+            self.witnesses.forget()
             self.optimizer.zero_grad(set_to_none=True)
-            if self.scaler is not None:
-                self.scaler.settle()
+            self.witnesses.scaler.settle()
             raise
         except GuardConfigurationError:
             self.optimizer.zero_grad(set_to_none=True)
@@ -286,57 +268,16 @@ class SDCGuard(Bookkeeping):
 
     def _update(self, s: int) -> None:
         """Step ``s``'s update, once its checks passed: the witnesses around it, then a consensus when one is due."""
-        if self.scaler is not None:
-            self.scaler.unscale(self.optimizer)  # the oracle ships the gradients the update will use
-        self.rest.before_update()
-        if self.oracle is not None:
-            self.oracle.before_update()
+        self.witnesses.before_update()
         t0 = time.perf_counter()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-        else:
-            self.optimizer.step()
+        self.witnesses.update()
         self.sched.watch.update = time.perf_counter() - t0
-        self.rest.after_update()
-        if self.chain is not None:
-            self.chain.after_update()
-        if self.oracle is not None:
-            self.oracle.after_update(s)
+        self.witnesses.after_update(s)
         self.faults.inject_state(self.rank, s, self.params, self.buffers, self.optimizer)
-        diverged = self.oracle is not None and self.oracle.diverged
-        if (self.sched.plan.consensus or diverged) and self.world >= 2:
+        if (self.sched.plan.consensus or self.witnesses.diverged) and self.world >= 2:
             t0 = time.perf_counter()
             self.layout.consensus(s)
             self.sched.watch.consensus = time.perf_counter() - t0
-
-    def _carry(self) -> torch.Tensor:
-        """What the oracle and the chain carry in this step's gathered row (zeros for the ones not running)."""
-        parts = [self.chain.carry() if self.chain is not None else torch.zeros(2, dtype=torch.float64, device=self.device),
-                 self.oracle.carry() if self.oracle is not None else
-                 torch.zeros(CARRY, dtype=torch.float64, device=self.device)]
-        return torch.cat(parts)
-
-    def _judge_carried(self, s: int, rows: list[list[float]]) -> None:
-        """The chain's and the oracle's verdicts from every rank's carry (the same on every rank), before the
-        layout's own checks: a change at rest or a wrong update is the cause of what those would see next."""
-        verdicts = [StateChain.judge(s, [r[:2] for r in rows], s)]
-        if self.oracle is not None:
-            verdicts.append(self.oracle.agree([r[2:2 + CARRY] for r in rows]))
-        for v in verdicts:
-            if v is not None:
-                self.judge.judge(s, v)
-
-    def _forget(self) -> None:
-        """A check failed: what the chain and the oracle hold is about a state the job will roll back or repair."""
-        if self.chain is not None:
-            self.chain.reset()
-        if self.oracle is not None:
-            self.oracle.reset()
-
-    def _local_state(self) -> list[torch.Tensor]:
-        """This rank's pieces held by no other rank, parameters and their optimizer state, in a fixed order (the
-        chain's: what a replica holds too is the consensus's)."""
-        return [held(t) for t in state_tensors(self._owned, self.optimizer)]
 
     def add_capture_listener(self, fn: Callable[[Capture], None]) -> None:
         """Call ``fn(capture)`` on rank 0 with what a replay of a failed step needs (``capture.py``), after the
@@ -392,30 +333,13 @@ class SDCGuard(Bookkeeping):
         return self.layout.consensus(step)
 
     def _settle(self, step: int) -> None:
-        """Collective, at a save: the chain checked now (the state is still what the last update wrote) and the
-        oracle's last recomputations judged, rather than at the next step; the save's evidence says whether
-        they ran (:attr:`single_owner_evidence`).
-
-        Raises:
-            SilentCorruptionDetected: a rank's state changed at rest, or a recomputed update differs.
-        """
-        try:
-            if self.chain is not None:
-                rows = self.comm.all_gather_rows(self.chain.carry()).tolist()
-                v = StateChain.judge(step, rows, step)
-                if v is not None:
-                    self.judge.judge(step, v)
-                self._chain_checked = step if v is not None else None
-            if self.oracle is not None and (v := self.oracle.settle()) is not None:
-                self.judge.judge(step, v)
-        except SilentCorruptionDetected:
-            self._forget()
-            raise
+        """Collective, at a save: the witnesses judged now (``Witnesses.settle``)."""
+        self.witnesses.settle(step)
 
     def single_owner_evidence(self, step: int) -> bool:
-        """Whether state without a replica carries its own evidence at a save of ``step``: the chain held at
-        this save (:meth:`_settle`) and the oracle runs."""
-        return self.chain is not None and self.oracle is not None and self._chain_checked == step
+        """Whether state without a replica carries its own evidence at a save of ``step``
+        (``Witnesses.single_owner_evidence``)."""
+        return self.witnesses.single_owner_evidence(step)
 
     def state_lanes(self) -> torch.Tensor:
         """Exact fingerprint lanes of this rank's parameters and optimizer state (its shards), on device."""
@@ -434,8 +358,7 @@ class SDCGuard(Bookkeeping):
     def prepare_resume(self) -> None:
         """State was just restored into this process: whatever the layout must rebuild before the next step (DDP's
         bucket layout, see ``ReplicatedLayout.prepare_resume``)."""
-        self.rest.reset()
-        self._forget()
+        self.witnesses.restored()
         self.layout.prepare_resume()
 
     def schedule(self) -> Rates | None:

@@ -123,9 +123,9 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
     # variants' medians carries about a point of noise here); their share is of the same step's plain time.
     own = {"oracle": [0.0], "chain": [0.0]}
     guarded = runs["per-step checks"][2]
-    assert guarded is not None and guarded.oracle is not None and guarded.chain is not None
-    timed(guarded.oracle, ("carry", "before_update", "after_update"), own["oracle"])
-    timed(guarded.chain, ("carry", "after_update"), own["chain"])
+    assert guarded is not None and guarded.witnesses.chain is not None
+    timed(guarded.witnesses.oracle, ("carry", "before_update", "after_update"), own["oracle"])
+    timed(guarded.witnesses.chain, ("carry", "after_update"), own["chain"])
     shares: dict[str, list[float]] = {"oracle": [], "chain": []}
     for step in range(args.steps):
         x = batches[step % 4]

@@ -283,7 +283,7 @@ class ShardedLayout:
 
         def moved(lanes: torch.Tensor) -> torch.Tensor:  # the witness watches the parameters, not their moments
             flags = torch.zeros(lanes.shape[0], dtype=torch.int64, device=lanes.device)
-            flags[params] = g.rest.moved(lanes[params])
+            flags[params] = g.witnesses.rest.moved(lanes[params])
             return flags
 
         mine = box_rows(tensors, keys, moved, g.device)
@@ -297,7 +297,7 @@ class ShardedLayout:
         # From now on the witness fingerprints only the pieces that have exactly two holders: with one there is
         # nothing to compare, with three or more a majority decides.
         holders = Counter(int(k) for mine_ in boxes for k, *_ in mine_ if k != -1)
-        g.rest.judged([n for n, i in enumerate(params) if holders[keys[i]] == 2])
+        g.witnesses.rest.judged([n for n, i in enumerate(params) if holders[keys[i]] == 2])
         for v in verdicts:
             g.judge.judge(step, v)
         return fps if self.view.replicas > 1 else []

@@ -70,7 +70,8 @@ class ReplicatedLayout:
         named_buffers = list(g.module.named_buffers())
         # Looked up at each consensus: the guard builds its witness after its layout (from the layout's parameters).
         # The witness watches the parameters, which come first in the state's order.
-        self.probe = StateProbe(g.params, g.optimizer, g.buffers, g.device, lambda lanes: g.rest.moved(lanes[:len(g.params)]))
+        self.probe = StateProbe(g.params, g.optimizer, g.buffers, g.device,
+                                lambda lanes: g.witnesses.rest.moved(lanes[:len(g.params)]))
         self._buffer_names = [n for n, _ in named_buffers]
         self._replicated = [True] * len(g.buffers)  # DDP starts every replica from rank 0's buffers
         self.auditor = Auditor(g.module, g.params, loss_fn=g.loss_fn, comm=g.comm, project=g.project, cfg=cfg,
@@ -176,7 +177,7 @@ class ReplicatedLayout:
         g, cfg = self.g, self.g.cfg
         rows = cfg.ledger_rank_rows
         verdicts: list[Verdict | None] = list(nonfinite.check(s, gathered, rows)) if cfg.check_nonfinite else []
-        if g.scaler is not None and any(v is not None and not v.ok for v in verdicts):
+        if g.witnesses.scaler.on and any(v is not None and not v.ok for v in verdicts):
             # Under a gradient scaler, NaN/Inf is the scale overflowing: the scaler skips this step and lowers the
             # scale, as it does without the guard; no check can judge this step's values, and no host is blamed.
             log.info("step %d: the gradients overflowed under the loss scale; the gradient scaler skips the step", s)
@@ -253,7 +254,7 @@ class ReplicatedLayout:
         rows = g.comm.all_gather_rows(self.probe.row()).tolist()
         verdicts, fps, self._replicated = consensus.judge(step, rows, self.probe, self._replicated, self._buffer_names,
                                                           g._last_pass("consensus") + 1)
-        g.rest.judged(None)
+        g.witnesses.rest.judged(None)
         for v in verdicts:
             g.judge.judge(step, v)
         return fps

@@ -20,6 +20,8 @@ __all__ = ["Scaling"]
 class Scaling:
     """A job's gradient scaler, as the guard drives it around one step."""
 
+    on = True
+
     def __init__(self, scaler: Any) -> None:
         if not all(hasattr(scaler, a) for a in ("scale", "unscale_", "step", "update", "get_scale")):
             raise TypeError(f"a gradient scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")

@@ -1,0 +1,196 @@
+"""The witnesses of the optimizer update, composed once: the at-rest witness and chain, the update oracle and the
+gradient scaler, around each update and at each save.
+
+``SDCGuard`` runs the same sequence on every layout: ``before_update``, ``update``, ``after_update``, then the
+state faults and a consensus when one is due; at the next step ``carry`` travels in the step's gathered row and
+``judge_carried`` judges every rank's; at a save ``settle`` judges them now. A part that does not run (one process,
+an optimizer the oracle cannot recompute, no scaler) is a null part with the same methods, so the loop has no
+``if x is not None``. Every verdict goes through the guard's ``judge`` (counted, raised on failure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..dtensors import held
+from ..errors import SilentCorruptionDetected
+from .chain import StateChain
+from .consensus import state_tensors
+from .oracle import CARRY, UpdateOracle, elementwise_optimizer
+from .replicas import ReplicaOracle
+from .rest import RestWitness
+from .scaling import Scaling
+from .stats import Verdict
+
+if TYPE_CHECKING:
+    from ..comm import Communicator
+    from .protocol import Layout
+
+__all__ = ["NullScaling", "Witnesses"]
+
+
+class NullScaling:
+    """No gradient scaler: backward and the update as the loop would run them."""
+
+    on = False
+
+    def scale_now(self, device: torch.device) -> torch.Tensor | None:
+        return None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing to unscale."""
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def settle(self) -> None:
+        """Nothing to end."""
+
+
+class _NullOracle:
+    """No update oracle (one process, or an optimizer whose update it cannot recompute): zeros in the row."""
+
+    diverged = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def carry(self) -> torch.Tensor:
+        return torch.zeros(CARRY, dtype=torch.float64, device=self.device)
+
+    def before_update(self) -> None:
+        """Nothing to copy."""
+
+    def after_update(self, step: int) -> None:
+        """Nothing to ship."""
+
+    def agree(self, carried: Sequence[Sequence[float]]) -> Verdict | None:
+        return None
+
+    def settle(self) -> Verdict | None:
+        return None
+
+    def reset(self) -> None:
+        """Nothing held."""
+
+
+class Witnesses:
+    """This rank's witnesses of the update (module doc).
+
+    Args:
+        params: the guard's parameters, in its order.
+        optimizer: the optimizer whose update they witness.
+        layout: who holds which pieces (``owned``) and the at-rest witness's tensors (``local_params``).
+        comm: the guard's communicator (a save's ``settle`` gathers).
+        slices: ``GuardConfig.oracle_slices`` (0: no oracle).
+        scaler: the job's gradient scaler, or :class:`NullScaling`.
+        judge: the guard's ``judge(step, verdict)``: counts, and raises a failed verdict.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, layout: Layout,
+                 comm: Communicator, *, slices: int, scaler: Scaling | NullScaling,
+                 judge: Callable[[int, Verdict], None]) -> None:
+        device, world = comm.device, comm.world
+        self.optimizer, self.comm, self.device, self.scaler, self._judge = optimizer, comm, device, scaler, judge
+        self.rest = RestWitness(layout.local_params, device, on=world >= 2 and layout.witnessed)
+        # The single-owner evidence (``oracle``, ``chain``): a peer recomputes a slice of every rank's update, and
+        # state no replica holds is fingerprinted between its update and its next use. Both need a second rank.
+        sliced = elementwise_optimizer(optimizer) if world >= 2 and slices else None
+        self.owned = [p for p, alone in zip(params, layout.owned(), strict=True) if alone]
+        # Where every rank holds the whole state (DDP), the replicas' own updates of a slice are its recomputation.
+        oracle: type[ReplicaOracle] | type[UpdateOracle] = UpdateOracle
+        if not self.owned and layout.replicas == world:
+            oracle = ReplicaOracle
+        self.oracle: UpdateOracle | ReplicaOracle | _NullOracle = (
+            oracle(sliced, comm, slices, device) if sliced else _NullOracle(device))
+        self.chain = StateChain(self._local_state, device) if world >= 2 and self.owned else None
+        self._chain_checked: int | None = None  # the step of the last save whose chain held
+
+    def _local_state(self) -> list[torch.Tensor]:
+        """This rank's pieces held by no other rank, parameters and their optimizer state, in a fixed order (the
+        chain's: what a replica holds too is the consensus's)."""
+        return [held(t) for t in state_tensors(self.owned, self.optimizer)]
+
+    # ------------------------------------------------------------ around the update
+    def before_update(self) -> None:
+        self.scaler.unscale(self.optimizer)  # the oracle ships the gradients the update will use
+        self.rest.before_update()
+        self.oracle.before_update()
+
+    def update(self) -> None:
+        """The optimizer's update (through the scaler, which skips it when the gradients overflowed)."""
+        self.scaler.step(self.optimizer)
+
+    def after_update(self, step: int) -> None:
+        self.rest.after_update()
+        if self.chain is not None:
+            self.chain.after_update()
+        self.oracle.after_update(step)
+
+    @property
+    def diverged(self) -> bool:
+        """The oracle found the replicas' inputs already apart: a consensus decides who."""
+        return self.oracle.diverged
+
+    # ------------------------------------------------------------ at the next step
+    def carry(self) -> torch.Tensor:
+        """What the oracle and the chain carry in this step's gathered row (zeros for the ones not running)."""
+        chain = self.chain.carry() if self.chain is not None else torch.zeros(2, dtype=torch.float64, device=self.device)
+        return torch.cat([chain, self.oracle.carry()])
+
+    def judge_carried(self, s: int, rows: list[list[float]]) -> None:
+        """The chain's and the oracle's verdicts from every rank's carry (the same on every rank), before the
+        layout's own checks: a change at rest or a wrong update is the cause of what those would see next."""
+        verdicts = [StateChain.judge(s, [r[:2] for r in rows], s), self.oracle.agree([r[2:2 + CARRY] for r in rows])]
+        for v in verdicts:
+            if v is not None:
+                self._judge(s, v)
+
+    def forget(self) -> None:
+        """A check failed: what the chain and the oracle hold is about a state the job will roll back or repair."""
+        if self.chain is not None:
+            self.chain.reset()
+        self.oracle.reset()
+
+    def restored(self) -> None:
+        """State was written by a restore: nothing any witness holds is evidence."""
+        self.rest.reset()
+        self.forget()
+
+    # ------------------------------------------------------------ at a save
+    def settle(self, step: int) -> None:
+        """Collective, at a save: the chain checked now (the state is still what the last update wrote) and the
+        oracle's last recomputations judged, rather than at the next step; the save's evidence says whether
+        they ran (:meth:`single_owner_evidence`).
+
+        Raises:
+            SilentCorruptionDetected: a rank's state changed at rest, or a recomputed update differs.
+        """
+        try:
+            if self.chain is not None:
+                rows = self.comm.all_gather_rows(self.chain.carry()).tolist()
+                v = StateChain.judge(step, rows, step)
+                if v is not None:
+                    self._judge(step, v)
+                self._chain_checked = step if v is not None else None
+            if (v := self.oracle.settle()) is not None:
+                self._judge(step, v)
+        except SilentCorruptionDetected:
+            self.forget()
+            raise
+
+    def single_owner_evidence(self, step: int) -> bool:
+        """Whether state without a replica carries its own evidence at a save of ``step``: the chain held at
+        this save (:meth:`settle`) and the oracle runs."""
+        return self.chain is not None and not isinstance(self.oracle, _NullOracle) and self._chain_checked == step
+
+
+def scaling(scaler: Any) -> Scaling | NullScaling:
+    """The job's gradient scaler as the guard drives it (refused at once when it is not one)."""
+    return Scaling(scaler) if scaler is not None else NullScaling()

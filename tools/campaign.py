@@ -53,18 +53,29 @@ def run_chunk(trials: list[dict[str, Any]], world: int, repo: str, timeout_s: fl
             return list(json.load(f))
 
 
+class ResultsError(ValueError):
+    """A results file this tool did not write (a trial whose id is no string): one line naming the line, exit 2."""
+
+
 def done(path: str) -> dict[str, dict[str, Any]]:
-    """The trials already in the results file, by id (a torn last line, from a kill mid-write, is not a trial)."""
+    """The trials already in the results file, by id (a torn last line, from a kill mid-write, is not a trial).
+
+    Raises:
+        ResultsError: a trial's id is not a string (a hand-edited or foreign file).
+    """
     got: dict[str, dict[str, Any]] = {}
     if not os.path.exists(path):
         return got
     with open(path) as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:
                 continue
             if isinstance(r, dict) and "id" in r:
+                if not isinstance(r["id"], str):
+                    raise ResultsError(f"{path} line {n}: a trial id must be a string, got {type(r['id']).__name__} "
+                                       "(this tool writes strings); fix or remove that line")
                 got.setdefault(r["id"], r)
     return got
 
@@ -173,6 +184,10 @@ def main() -> None:
     groups = {g.rsplit(":", 1)[0]: int(g.rsplit(":", 1)[1]) for g in args.group} if args.group else GROUPS
     trials = plan(groups, world=args.world, steps=args.steps, seed=args.seed, kinds=args.kinds.split(","),
                   head_to_head=args.head_to_head)
+    try:
+        done(args.results)  # a file this tool cannot read is refused before any trial runs
+    except ResultsError as e:
+        ap.exit(2, f"campaign.py: {e}\n")
     if not args.report:
         run(args, trials)
     from campaign_report import report

@@ -7,7 +7,8 @@ events are not single-bit, corrupted addresses repeat 32 lanes apart, stuck-at f
 gradual drift, not only spikes):
 
 * ``x10``: one element x10, once;
-* ``bitflip``: one bit of one element, once (any bit: low mantissa bits are often masked, and that is an outcome);
+* ``bitflip``: one bit of one element, once (any bit of the element's width, 16 for a 16-bit group's forward output,
+  else 32: low mantissa bits are often masked, and that is an outcome);
 * ``multibit``: 2 to 4 bits of one element, once;
 * ``burst``: the same bit in 32 consecutive or 32-strided elements, once;
 * ``stuck``: one output lane of a Linear (a GEMM) forced to a value at every step from a point on;
@@ -62,21 +63,35 @@ def group_config(group: str) -> dict[str, Any]:
     return cfg
 
 
-def draw(rng: random.Random, kind: str, world: int, steps: int) -> dict[str, Any]:
-    """One fault of ``kind``: its site, target, rank, step and corruption (a ``verified_ckpt.faults`` mode)."""
+# Autocast runs LayerNorm in fp32, and the Linears, the attention and the GELU in the group's 16-bit format
+# (tests/test_fault_bits.py holds this against the model). The parameters, so their gradients, updates and
+# optimizer state, are fp32 in every group.
+FP32_UNDER_AUTOCAST = {"blocks.0.ln1", "blocks.1.ln2", "ln"}
+
+
+def element_bits(fmt: str, site: str, target: str) -> int:
+    """How many bits an element of the fault's target has: 16 for a forward output that a 16-bit group's autocast
+    computes in 16 bits, else 32. A bit flip is drawn below it: a bit beyond it would change nothing."""
+    return 16 if fmt in ("bf16", "fp16") and site == "forward" and target not in FP32_UNDER_AUTOCAST else 32
+
+
+def draw(rng: random.Random, kind: str, world: int, steps: int, fmt: str = "fp32") -> dict[str, Any]:
+    """One fault of ``kind``: its site, target, rank, step and corruption (a ``verified_ckpt.faults`` mode); its bits
+    within the target's element in a group trained in ``fmt`` (``element_bits``)."""
     site = "forward" if kind == "stuck" else rng.choice(SITES)
     target = rng.choice(LINEARS if kind == "stuck" else FORWARD if site == "forward" else PARAMS)
     if site == "state":
         target = rng.choice(["exp_avg", "exp_avg_sq"]) + ":" + rng.choice(PARAMS)
+    width = element_bits(fmt, site, target)  # 32 draws what the campaign always drew: fp32 plans are unchanged
     at = rng.randrange(1 << 20)
     if kind == "x10":
         mode = "elem=10"
     elif kind == "bitflip":
-        mode = f"bitflip={rng.randrange(32)}"
+        mode = f"bitflip={rng.randrange(width)}"
     elif kind == "multibit":
-        mode = "bits=" + "+".join(str(b) for b in sorted(rng.sample(range(32), rng.randint(2, 4))))
+        mode = "bits=" + "+".join(str(b) for b in sorted(rng.sample(range(width), rng.randint(2, 4))))
     elif kind == "burst":
-        mode = f"burst={rng.randrange(32)}" + rng.choice(["", "/32"])
+        mode = f"burst={rng.randrange(width)}" + rng.choice(["", "/32"])
     elif kind == "stuck":
         mode = f"stuck={rng.choice([0.0, 1.0, -1.0, 100.0]):g}"
     else:
@@ -100,7 +115,7 @@ def plan(groups: dict[str, int], *, world: int, steps: int, seed: int, kinds: Se
         for kind in kinds:
             for i in range(per_kind):
                 out.append({"id": f"{group}/{kind}/{i:04d}", "group": group, "seed": rng.randrange(SEEDS),
-                            "steps": steps, **draw(rng, kind, world, steps)})
+                            "steps": steps, **draw(rng, kind, world, steps, group_config(group)["fmt"])})
         if head_to_head and (group == next(iter(groups)) or group_config(group)["abft_forward"]):
             for i in range(head_to_head if group == next(iter(groups)) else per_kind):
                 for persistent in (False, True):

@@ -22,7 +22,8 @@ spacing corrupted addresses repeat with); ``stuck=V`` sets one element to V (wit
 (with ``S-``, a persistent multiplier); ``scale=F`` multiplies the whole tensor
 by F. "One element" is element 0 of the target, or element K with a ``@K``
 suffix (``bitflip=22@1234``; taken modulo the target's size), so injections are
-reproducible. RANK ``*`` fires on every rank
+reproducible. A bit is 0..63 in a spec and must lie within the target's element
+when the fault fires (0..15 in a 2-byte tensor): a bit beyond it is a ``ValueError``. RANK ``*`` fires on every rank
 alike (the same wrong value everywhere, as a faulty reduction would deliver).
 """
 
@@ -70,13 +71,31 @@ class Fault:
         rank = "*" if self.rank == EVERY_RANK else str(self.rank)
         return f"{self.site}:{rank}:{steps}:{mode}" + (f"@{self.at}" if self.at else "")
 
+    @property
+    def flipped(self) -> tuple[int, ...]:
+        """The bits this fault flips in an element (none for the modes that set or scale values)."""
+        if self.mode == "bits":
+            return self.bits
+        return (int(self.arg),) if self.mode in ("bitflip", "burst") else ()
+
     def covers(self, step: int) -> bool:
         if self.once:
             return step == self.start
         return step >= self.start and (self.end is None or step <= self.end)
 
     def apply(self, t: torch.Tensor) -> None:
-        """Corrupt ``t`` in place."""
+        """Corrupt ``t`` in place.
+
+        Raises:
+            ValueError: a bit this fault flips is outside ``t``'s element (``bitflip=20`` on a 2-byte tensor): the
+                flip would change nothing while the fault counts as fired.
+        """
+        width = 8 * t.element_size()
+        outside = [b for b in self.flipped if b >= width]
+        if outside:
+            raise ValueError(f"fault spec {self.spec!r}: bit {outside[0]} is outside a "
+                             f"{str(t.dtype).removeprefix('torch.')} element (bits 0..{width - 1}); choose a bit "
+                             f"below {width}")
         with torch.no_grad():
             flat = t.view(-1)
             if flat.numel() == 0:

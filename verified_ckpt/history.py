@@ -47,7 +47,8 @@ class Event:
     ``lanes`` are exact fingerprint lanes: the rank's local gradients for
     ``step``, the recomputed gradients for ``audit`` (``rank`` = the audited
     rank), the replica's weights and optimizer state for ``consensus``.
-    ``loss`` and ``grad_norm`` are NaN where they do not apply.
+    ``loss`` and ``grad_norm`` are NaN where they do not apply; a ``consensus`` row's ``loss`` is the replicas
+    its vote compared (:func:`compares`).
     """
 
     step: int
@@ -125,10 +126,28 @@ def checks(cols: Columns) -> list[Check]:
     return out
 
 
+def compares(cols: Columns, g: Check) -> bool:
+    """Whether check ``g`` compared what it claims to: any check but a consensus does; a consensus only where it
+    compared replicas of the state. Its rows record how many (``loss``: the fewest holders of any piece; 1 on pure
+    FSDP, whose every piece one rank holds); in a ledger written before they did (NaN), where two ranks held the
+    same fingerprint. A failed vote compared copies that disagreed."""
+    if g.kind != "consensus" or g.failed:
+        return True
+    import numpy as np
+
+    lo, hi = g.rows
+    replicas = cols.loss[lo:hi]
+    replicas = replicas[np.isfinite(replicas)]
+    if replicas.size:
+        return bool(replicas.min() >= 2)
+    return len({(int(a), int(b)) for a, b in cols.lanes[lo:hi].tolist()}) < hi - lo
+
+
 def summarize(cols: Columns) -> dict[str, Any]:
     """What ``vckpt ledger`` reports: counts per kind, the last unanimous consensus,
-    the divergence points (every failed check), and the audits."""
-    groups = checks(cols)
+    the divergence points (every failed check), and the audits. A consensus that compared no replica
+    (:func:`compares`) is not counted: nothing was voted on."""
+    groups = [g for g in checks(cols) if compares(cols, g)]
     counts: dict[str, dict[str, int]] = {}
     for g in groups:
         c = counts.setdefault(g.kind, {"checks": 0, "failed": 0})
@@ -209,7 +228,7 @@ def step_series(cols: Columns) -> dict[str, list[Any]]:
         if g.kind not in STEP_CHECKS:
             continue
         failed[g.step] = failed.get(g.step, False) or g.failed
-        if g.kind in COMPARING:
+        if g.kind in COMPARING and compares(cols, g):
             compared.add(g.step)
         if g.kind == "step":
             lo, hi = g.rows
@@ -225,13 +244,14 @@ def checked(cols: Columns | None, series: dict[str, list[Any]]) -> dict[str, Any
     """What the ledger says was checked, for a reader to see before any verdict (``None``: the run has no ledger).
 
     ``steps``: steps with per-step checks; ``compared``: those at which a check compared ranks; ``consensus``
-    and ``audits``: checks of each kind; ``ranks``: the most ranks one step's per-step check covered (1: a single
-    replica, where no consensus is possible; ``None`` where a large job's ledger summarised them in one row).
+    (votes that compared replicas, :func:`compares`) and ``audits``: checks of each kind; ``ranks``: the most ranks
+    one step's per-step check covered (1: a single replica, where no consensus is possible; ``None`` where a large
+    job's ledger summarised them in one row).
     ``series``: :func:`step_series` of ``cols``.
     """
     if cols is None:
         return None
-    groups = checks(cols)
+    groups = [g for g in checks(cols) if compares(cols, g)]
     widths = [len(set(g.ranks)) for g in groups if g.kind == "step"]
     summarised = any(NO_RANK in g.ranks for g in groups if g.kind == "step")
     return {"steps": len(series["step"]), "compared": sum(a is not None for a in series["agree"]),
@@ -241,7 +261,7 @@ def checked(cols: Columns | None, series: dict[str, list[Any]]) -> dict[str, Any
 
 def consensus_votes(cols: Columns) -> list[dict[str, Any]]:
     return [{"step": g.step, "unanimous": not g.failed, "suspects": g.failed_ranks}
-            for g in checks(cols) if g.kind == "consensus"]
+            for g in checks(cols) if g.kind == "consensus" and compares(cols, g)]
 
 
 def redact_url(url: str) -> str:

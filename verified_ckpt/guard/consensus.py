@@ -24,7 +24,7 @@ from .. import decisions
 from ..fingerprint import lanes_hex
 from ..history import Event
 from ..lanes import lanes_on
-from .rest import tiebreak
+from .chain import tiebreak
 from .stats import Verdict
 
 __all__ = ["StateProbe", "judge", "state_lanes", "state_tensors"]
@@ -74,7 +74,7 @@ _FOREACH_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
 
 class StateProbe:
     """What one replica contributes to a consensus, as one int64 row: state lanes, buffer lanes, whether its state
-    changed at rest (``moved``: the guard's witness, ``rest.py``), non-finite count."""
+    changed at rest (``moved``: the guard's at-rest chain, ``chain.py``), non-finite count."""
 
     def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
                  buffers: Sequence[torch.Tensor], device: torch.device,
@@ -145,6 +145,8 @@ def judge(step: int, rows: Sequence[Sequence[int]], probe: StateProbe, replicate
 def _ledger_rows(step: int, lanes: list[tuple[int, int]], suspects: list[int], unanimous: bool) -> Callable[[], list[Event]]:
     def rows() -> list[Event]:
         bad = set(suspects) if suspects or unanimous else set(range(len(lanes)))
-        return [Event(step, "consensus", r, "fail" if r in bad else "pass", lane) for r, lane in enumerate(lanes)]
+        # Every rank holds a whole replica: the vote compared len(lanes) of them (one: a single process, nothing).
+        return [Event(step, "consensus", r, "fail" if r in bad else "pass", lane, loss=float(len(lanes)))
+                for r, lane in enumerate(lanes)]
 
     return rows

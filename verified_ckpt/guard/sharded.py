@@ -314,10 +314,18 @@ def judge_state(step: int, rows: Sequence[Sequence[int]], boxes: Sequence[Sequen
     fps = [lanes_hex((rows[r][0], rows[r][1])) for r in range(world)]
     votes = box_votes(boxes)
     suspects = votes.suspects
+    held: dict[int, int] = {}
+    for mine in boxes:
+        for key, *_ in mine:
+            if key != -1:
+                held[key] = held.get(key, 0) + 1
+    # The replicas this vote compared: the fewest holders of any piece. Pure FSDP holds each piece once, so its
+    # votes compare no replica (a step count every rank holds is no replica of the state): the ledger says so.
+    replicas = min(held.values(), default=0)
 
     def ledger() -> list[Event]:
-        return [Event(step, "consensus", r, "fail" if r in suspects else "pass", (rows[r][0], rows[r][1]))
-                for r in range(world)]
+        return [Event(step, "consensus", r, "fail" if r in suspects else "pass", (rows[r][0], rows[r][1]),
+                      loss=float(replicas)) for r in range(world)]
 
     if votes.agree:
         return [nonfinite, Verdict("consensus", True, rows=ledger)], fps

@@ -60,6 +60,16 @@ def flip_byte(fs, path: str, offset: int) -> None:
     fs.pipe_file(path, bytes(data))
 
 
+def resealed(doc: dict) -> dict:
+    """A manifest document a test edited, sealed again as its writer would seal it: the state fingerprint and (schema 2)
+    the digest recomputed, so that the check the test is about, not the manifest's own, is what meets the edit."""
+    from verified_ckpt.manifest import DIGEST_FIELD, TensorEntry, body_digest, state_fingerprint_of
+
+    tensors = {n: TensorEntry(t["dtype"], t["shape"], t["shard"], t["fingerprint"]) for n, t in doc["tensors"].items()}
+    doc = {**doc, "state_fingerprint": str(state_fingerprint_of(tensors, doc["state"]))}
+    return doc if doc.get("schema_version") == 1 else {**doc, DIGEST_FIELD: body_digest(doc)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -55,7 +55,7 @@ def test_show_json_has_manifest_and_status(run):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["status"] == "unverified" and d["manifest"]["step"] == 2
-    assert d["manifest"]["evidence"] == {} and d["manifest"]["schema_version"] == 1
+    assert d["manifest"]["evidence"] == {} and d["manifest"]["schema_version"] == 2
     by_id = invoke("show", run, d["manifest"]["checkpoint_id"], "--json")
     assert json.loads(by_id.stdout)["manifest"]["step"] == 2
 

@@ -13,7 +13,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from helpers import flip_byte, fresh_state, trained_state
+from helpers import flip_byte, fresh_state, resealed, trained_state
 from verified_ckpt import (
     CheckpointManager,
     CheckpointNotFound,
@@ -199,7 +199,7 @@ def test_changed_bytes_with_a_recomputed_digest_are_caught_by_fingerprints(local
     m["shards"][0]["digest"] = blake3.blake3(bytes(data)).hexdigest()
     m["shards"][0]["crc64nvme"] = crc.hexdigest()  # both digests rewritten: the fingerprints still see it
     os.remove(os.path.join(d, "manifest.json"))
-    open(os.path.join(d, "manifest.json"), "w").write(json.dumps(m))
+    open(os.path.join(d, "manifest.json"), "w").write(json.dumps(resealed(m)))  # its own digest too, as a forger would
     [result] = mgr.verify()
     assert [p.kind for p in result.problems] == ["fingerprint"]
 

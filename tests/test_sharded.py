@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 from dist_harness import run_ranks
+from helpers import resealed
 from safetensors.torch import load_file, save_file
 
 from verified_ckpt import CheckpointManager, CorruptCheckpoint
@@ -246,7 +247,7 @@ def _manifest_with_layout(layout: dict, tensors: dict) -> bytes:
                        for n, s in tensors.items()},
            "state_fingerprint": "0" * 32, "state": {"w": {"stateful": False, "value": {"__tensor__": "w"}}},
            "evidence": {}, "status": "unverified", "reasons": [], "layout": layout}
-    return json.dumps(doc).encode()
+    return json.dumps(resealed(doc)).encode()
 
 
 @pytest.mark.parametrize("chunks,tensors,why", [
@@ -292,7 +293,7 @@ def test_a_per_rank_entry_holds_one_value_per_rank_0_to_w_minus_1(value, ok):
         {"offsets": [0], "tensor": "w@0"}]}}, {"w@0": [4]}))
     doc["state"]["rng"] = {"stateful": True, "per_rank": True, "value": value}
     if ok:
-        m = Manifest.from_json(json.dumps(doc).encode(), "x")
+        m = Manifest.from_json(json.dumps(resealed(doc)).encode(), "x")
         assert m.for_rank(1).state["rng"]["value"] == 2 and m.for_rank(3).state["rng"]["value"] == 2
     else:
         with pytest.raises(ManifestError, match="per-rank"):

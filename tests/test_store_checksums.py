@@ -11,6 +11,7 @@ import pytest
 import s3fs
 import torch
 
+from helpers import resealed
 from verified_ckpt import CheckpointManager, StorageError
 from verified_ckpt.crc import Crc64, from_base64, to_base64
 from verified_ckpt.store import checksummed
@@ -53,7 +54,7 @@ def test_a_manifest_without_crcs_verifies_and_restores_as_before(local_url):
     for s in doc["shards"]:
         del s["crc64nvme"]
     os.remove(path)
-    open(path, "w").write(json.dumps(doc))
+    open(path, "w").write(json.dumps(resealed(doc)))
     again = CheckpointManager(local_url)
     [r] = again.verify()
     assert r.ok, r.problems
@@ -70,7 +71,7 @@ def test_a_recorded_crc_that_does_not_match_its_shard_is_a_problem_of_the_record
     doc = json.loads(open(path).read())
     doc["shards"][0]["crc64nvme"] = "0" * 16
     os.remove(path)
-    open(path, "w").write(json.dumps(doc))
+    open(path, "w").write(json.dumps(resealed(doc)))
     [r] = CheckpointManager(local_url).verify()
     assert not r.ok and r.problems[0].kind == "digest" and "CRC-64/NVME" in r.problems[0].detail
 

@@ -13,22 +13,30 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import blake3
+
 from .crc import is_hex
 from .errors import ManifestError
 from .evidence import evidence_problem
+from .fingerprint import Fingerprint, combine
 from .hosts import Topology
 from .jsonx import JSONBudgetError, Limits, canonical_json, decode_object, short_repr
 from .layout import LayoutEntry, parse_layout
 from .skeleton import MAX_DEPTH as MAX_SKELETON_DEPTH
-from .skeleton import skeleton_problem
+from .skeleton import skeleton_problem, tensor_refs
 from .status import MAX_STEP, Status
 from .tensorspec import ITEMSIZE, MAX_NDIM, MAX_TENSORS, bounded_numel
 
 __all__ = [
-    "MAX_MANIFEST_BYTES", "MAX_STEP", "SEGMENT", "CheckpointInfo", "Manifest", "ShardEntry", "Status", "TensorEntry",
+    "DIGEST_FIELD", "MAX_MANIFEST_BYTES", "MAX_STEP", "SEGMENT", "CheckpointInfo", "Manifest", "ShardEntry", "Status",
+    "TensorEntry", "body_digest", "state_fingerprint_of",
 ]
 
-SCHEMA_VERSION = 1
+# Version 2 carries ``manifest_digest``. Version 1 (written before it) is still read, with no digest: a version-2
+# manifest cannot become one by a flipped byte (2 -> 1 is two bits, and the digest field would have to go too).
+SCHEMA_VERSION = 2
+_UNDIGESTED_VERSION = 1
+DIGEST_FIELD = "manifest_digest"
 MAX_MANIFEST_BYTES = 64 << 20  # about 250,000 tensors; real manifests use ~250 bytes per tensor
 # Shard file names and checkpoint ids are single flat path segments: nothing
 # a manifest says can point outside its checkpoint folder.
@@ -120,6 +128,8 @@ class Manifest:
         for shard in d["shards"]:  # an older manifest's shards stay as they were, byte for byte
             if shard.get("crc64nvme") is None:
                 del shard["crc64nvme"]
+        if self.schema_version != _UNDIGESTED_VERSION:
+            d[DIGEST_FIELD] = body_digest(d)
         return d
 
     def to_json(self) -> bytes:
@@ -171,12 +181,42 @@ class Manifest:
         if not (isinstance(kept, list) and all(isinstance(n, str) and n in tensors for n in kept)
                 and len(set(kept)) == len(kept)):
             raise bad("bookkeeping must list distinct names of the manifest's tensors")
+        # Last, on a document whose shape is known: the specific defects above name themselves first.
+        _check_digest(d, bad)
+        if str(state_fingerprint_of(tensors, d["state"])) != d["state_fingerprint"]:
+            raise bad("its state_fingerprint does not match its tensor table and state skeleton")
         return cls(
             run_id=d["run_id"], checkpoint_id=d["checkpoint_id"], step=d["step"], created_at=d["created_at"],
             topology=Topology.from_dict(d["topology"]), shards=shards, tensors=tensors, state_fingerprint=d["state_fingerprint"],
             state=d["state"], evidence=d["evidence"], status=status, reasons=list(d["reasons"]),
-            resumed_from=d.get("resumed_from"), layout=layout, bookkeeping=list(kept),
+            resumed_from=d.get("resumed_from"), schema_version=d["schema_version"], layout=layout,
+            bookkeeping=list(kept),
         )
+
+
+def body_digest(doc: Mapping[str, Any]) -> str:
+    """The blake3 (hex) of a manifest document's canonical JSON, its digest and signature left out.
+
+    The signature seals the digest, so it cannot be inside it; everything a reader uses is.
+
+    Raises:
+        ValueError: a string canonical JSON cannot encode (a lone surrogate).
+    """
+    body = {k: v for k, v in doc.items() if k not in (DIGEST_FIELD, "signature")}
+    return blake3.blake3(canonical_json(body)).hexdigest()
+
+
+def state_fingerprint_of(tensors: Mapping[str, TensorEntry], state: Mapping[str, Any]) -> Fingerprint:
+    """The ``state_fingerprint`` a manifest records for its tensor table and state skeleton: what a save writes and
+    every parse recomputes.
+
+    Per-rank entries (``"per_rank": true``) differ between ranks by design, so the fingerprint every rank's live
+    state reproduces leaves them and the tensors they name out; those tensors keep their own fingerprints.
+    """
+    own = set().union(*(tensor_refs(v) for e in state.values() if e.get("per_rank") for v in e["value"].values()))
+    shared = {k: e for k, e in state.items() if not e.get("per_rank")}
+    return combine([(n, e.dtype, e.shape, Fingerprint.from_hex(e.fingerprint)) for n, e in tensors.items()
+                    if n not in own], canonical_json(shared))
 
 
 _Bad = Callable[[str], ManifestError]
@@ -184,8 +224,9 @@ _Bad = Callable[[str], ManifestError]
 
 def _check_fields(d: dict[str, Any], bad: _Bad) -> Status:
     """The top-level fields: present, typed, in range; returns the status."""
-    if type(d.get("schema_version")) is not int or d["schema_version"] != SCHEMA_VERSION:
-        raise bad(f"schema_version {short_repr(d.get('schema_version'))}, this version reads {SCHEMA_VERSION}")
+    if type(d.get("schema_version")) is not int or d["schema_version"] not in (_UNDIGESTED_VERSION, SCHEMA_VERSION):
+        raise bad(f"schema_version {short_repr(d.get('schema_version'))}, this version reads "
+                  f"{_UNDIGESTED_VERSION} and {SCHEMA_VERSION}")
     want = {
         "run_id": str, "checkpoint_id": str, "step": int, "created_at": str, "topology": dict,
         "shards": list, "tensors": dict, "state_fingerprint": str, "state": dict, "evidence": dict,
@@ -215,6 +256,23 @@ def _check_fields(d: dict[str, Any], bad: _Bad) -> Status:
     if why:
         raise bad(why)
     return status
+
+
+def _check_digest(d: dict[str, Any], bad: _Bad) -> None:
+    """The manifest's digest matches its body: no field was changed since the save, key or no key."""
+    recorded = d.get(DIGEST_FIELD)
+    if d["schema_version"] == _UNDIGESTED_VERSION:
+        if DIGEST_FIELD in d:  # a version-2 manifest whose version was changed: its digest says what it was
+            raise bad(f"schema_version {_UNDIGESTED_VERSION} has no {DIGEST_FIELD}, but this manifest holds one")
+        return
+    if not (isinstance(recorded, str) and _HEX64.match(recorded)):
+        raise bad(f"{DIGEST_FIELD} is missing or not 64 lowercase hex digits")
+    try:
+        digest = body_digest(d)
+    except ValueError:  # a lone surrogate the decoder let through: no writer of this library wrote it
+        raise bad("it holds a string that canonical JSON cannot encode") from None
+    if digest != recorded:
+        raise bad(f"its {DIGEST_FIELD} does not match its content: it was changed or damaged after the save")
 
 
 def _shards(raw: list[Any], bad: _Bad) -> list[ShardEntry]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from helpers import resealed
 from verified_ckpt import CheckpointManager, Host, Incident, InvalidState
 from verified_ckpt.recovery import Attempt, ExitCode, decide, host_problem, node_health, supervise
 from verified_ckpt.recovery.supervisor import hook_argv, hook_template
@@ -195,7 +196,7 @@ def test_a_checkpoint_whose_topology_names_a_host_outside_the_grammar_lends_it_t
     doc = json.loads(path.read_text())
     for host, seen in [("gpu_node_7", "gpu-node-7"), ("--all", "all"), ("n1;touch${IFS}PWNED", "n1-touch-IFS-PWNED")]:
         doc["topology"]["ranks"][0]["host"] = host
-        path.write_text(json.dumps(doc))
+        path.write_text(json.dumps(resealed(doc)))  # as that machine's save wrote it
         r = CliRunner().invoke(vckpt, ["verify", run, "--json"])
         assert r.exit_code == 0, r.output
         assert CheckpointManager(run).get(1).manifest.topology.ranks[0].host == seen

@@ -215,8 +215,8 @@ def state_fingerprint_of(tensors: Mapping[str, TensorEntry], state: Mapping[str,
     """
     own = set().union(*(tensor_refs(v) for e in state.values() if e.get("per_rank") for v in e["value"].values()))
     shared = {k: e for k, e in state.items() if not e.get("per_rank")}
-    return combine([(n, e.dtype, e.shape, Fingerprint.from_hex(e.fingerprint)) for n, e in tensors.items()
-                    if n not in own], canonical_json(shared))
+    return combine([(n, e.dtype, e.shape, e.fingerprint) for n, e in tensors.items() if n not in own],
+                   canonical_json(shared))
 
 
 _Bad = Callable[[str], ManifestError]

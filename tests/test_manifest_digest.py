@@ -177,9 +177,9 @@ def test_a_signed_manifest_seals_its_digest(local_url):
 
 
 def test_every_flipped_byte_of_a_manifest_is_refused_or_changes_nothing(local_url):
-    """Each byte of a small manifest flipped in turn (each of its 8 bits, and all 8): every flip is refused at
-    parse, or (were one to parse) is the same manifest and restores the same values. A sample goes through the
-    run's own read: listed corrupt, nothing restored."""
+    """Each byte of a small manifest flipped in turn (each of its 8 bits, bits 0-1 together, and all 8): every flip
+    is refused at parse, or (were one to parse) is the same manifest and restores the same values. A sample goes
+    through the run's own read: listed corrupt, nothing restored."""
     info = CheckpointManager(local_url).save(20, {"w": torch.arange(3.0), "lr": 0.003, "tok": b"ab"})
     path = os.path.join(local_url, "checkpoints", info.id, "manifest.json")
     raw = Path(path).read_bytes()
@@ -187,7 +187,7 @@ def test_every_flipped_byte_of_a_manifest_is_refused_or_changes_nothing(local_ur
     assert len(raw) < 2048, len(raw)  # small, so that every byte is cheap to try
     parsed = []
     for at in range(len(raw)):
-        for mask in (*(1 << bit for bit in range(8)), 0xFF):
+        for mask in (*(1 << bit for bit in range(8)), 0x03, 0xFF):  # 0x03: schema_version 2 -> 1
             flipped = bytearray(raw)
             flipped[at] ^= mask
             try:

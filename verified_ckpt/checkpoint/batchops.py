@@ -70,7 +70,7 @@ def parse_report(files: Sequence[bytes]) -> tuple[dict[tuple[str, str], ReportRo
     """The rows of completion report files, by (bucket, key), and how many rows were left out as malformed.
 
     Raises:
-        ValueError: a file larger than :data:`MAX_REPORT_BYTES`, or not text.
+        ValueError: a file larger than :data:`MAX_REPORT_BYTES`, not text, or not CSV (a field over csv's limit).
     """
     rows: dict[tuple[str, str], ReportRow] = {}
     bad = 0
@@ -81,14 +81,20 @@ def parse_report(files: Sequence[bytes]) -> tuple[dict[tuple[str, str], ReportRo
             text = data.decode("utf-8")
         except UnicodeDecodeError:
             raise ValueError("a completion report file is not UTF-8 text") from None
-        for rec in csv.reader(io.StringIO(text)):
-            if not rec or [c.strip() for c in rec[:2]] == ["Bucket", "Key"]:
-                continue  # a blank line, or a header row
-            row = _row(rec)
-            if row is None:
-                bad += 1
-            else:
-                rows[(row.bucket, row.key)] = row
+        reader = csv.reader(io.StringIO(text))
+        try:
+            for rec in reader:
+                if not rec or [c.strip() for c in rec[:2]] == ["Bucket", "Key"]:
+                    continue  # a blank line, or a header row
+                row = _row(rec)
+                if row is None:
+                    bad += 1
+                else:
+                    rows[(row.bucket, row.key)] = row
+        except csv.Error as e:
+            # The reader stops at a field over csv's limit (128 KiB: no key or message of a real report is near it)
+            # and cannot resume past it: the file is refused whole, as one too large is.
+            raise ValueError(f"a completion report file is not a CSV report: {e} at line {reader.line_num}") from None
     return rows, bad
 
 

@@ -6,13 +6,18 @@ not one, a model that is not the trained one or that cannot take the bundle's da
 A refusal is not a verdict: it is one line, ``error: no verdict: ...``, on stderr and nothing on stdout (with
 ``--json`` too), exit 1 for a bundle refused (altered, damaged or malformed: 1 is a failed check) and 2 or 3 as
 above; a verdict is printed on stdout.
+
+"Not reproduced" on the host the incident names is the evidence that clears it: the replay records it in the run (a
+clearance, signed in a signed run), and ``vckpt node-health`` stops naming the host for that incident. A drill
+(``--inject``) records nothing, and nor does a replay on another host. A record the store refuses costs one line on
+stderr, never the verdict's code.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
@@ -58,14 +63,33 @@ def replay_cmd(run: str, incident: str, model_spec: str, host: str | None, ranks
         _refuse(e, exit_code_for(e))
     except ValueError as e:  # an --inject spec
         _refuse(e, EXIT_USAGE)
+    cleared = set() if faults else _record(run, incident, results, options)
     if as_json:
         click.echo(json.dumps({"incident": incident, "step": bundle.recipe.step, "kind": bundle.recipe.kind,
-                               "bundle_bytes": bundle.nbytes,
-                               "signature": bundle.signature, "replays": [r.to_dict() for r in results]}))
+                               "bundle_bytes": bundle.nbytes, "signature": bundle.signature,
+                               "replays": [r.to_dict() | {"cleared": r.rank in cleared} for r in results]}))
     else:
         for r in results:
-            click.echo(f"incident {incident}, step {bundle.recipe.step} ({bundle.recipe.kind}): {r.line}")
+            done = f"; {r.host} is cleared of incident {incident} on the record" if r.rank in cleared else ""
+            click.echo(f"incident {incident}, step {bundle.recipe.step} ({bundle.recipe.kind}): {r.line}{done}")
     sys.exit(max((int(r.outcome.code) for r in results), key=_severity))
+
+
+def _record(run: str, incident: str, results: list[Any], options: dict[str, Any]) -> set[int]:
+    """Record each "not reproduced" on the host the incident names as its clearance; the ranks whose host it cleared."""
+    from verified_ckpt.recovery import Outcome, record_replay
+
+    out = set()
+    for r in results:
+        if r.outcome is not Outcome.NOT_REPRODUCED or r.host != r.suspect_host:
+            continue  # only a replay on the suspect's own host is evidence for that host
+        try:
+            if record_replay(run, r.host, incident, line=r.line, storage_options=options) is not None:
+                out.add(r.rank)
+        except VerifiedCkptError as e:  # the verdict stands; the host stays suspect until a record says otherwise
+            click.echo(f"warning: the verdict was not recorded ({as_flags(str(e))}); {r.host} stays suspect until "
+                       "it is: run the replay again, or vckpt clear-host RUN HOST --reason ...", err=True)
+    return out
 
 
 def _refuse(err: Exception, code: int) -> NoReturn:

@@ -91,6 +91,35 @@ def test_a_persistent_fault_is_reproduced_and_a_transient_one_is_not(runs):
     assert code == 4 and "reproduced on this host" in out and "persistent fault" in out
 
 
+def test_not_reproduced_on_the_named_host_clears_it_and_a_rollback_or_a_drill_does_not(runs, tmp_path):
+    """Issue 48, finding 6: a rollback answers the incident for checkpoints only; the replay's verdict on the host
+    the incident names is the evidence that clears it, recorded (signed) in the run."""
+    import shutil
+
+    root, _ = runs
+    run = str(tmp_path / "grad")
+    shutil.copytree(os.path.join(root, "grad"), run, ignore=shutil.ignore_patterns("clearance"))  # no earlier replay's
+    [inc] = CheckpointManager(run).incidents()
+    [host] = inc.exclude_hosts
+    env = {"VCKPT_SIGNING_KEY": KEY}
+
+    def health() -> int:
+        return CliRunner().invoke(vckpt, ["node-health", run, "--host", host], env=env).exit_code
+
+    assert health() == 1
+    rolled = CliRunner().invoke(vckpt, ["rollback", run, "--json"], env=env)
+    assert rolled.exit_code == 0 and json.loads(rolled.output)["recorded"], rolled.output
+    assert CheckpointManager(run).view().open_incidents() == [] and health() == 1  # still suspect
+    assert replay(run, "--inject", "grad:1:7:scale=10")[0] == 4 and health() == 1  # a drill clears nothing
+    code, doc = replay(run, "--json")
+    assert code == 0 and doc["replays"][0]["outcome"] == "not-reproduced" and doc["replays"][0]["cleared"], doc
+    assert health() == 0
+    [rec] = CheckpointManager(run).view().clearances  # read without the key: signed, not checked
+    assert (rec.host, rec.by, rec.answers, rec.signature) == (host, "replay", [inc.id], "unchecked")
+    status = CliRunner().invoke(vckpt, ["status", run, "--json"], env=env)
+    assert json.loads(status.output)["exclude_hosts"] == [], status.output
+
+
 def test_a_poisoned_batch_blames_no_host(runs):
     root, got = runs
     assert got["data"] == [["nonfinite_local", [1], 7]], got  # the guard named the rank whose batch held the Inf

@@ -1,7 +1,7 @@
 """One story of recovery without a person: a 3-rank job under real `torchrun`, run by `vckpt supervise`, is caught,
 restarted off the suspect host and resumed from the rollback target to the clean run's final weights; `vckpt
 status`, `vckpt incidents`, `vckpt node-health`, the report and the service say the same about the run (the hosts
-to exclude are those the open incidents name), before and after the rollback that answers the incident."""
+to exclude are the suspect hosts), before and after the rollback that answers the incident for checkpoints."""
 
 from __future__ import annotations
 
@@ -94,9 +94,10 @@ def test_a_supervised_job_is_restarted_off_the_suspect_host_and_every_reader_agr
     clean = run_ranks(run_example, 3, str(tmp_path / "clean"), timeout=150)[0]  # the same train(), 3 warm ranks
     assert clean["completed"] and final["fingerprint"] == clean["fingerprint"]
     after = told(run)
-    assert after["status"] == after["report"] == after["service"] == []
-    assert "every incident is answered" in after["incidents"] and after["health"] == "ok" and after["node"] == 0
-    assert after["service node"] == (200, True, False)
+    # The rollback answered the incident for checkpoints, never for the host (issue 48, finding 6): every reader still
+    # names it until a replay on it says "not reproduced" or an operator clears it (tests/test_host_clearance.py).
+    assert after["status"] == after["report"] == after["service"] == [host] and after["incidents"].endswith(host)
+    assert after["health"] == "ok" and after["node"] == 1 and after["service node"] == (503, False, True)
     assert after["recovery"] == {"detected_step": 7, "rolled_back_to": 6}
     assert after["supervised"] == [(0, 1, "restart", 4, [host]), (1, 0, "done", 0, [])]
     page = render_html(CheckpointManager(run).history_report())

@@ -1,9 +1,9 @@
 """A run's health as one typed record, computed in one place (``RunView.health``); its colours are ``status``'s.
 
 ``vckpt status`` (its line, its ``--json`` and its exit code), the service's API and dashboard, and the
-report all say what :func:`run_health` derives from one read of the run: the open incidents and the hosts they
-name, the rollback target, the newest restorable checkpoint, the records that could not be read. Pure: the
-caller reads the run.
+report all say what :func:`run_health` derives from one read of the run: the open incidents, the suspect hosts
+(named by an incident and not cleared since: a rollback answers the incident, not the host), the rollback
+target, the newest restorable checkpoint, the records that could not be read. Pure: the caller reads the run.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class RunHealth:
 
     def _hosts(self) -> str:
         named = " ".join(self.exclude_hosts)
+        if named and not self.open_incidents:  # the incidents were rolled back; the hosts wait for evidence
+            named += " (suspect until a replay or vckpt clear-host clears them: vckpt node-health says how)"
         if not self.hosts_unknown:
             return named or "none"
         return (f"{named + ' and ' if named else ''}unknown (an open incident cannot be trusted and could have named "

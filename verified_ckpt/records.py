@@ -2,7 +2,8 @@
 
 Manifests are immutable; what is learnt later is an append-only record under
 ``<run>/records/<kind>/``: an :class:`Incident` (a failed check, or a flag set
-by hand), a :class:`Rollback`, a :class:`VerificationResult`, or a supervisor's decision (:class:`Supervision`). Each kind has
+by hand), a :class:`Rollback`, a :class:`VerificationResult`, a supervisor's decision (:class:`Supervision`), or the
+evidence that clears a host an incident named (:class:`Clearance`). Each kind has
 a strict ``from_record`` (types, ranges, lengths) and ``to_record`` (the
 stored form, sealed by ``signing``).
 
@@ -10,7 +11,7 @@ stored form, sealed by ``signing``).
 Its rule: a record that fails its signature check never makes anything more
 trusted. An untrusted incident covers the whole run and no rollback answers it;
 an untrusted verification counts as a failed one; an untrusted rollback answers
-nothing. A record that cannot be read at all (oversized, not a regular file,
+nothing, and an untrusted clearance clears no host. A record that cannot be read at all (oversized, not a regular file,
 not JSON, wrongly typed) never counts as nothing either: with a signing key,
 an unreadable incident or verification record (either may have been a
 failure someone wants gone) is an untrusted incident covering the whole run;
@@ -21,33 +22,30 @@ Pure: bytes in, typed records out; the catalog does the I/O.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 from typing import Any
 
-from .errors import InvalidState, ManifestError
-from .hosts import Host, device_problem, host_problem
+from .errors import InvalidState
+from .hosts import Host, host_problem
 from .jsonx import JSONBudgetError, Limits, canonical_json, decode_object, short_repr
-from .manifest import MAX_STEP, SEGMENT
+from .manifest import SEGMENT
+from .record_fields import ID, RecordError
+from .record_fields import RecordFields as _Fields
 from .signing import Signature, Signer
 
 __all__ = [
-    "INCIDENT", "KINDS", "MAX_RECORD_BYTES", "MAX_TEXT", "ROLLBACK", "SUPERVISION", "UNANSWERABLE", "VERIFICATION", "Host",
-    "Incident", "InvalidRecord", "Problem", "Rollback", "Supervision", "VerificationResult", "encoded", "parse",
+    "CLEARANCE", "INCIDENT", "KINDS", "MAX_RECORD_BYTES", "MAX_TEXT", "ROLLBACK", "SUPERVISION", "UNANSWERABLE",
+    "VERIFICATION", "Clearance", "Host", "Incident", "InvalidRecord", "Problem", "RecordError", "Rollback", "Supervision",
+    "VerificationResult", "encoded", "parse",
 ]
 
 INCIDENT, ROLLBACK, VERIFICATION, SUPERVISION = "incident", "rollback", "verification", "supervision"
-KINDS = (INCIDENT, ROLLBACK, VERIFICATION, SUPERVISION)
+CLEARANCE = "clearance"
+KINDS = (INCIDENT, ROLLBACK, VERIFICATION, SUPERVISION, CLEARANCE)
 MAX_RECORD_BYTES = 1 << 20
 UNANSWERABLE = "9999-12-31T23:59:59+00:00"  # later than any rollback record
 _LIMITS = Limits(max_bytes=MAX_RECORD_BYTES, max_depth=16)
-_ID = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 MAX_TEXT = 64 << 10
-_MAX_ITEMS = 100_000
-
-
-class RecordError(ManifestError):
-    """A record is malformed: wrong types, out-of-range values, or not a record of its kind."""
 
 
 class InvalidRecord(InvalidState, ValueError):
@@ -191,6 +189,45 @@ class Supervision:
                    signature=signature)
 
 
+CLEARED_BY = ("replay", "operator")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Clearance:
+    """Evidence that clears ``host`` of the incidents in ``answers``: a replay on that host that computed the
+    incident's step as a healthy rank did (``by="replay"``, ``vckpt replay``), or an operator's word, given with a
+    reason (``by="operator"``, ``vckpt clear-host``). A rollback answers an incident for checkpoints, never for
+    hosts: until a clearance names it, a host an incident named stays suspect (``recovery.health``). Believed only
+    when trusted: an untrusted clearance clears nothing."""
+
+    at: str
+    host: str
+    by: str  # replay | operator
+    answers: list[str]  # the incidents it clears the host of
+    reason: str
+    signature: str = "unsigned"
+
+    @property
+    def trusted(self) -> bool:
+        return Signature(self.signature).trusted
+
+    def to_record(self) -> dict[str, Any]:
+        return {"at": self.at, "host": self.host, "by": self.by, "answers": list(self.answers), "reason": self.reason}
+
+    @classmethod
+    def from_record(cls, d: dict[str, Any], signature: str = "unsigned") -> Clearance:
+        r = _Fields(d, CLEARANCE)
+        by, host, answers = r.text("by", 16), r.text("host", 253), r.idents("answers")
+        if by not in CLEARED_BY:
+            raise RecordError(f"field 'by' must be replay or operator, got {short_repr(by)}")
+        if why := host_problem(host):
+            raise RecordError(f"field 'host': {why}")
+        if not answers:
+            raise RecordError("field 'answers' must name at least one incident")
+        return cls(at=r.text("at", 64), host=host, by=by, answers=answers, reason=r.text("reason", MAX_TEXT),
+                   signature=signature)
+
+
 # How deep a verification looked: every byte read and checked ("read"); the store's size and checksum of each shard,
 # no byte read ("head", ``verification.head_all``); the store's checksum recomputed over the bytes at rest, by S3
 # Batch Operations ("store", ``batchops``).
@@ -263,10 +300,10 @@ class Unreadable:
         return f"{self.kind} record {self.name} could not be read ({self.why})"
 
 
-Record = Incident | Rollback | VerificationResult | Supervision
+Record = Incident | Rollback | VerificationResult | Supervision | Clearance
 _PARSERS: dict[str, Callable[..., Record]] = {
     INCIDENT: Incident.from_record, ROLLBACK: Rollback.from_record, VERIFICATION: VerificationResult.from_record,
-    SUPERVISION: Supervision.from_record,
+    SUPERVISION: Supervision.from_record, CLEARANCE: Clearance.from_record,
 }
 
 
@@ -310,7 +347,7 @@ def parse(kind: str, name: str, raw: bytes | None, problem: str | None, signer: 
         return _PARSERS[kind](doc, sig.value)
     except RecordError as e:
         unreadable = Unreadable(kind, name, short_repr(str(e))[1:-1])
-        if signer.key is None or kind in (ROLLBACK, SUPERVISION):  # neither can hide a failure
+        if signer.key is None or kind in (ROLLBACK, SUPERVISION, CLEARANCE):  # none can hide a failure
             return unreadable
         return _untrusted(INCIDENT, {"id": "unreadable", "kind": "unreadable-record"},
                           f"{unreadable}, although a signing key is configured: it may have been a failure someone "
@@ -325,9 +362,9 @@ def _untrusted(kind: str, doc: dict[str, Any], why: str, signature: str) -> Reco
         # removes it (and re-flags what is real).
         # Its id and kind are shown (vckpt status, node-health), so only in the id grammar.
         rid, what = doc.get("id"), doc.get("kind")
-        return Incident(kind=what if isinstance(what, str) and _ID.match(what) else "unknown", detected_step=0,
+        return Incident(kind=what if isinstance(what, str) and ID.match(what) else "unknown", detected_step=0,
                         first_suspect_step=0, ranks=[], hosts=[], detail=why,
-                        id=rid if isinstance(rid, str) and _ID.match(rid) else "unknown",
+                        id=rid if isinstance(rid, str) and ID.match(rid) else "unknown",
                         reason=why + "; until it is removed every checkpoint is suspect", to_step=None,
                         at=UNANSWERABLE, source="untrusted", signature=signature)
     if kind == VERIFICATION:
@@ -335,103 +372,3 @@ def _untrusted(kind: str, doc: dict[str, Any], why: str, signature: str) -> Reco
         return VerificationResult(cid if isinstance(cid, str) and SEGMENT.match(cid) else "", 0, False,
                                   [Problem("signature", why)], str(doc.get("at", ""))[:64], None, signature)
     return None
-
-
-class _Fields:
-    """Typed field access over one decoded record; every defect is a :class:`RecordError`."""
-
-    def __init__(self, d: dict[str, Any], kind: str) -> None:
-        if not isinstance(d, dict):
-            raise RecordError(f"a {kind} record must be a JSON object")
-        self.d = d
-
-    def _get(self, key: str) -> Any:
-        v = self.d.get(key)
-        if v is None:
-            raise RecordError(f"missing field {key!r}")
-        return v
-
-    def text(self, key: str, limit: int, default: str | None = None) -> str:
-        v = self.d.get(key)
-        if v is None and default is not None:
-            return default
-        if not isinstance(v, str) or len(v) > limit:
-            raise RecordError(f"field {key!r} must be a string of at most {limit} characters, got {short_repr(v)}")
-        return v
-
-    def step(self, key: str, optional: bool = False) -> Any:
-        v = self.d.get(key) if optional else self._get(key)
-        if v is None and optional:
-            return None
-        if type(v) is not int or not 0 <= v <= MAX_STEP:
-            raise RecordError(f"field {key!r} must be a step (an int from 0 to {MAX_STEP}), got {short_repr(v)}")
-        return v
-
-    def flag(self, key: str) -> bool:
-        v = self._get(key)
-        if not isinstance(v, bool):
-            raise RecordError(f"field {key!r} must be true or false, got {short_repr(v)}")
-        return v
-
-    def ident(self, key: str) -> str:
-        v = self._get(key)
-        if not isinstance(v, str) or not _ID.match(v):
-            raise RecordError(f"field {key!r} must be a short id, got {short_repr(v)}")
-        return v
-
-    def segment(self, key: str) -> str:
-        v = self._get(key)
-        if not isinstance(v, str) or not SEGMENT.match(v):
-            raise RecordError(f"field {key!r} must be a checkpoint id, got {short_repr(v)}")
-        return v
-
-    def _list(self, key: str) -> list[Any]:
-        v = self.d.get(key, [])
-        if not isinstance(v, list) or len(v) > _MAX_ITEMS:
-            raise RecordError(f"field {key!r} must be a list, got {short_repr(v)}")
-        return v
-
-    def small_int(self, key: str) -> int:
-        v = self._get(key)
-        if type(v) is not int or not -256 <= v <= 255:
-            raise RecordError(f"field {key!r} must be an exit status (an int from -256 to 255), got {short_repr(v)}")
-        return v
-
-    def ranks(self, key: str) -> list[int]:
-        v = self._list(key)
-        if not all(type(r) is int and 0 <= r < 1 << 31 for r in v):
-            raise RecordError(f"field {key!r} must list rank numbers, got {short_repr(v)}")
-        return sorted(v)
-
-    def idents(self, key: str) -> list[str]:
-        v = self._list(key)
-        if not all(isinstance(x, str) and _ID.match(x) for x in v):
-            raise RecordError(f"field {key!r} must list ids, got {short_repr(v)}")
-        return list(v)
-
-    def objects(self, key: str, fields: dict[str, int]) -> list[dict[str, Any]]:
-        v = self._list(key)
-        for x in v:
-            if not (isinstance(x, dict) and all(isinstance(x.get(f), str) and len(x[f]) <= n for f, n in fields.items())):
-                raise RecordError(f"field {key!r} must list objects with string fields {sorted(fields)}, got {short_repr(x)}")
-        return v
-
-    def host_names(self, key: str) -> list[str]:
-        """Host names in the one grammar (``hosts.host_problem``): a name that is not one is a malformed record,
-        never text that reaches a scheduler's command or a terminal."""
-        v = self._list(key)
-        for x in v:
-            if why := host_problem(x):
-                raise RecordError(f"field {key!r}: {why}")
-        return list(v)
-
-    def hosts(self, key: str) -> list[Host]:
-        out = []
-        for h in self.objects(key, {"host": 256, "device": 256}):
-            rank = h.get("rank")
-            if type(rank) is not int or not 0 <= rank < 1 << 31:
-                raise RecordError(f"field {key!r}: a host needs an int rank, got {short_repr(h)}")
-            if why := host_problem(h["host"]) or device_problem(h["device"]):
-                raise RecordError(f"field {key!r}: {why}")
-            out.append(Host(rank, h["host"], h["device"]))
-        return out

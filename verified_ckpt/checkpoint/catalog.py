@@ -38,6 +38,7 @@ from ..records import (
     ROLLBACK,
     SUPERVISION,
     VERIFICATION,
+    Clearance,
     Incident,
     InvalidRecord,
     Record,
@@ -48,6 +49,7 @@ from ..records import (
     encoded,
     parse,
 )
+from ..recovery.health import suspect_hosts
 from ..signing import Signer
 from ..status import Status
 from ..store import RunStore, StoredRecord, utc_now
@@ -103,6 +105,7 @@ class RunRecords:
     verifications: dict[str, list[VerificationResult]]
     unreadable: list[str]
     supervision: list[Supervision] = dataclasses.field(default_factory=list)  # vckpt supervise's decisions, oldest first
+    clearances: list[Clearance] = dataclasses.field(default_factory=list)  # evidence clearing hosts, oldest first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,7 @@ class RunView:
     rollbacks: list[Rollback]
     verifications: dict[str, list[VerificationResult]] = dataclasses.field(default_factory=dict)  # by checkpoint id
     supervision: list[Supervision] = dataclasses.field(default_factory=list)  # vckpt supervise's decisions
+    clearances: list[Clearance] = dataclasses.field(default_factory=list)  # replays and operators clearing hosts
 
     def rollback_target(self) -> tuple[CheckpointInfo | None, list[tuple[str, int, str]]]:
         return decisions.rollback_target(self.infos)
@@ -128,8 +132,9 @@ class RunView:
         return [i for i, done in zip(self.incidents, self.answered(), strict=True) if not done]
 
     def exclude_hosts(self) -> list[str]:
-        """The hosts the open incidents name (``decisions.exclude_hosts``): what every reader reports."""
-        return decisions.exclude_hosts(self.incidents, self.rollbacks)
+        """The suspect hosts (``recovery.health.suspect_hosts``): named by an incident and not cleared since, whether
+        or not a rollback answered it. What every reader reports."""
+        return list(suspect_hosts(self.incidents, self.clearances))
 
     def recovery(self) -> tuple[int, int] | None:
         """``(detected step, rolled back to step)`` once every incident is answered (``decisions.recovery``)."""
@@ -206,10 +211,13 @@ class Catalog:
                     got.verifications.setdefault(rec.id, []).append(rec)
                 elif isinstance(rec, Supervision):
                     got.supervision.append(rec)
+                elif isinstance(rec, Clearance):
+                    got.clearances.append(rec)
                 elif isinstance(rec, Unreadable):
                     got.unreadable.append(str(rec))
         got.incidents.sort(key=lambda r: r.at)
         got.supervision.sort(key=lambda r: r.at)
+        got.clearances.sort(key=lambda r: r.at)
         return got
 
     def verification_records(self) -> list[tuple[str, VerificationResult]]:
@@ -350,7 +358,7 @@ class Catalog:
         with concurrent.futures.ThreadPoolExecutor(self.io_workers) as pool:
             infos = list(pool.map(load, listed))
         return RunView(self.url, recs.unreadable, sorted(infos, key=lambda i: (i.created_at, i.step, i.id)), incidents, rollbacks,
-                       verifications, recs.supervision)
+                       verifications, recs.supervision, recs.clearances)
 
     # -------------------------------------------------------- selection
     def get(self, infos: list[CheckpointInfo], ref: int | str) -> CheckpointInfo:

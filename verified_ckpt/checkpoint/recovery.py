@@ -6,12 +6,13 @@ job what it now holds (``on_restored``: the manager's lineage, evidence
 baseline and the guard's resume preparation).
 
 :meth:`Recovery.resume` is what a (re)starting job calls. Rank 0 chooses (``opening.decide``: the other
-ranks get the manifest's bytes and never list the run): the rollback target when an incident is open
-(recording the rollback that answers it, once every rank holds the target), else the newest restorable
-checkpoint, else a fresh start. Every rank restores the choice, all or nothing on every rank; if any rank
-finds its bytes wrong, the failure is recorded (the checkpoint becomes ``corrupt``), a warning names it, and
-every rank falls back to the next candidate. An auto-restarting job therefore never loops on one bad
-checkpoint.
+ranks get the manifest's bytes and never list the run): when an incident is open, where
+``recovery.restart.restart_point`` says, the rule ``vckpt supervise`` follows too: the rollback target, or a
+fresh start where no checkpoint predates the interval (either recorded as the rollback that answers it, once
+every rank holds the choice); else the newest restorable checkpoint, else a fresh start. Every rank restores
+the choice, all or nothing on every rank; if any rank finds its bytes wrong, the failure is recorded (the
+checkpoint becomes ``corrupt``), a warning names it, and every rank falls back to the next candidate. An
+auto-restarting job therefore never loops on one bad checkpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..errors import CheckpointNotRestorable, CorruptCheckpoint
 from ..history import NO_RANK, Event
 from ..manifest import CheckpointInfo
 from ..records import Problem, VerificationResult
+from ..recovery.restart import restart_point
 from ..status import Status
 from ..store import RunStore, utc_now
 from .catalog import Catalog, RunView
@@ -126,10 +128,11 @@ class Recovery:
         seen.append(view)
         allowed = {Status.RESTORABLE} | ({Status.UNVERIFIED} if allow_unverified else set())
         usable = [i for i in view.infos if i.status in allowed and i.id not in skipped]
-        answer = bool(view.open_incidents())
-        if answer:  # the rollback target: statuses already carry the incidents' intervals
-            target, _ = view.rollback_target()
-            usable = [target] if target is not None and target.id not in skipped else []
+        target, _ = view.rollback_target()  # statuses already carry the incidents' intervals
+        restart = restart_point(view.open_incidents(), None if target is None else target.step)
+        answer = restart is not None
+        if restart is not None:
+            usable = [target] if target is not None and not restart.fresh and target.id not in skipped else []
         unverified = sum(i.status is Status.UNVERIFIED for i in view.infos)
         chosen = usable[-1] if usable else None
         newer = tuple(f"{i.id} ({i.status.value})" for i in view.infos

@@ -8,12 +8,15 @@ The rules, in order:
   - an incident that cannot be trusted (edited, or unreadable where a signed record belongs): stop with its own
     code; it could have named any host, so a restart could land on the suspect one;
   - software divergence: stop; a restart would repeat it;
-  - no rollback target is left: stop with its own code;
-  - the same interval failed again (its steps overlap an earlier attempt's incident): stop with the software /
-    data verdict: the hosts named before are out, so the cause is software, the data, or a fault that moves;
+  - the same interval failed again (its steps overlap an earlier attempt's incident): stop. With a host named
+    before, the software / data verdict: that host is out, so the cause is software, the data, or a fault that
+    moves. With none ever named, the no-host verdict (5): the same unnamed hosts failed alike, so rerun the
+    interval with one host swapped out;
   - hosts are named but there is no way to keep the job off them (no hook): stop; a restart could land on them;
   - the restart budget is spent: stop with the verdict;
-  - otherwise restart, from the rollback target, once the hook has excluded the named hosts;
+  - otherwise restart, once the hook has excluded the named hosts: from the rollback target, or afresh where no
+    checkpoint predates the interval (``restart.restart_point``, the rule ``resume()`` follows: never a stop of its
+    own);
 * the job failed with no incident (a crash): restart while the budget lasts, else stop with the job's code.
 """
 
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 
 from ..records import Incident
 from .exits import ExitCode, verdict_of
+from .restart import restart_point
 
 __all__ = ["Attempt", "Decision", "decide"]
 
@@ -75,11 +79,14 @@ def decide(attempts: Sequence[Attempt], *, max_restarts: int, can_exclude: bool)
                         "(vckpt incidents), remove it and re-flag what is real")
     if verdict is ExitCode.SOFTWARE:
         return Decision("stop", verdict, [], f"{what}: software divergence, a restart would repeat it")
-    if last.target_step is None:
-        return Decision("stop", ExitCode.NO_ROLLBACK_TARGET, hosts, f"{what}: no rollback target is left")
     earlier = [i for a in attempts[:-1] for i in a.incidents]
-    again = [i for i in last.incidents if any(_overlaps(i, e) for e in earlier)]
-    if again:
+    before = [e for e in earlier if any(_overlaps(i, e) for i in last.incidents)]
+    if before and not hosts and not any(e.exclude_hosts for e in before):
+        return Decision("stop", ExitCode.SDC_UNATTRIBUTED, hosts,
+                        f"{what}: the same interval failed again on the same hosts and no check could name one (two "
+                        "replicas): a persistent fault on an unnamed host, the software or the data - rerun the "
+                        "interval with one host swapped out")
+    if before:
         return Decision("stop", ExitCode.SOFTWARE, hosts,
                         f"{what}: the same interval failed again after a restart that kept the job off the hosts "
                         "named before: software, the data, or a fault that moves - no host is to blame")
@@ -88,6 +95,7 @@ def decide(attempts: Sequence[Attempt], *, max_restarts: int, can_exclude: bool)
                         "hook can keep the restarted job off them")
     if restarts >= max_restarts:
         return Decision("stop", verdict, hosts, f"{what}: {restarts} restart(s) spent")
-    return Decision("restart", verdict, hosts, f"{what}: restarting from the rollback target (step "
-                    f"{last.target_step})" + (f", off {', '.join(hosts)}" if hosts else ""))
+    restart = restart_point(last.incidents, last.target_step)
+    assert restart is not None  # the attempt's incidents are open
+    return Decision("restart", verdict, hosts, f"{what}: {restart.line()}" + (f", off {', '.join(hosts)}" if hosts else ""))
 

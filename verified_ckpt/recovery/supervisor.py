@@ -2,7 +2,9 @@
 the rollback target, kept off the suspect hosts, or stop with the exit-code table's verdict (``supervise.decide``).
 
 The launcher's own restarts (``torchrun --max-restarts``) retry a crash in place, on the same hosts; this loop
-sits outside it and is the one that moves a job off a host that an incident names. The command is run as given
+sits outside it and is the one that moves a job off a host that an incident names. Hosts still suspect in the run
+when it starts (named by an earlier incident and not cleared since: a rollback does not clear a host,
+``recovery.health``) are excluded before the first attempt, as a new incident's are before a restart. The command is run as given
 (no shell), with ``{exclude}`` in any argument replaced by the comma-separated hosts excluded so far (Slurm's
 ``--exclude`` form) and ``VCKPT_ATTEMPT`` / ``VCKPT_EXCLUDED_HOSTS`` in its environment. The hook
 (``--on-exclude``) is a command template, split as a shell would split it and run without one, before the job is
@@ -29,6 +31,7 @@ from typing import Any
 from ..errors import InvalidConfig
 from ..hosts import host_problem
 from ..jsonx import short_repr
+from .exits import ExitCode
 from .supervise import Attempt, Decision, decide
 
 __all__ = ["hook_argv", "hook_template", "supervise"]
@@ -52,9 +55,12 @@ def supervise(command: Sequence[str], run: str, *, max_restarts: int = 3, backof
     def view() -> Any:
         return CheckpointManager(run, storage_options=storage_options).view()
 
-    seen = {i.id for i in view().open_incidents()}  # open before this supervisor: not an attempt's verdict
+    first = view()
+    seen = {i.id for i in first.open_incidents()}  # open before this supervisor: not an attempt's verdict
     attempts: list[Attempt] = []
-    excluded: list[str] = []
+    excluded = _suspects_at_start(first.exclude_hosts(), hook, log)
+    if excluded is None:
+        return int(ExitCode.SDC_HOSTS_NAMED)
     delay = backoff_s
     while True:
         argv = [a.replace("{exclude}", ",".join(excluded)) for a in command]
@@ -78,6 +84,20 @@ def supervise(command: Sequence[str], run: str, *, max_restarts: int = 3, backof
         excluded += fresh
         time.sleep(delay)
         delay = min(delay * 2, 300.0)
+
+
+def _suspects_at_start(hosts: list[str], hook: list[str] | None, log: Callable[[str], None]) -> list[str] | None:
+    """The run's suspect hosts, excluded before the first attempt (the hook run for them); ``None``: they cannot be
+    (no hook, or it failed), so the job is not started onto them (exit 4, as for a restart)."""
+    if not hosts:
+        return []
+    log(f"hosts {', '.join(hosts)} are still suspect in the run (named by an incident, cleared by no replay or "
+        "vckpt clear-host): keeping the job off them")
+    if hook is None:
+        log("no on_exclude hook can keep the job off them: not starting it; pass --on-exclude, or clear the hosts "
+            "once they are checked (vckpt node-health says how)")
+        return None
+    return hosts if _hook(hook, hosts, [], log) else None
 
 
 def _record(run: str, attempt: int, code: int, decision: Decision, storage_options: dict[str, Any] | None,

@@ -140,14 +140,15 @@ class _Api:
 
     async def host_health(self, request: Request) -> Response:
         """``vckpt node-health`` over every watched run's last published view: 200 healthy; 503 (a probe's failure)
-        suspect, ``"state": "unknown"`` (an open incident cannot be trusted and could have named it), or while a
-        run has not been read (``unread``); 400 for a name outside the host grammar."""
+        suspect (named by an incident and not cleared since), ``"state": "unknown"`` (an incident cannot be trusted and
+        could have named it), or while a run has not been read (``unread``); 400 for a name outside the host grammar."""
         host = request.path_params["host"]
         if why := host_problem(host):
             return JSONResponse({"error": f"{why} ({HOST_GRAMMAR})"}, status_code=400)
         states = [w.state for w in self.watchers.all()]
         unread = [s.key for s in states if s.view is None]
-        health = node_health(host, [(s.key, s.view.open_incidents()) for s in states if s.view is not None])
+        read = [(s.key, s.view) for s in states if s.view is not None]  # every incident: a rollback clears no host
+        health = node_health(host, [(k, v.incidents) for k, v in read], {k: v.clearances for k, v in read})
         body: dict[str, Any] = dict(health.to_dict(), unread=unread, line=health.line())
         return JSONResponse(body, status_code=200 if health.healthy and not unread else 503)
 

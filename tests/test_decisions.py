@@ -166,20 +166,21 @@ def test_hosts_to_exclude_are_the_open_incidents_and_a_recovery_is_told_once_eve
 
 
 VERDICTS = [(), ("digest",), ("size",), ("fingerprint", "read"), ("nonfinite",), ("ledger",), ("signature",),
-            ("nonfinite", "ledger")]
+            ("nonfinite", "ledger"), ("checksum-missing",), ("checksum-missing", "size")]
 
 
 @settings(max_examples=500, deadline=None, derandomize=True, database=None)
-@given(st.sampled_from(list(Status)), st.lists(st.tuples(st.sampled_from(VERDICTS), st.integers(0, 5)), max_size=10))
+@given(st.sampled_from(list(Status)), st.lists(st.tuples(st.sampled_from(VERDICTS), st.integers(0, 5),
+                                                         st.sampled_from(["read", "head"])), max_size=10))
 def test_the_records_compaction_keeps_derive_the_same_status_as_all_of_them(committed, seq):
     from verified_ckpt.decisions import verifications_to_keep
 
-    recs = [(f"r{i:02d}", VerificationResult("c", 1, not kinds, [Problem(k, "x") for k in kinds], f"t{at}"))
-            for i, (kinds, at) in enumerate(seq)]
+    recs = [(f"r{i:02d}", VerificationResult("c", 1, not kinds, [Problem(k, "x") for k in kinds], f"t{at}",
+                                             depth=depth)) for i, (kinds, at, depth) in enumerate(seq)]
     keep = verifications_to_keep(recs)
     kept = [r for name, r in recs if name in keep]
     assert derive_status(committed, [], kept)[0] is derive_status(committed, [], [r for _, r in recs])[0]
-    assert len(keep) <= 3 and (not recs or max(recs, key=lambda nr: (nr[1].verified_at, nr[0]))[0] in keep)
+    assert len(keep) <= 4 and (not recs or max(recs, key=lambda nr: (nr[1].verified_at, nr[0]))[0] in keep)
 
 
 def test_compaction_keeps_a_digest_failure_between_two_non_finite_ones():

@@ -186,9 +186,10 @@ def test_a_head_scrub_of_a_local_run_checks_sizes_and_says_so(local_url):
     assert not r.ok and r.problems[0].kind == "missing"
 
 
-def test_an_object_replaced_without_a_checksum_passes_a_head_check_by_size_alone_and_says_so(s3_server, s3_bucket):
-    """The head check's limit: an object rewritten by a client that sends no checksum, on a store that computes none
-    (SeaweedFS), keeps no CRC to compare; the check compares its size, passes, and its record says so. A read sees it."""
+def test_an_object_replaced_without_a_checksum_fails_a_head_check_as_checksum_missing(s3_server, s3_bucket):
+    """An object rewritten by a client that sends no checksum, on a store that computes none (SeaweedFS), keeps no
+    CRC to compare, though its upload sent one: the head check says so (``checksum-missing``, issue 48; it used to
+    pass on the size alone), and its record says what it covered. A read sees the changed byte."""
     url = f"s3://{s3_bucket}/run"
     opts = s3_server.storage_options()
     info = CheckpointManager(url, storage_options=opts).save(1, {"w": torch.arange(1000.0)})
@@ -198,7 +199,9 @@ def test_an_object_replaced_without_a_checksum_passes_a_head_check_by_size_alone
     data[-1] ^= 0x01
     fs.pipe_file(victim, bytes(data))
     [head] = CheckpointManager(url, storage_options=opts).verify(depth="head")
-    assert head.ok and head.coverage == "the store's CRC-64/NVME of 0 shard(s), the size alone of 1"
+    assert not head.ok and [p.kind for p in head.problems] == ["checksum-missing"]
+    assert head.coverage == ("the store's CRC-64/NVME of 0 shard(s), the size alone of 1; 1 of those without the "
+                             "CRC-64/NVME their upload sent")
     [read] = CheckpointManager(url, storage_options=opts).verify()
     assert not read.ok and read.problems[0].kind == "digest"
 

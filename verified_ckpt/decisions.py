@@ -22,6 +22,9 @@ _SEVERITY = {Status.RESTORABLE: 0, Status.UNVERIFIED: 1, Status.SUSPECT: 2, Stat
 
 # Problem kinds that mean the stored bytes are not what was committed.
 _CORRUPTING = {"digest", "size", "header", "fingerprint", "missing", "manifest", "read", "checksum"}
+# Problem kinds a later passing full read answers: what a head check cannot vouch for (a shard kept without the
+# CRC-64/NVME its upload sent: replaced, or only copied), which reading every byte settles either way.
+_UNTIL_READ = {"checksum-missing"}
 
 
 def worst(a: Status, b: Status) -> Status:
@@ -39,17 +42,25 @@ def derive_status(
         verifications: verification records of this checkpoint.
 
     Returns:
-        (status, reasons); a failed verification is permanent.
+        (status, reasons); a failed verification is permanent, but for one that only found what a later passing full
+        read answers (``_UNTIL_READ``).
     """
     status, why = committed, list(reasons)
-    for rec in verifications:
+    recs = list(verifications)
+    for rec in recs:
         found = found_status(rec)
-        if found is None:
+        if found is None or _answered(rec, recs):
             continue
         status = worst(status, found)
         details = "; ".join(f"{p.kind}: {p.detail}" for p in rec.problems)
         why.append(f"verification at {rec.verified_at} failed: {details or 'no detail'}")
     return status, why
+
+
+def _answered(rec: VerificationResult, recs: Sequence[VerificationResult]) -> bool:
+    """Whether failed ``rec`` found only what a full read settles (``_UNTIL_READ``), and a later full read passed."""
+    return bool(rec.problems) and all(p.kind in _UNTIL_READ for p in rec.problems) and any(
+        r.ok and r.depth == "read" and r.verified_at > rec.verified_at for r in recs)
 
 
 def found_status(rec: VerificationResult) -> Status | None:
@@ -64,16 +75,21 @@ def found_status(rec: VerificationResult) -> Status | None:
 def verifications_to_keep(recs: Sequence[tuple[str, VerificationResult]]) -> set[str]:
     """Of one stored checkpoint's verification records (stored name, record), the names compaction keeps: every
     record that decides what the checkpoint is. The newest (the latest word), the first failure (when it went
-    wrong), and the worst failure (a failure is permanent and the status is the worst of them,
-    :func:`derive_status`: a digest failure outranks a non-finite one, whatever their order)."""
+    wrong), the worst failure no later read answers (a failure is permanent and the status is the worst of them,
+    :func:`derive_status`: a digest failure outranks a non-finite one, whatever their order), and the newest
+    passing full read (what answers a head check's ``_UNTIL_READ`` findings before it, whatever came after)."""
     if not recs:
         return set()
     ordered = sorted(recs, key=lambda nr: (nr[1].verified_at, nr[0]))
     keep = {ordered[-1][0]}
-    failed = [(name, found) for name, rec in ordered if (found := found_status(rec)) is not None]
+    keep.update([name for name, rec in ordered if rec.ok and rec.depth == "read"][-1:])
+    every = [rec for _, rec in ordered]
+    failed = [(name, found, rec) for name, rec in ordered if (found := found_status(rec)) is not None]
     if failed:
         keep.add(failed[0][0])
-        keep.add(max(failed, key=lambda nf: _SEVERITY[nf[1]])[0])  # max keeps the first of equals
+        standing = [nf for nf in failed if not _answered(nf[2], every)]
+        if standing:
+            keep.add(max(standing, key=lambda nf: _SEVERITY[nf[1]])[0])  # max keeps the first of equals
     return keep
 
 

@@ -95,6 +95,14 @@ def verify_all(catalog: Catalog, reader: Reader, infos: Sequence[CheckpointInfo]
     return results
 
 
+def missing_checksum(shards: Sequence[str]) -> str:
+    """A head check's finding for ``shards``, kept without the CRC-64/NVME their upload sent, in one line."""
+    named = ", ".join(shards[:3]) + (f" and {len(shards) - 3} more" if len(shards) > 3 else "")
+    return (f"{len(shards)} shard(s) kept without the CRC-64/NVME their upload sent ({named}): replaced after the "
+            "upload by a client that sent none, or copied by a tool that dropped it; a same-size change is invisible "
+            "here, so the checkpoint is suspect until a full read (`vckpt verify`) checks its bytes")
+
+
 def head_all(catalog: Catalog, infos: Sequence[CheckpointInfo], *, jobs: int,
              verifier: dict[str, str] | None = None) -> list[VerificationResult]:
     """Check ``infos`` from the store's metadata alone (``depth="head"``): each shard exists, has the manifest's
@@ -105,9 +113,13 @@ def head_all(catalog: Catalog, infos: Sequence[CheckpointInfo], *, jobs: int,
     overwritten, truncated or other version). What it does not: that the stored bytes have not decayed since (the
     store's own checksums and scrubbing, or a read, see that), nor the fingerprints, headers and NaN/Inf a read
     checks. A shard whose store keeps no CRC (not S3, or uploaded before issue 40) is checked by size only; the
-    record's ``coverage`` says how many were.
+    record's ``coverage`` says how many were. On S3, where every upload the manifest records a CRC-64/NVME for sent
+    it, a shard kept without one was replaced after its upload (or copied by a tool that dropped it): a
+    ``checksum-missing`` problem, which leaves the checkpoint ``suspect`` until a full read passes
+    (``decisions.derive_status``).
     """
     store = catalog.store
+    keeps = store.keeps_checksums
 
     def head(ck: CheckpointInfo, path: str) -> tuple[int, str | None] | None:
         try:
@@ -118,6 +130,7 @@ def head_all(catalog: Catalog, infos: Sequence[CheckpointInfo], *, jobs: int,
     def one(ck: CheckpointInfo) -> VerificationResult:
         problems: list[Problem] = []
         compared = sized = 0
+        dropped: list[str] = []  # shards kept without the CRC-64/NVME their upload sent
         if ck.manifest is None:
             problems.append(Problem("manifest", ck.reasons[0] if ck.reasons else "manifest unreadable"))
         else:
@@ -139,9 +152,14 @@ def head_all(catalog: Catalog, infos: Sequence[CheckpointInfo], *, jobs: int,
                                                 "its upload)"))
                 else:
                     sized += 1
+                    if keeps and s.crc64nvme is not None:
+                        dropped.append(where)
+            if dropped:
+                problems.append(Problem("checksum-missing", missing_checksum(dropped)))
             if not Signature(ck.signature).trusted:
                 problems.insert(0, Problem("signature", ck.reasons[0]))
-        coverage = f"the store's CRC-64/NVME of {compared} shard(s), the size alone of {sized}"
+        coverage = f"the store's CRC-64/NVME of {compared} shard(s), the size alone of {sized}" + (
+            f"; {len(dropped)} of those without the CRC-64/NVME their upload sent" if dropped else "")
         result = VerificationResult(ck.id, ck.step, not problems, problems, utc_now(), verifier, depth="head",
                                     coverage=coverage)
         catalog.append(VERIFICATION, result.to_record())

@@ -61,6 +61,12 @@ class RunStore:
         """Whether the run lives on this machine's disk (other hosts may not see it)."""
         return self.backend.caps.node_local
 
+    @property
+    def keeps_checksums(self) -> bool:
+        """Whether this store keeps the CRC-64/NVME each shard's upload sends (S3: ``ChecksummedUpload``), so that a
+        shard recorded with one but kept without it was not the object this library uploaded (``head_all``)."""
+        return is_s3(self.backend.fs)
+
     # -- run -------------------------------------------------------------
     def exists(self) -> bool:
         b = self.backend

@@ -267,16 +267,14 @@ def incidents_cmd(mgr: CheckpointManager, out: Output) -> int:
                 console.print(f"[bold red]incident {escape(str(r['id']))}: signature {r['signature']}[/] - not trusted "
                               "(edited, or unreadable where a signed record belongs); it covers the whole run until it is "
                               "removed (docs/SECURITY.md)")
-        hosts = view.exclude_hosts()  # the open incidents' hosts: what `vckpt status`, the report and the service say
+        hosts = view.exclude_hosts()  # the suspect hosts: what `vckpt status`, node-health and the service say
         if view.health().hosts_unknown:  # an untrusted incident could have named any host: never "none"
             console.print(f"exclude from scheduling: {' '.join(hosts) + ' and ' if hosts else ''}unknown (an open "
                           "incident cannot be trusted and could have named any host)")
         elif hosts:
             console.print("exclude from scheduling: " + " ".join(hosts))
-        elif all(r["answered"] for r in rows):
-            console.print("exclude from scheduling: none (every incident is answered by a rollback)")
-        else:
-            console.print("exclude from scheduling: none (no open incident could name a host)")
+        else:  # a rollback answers incidents for checkpoints; only a replay or clear-host clears a host
+            console.print("exclude from scheduling: none (no incident names a host that was not cleared since)")
 
     out.emit(rows, human)
     return EXIT_OK

@@ -22,13 +22,20 @@ from typing import Any
 from .status import MAX_STEP, Status
 
 __all__ = [
-    "FAULT_CLASSES", "NO_AUDIT", "SINGLE_REPLICA", "CheckCounts", "ConsensusClaim", "Evidence", "EvidenceTracker",
-    "checked_by_class", "consensus_claim", "evidence_basis", "evidence_problem", "remedies", "save_status",
+    "FAULT_CLASSES", "NOT_WITNESSED", "NO_AUDIT", "NO_ORACLE", "SINGLE_REPLICA", "CheckCounts", "ConsensusClaim",
+    "Evidence", "EvidenceTracker", "checked_by_class", "consensus_claim", "evidence_basis", "evidence_problem",
+    "remedies", "save_status",
 ]
 
 SINGLE_REPLICA = "a single replica: no cross-replica consensus or audit is possible"
 NO_AUDIT = "no recompute audit has passed since the previous checkpoint"
 FAILED = "checks failed since the previous checkpoint: "
+# Why state without a replica carries no evidence of its own at a save (``Witnesses.owner_problem``): the cause,
+# where "a single replica" would name the mesh, which is not what is missing.
+NO_ORACLE = ("state without a replica has no witness of its updates: the update oracle does not run (an optimizer it "
+             "cannot recompute element-wise, or oracle_slices=0)")
+NOT_WITNESSED = ("state without a replica has no checked update yet: the at-rest chain and the update oracle vouch "
+                 "for what an update they checked wrote, and none has run since the job started or was restored")
 # What to change, for each reason a save is not restorable (logged with it; the manifest keeps the reason).
 _REMEDIES = {
     FAILED: "roll back: resume(state) on the restart, or `vckpt rollback RUN`",
@@ -37,6 +44,9 @@ _REMEDIES = {
                     "update oracle'); or train with 2 or more data-parallel replicas (3 or more to have suspects named)",
     NO_AUDIT: "keep GuardConfig(audit_before_save=True) (the default), which audits before such a save, or set "
               "audit_every to at most the save interval; a save before the first training step has nothing to audit",
+    NO_ORACLE: "use an element-wise torch optimizer (AdamW, Adam, SGD...) and oracle_slices >= 1 (docs/GUARD.md, 'The "
+               "update oracle')",
+    NOT_WITNESSED: "save after a training step (guard.step()): the next save stands on the chain and the oracle",
     "saved without an SDCGuard": "pass guard=SDCGuard(...) to CheckpointManager (the Lightning and Hugging Face "
                                  "integrations do when their guard is installed)",
 }
@@ -126,7 +136,7 @@ class EvidenceTracker:
 
     def for_save(self, step: int, fingerprints: Sequence[str], counters: Mapping[str, CheckCounts], *, world: int,
                  audits_enabled: bool, single_owner: bool = False, oracle_slices: int = 0,
-                 forward: bool = False) -> tuple[Evidence, Status, list[str]]:
+                 forward: bool = False, owner_problem: str | None = None) -> tuple[Evidence, Status, list[str]]:
         """The evidence, status and reasons of a save whose consensus gave ``fingerprints``; advances the baselines.
         ``oracle_slices`` and ``forward`` are the guard's configuration (``GuardConfig``), which the per-class
         account of what was checked states."""
@@ -134,10 +144,14 @@ class EvidenceTracker:
                                 c.failed - self._baseline.get(k, CheckCounts()).failed, c.last_pass, c.coverage)
                  for k, c in counters.items()}
         audits = counters.get("audit", CheckCounts()).passed - self._audits_at_restorable
-        # The oracle must have compared an update since the previous checkpoint, not only be configured.
-        owned = single_owner and since.get("oracle", CheckCounts()).passed >= 1
+        # ``single_owner`` is the guard's own account (``Witnesses.single_owner_evidence``): the chain held at this save
+        # and the oracle passed the update that wrote the state, whichever call judged it first. A count of oracle
+        # passes since this tracker's baseline made the status depend on the order of the calls: a
+        # ``guard.consensus(step)`` that judged the last update before the baseline left the save none.
+        owned = single_owner
         status, reasons = save_status(world, {k: c.failed for k, c in since.items()}, audits_enabled,
-                                      since.get("audit", CheckCounts()).passed, single_owner=owned)
+                                      since.get("audit", CheckCounts()).passed, single_owner=owned,
+                                      owner_problem=owner_problem)
         checked = checked_by_class(since, replicas=world, audits_enabled=audits_enabled,
                                    oracle_slices=oracle_slices, forward=forward)
         evidence = Evidence(step, list(fingerprints), since, audits_enabled, audits, owned, checked)
@@ -149,7 +163,7 @@ class EvidenceTracker:
 
 def save_status(
     world: int, failed_since_previous: Mapping[str, int], audits_enabled: bool, audits_since_previous: int, *,
-    single_owner: bool = False,
+    single_owner: bool = False, owner_problem: str | None = None,
 ) -> tuple[Status, list[str]]:
     """The status a guarded save commits with (the consensus already agreed, or the save raised).
 
@@ -159,13 +173,15 @@ def save_status(
         audits_enabled: whether recompute audits are scheduled.
         audits_since_previous: audits passed since the previous checkpoint (of any status).
         single_owner: state without a replica carries its own evidence instead of a consensus: the at-rest
-            chain held at this save and the update oracle compared updates since the previous checkpoint.
+            chain held at this save and the update oracle passed the update that wrote the state.
+        owner_problem: why such state has no evidence of its own (``NO_ORACLE``, ``NOT_WITNESSED``): the reason an
+            unverified save records instead of ``SINGLE_REPLICA``, which would blame the mesh.
     """
     failed = {k: n for k, n in failed_since_previous.items() if n}
     if failed:
         return Status.SUSPECT, [FAILED + ", ".join(f"{k} x{n}" for k, n in sorted(failed.items()))]
     if world < 2 and not single_owner:
-        return Status.UNVERIFIED, [SINGLE_REPLICA]
+        return Status.UNVERIFIED, [owner_problem or SINGLE_REPLICA]
     if audits_enabled and audits_since_previous < 1:
         return Status.UNVERIFIED, [NO_AUDIT]
     return Status.RESTORABLE, []

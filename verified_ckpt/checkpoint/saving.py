@@ -47,7 +47,7 @@ from . import housekeeping
 from .catalog import Catalog, info
 from .lease import Lease
 from .opening import as_raised, error_doc
-from .session import RankReport, Rendezvous, SaveSession, agreed_names, agreement_problem, reports_problem
+from .session import RankReport, Rendezvous, SaveSession, agreed_names, agreement_problem, reports_problem, witness_problem
 from .stages import merge
 
 __all__ = ["UNGUARDED", "SaveJob", "Saver", "checked_flat"]
@@ -125,6 +125,9 @@ class SaveJob:
     # Rank 0: the fingerprint every replica agreed on at this save's consensus, by tensor name, for the tensors
     # other ranks write too (``agreement_problem``).
     agreed: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Rank 0: the fingerprint the guard's at-rest chain vouched for at this save, by stored name, for the chunks a
+    # rank alone writes (``witness_problem``): single-owner state's counterpart of ``agreed``.
+    witnessed: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class Saver:
@@ -148,6 +151,7 @@ class Saver:
         parts = split(flat.tensors, self.comm)
         g = self.guard
         agreed: dict[str, str] = {}
+        witnessed: dict[str, str] = {}
         if g is None:
             status, reasons, evidence = Status.UNVERIFIED, [UNGUARDED], {}
         else:
@@ -157,10 +161,12 @@ class Saver:
             ev, status, reasons = self.tracker.for_save(step, fingerprints, g.counters(), world=g.replicas,
                                                         audits_enabled=g.audits_enabled,
                                                         single_owner=g.single_owner_evidence(step),
-                                                        oracle_slices=g.cfg.oracle_slices, forward=g.cfg.abft_forward)
+                                                        oracle_slices=g.cfg.oracle_slices, forward=g.cfg.abft_forward,
+                                                        owner_problem=g.witnesses.owner_problem(step))
             evidence = ev.to_dict()
             if fingerprints and self.comm.rank == 0:
                 agreed = agreed_names(parts.replicated, g.agreed())
+            witnessed = self._witnessed(g.witnesses.vouched(step), parts.mine | own | held, bool(parts.layout))
         hosts = list(self.comm.topology())
         if self.comm.world == 1:  # name the device the state lives on, which a single process may not have told comm
             device = next((t.device for t in flat.tensors.values() if t.device.type == "cuda"), torch.device("cpu"))
@@ -177,7 +183,19 @@ class Saver:
         cid, key = got[:got.index(b"\0")].decode(), got[got.index(b"\0") + 1:]
         topology = Topology(self.comm.world, tuple(hosts))
         return SaveJob(cid, step, dataclasses.replace(flat, tensors=parts.replicated), status, reasons, evidence,
-                       topology, resumed_from, parts.mine | own | held, parts.layout, started, lease, Signer(key), agreed)
+                       topology, resumed_from, parts.mine | own | held, parts.layout, started, lease, Signer(key), agreed,
+                       witnessed)
+
+    def _witnessed(self, vouched: list[tuple[torch.Tensor, str]] | None, mine: dict[str, torch.Tensor],
+                   sharded: bool) -> dict[str, str]:
+        """Rank 0: every rank's fingerprint, by stored name, of the chunks it alone writes (``mine``) that are
+        tensors the guard's chain vouched for (``Witnesses.vouched``, matched by memory as ``agreed_names``): the
+        bytes its checked update wrote, without a pass of their own. One small gather, where the chain held at this
+        save and the state has sharded tensors (both the same on every rank)."""
+        if vouched is None or not sharded:
+            return {}
+        got = self.comm.gather_bytes(json.dumps(agreed_names(mine, vouched)).encode())
+        return {n: fp for b in got for n, fp in json.loads(b).items()} if self.comm.rank == 0 else {}
 
     def _per_rank(self, flat: Flat) -> tuple[Flat, dict[str, torch.Tensor]]:
         """Every rank's value of the per-rank entries in the skeleton (one small all-gather); this rank's tensors
@@ -289,7 +307,9 @@ class Saver:
             problem = reports_problem(reports, job.flat.tensors | job.mine)
             if problem is not None:  # before anything is written: nothing is committed
                 raise InvalidState(f"checkpoint {job.cid} cannot be committed: {problem}; nothing is committed")
-            problem = agreement_problem(reports, job.agreed)
+            # Replicated state against the consensus, single-owner state against its chain: whatever the key, bytes
+            # other than the checked ones (a flipped staging copy, another write, a changed report) never commit.
+            problem = agreement_problem(reports, job.agreed) or witness_problem(reports, job.witnessed)
             if problem is not None:
                 raise CorruptCheckpoint(f"checkpoint {job.cid} cannot be committed: {problem}; nothing is committed "
                                         "- save again, and check that rank's host and who can write the store")

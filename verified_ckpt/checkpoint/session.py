@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     from ..store import RunStore
     from .saving import SaveJob, Saver
 
-__all__ = ["RankReport", "Rendezvous", "SaveSession", "agreed_names", "agreement_problem", "reports_problem"]
+__all__ = ["RankReport", "Rendezvous", "SaveSession", "agreed_names", "agreement_problem", "reports_problem",
+           "witness_problem"]
 
 _LIMITS = Limits(max_bytes=MAX_MANIFEST_BYTES, max_depth=8)
 _COMMIT_ERROR = "commit.error"  # beside the shards: rank 0's failed commit, for the ranks awaiting the manifest
@@ -132,6 +133,21 @@ def agreement_problem(reports: Sequence[RankReport], agreed: Mapping[str, str]) 
             if n in agreed and fp != agreed[n]:
                 return (f"rank {rank} reports tensor {n} with fingerprint {fp[:12]}, but the replicas agreed on "
                         f"{agreed[n][:12]} at the save's consensus: what was written is not the agreed state")
+    return None
+
+
+def witness_problem(reports: Sequence[RankReport], witnessed: Mapping[str, str]) -> str | None:
+    """Why ``reports`` (rank order) do not hold what the guard's at-rest chain vouched for at the save, or ``None``:
+    every fingerprint a rank reports for a chunk of ``witnessed`` (state a rank alone holds, by stored name) must be
+    the one its last checked update wrote. Single-owner state has no replica to agree with, so this is its only check
+    between the chain and the store: a copy changed between the snapshot and its write (a flip in a non-blocking
+    save's staging buffer), other bytes written, or a report changed, is refused here whatever the key."""
+    for rank, r in enumerate(reports):
+        for n, fp in r.fingerprints.items():
+            if n in witnessed and fp != witnessed[n]:
+                return (f"rank {rank} reports tensor {n} with fingerprint {fp[:12]}, but the at-rest chain vouched for "
+                        f"{witnessed[n][:12]} at the save, the bytes its checked update wrote: what was written is not "
+                        "the checked state")
     return None
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..fingerprint import lanes_hex
 from ..history import NO_RANK, Event
 from ..lanes import lanes_on
 from .stats import Verdict
@@ -62,6 +63,15 @@ class StateChain:
     def reset(self) -> None:
         """State was written by a restore (or a failed check left it for a rollback): nothing before is evidence."""
         self._post = None
+
+    def written(self) -> list[tuple[torch.Tensor, str]]:
+        """Each tensor with the fingerprint (hex) the last update left it, from the baseline, without a pass of its
+        own; empty without one. Right after a passing :meth:`carry` (a save's settle) it is also what each tensor
+        holds: what a save of it must write (``checkpoint.session.witness_problem``)."""
+        post, tensors = self._post, self._tensors()
+        if post is None or post.shape[0] != len(tensors):
+            return []
+        return [(t, lanes_hex(lanes)) for t, lanes in zip(tensors, post.tolist(), strict=True)]
 
     @staticmethod
     def judge(step: int, carried: Sequence[Sequence[float]], first_suspect: int) -> Verdict | None:

@@ -17,6 +17,7 @@ import torch
 
 from ..dtensors import held
 from ..errors import SilentCorruptionDetected
+from ..evidence import NO_ORACLE, NOT_WITNESSED
 from .chain import StateChain
 from .consensus import state_tensors
 from .oracle import CARRY, UpdateOracle, elementwise_optimizer
@@ -110,7 +111,12 @@ class Witnesses:
         self.oracle: UpdateOracle | ReplicaOracle | _NullOracle = (
             oracle(sliced, comm, slices, device) if sliced else _NullOracle(device))
         self.chain = StateChain(self._local_state, device) if world >= 2 and self.owned else None
-        self._chain_checked: int | None = None  # the step of the last save whose chain held
+        self._chain_checked: int | None = None  # the step of the last save whose chain held, until the next update
+        # The step of the last update, and of the last one whose recomputation the oracle passed (at the next step's
+        # carry or at a save's settle, whichever judged it): facts about the state, so that a save's evidence does
+        # not depend on which call judged them first (``guard.consensus(step)`` before ``save(step)``).
+        self._updated: int | None = None
+        self._oracle_ok: int | None = None
 
     def _local_state(self) -> list[torch.Tensor]:
         """This rank's pieces held by no other rank, parameters and their optimizer state, in a fixed order (the
@@ -132,6 +138,7 @@ class Witnesses:
         if self.chain is not None:
             self.chain.after_update()
         self.oracle.after_update(step)
+        self._updated, self._chain_checked = step, None  # a save's check spoke for the state before this update
 
     @property
     def diverged(self) -> bool:
@@ -151,12 +158,15 @@ class Witnesses:
         for v in verdicts:
             if v is not None:
                 self._judge(s, v)
+        if verdicts[1] is not None:  # passed (a failure raised): the oracle's verdict on the last update
+            self._oracle_ok = self._updated
 
     def forget(self) -> None:
         """A check failed: what the chain and the oracle hold is about a state the job will roll back or repair."""
         if self.chain is not None:
             self.chain.reset()
         self.oracle.reset()
+        self._chain_checked = self._oracle_ok = None
 
     def restored(self) -> None:
         """State was written by a restore: nothing any witness holds is evidence."""
@@ -181,14 +191,33 @@ class Witnesses:
                 self._chain_checked = step if v is not None else None
             if (v := self.oracle.settle()) is not None:
                 self._judge(step, v)
+                self._oracle_ok = self._updated
         except SilentCorruptionDetected:
             self.forget()
             raise
 
     def single_owner_evidence(self, step: int) -> bool:
-        """Whether state without a replica carries its own evidence at a save of ``step``: the chain held at
-        this save (:meth:`settle`) and the oracle runs."""
-        return self.chain is not None and not isinstance(self.oracle, _NullOracle) and self._chain_checked == step
+        """Whether state without a replica carries its own evidence at a save of ``step``: this rank holds such
+        state, the chain held at this save (:meth:`settle`) and the oracle passed the update that wrote it."""
+        return bool(self.owned) and self.comm.world >= 2 and self.owner_problem(step) is None
+
+    def owner_problem(self, step: int) -> str | None:
+        """Why this rank's state without a replica has no evidence of its own at a save of ``step``, in the words a
+        manifest records (``None``: it has, or this rank holds none). The same after any number of :meth:`settle`
+        calls at that step: each judges what the previous left, and the facts are kept."""
+        if not self.owned or self.comm.world < 2:
+            return None  # nothing held alone, or one process: "a single replica" is then the cause
+        if isinstance(self.oracle, _NullOracle):
+            return NO_ORACLE
+        if self._chain_checked != step or self._updated is None or self._oracle_ok != self._updated:
+            return NOT_WITNESSED
+        return None
+
+    def vouched(self, step: int) -> list[tuple[torch.Tensor, str]] | None:
+        """After :meth:`settle` at a save of ``step``: each tensor of this rank's state with the fingerprint its last
+        update wrote, which the chain has just found it still holds: what the save must write. ``None`` where the
+        chain did not hold at this save (the same on every rank: the verdict is the job's)."""
+        return self.chain.written() if self.chain is not None and self._chain_checked == step else None
 
 
 def scaling(scaler: Any) -> Scaling | NullScaling:

@@ -6,9 +6,10 @@ milliseconds and the process-group and storage code only calls it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .records import Incident, Rollback, VerificationResult
@@ -122,6 +123,49 @@ def to_delete(infos: Sequence[CheckpointInfo], keep_last: int, protect: Iterable
     cutoff = restorable[-keep_last]
     keep = set(protect)
     return [info.id for info in infos[:cutoff] if info.id not in keep]
+
+
+# The one depth that reads every byte back: each shard's digest, header and the fingerprints of its tensors
+# (``records.DEPTHS``). A head check sees sizes and the store's CRCs, a store-side record the store's checksum of the
+# object: a shard that rotted in place keeps its size, and a store that keeps no CRC then sees nothing wrong.
+FULL_READ = "read"
+
+
+def read_back_in_full(verifications: Iterable[VerificationResult]) -> bool:
+    """Whether a passing full read of a checkpoint is recorded; a head or store-side record never counts."""
+    return any(rec.ok and rec.depth == FULL_READ for rec in verifications)
+
+
+@dataclasses.dataclass(frozen=True)
+class Retention:
+    """What retention may do to a run: ``doomed`` goes only once ``relies_on`` (the newest restorable checkpoint,
+    which stays) is known to read back in full; ``read_back``: no passing full read of it is recorded yet, so one
+    must run first, and if it fails nothing goes."""
+
+    doomed: list[str]
+    relies_on: CheckpointInfo | None
+    read_back: bool
+
+
+def retention(infos: Sequence[CheckpointInfo], keep_last: int,
+              verifications: Mapping[str, Sequence[VerificationResult]], protect: Iterable[str] = ()) -> Retention:
+    """Retention's choice (:func:`to_delete`), and whether it still needs the read-back that makes it safe.
+
+    The run is never left without a restorable checkpoint read back in full: the one retention relies on is the
+    newest restorable one (its derived status, so a later failure or incident already rules it out), and it is
+    kept. An older one read back in full is deleted only after this one has been too.
+
+    Args:
+        infos: all checkpoints, oldest first, with their derived status.
+        keep_last: how many restorable checkpoints to keep (>= 1).
+        verifications: each checkpoint's verification records, by id.
+        protect: ids never to delete (pinned).
+    """
+    target = newest(infos, {Status.RESTORABLE})
+    doomed = to_delete(infos, keep_last, {*protect, *([target.id] if target else [])})
+    if target is None or not doomed:  # with nothing restorable, to_delete keeps everything
+        return Retention([], target, False)
+    return Retention(doomed, target, not read_back_in_full(verifications.get(target.id, ())))
 
 
 # ---------------------------------------------------------------- guard decisions

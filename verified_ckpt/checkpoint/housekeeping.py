@@ -1,8 +1,8 @@
 """Housekeeping: what a run deletes, and when. Retention (``keep_last``), gc of orphans, and compaction of records.
 
 Each deletes only what a rule says may go, and never what a reader still needs: retention keeps the rollback target
-and pinned checkpoints and reads the newest back before deleting older ones; gc leaves a leased folder (a save still
-writing) and anything a manifest references; compaction keeps every verification record that decides a status
+and pinned checkpoints and reads the newest back in full before deleting older ones; gc leaves a leased folder (a save
+still writing) and anything a manifest references; compaction keeps every verification record that decides a status
 (the newest, the first failure, the worst), and never touches incidents, rollbacks, or records it cannot read or
 trust.
 """
@@ -18,7 +18,6 @@ from ..errors import ManifestError
 from ..manifest import MANIFEST_NAME, CheckpointInfo, Manifest
 from ..records import VERIFICATION, VerificationResult
 from ..signing import Signature
-from ..status import Status
 from . import lease
 from .catalog import Catalog
 
@@ -30,20 +29,19 @@ log = logging.getLogger("verified_ckpt")
 def apply_retention(catalog: Catalog, keep_last: int, pinned: Collection[str] = (),
                     read_back: Callable[[CheckpointInfo], bool] | None = None) -> None:
     """Delete what ``keep_last`` no longer keeps (never the rollback target, nor ``pinned``). Before anything is
-    deleted, the newest restorable checkpoint must have been read back and verified: ``read_back(info)`` does
-    it when no passing verification is recorded yet, and if it fails nothing is deleted (the run is never left
-    with only checkpoints no one has read back)."""
+    deleted, the newest restorable checkpoint must have been read back in full (``decisions.retention``): a head
+    or store-side record, which a shard rotted in place passes, never counts. ``read_back(info)`` reads it when no
+    passing full read is recorded; if it fails, or there is no ``read_back``, nothing is deleted (the run is never
+    left with only checkpoints no one has read back)."""
     view = catalog.view()
-    target = decisions.newest(view.infos, {Status.RESTORABLE})
-    doomed = decisions.to_delete(view.infos, keep_last, ({target.id} if target else set()) | set(pinned))
-    if not doomed or target is None:
+    plan = decisions.retention(view.infos, keep_last, view.verifications, pinned)
+    if not plan.doomed or plan.relies_on is None:
         return
-    checked = any(r.ok for r in view.verifications.get(target.id, []))
-    if not checked and read_back is not None and not read_back(target):
-        log.warning("retention: the newest restorable checkpoint %s failed its read-back; nothing was deleted "
-                    "(`vckpt list %s` says why)", target.id, catalog.url)
+    if plan.read_back and (read_back is None or not read_back(plan.relies_on)):
+        log.warning("retention: the newest restorable checkpoint %s has not read back in full; nothing was deleted "
+                    "(`vckpt list %s` says why)", plan.relies_on.id, catalog.url)
         return
-    for cid in doomed:
+    for cid in plan.doomed:
         catalog.store.delete_checkpoint(cid)
     compact(catalog)  # the deleted checkpoints' records go with them
 

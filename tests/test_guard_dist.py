@@ -100,14 +100,18 @@ def test_fault_caught_before_the_update_names_the_rank_and_withholds_it(world, s
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_weights_bitflip_is_caught_by_the_next_consensus(world):
-    got = one(run_ranks(guarded, world, {"audit_every": None, "consensus_every": 5, "faults": ("weights:2:7:bitflip=20",)}, 12))
+    # The flip lands after step 10's update, right before that step's consensus (from the next step on, rank 2's own
+    # at-rest chain names it first: tests/test_chain_replicated.py).
+    got = one(run_ranks(guarded, world, {"audit_every": None, "consensus_every": 5, "faults": ("weights:2:10:bitflip=20",)}, 12))
     assert (got["kind"], got["ranks"], got["detected"], got["first_suspect"]) == ("consensus", [2], 10, 6)
 
 
-def test_weights_bitflip_is_always_caught_by_the_consensus_before_a_save():
-    cfg = {"audit_every": None, "consensus_every": 1000, "faults": ("weights:1:3:bitflip=1",)}
+def test_weights_bitflip_is_always_caught_before_a_save():
+    # The flip lands after step 4's update, right before its save: the save's settle runs the at-rest chain before
+    # the consensus, and the chain names the rank whose copy changed.
+    cfg = {"audit_every": None, "consensus_every": 1000, "faults": ("weights:1:4:bitflip=1",)}
     got = one(run_ranks(guarded, 3, cfg, 8, 4))
-    assert (got["kind"], got["ranks"], got["detected"], got["first_suspect"]) == ("consensus", [1], 4, 1)
+    assert (got["kind"], got["ranks"], got["detected"], got["first_suspect"]) == ("chain", [1], 4, 1)
 
 
 @pytest.mark.parametrize("mode", ["exact", "tolerance"])
@@ -123,11 +127,12 @@ def test_audit_with_a_user_batch_for_pipeline():
     assert (got["kind"], got["ranks"], got["detected"]) == ("audit", [0], 8)
 
 
-@pytest.mark.parametrize("spec,kind,audit,named", [("weights:1:3:bitflip=20", "consensus", None, [1]),
+@pytest.mark.parametrize("spec,kind,audit,named", [("weights:1:5:bitflip=20", "consensus", None, [1]),
                                                     ("grad:1:5:bitflip=12", "audit", 5, [])])
 def test_two_replicas_name_a_copy_changed_at_rest_and_no_one_on_a_computation(spec, kind, audit, named):
-    """With two replicas no majority decides. A weight flipped at rest is named by the flipped rank's own witness
-    (its bytes no longer match what its optimizer wrote); a wrong gradient is a computation: nobody is named."""
+    """With two replicas no majority decides. A weight flipped at rest right before a consensus is named by the
+    flipped rank's own at-rest chain (its bytes no longer match what its optimizer wrote); a wrong gradient is a
+    computation: nobody is named."""
     got = one(run_ranks(guarded, 2, {"audit_every": audit, "consensus_every": 5, "abft": False, "faults": (spec,)}, 8))
     assert got["kind"] == kind and got["ranks"] == named and got["detected"] == 5
     assert ("changed at rest" if named else "no replica could be named") in got["message"], got["message"]

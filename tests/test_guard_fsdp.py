@@ -64,8 +64,10 @@ CASES = {
     # a wrong local gradient found by an audit takes the persistent compute fault's path.
     "local gradient NaN on rank 3": ("grad:3:4:nan", "nonfinite_local", [3], 4),
     "one rank's all-reduced shard, exponent flip (rank 2)": ("allreduce:2:3:bitflip=27", "checksum", [2], 3),
-    "a weight flip on rank 5's shard": ("weights:5:3:bitflip=22", "consensus", [5], 4),  # the audit asks first
-    "an inf in rank 0's optimizer state": ("optim:0:2:inf", "nonfinite_state", [0], 4),  # at the audit
+    # A change at rest is named at the next step by the holder's own at-rest chain (issue 48, finding 7); one that
+    # lands right before a consensus (after step 5's update) is that consensus's.
+    "a weight flip on rank 5's shard": ("weights:5:3:bitflip=22", "chain", [5], 4),
+    "an inf in rank 0's optimizer state": ("optim:0:5:inf", "nonfinite_state", [0], 5),
     "a persistent compute fault on rank 2": ("compute:2:3-:scale=1.5", "audit", [2], 4),
 }
 
@@ -108,7 +110,7 @@ def test_hsdp_catches_every_fault_class_naming_the_rank_stays_quiet_and_rolls_ba
     assert clean["incidents"] == [] and clean["statuses"] == ["restorable"] * 3
     # Rows reach the ledger with each save: steps 0-8 by the last save (step 8), audits every 2 steps.
     assert clean["ledger"] == {"step": 9, "audit": 5, "losses": 9}, clean["ledger"]
-    assert faulty["incidents"] == [["consensus", [4], 6]]
+    assert faulty["incidents"] == [["chain", [4], 6]]  # flipped after step 5's update: rank 4's own chain at step 6
     assert faulty["rollbacks"] == [4]  # step 4 predates the suspect interval (5, 6]
     assert faulty["full"] == clean["full"]  # bit for bit (float lists compare exactly)
 
@@ -372,13 +374,13 @@ def test_fsdp2_with_tensor_parallel_on_2x2_and_1x4_meshes_compares_only_what_is_
     s = got[0]
     # Tensor-parallel shards are never compared as replicas (the old mesh reading took (dp, tp) for HSDP).
     assert s["clean"]["checks"]["checksum"] == 6 and s["clean"]["checks"]["consensus"] == 3, s["clean"]
-    # The LayerNorm weight is replicated across the TP ranks: its drift is caught at the next consensus (step 2).
-    # Of two holders the one whose copy changed at rest is named (its own witness: its bytes no longer match what
-    # its optimizer wrote); both copies changed, or four different ones, are software divergence; of four holders
-    # the majority names the odd one.
-    assert s["two copies"]["caught"] == ["consensus", [1], 2] and "changed at rest" in s["two copies"]["detail"]
+    # The LayerNorm weight is replicated across the TP ranks: its drift is caught at the next step (step 2). One
+    # copy changed at rest is named by its holder's own at-rest chain (its bytes no longer match what its optimizer
+    # wrote; issue 48, finding 7); when several changed at once the consensus decides per piece with the chains'
+    # flags: both copies changed, or four different ones, are software divergence.
+    assert s["two copies"]["caught"] == ["chain", [1], 2] and "changed at rest" in s["two copies"]["detail"]
     assert s["both copies"]["caught"] == ["consensus", [], 2] and "software divergence" in s["both copies"]["detail"]
-    assert s["one of four"]["caught"] == ["consensus", [2], 2]
+    assert s["one of four"]["caught"] == ["chain", [2], 2]
     assert s["every copy"]["caught"] == ["consensus", [], 2] and "software divergence" in s["every copy"]["detail"]
     # With two replicas of every piece (replicate 2 x tp 2) saves are restorable: a fault is named at its step, and
     # both the in-process rollback and a stop then resume end bit-identical to the clean run.
@@ -442,13 +444,14 @@ def hsdp_tp(rank: int, world: int) -> dict:
     warnings_off()
     torch.manual_seed(100 + rank)  # each rank its own dropout stream
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "shard", "tp"))
-    return {"clean": hsdp_tp_run(mesh, [], 4), "weight": hsdp_tp_run(mesh, ["weights:5:1:bitflip=22"], 3)}
+    return {"clean": hsdp_tp_run(mesh, [], 4), "weight": hsdp_tp_run(mesh, ["weights:5:2:bitflip=22"], 3)}
 
 
 @pytest.mark.timeout(200)
 def test_hsdp_with_tensor_parallel_on_2x2x2_is_quiet_and_names_a_faulty_rank():
     """8 processes, the suite's one: replicate 2 x shard 2 x tp 2. A weight bit flipped on rank 5 (its piece has two
-    holders, one per replica group) is named at the next consensus by its own witness: the copy changed at rest.
+    holders, one per replica group) right before a consensus is named by its own at-rest chain's flags: the copy
+    changed at rest.
     (A wrong reduced shard on this layout's axes is the contract suite's, on 4 ranks.)"""
     got = run_ranks(hsdp_tp, 8, timeout=180, retire=True)
     assert all(r == got[0] for r in got), "every rank reaches the same verdict"

@@ -100,7 +100,8 @@ def test_rank_zero_buffer_faults_spread_through_the_buffer_broadcast():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_inf_in_one_ranks_optimizer_state_is_caught_by_the_next_consensus(world):
-    cfg = {"audit_every": None, "consensus_every": 5, "faults": ("optim:1:7:inf",)}
+    # After step 10's update, right before its consensus (from the next step on, rank 1's own at-rest chain names it).
+    cfg = {"audit_every": None, "consensus_every": 5, "faults": ("optim:1:10:inf",)}
     got = run_ranks(train, world, "bnmlp", cfg, 12)
     assert {(r["kind"], tuple(r["ranks"]), r["step"]) for r in got} == {("nonfinite_state", (1,), 10)}
 

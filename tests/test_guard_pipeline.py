@@ -6,10 +6,9 @@ splits), each stage ``fully_shard``-ed over its own replicate x shard mesh (2 x 
 - a clean run with dropout raises nothing, and every check's passes are counted once per step for the job;
 - a wrong reduced gradient on a stage's rank is caught at its step, naming that rank, and every rank of both
   stages raises at the same step, the update withheld;
-- a weight flipped on one replica of a stage is caught by the next consensus, naming its rank (two holders: the
-  flipped copy changed at rest, after its optimizer wrote it),
-  and every rank raises; flipped to a huge value, the NaN it makes reaches the earlier stage of its replica, and
-  the ranks of that one pipeline are named together;
+- a weight flipped on one replica of a stage is caught at the next step by that rank's own at-rest chain (the
+  flipped copy changed after its optimizer wrote it), naming it alone, and every rank raises; flipped to a huge
+  value too, before the NaN it makes reaches the earlier stage of its replica and blames that stage's rank;
 - every rank's step row carries its replica's loss, the stages before the last included;
 - ``examples/pipeline_train.py`` (``Schedule1F1B``) saves each stage's entries once, names a fault at its step,
   and its rollback and its resume end bit-identical to the clean run; stages that save their modules under one
@@ -139,10 +138,10 @@ def test_a_pipeline_with_data_parallel_stages_is_guarded_on_every_stage(tmp_path
     assert got[1]["clean"]["losses"] == got[3]["clean"]["losses"] != got[0]["clean"]["losses"]
     for r in range(4):
         assert got[r]["reduced"] == {"caught": ["checksum", [1], 2], "withheld": True}, (r, got[r]["reduced"])
-        assert got[r]["weight"]["caught"][:2] == ["consensus", [3]], (r, got[r]["weight"])
-        # The NaN it makes crosses from stage 1 to stage 0 of its replica: both of that pipeline's ranks are
-        # named, no other.
-        assert got[r]["huge weight"] == {"caught": ["nonfinite_local", [1, 3], 2], "withheld": True}, got[r]
+        assert got[r]["weight"]["caught"][:2] == ["chain", [3]], (r, got[r]["weight"])
+        # The NaN it makes would cross from stage 1 to stage 0 of its replica (and name rank 1 too): the chain,
+        # judged before the gradient checks, names the flipped rank alone.
+        assert got[r]["huge weight"] == {"caught": ["chain", [3], 2], "withheld": True}, got[r]
 
 
 # ------------------------------------------------------------------------------- audits of a pipeline

@@ -85,14 +85,15 @@ def guarded_save(rank: int, world: int, run: str, spec: str) -> dict:
     return {"raised": None}
 
 
-def test_a_save_whose_consensus_disagrees_is_never_restorable(tmp_path):
+def test_a_save_whose_checks_fail_is_never_restorable(tmp_path):
+    # Rank 2's weight flipped after step 8's update, right before its save: the save's at-rest chain names it.
     run = str(tmp_path / "run")
-    got = run_ranks(guarded_save, 3, run, "weights:2:6:bitflip=3")
-    assert got[0] == {"raised": "consensus", "ranks": [2], "step": 8}
+    got = run_ranks(guarded_save, 3, run, "weights:2:8:bitflip=3")
+    assert got[0] == {"raised": "chain", "ranks": [2], "step": 8}
     mgr = CheckpointManager(run)
     assert [(i.step, i.status) for i in mgr.list()] == [(4, Status.RESTORABLE)]
     [inc] = mgr.incidents()
-    assert (inc.kind, inc.ranks, inc.first_suspect_step) == ("consensus", [2], 5)
+    assert (inc.kind, inc.ranks, inc.first_suspect_step) == ("chain", [2], 5)
     assert not any(name.startswith("step-0000000008") and os.path.exists(os.path.join(run, "checkpoints", name, "manifest.json"))
                    for name in os.listdir(os.path.join(run, "checkpoints")))
 

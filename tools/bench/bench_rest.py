@@ -1,15 +1,15 @@
-"""The at-rest witness's cost per step, side by side with the training step it rides on.
+"""The at-rest chain's cost per step, side by side with the training step it rides on.
 
 One process, one thread: an MLP of ``--layers`` Linear(d, d) layers trained with AdamW on a ``--batch`` x d
 batch. Measured, median of ``--steps`` steps after two warm-up steps:
 
 * the step: forward, backward and ``optimizer.step()``;
-* the witness: ``before_update()`` and ``after_update()`` around that update, over every parameter, as on two DDP
-  replicas, where it witnesses them all;
+* the chain: ``carry()`` before that update and ``after_update()`` after it, over every parameter and its optimizer
+  state, as on every rank of two or more (``guard/chain.py``);
 * for scale, one consensus fingerprint of the whole state (parameters, ``exp_avg``, ``exp_avg_sq``, ``step``).
 
-It also counts the aten ops the witness dispatches per step (the proxy for GPU launches) and its host syncs
-(none: it compares on the device and nothing is read until a consensus gathers).
+It also counts the aten ops the chain dispatches per step (the proxy for GPU launches) and its host syncs
+(none: it compares on the device and nothing is read until the step's row is gathered).
 
     .venv/bin/python tools/bench/bench_rest.py --layers 8 --d 1024 --batch 64 --steps 20
 """
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from verified_ckpt.guard.chain import StateChain
 from verified_ckpt.guard.consensus import state_lanes, state_tensors
-from verified_ckpt.guard.rest import RestWitness
 
 
 class Ops(TorchDispatchMode):
@@ -52,7 +52,7 @@ def main() -> None:
     model = torch.nn.Sequential(*[torch.nn.Linear(args.d, args.d) for _ in range(args.layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     params = list(model.parameters())
-    rest = RestWitness(lambda: [p.detach() for p in params], torch.device("cpu"))
+    rest = StateChain(lambda: state_tensors(params, opt), torch.device("cpu"))
     x = torch.randn(args.batch, args.d)
     step_s, witness_s, consensus_s = [], [], []
     for i in range(args.steps + 2):
@@ -61,7 +61,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         t1 = time.perf_counter()
-        rest.before_update()
+        rest.carry()
         rest.after_update()
         t2 = time.perf_counter()
         state_lanes(state_tensors(params, opt), torch.device("cpu"))
@@ -71,7 +71,7 @@ def main() -> None:
             witness_s.append(t2 - t1)
             consensus_s.append(t3 - t2)
     with Ops() as ops:
-        rest.before_update()
+        rest.carry()
         rest.after_update()
     step, witness, consensus = (statistics.median(v) for v in (step_s, witness_s, consensus_s))
     n = sum(p.numel() for p in params)

@@ -100,8 +100,8 @@ def _consensus_times(model: torch.nn.Module, opt: torch.optim.Optimizer, width: 
                      ) -> dict[str, list[float]]:
     """One consensus of the HSDP guard (local shards) against DDP's (the whole replica), same model, same job."""
     from verified_ckpt import Communicator, SDCGuard
+    from verified_ckpt.guard.chain import StateChain
     from verified_ckpt.guard.consensus import StateProbe
-    from verified_ckpt.guard.rest import RestWitness
 
     guard = SDCGuard(model, opt, lambda m, b: m(b).sum())
     torch.manual_seed(0)
@@ -109,7 +109,7 @@ def _consensus_times(model: torch.nn.Module, opt: torch.optim.Optimizer, width: 
     ropt = torch.optim.AdamW(replica.parameters(), lr=1e-3)
     replica(torch.randn(4, width)).square().mean().backward()
     ropt.step()
-    rest = RestWitness(list, torch.device("cpu"), on=False)  # a DDP consensus of more than two replicas
+    rest = StateChain(list, torch.device("cpu"), on=False)  # the flags cost nothing without a baseline
     probe, comm = StateProbe(list(replica.parameters()), ropt, [], torch.device("cpu"), rest.moved), Communicator()
     out: dict[str, list[float]] = {"consensus hsdp": [], "consensus ddp": []}
     for _ in range(repeats):

@@ -9,9 +9,9 @@ and one module per check decides.
 - Checks, each returning a :class:`~verified_ckpt.guard.stats.Verdict` and recording nothing:
   ``nonfinite``, ``checksum`` (of the all-reduce, from ``tap``'s per-bucket statistics), ``abft`` (per-step
   verification of gradient computation), ``audit`` (cross-rank recompute with a third-rank tiebreak),
-  ``consensus``, ``rest`` (which copy changed at rest), ``oracle`` (a peer recomputes a slice of each rank's optimizer
-  update; ``replicas``: its DDP form, the replicas' own updates compared), ``chain`` (single-owner state between its
-  update and its next use).
+  ``consensus``, ``oracle`` (a peer recomputes a slice of each rank's optimizer update; ``replicas``: its DDP form,
+  the replicas' own updates compared), ``chain`` (every rank's state between its update and its next use; which copy
+  changed at rest, for the consensus). ``witnesses``: the chain, the oracle and the scaler composed around each update.
 - ``protocol``: the ``Layout`` protocol every layout satisfies.
 - ``capture``: what a replay needs, taken when a gradient check fails before the update.
 """

@@ -22,10 +22,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import decisions
+from ..dtensors import held
 from ..lanes import lanes_on
-from .rest import tiebreak
+from .chain import tiebreak
 
-__all__ = ["BoxVotes", "box_keys", "box_rows", "boxes_of", "judge", "local_params"]
+__all__ = ["BoxVotes", "box_keys", "box_rows", "boxes_of", "judge", "local_state"]
 
 
 def boxes_of(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer, scope: str = ""
@@ -42,9 +43,10 @@ def box_keys(named: Iterable[tuple[str, torch.Tensor]], scope: str = "") -> list
     return [_key(scope, name, p) for name, p in named]
 
 
-def local_params(named: Iterable[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-    """This rank's local tensors of the parameters, in :func:`boxes_of`'s order (cheap enough for every step)."""
-    return [_local(p) for _, p in named]
+def local_state(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's local tensors of the parameters and their optimizer state, in :func:`boxes_of`'s order, without
+    its box keys or ``to_local`` calls (cheap enough for every step: the at-rest chain's)."""
+    return [held(t).detach() for _, t, _ in _entries(named, optimizer)]
 
 
 def _entries(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer
@@ -93,7 +95,7 @@ class BoxVotes:
     suspects: list[int]  # ranks a strict majority of some box's holders outvoted
     undecided: int  # disagreeing boxes with no strict majority of three or more: no host can be named
     every_copy_differs: int  # disagreeing boxes whose 3+ holders all differ, or all changed at rest: software
-    at_rest: list[int] = dataclasses.field(default_factory=list)  # ranks named by their own witness (rest.py)
+    at_rest: list[int] = dataclasses.field(default_factory=list)  # ranks named by their own chain (chain.py)
 
     @property
     def agree(self) -> bool:
@@ -121,7 +123,7 @@ class BoxVotes:
 
 def judge(rows: Sequence[Sequence[Sequence[int]]]) -> BoxVotes:
     """Vote per box over every rank's ``(key, lane_a, lane_b, changed at rest)`` rows (key -1: padding). A box that
-    no strict majority decides is broken by ``rest.tiebreak`` where its holders' own witnesses can."""
+    no strict majority decides is broken by ``chain.tiebreak`` where its holders' own chains can."""
     held: dict[int, list[tuple[int, tuple[int, int], bool]]] = {}
     for rank, mine in enumerate(rows):
         for key, a, b, moved in mine:

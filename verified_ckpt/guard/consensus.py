@@ -24,7 +24,7 @@ from .. import decisions
 from ..fingerprint import lanes_hex
 from ..history import Event
 from ..lanes import lanes_on
-from .rest import tiebreak
+from .chain import tiebreak
 from .stats import Verdict
 
 __all__ = ["StateProbe", "judge", "state_lanes", "state_tensors"]
@@ -74,7 +74,7 @@ _FOREACH_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
 
 class StateProbe:
     """What one replica contributes to a consensus, as one int64 row: state lanes, buffer lanes, whether its state
-    changed at rest (``moved``: the guard's witness, ``rest.py``), non-finite count."""
+    changed at rest (``moved``: the guard's at-rest chain, ``chain.py``), non-finite count."""
 
     def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
                  buffers: Sequence[torch.Tensor], device: torch.device,

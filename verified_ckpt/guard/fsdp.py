@@ -28,7 +28,7 @@ from .abft import GradientChecks
 from .abft import judge as judge_abft
 from .abft.sharded import ShardedGradientChecks
 from .audit import exchange_batches
-from .boxes import box_keys, box_rows, boxes_of, local_params
+from .boxes import box_keys, box_rows, boxes_of, local_state
 from .budget import Costs
 from .sharded import (
     MeshView,
@@ -279,14 +279,8 @@ class ShardedLayout:
         Returns every rank's fingerprint as hex when the replicas of every shard agree (empty on a 1-D mesh).
         """
         g = self.g
-        tensors, keys, params = boxes_of(g.module.named_parameters(), g.optimizer, self.scope)
-
-        def moved(lanes: torch.Tensor) -> torch.Tensor:  # the witness watches the parameters, not their moments
-            flags = torch.zeros(lanes.shape[0], dtype=torch.int64, device=lanes.device)
-            flags[params] = g.witnesses.rest.moved(lanes[params])
-            return flags
-
-        mine = box_rows(tensors, keys, moved, g.device)
+        tensors, keys, _ = boxes_of(g.module.named_parameters(), g.optimizer, self.scope)
+        mine = box_rows(tensors, keys, g.witnesses.chain.moved, g.device)  # the chain's order is boxes_of's
         # Ranks may hold different numbers of pieces (optimizer state not yet made everywhere): padded rows.
         n = int(g.comm.all_gather_rows(torch.tensor([mine.shape[0]], device=g.device)).max())
         padded = torch.cat([mine, torch.full((n - mine.shape[0], 4), -1, dtype=torch.int64, device=g.device)])
@@ -294,10 +288,6 @@ class ShardedLayout:
         rows = [r[:3] for r in gathered.tolist()]
         boxes = [gathered[r, 3:].view(-1, 4).tolist() for r in range(g.world)]
         verdicts, fps = judge_state(step, rows, boxes, g._last_pass("consensus") + 1)
-        # From now on the witness fingerprints only the pieces that have exactly two holders: with one there is
-        # nothing to compare, with three or more a majority decides.
-        holders = Counter(int(k) for mine_ in boxes for k, *_ in mine_ if k != -1)
-        g.witnesses.rest.judged([n for n, i in enumerate(params) if holders[keys[i]] == 2])
         for v in verdicts:
             g.judge.judge(step, v)
         return fps if self.view.replicas > 1 else []
@@ -314,11 +304,10 @@ class ShardedLayout:
         (the single-owner fingerprint chain will, issue 38)."""
         return []
 
-    def local_params(self) -> list[torch.Tensor]:
-        """This rank's pieces of the parameters, for the at-rest witness (``rest.py``)."""
-        return local_params(self.g.module.named_parameters())
-
-    witnessed = True  # until the first consensus has counted each piece's holders
+    def local_state(self) -> list[torch.Tensor]:
+        """This rank's pieces of the parameters and their optimizer state, in the consensus's order (``boxes_of``'s),
+        for the at-rest chain (``chain.py``)."""
+        return local_state(self.g.module.named_parameters(), self.g.optimizer)
 
     def owned(self) -> list[bool]:
         """Per parameter (the guard's order): whether this rank's piece of it is held by no other rank (a

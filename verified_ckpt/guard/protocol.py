@@ -59,13 +59,9 @@ class Layout(Protocol):
         """Per parameter, in the guard's order: whether this rank's piece of it has no replica on another rank."""
         ...
 
-    @property
-    def witnessed(self) -> bool:
-        """Whether a disagreement may need the at-rest witness (``rest``)."""
-        ...
-
-    def local_params(self) -> list[torch.Tensor]:
-        """This rank's pieces of the parameters, in a fixed order."""
+    def local_state(self) -> list[torch.Tensor]:
+        """This rank's pieces of the parameters and their optimizer state, in the order its consensus fingerprints
+        them (the at-rest chain's, whose flags the consensus reads by position)."""
         ...
 
     # -------------------------------------------------------------- the loop's parts

@@ -68,10 +68,7 @@ class ReplicatedLayout:
                                   f"{type(inner).__name__}")
         cfg = g.cfg
         named_buffers = list(g.module.named_buffers())
-        # Looked up at each consensus: the guard builds its witness after its layout (from the layout's parameters).
-        # The witness watches the parameters, which come first in the state's order.
-        self.probe = StateProbe(g.params, g.optimizer, g.buffers, g.device,
-                                lambda lanes: g.witnesses.rest.moved(lanes[:len(g.params)]))
+        self.probe = StateProbe(g.params, g.optimizer, g.buffers, g.device, self._moved)
         self._buffer_names = [n for n, _ in named_buffers]
         self._replicated = [True] * len(g.buffers)  # DDP starts every replica from rank 0's buffers
         self.auditor = Auditor(g.module, g.params, loss_fn=g.loss_fn, comm=g.comm, project=g.project, cfg=cfg,
@@ -254,7 +251,6 @@ class ReplicatedLayout:
         rows = g.comm.all_gather_rows(self.probe.row()).tolist()
         verdicts, fps, self._replicated = consensus.judge(step, rows, self.probe, self._replicated, self._buffer_names,
                                                           g._last_pass("consensus") + 1)
-        g.witnesses.rest.judged(None)
         for v in verdicts:
             g.judge.judge(step, v)
         return fps
@@ -266,15 +262,15 @@ class ReplicatedLayout:
         """The last consensus's state tensors with the fingerprint every replica holds (each replica holds all)."""
         return self.probe.agreed()
 
-    def local_params(self) -> list[torch.Tensor]:
-        """The parameters, for the at-rest witness (``rest.py``)."""
-        return [p.detach() for p in self.g.params]
+    def _moved(self, lanes: torch.Tensor) -> torch.Tensor:
+        """The chain's flags for the probe's lanes (looked up at each consensus: the guard builds its chain after its
+        layout, over :meth:`local_state`, the probe's own order)."""
+        return self.g.witnesses.chain.moved(lanes)
+
+    def local_state(self) -> list[torch.Tensor]:
+        """The parameters and their optimizer state, in the consensus's order, for the at-rest chain (``chain.py``)."""
+        return consensus.state_tensors(self.g.params, self.g.optimizer)
 
     def owned(self) -> list[bool]:
         """No parameter is held by this rank alone."""
         return [False] * len(self.g.params)
-
-    @property
-    def witnessed(self) -> bool:
-        """Whether a disagreement may need the at-rest witness (``rest.py``): two replicas, where no majority decides."""
-        return self.g.world == 2

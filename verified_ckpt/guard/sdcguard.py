@@ -35,7 +35,7 @@ from .protocol import Layout
 from .replicated import TWO_REPLICAS, ReplicatedLayout
 from .schedule import Schedule
 from .stats import Projector
-from .witnesses import Witnesses, scaling
+from .witnesses import NOT_REPLAYED, Witnesses, scaling
 
 __all__ = ["TWO_REPLICAS", "SDCGuard"]
 
@@ -135,7 +135,7 @@ class SDCGuard(Bookkeeping):
                               watch=self.watch)
         self.judge.scheduled = (("audit",) if self.audits_enabled else ()) + (("consensus",) if self.replicas >= 2 else ())
         self.witnesses = Witnesses(self.params, optimizer, self.layout, self.comm, slices=self.cfg.oracle_slices,
-                                   scaler=scaled, judge=self.judge.judge)
+                                   scaler=scaled, judge=self.judge.judge, consensus=self.layout.consensus)
 
     # ------------------------------------------------------------ who is where
     @property
@@ -247,7 +247,7 @@ class SDCGuard(Bookkeeping):
             before = False
             self._update(s)
         except SilentCorruptionDetected as e:
-            if before and cast("Incident", e.incident).kind not in ("oracle", "chain"):
+            if before and cast("Incident", e.incident).kind not in NOT_REPLAYED:
                 self._capture(s, e)  # a replay recomputes gradients: nothing to replay of an update or a change at rest
             self.witnesses.forget()
             self.optimizer.zero_grad(set_to_none=True)
@@ -358,7 +358,7 @@ class SDCGuard(Bookkeeping):
     def prepare_resume(self) -> None:
         """State was just restored into this process: whatever the layout must rebuild before the next step (DDP's
         bucket layout, see ``ReplicatedLayout.prepare_resume``)."""
-        self.witnesses.restored()
+        self.witnesses.forget()
         self.layout.prepare_resume()
 
     def schedule(self) -> Rates | None:

@@ -1,11 +1,13 @@
-"""The witnesses of the optimizer update, composed once: the at-rest witness and chain, the update oracle and the
-gradient scaler, around each update and at each save.
+"""The witnesses of the optimizer update, composed once: the at-rest chain (every holder's state, ``chain``), the
+update oracle and the gradient scaler, around each update and at each save.
 
 ``SDCGuard`` runs the same sequence on every layout: ``before_update``, ``update``, ``after_update``, then the
 state faults and a consensus when one is due; at the next step ``carry`` travels in the step's gathered row and
 ``judge_carried`` judges every rank's; at a save ``settle`` judges them now. A part that does not run (one process,
 an optimizer the oracle cannot recompute, no scaler) is a null part with the same methods, so the loop has no
-``if x is not None``. Every verdict goes through the guard's ``judge`` (counted, raised on failure).
+``if x is not None``. Every verdict goes through the guard's ``judge`` (counted, raised on failure). The chain
+has a second role, in the consensus: which of this rank's pieces changed at rest (``chain.moved``), for the
+two-holder tiebreak.
 """
 
 from __future__ import annotations
@@ -15,14 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..dtensors import held
 from ..errors import SilentCorruptionDetected
 from ..evidence import NO_ORACLE, NOT_WITNESSED
 from .chain import StateChain
-from .consensus import state_tensors
 from .oracle import CARRY, UpdateOracle, elementwise_optimizer
 from .replicas import ReplicaOracle
-from .rest import RestWitness
 from .scaling import Scaling
 from .stats import Verdict
 
@@ -30,7 +29,11 @@ if TYPE_CHECKING:
     from ..comm import Communicator
     from .protocol import Layout
 
-__all__ = ["NullScaling", "Witnesses"]
+__all__ = ["NOT_REPLAYED", "NullScaling", "Witnesses"]
+
+# Incidents the witnesses raise before an update that a replay cannot reproduce (it recomputes gradients): a wrong
+# update, a change at rest, and the consensus the chain runs when several ranks' state changed at once.
+NOT_REPLAYED = ("oracle", "chain", "consensus", "nonfinite_state", "buffers")
 
 
 class NullScaling:
@@ -87,21 +90,26 @@ class Witnesses:
     Args:
         params: the guard's parameters, in its order.
         optimizer: the optimizer whose update they witness.
-        layout: who holds which pieces (``owned``) and the at-rest witness's tensors (``local_params``).
+        layout: who holds which pieces (``owned``) and this rank's state in its consensus's order (``local_state``).
         comm: the guard's communicator (a save's ``settle`` gathers).
         slices: ``GuardConfig.oracle_slices`` (0: no oracle).
         scaler: the job's gradient scaler, or :class:`NullScaling`.
         judge: the guard's ``judge(step, verdict)``: counts, and raises a failed verdict.
+        consensus: the layout's ``consensus(step)`` (collective; judges and raises), which decides per piece when
+            several ranks' state changed at rest at once (:meth:`_judge_chain`).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, layout: Layout,
                  comm: Communicator, *, slices: int, scaler: Scaling | NullScaling,
-                 judge: Callable[[int, Verdict], None]) -> None:
+                 judge: Callable[[int, Verdict], None], consensus: Callable[[int], object]) -> None:
         device, world = comm.device, comm.world
         self.optimizer, self.comm, self.device, self.scaler, self._judge = optimizer, comm, device, scaler, judge
-        self.rest = RestWitness(layout.local_params, device, on=world >= 2 and layout.witnessed)
-        # The single-owner evidence (``oracle``, ``chain``): a peer recomputes a slice of every rank's update, and
-        # state no replica holds is fingerprinted between its update and its next use. Both need a second rank.
+        self._consensus = consensus
+        # Every holder chains all its state, replicated or not: a flip in a replicated piece reaches every rank
+        # through the computation before any consensus compares the copies, so only its holder can name itself.
+        # A judge needs a second rank (one rank's change alone is software).
+        self.chain = StateChain(layout.local_state, device, on=world >= 2)
+        # The single-owner evidence (``oracle``, ``chain``): a peer recomputes a slice of every rank's update.
         sliced = elementwise_optimizer(optimizer) if world >= 2 and slices else None
         self.owned = [p for p, alone in zip(params, layout.owned(), strict=True) if alone]
         # Where every rank holds the whole state (DDP), the replicas' own updates of a slice are its recomputation.
@@ -110,7 +118,6 @@ class Witnesses:
             oracle = ReplicaOracle
         self.oracle: UpdateOracle | ReplicaOracle | _NullOracle = (
             oracle(sliced, comm, slices, device) if sliced else _NullOracle(device))
-        self.chain = StateChain(self._local_state, device) if world >= 2 and self.owned else None
         self._chain_checked: int | None = None  # the step of the last save whose chain held, until the next update
         # The step of the last update, and of the last one whose recomputation the oracle passed (at the next step's
         # carry or at a save's settle, whichever judged it): facts about the state, so that a save's evidence does
@@ -118,15 +125,9 @@ class Witnesses:
         self._updated: int | None = None
         self._oracle_ok: int | None = None
 
-    def _local_state(self) -> list[torch.Tensor]:
-        """This rank's pieces held by no other rank, parameters and their optimizer state, in a fixed order (the
-        chain's: what a replica holds too is the consensus's)."""
-        return [held(t) for t in state_tensors(self.owned, self.optimizer)]
-
     # ------------------------------------------------------------ around the update
     def before_update(self) -> None:
         self.scaler.unscale(self.optimizer)  # the oracle ships the gradients the update will use
-        self.rest.before_update()
         self.oracle.before_update()
 
     def update(self) -> None:
@@ -134,9 +135,7 @@ class Witnesses:
         self.scaler.step(self.optimizer)
 
     def after_update(self, step: int) -> None:
-        self.rest.after_update()
-        if self.chain is not None:
-            self.chain.after_update()
+        self.chain.after_update()
         self.oracle.after_update(step)
         self._updated, self._chain_checked = step, None  # a save's check spoke for the state before this update
 
@@ -147,31 +146,39 @@ class Witnesses:
 
     # ------------------------------------------------------------ at the next step
     def carry(self) -> torch.Tensor:
-        """What the oracle and the chain carry in this step's gathered row (zeros for the ones not running)."""
-        chain = self.chain.carry() if self.chain is not None else torch.zeros(2, dtype=torch.float64, device=self.device)
-        return torch.cat([chain, self.oracle.carry()])
+        """What the chain and the oracle carry in this step's gathered row (zeros for the ones not running)."""
+        return torch.cat([self.chain.carry(), self.oracle.carry()])
 
     def judge_carried(self, s: int, rows: list[list[float]]) -> None:
         """The chain's and the oracle's verdicts from every rank's carry (the same on every rank), before the
         layout's own checks: a change at rest or a wrong update is the cause of what those would see next."""
-        verdicts = [StateChain.judge(s, [r[:2] for r in rows], s), self.oracle.agree([r[2:2 + CARRY] for r in rows])]
-        for v in verdicts:
-            if v is not None:
-                self._judge(s, v)
-        if verdicts[1] is not None:  # passed (a failure raised): the oracle's verdict on the last update
-            self._oracle_ok = self._updated
+        self._judge_chain(s, [r[:2] for r in rows])
+        v = self.oracle.agree([r[2:2 + CARRY] for r in rows])
+        if v is not None:
+            self._judge(s, v)
+            self._oracle_ok = self._updated  # passed (a failure raised): the oracle's verdict on the last update
+
+    def _judge_chain(self, step: int, carried: list[list[float]]) -> Verdict | None:
+        """Judge the chain over every rank's carry (the same on every rank); the verdict, ``None`` without a
+        baseline. One rank's change is that rank's. When several ranks' state changed at once (every rank's
+        included), more often code than one fault each, the consensus runs first (collective: every rank reaches
+        the same verdict) and decides per piece with the chain's flags, as it does right after an update: holders
+        of one piece whose copies all changed are software divergence, a minority of three or more holders is
+        outvoted. What it cannot compare, or finds alike (pieces held once, the same write on every copy), stays
+        the chain's verdict: the ranks named, or software when every rank's state changed."""
+        v = StateChain.judge(step, carried, step)
+        if v is not None and not v.ok and sum(1 for c in carried if c[0]) >= 2:
+            self._consensus(step)
+        if v is not None:
+            self._judge(step, v)
+        return v
 
     def forget(self) -> None:
-        """A check failed: what the chain and the oracle hold is about a state the job will roll back or repair."""
-        if self.chain is not None:
-            self.chain.reset()
+        """A check failed, or state was restored: what the chain and the oracle hold is about a state the job rolls
+        back, repairs or has replaced."""
+        self.chain.reset()
         self.oracle.reset()
         self._chain_checked = self._oracle_ok = None
-
-    def restored(self) -> None:
-        """State was written by a restore: nothing any witness holds is evidence."""
-        self.rest.reset()
-        self.forget()
 
     # ------------------------------------------------------------ at a save
     def settle(self, step: int) -> None:
@@ -183,11 +190,8 @@ class Witnesses:
             SilentCorruptionDetected: a rank's state changed at rest, or a recomputed update differs.
         """
         try:
-            if self.chain is not None:
-                rows = self.comm.all_gather_rows(self.chain.carry()).tolist()
-                v = StateChain.judge(step, rows, step)
-                if v is not None:
-                    self._judge(step, v)
+            if self.chain.on:
+                v = self._judge_chain(step, self.comm.all_gather_rows(self.chain.carry()).tolist())
                 self._chain_checked = step if v is not None else None
             if (v := self.oracle.settle()) is not None:
                 self._judge(step, v)
@@ -217,7 +221,7 @@ class Witnesses:
         """After :meth:`settle` at a save of ``step``: each tensor of this rank's state with the fingerprint its last
         update wrote, which the chain has just found it still holds: what the save must write. ``None`` where the
         chain did not hold at this save (the same on every rank: the verdict is the job's)."""
-        return self.chain.written() if self.chain is not None and self._chain_checked == step else None
+        return self.chain.written() if self._chain_checked == step else None
 
 
 def scaling(scaler: Any) -> Scaling | NullScaling:

@@ -121,7 +121,9 @@ class Communicator:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: Any, op: Any, async_op: bool) -> Any:
         """FSDP's reduce-scatter over its own sub-group (``group``), as FSDP's default communication issues it."""
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        # reduce_scatter_single, not reduce_scatter_tensor: torch 2.13 deprecates the latter with a FutureWarning
+        # on every call, which every FSDP step would print.
+        return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
     def shift(self, t: torch.Tensor, incoming: int, *, by: int = 1) -> torch.Tensor:
         """Send the 1-D ``t`` to the rank ``by`` places after this one in the group and receive ``incoming``

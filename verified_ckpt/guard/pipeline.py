@@ -332,7 +332,8 @@ class PipelineLayout(ShardedLayout):
 
 def _coverage(d: dict[str, Any]) -> Coverage:
     """A coverage as another rank sent it (``dataclasses.asdict``, through JSON)."""
-    return Coverage(**{**d, "left_out": [tuple(x) for x in d["left_out"]]})
+    return Coverage(**{**d, "left_out": [tuple(x) for x in d["left_out"]],
+                       "unchecked": [tuple(x) for x in d.get("unchecked", [])]})
 
 
 def _relabel(col: list[list[int]], ranks: list[int]) -> list[list[int]]:

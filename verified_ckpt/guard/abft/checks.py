@@ -15,7 +15,18 @@ from ..budget import Stopwatch
 from . import forward as fwd
 from . import norms
 from .flops import FlopCount
-from .layers import COMPILED, OUTSIDE, Coverage, InputCheck, InputTap, Layer, gradient_paths, layer_kind, worst_layer
+from .layers import (
+    COMPILED,
+    OUTSIDE,
+    TP_UNCHECKED,
+    Coverage,
+    InputCheck,
+    InputTap,
+    Layer,
+    gradient_paths,
+    layer_kind,
+    worst_layer,
+)
 from .norms import norm_kind
 from .products import ProductChecks
 from .sums import EPS32, RMS, Covered, matmul_eps, rgs, row_norms, signed_weights, unit_roundoff, worst_ratio
@@ -141,7 +152,8 @@ class GradientChecks:
         kinds = collections.Counter(layer.kind for layer in self.layers.values() if id(layer.weight) in self.covered)
         kinds.update(self._norms)
         return Coverage(dict(kinds), self.param_fraction, self.flop_fraction, self.linear_flop_fraction,
-                        list(self.left_out), dict(self._uncovered))
+                        list(self.left_out), dict(self._uncovered),
+                        [(layer.name, TP_UNCHECKED) for layer in self.layers.values() if layer.tp])
 
     def _leave_out(self, pid: int, why: str) -> None:
         c = self.covered.pop(pid, None)

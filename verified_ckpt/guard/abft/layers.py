@@ -14,11 +14,13 @@ import torch
 from ..stats import worst
 from .sums import constant_on, lengths_on
 
-__all__ = ["COMPILED", "OUTSIDE", "Coverage", "InputCheck", "InputTap", "Layer", "gradient_paths", "input_ratios",
+__all__ = ["COMPILED", "OUTSIDE", "TP_UNCHECKED", "Coverage", "InputCheck", "InputTap", "Layer", "gradient_paths", "input_ratios",
            "layer_kind", "worst_layer"]
 
 OUTSIDE = "used outside the modules that cover it (a weight tied functionally, F.linear(x, w)?)"
 COMPILED = "inside a torch.compile'd module, where ABFT's hooks cannot run"
+TP_UNCHECKED = ("input gradient and forward output (a tensor-parallel slice: its input gradient is a partial sum "
+                "that tensor parallel's own all-reduce completes, out of these hooks' sight)")
 
 
 def layer_kind(mod: torch.nn.Module) -> str | None:
@@ -139,6 +141,8 @@ class Coverage:
     linear_flop_fraction: float | None
     left_out: list[tuple[str, str]]  # (parameter, why)
     uncovered: dict[str, int]  # module classes holding parameters ABFT does not check -> count
+    # What covered layers leave unchecked, by layout: (module, what and why); a TP Linear's input gradient.
+    unchecked: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
         """One line: what ABFT checks, and what it does not."""
@@ -151,6 +155,8 @@ class Coverage:
             line += "; not covered: " + ", ".join(f"{n} {k}" for k, n in sorted(self.uncovered.items()))
         if self.left_out:
             line += f"; left out: {self.left_out_summary()}"
+        if self.unchecked:
+            line += f"; unchecked: {grouped(self.unchecked)}"
         return line + ". Parameters ABFT does not check are verified by audits and consensus only (docs/GUARD.md)."
 
     @staticmethod
@@ -172,15 +178,21 @@ class Coverage:
             uncovered.update(c.uncovered)
         return Coverage(dict(modules), weighted([c.param_fraction for c, _ in parts]) or 0.0,
                         weighted([c.flop_fraction for c, _ in parts]), weighted([c.linear_flop_fraction for c, _ in parts]),
-                        [x for c, _ in parts for x in c.left_out], dict(uncovered))
+                        [x for c, _ in parts for x in c.left_out], dict(uncovered),
+                        [x for c, _ in parts for x in c.unchecked])
 
     def left_out_summary(self) -> str:
         """The parameters left out, grouped by why (a few names each)."""
-        why: dict[str, list[str]] = {}
-        for name, reason in self.left_out:
-            why.setdefault(reason, []).append(name)
-        return "; ".join(f"{', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}: {reason}"
-                         for reason, names in why.items())
+        return grouped(self.left_out)
+
+
+def grouped(pairs: Sequence[tuple[str, str]]) -> str:
+    """(name, reason) pairs grouped by reason, a few names each."""
+    why: dict[str, list[str]] = {}
+    for name, reason in pairs:
+        why.setdefault(reason, []).append(name)
+    return "; ".join(f"{', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}: {reason}"
+                     for reason, names in why.items())
 
 
 def percent(x: float) -> str:

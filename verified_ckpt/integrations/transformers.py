@@ -41,6 +41,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -109,6 +110,7 @@ class VerifiedTrainer(Trainer):
         if problem:  # before Trainer's own set-up (which may already reach the Hub, or build DeepSpeed)
             raise ValueError(f"VerifiedTrainer: {problem} (docs/INTEGRATIONS.md, 'Hugging Face Trainer')")
         super().__init__(*args, **kwargs)
+        self._fsdp2 = self._require_fsdp2() if fsdp_request(self.args, os.environ) else False
         limit = self.args.save_total_limit
         if keep_last is not None and limit is not None and keep_last != limit:
             raise ValueError(f"VerifiedTrainer: keep_last={keep_last} and save_total_limit={limit} disagree; "
@@ -120,6 +122,25 @@ class VerifiedTrainer(Trainer):
         self.checkpoints: CheckpointManager | None = None
         self._resumed: _Resumed | None = None
         self._best: str | None = None  # the checkpoint id of the best step, pinned against retention
+
+    def _require_fsdp2(self) -> bool:
+        """FSDP2 as asked for, or a refusal: never DDP in its place. Accelerate enables FSDP only on accelerators and
+        drops the plugin without a word on CPU (gloo), where ``fully_shard`` runs all the same: there it is enabled
+        here, as accelerate would on a GPU."""
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        state = self.accelerator.state
+        if not self.is_fsdp_enabled and state.distributed_type is DistributedType.MULTI_CPU:
+            plugin = self.args.fsdp_plugin_args if self.args.fsdp else None
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**(plugin or {}))
+            state.distributed_type = DistributedType.FSDP
+            self.is_fsdp_enabled = True
+        version = getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None)
+        if not self.is_fsdp_enabled or version != 2:
+            raise ValueError(f"VerifiedTrainer: FSDP2 was asked for, but accelerate set up {state.distributed_type} "
+                             f"(FSDP version {version}), which would train without FSDP2's sharding; launch with "
+                             "torchrun or accelerate on one process per device (docs/INTEGRATIONS.md)")
+        return True
 
     # ---------------------------------------------------------------- resume
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
@@ -135,14 +156,20 @@ class VerifiedTrainer(Trainer):
                 shutil.rmtree(self._resumed.folder, ignore_errors=True)
 
     def _resume(self) -> _Resumed | None:
-        # resume() restores the whole state at once, so the optimizer and scheduler must exist before train()
-        # would create them; the scheduler is marked as not the Trainer's, or train() would replace it.
-        max_steps = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
-        self.create_optimizer_and_scheduler(num_training_steps=max_steps)
-        self._created_lr_scheduler = False
         holder = _TrainerState()
         mgr = CheckpointManager(self.run_url, storage_options=self.storage_options)
-        mgr.resume(self._state(holder))
+        if self._fsdp2:
+            # The sharded state fits only the model fully_shard makes inside train(): here resume() chooses (and
+            # records any rollback) and restores the Trainer's state, which train() reads before it shards the
+            # model; the rest of the same checkpoint is restored once it is sharded (_install_guard).
+            mgr.resume({"trainer_state": holder})
+        else:
+            # resume() restores the whole state at once, so the optimizer and scheduler must exist before train()
+            # would create them; the scheduler is marked as not the Trainer's, or train() would replace it.
+            max_steps = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
+            self.create_optimizer_and_scheduler(num_training_steps=max_steps)
+            self._created_lr_scheduler = False
+            mgr.resume(self._state(holder))
         if mgr.resumed_from is None:
             return None  # nothing to continue from: a fresh start (resume() logged it)
         folder = tempfile.mkdtemp(prefix="vckpt-hf-resume-")
@@ -183,7 +210,10 @@ class VerifiedTrainer(Trainer):
                                                                                  self.guard_config))
         self.checkpoints = CheckpointManager(self.run_url, storage_options=self.storage_options,
                                              keep_last=self.keep_last, guard=guard)
-        if self._resumed is not None:
+        if self._resumed is not None and self._fsdp2:  # the sharded state of the checkpoint resume() chose
+            self.checkpoints.restore(self._state(_TrainerState()), checkpoint_id=self._resumed.checkpoint_id)
+            self._resumed = dataclasses.replace(self._resumed, rng=RNGState().state_dict())
+        elif self._resumed is not None:
             self.checkpoints.resumed_from = self._resumed.checkpoint_id  # the lineage continues from it
             guard.prepare_resume()
 
@@ -258,13 +288,16 @@ class VerifiedTrainer(Trainer):
                 CONFIG_ENTRY: config.to_json_string() if config is not None else None}
 
 
-def _unsupported(a: Any) -> str | None:
-    """Why the ``TrainingArguments`` ``a`` ask for something the guard or the verified checkpoints cannot honour
-    (``None``: all fine); every option is either honoured or refused here, never silently ignored."""
-    if a.deepspeed:
-        return "DeepSpeed is not supported (the guard steps the optimizer itself); train with DDP"
-    if a.fsdp:
-        return "FSDP through the Trainer is not supported yet; train with DDP, or with SDCGuard on fully_shard directly"
+def _unsupported(a: Any, env: Mapping[str, str] | None = None) -> str | None:
+    """Why the ``TrainingArguments`` ``a`` (and accelerate's launcher environment ``env``, default ``os.environ``)
+    ask for something the guard or the verified checkpoints cannot honour (``None``: all fine); every option is
+    either honoured or refused here, never silently ignored."""
+    env = os.environ if env is None else env
+    if a.deepspeed or _flag(env, "ACCELERATE_USE_DEEPSPEED"):
+        return f"DeepSpeed is not supported (the guard steps the optimizer itself); use FSDP2: {_FSDP2}"
+    version = fsdp_request(a, env)
+    if version is not None and version != 2:
+        return f"FSDP{version} is not supported (the guard observes FSDP2's sharded layout); use FSDP2: {_FSDP2}"
     if a.fp16:
         return "fp16=True scales the loss and skips overflow steps, which the guard would see as NaN/Inf; use bf16=True"
     if a.n_gpu > 1:
@@ -278,4 +311,21 @@ def _unsupported(a: Any) -> str | None:
                 "`vckpt export RUN --format hf --to DIR` folder instead")
     if a.save_only_model:
         return "save_only_model=True: a verified checkpoint is for resuming; export weights with `vckpt export --format hf`"
+    return None
+
+
+_FSDP2 = "fsdp='full_shard' with fsdp_config={'version': 2}, or FSDP_VERSION=2 with accelerate's launcher"
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "false").strip().lower() in ("1", "true", "yes", "on")
+
+
+def fsdp_request(a: Any, env: Mapping[str, str]) -> int | None:
+    """The FSDP version the arguments ``a`` or accelerate's environment ask for (``None``: no FSDP). The arguments
+    win, as in the Trainer; accelerate's own default version, without ``FSDP_VERSION``, is 1."""
+    if a.fsdp:
+        return int((a.fsdp_config or {}).get("version", 2))
+    if _flag(env, "ACCELERATE_USE_FSDP"):
+        return int(env.get("FSDP_VERSION", "1"))
     return None

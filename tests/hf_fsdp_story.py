@@ -1,0 +1,113 @@
+"""``VerifiedTrainer`` with FSDP2 on gloo ranks (run under torchrun by tests/test_hf_fsdp.py), at ``GuardConfig()``.
+
+    hf_fsdp_story.py DIR train    # clean run (fsdp= arguments); extras run; then accelerate's environment, killed
+    hf_fsdp_story.py DIR resume   # the killed run resumed through accelerate's environment
+
+``train``: rank 0 writes ``DIR/train.json`` after the clean and extras phases, then the third phase, requested
+only through ``ACCELERATE_USE_FSDP=true FSDP_VERSION=2``, is killed with SIGKILL on rank 1 at step 6 (after the save
+at 4): the launch ends there. ``resume``: the same run with ``resume_from_checkpoint=True``; rank 0 writes
+``DIR/resume.json``. The model is hf_train's GPT-2 (Conv1D blocks), its blocks and root ``fully_shard``-ed by
+accelerate's FSDP2 plugin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from verified_ckpt import CheckpointManager
+from verified_ckpt.integrations.transformers import VerifiedTrainer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))  # torchrun runs it bare
+import hf_train
+import story_cli
+
+FSDP2 = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+RANK = int(os.environ.get("RANK", "0"))
+
+
+class Kill(TrainerCallback):
+    """SIGKILL on one rank as the step ``at`` begins: no handler, no flush, as a lost host."""
+
+    def __init__(self, rank: int, at: int) -> None:
+        self.rank, self.at = rank, at
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step + 1 == self.at and self.rank == RANK:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def digest(model: torch.nn.Module) -> str:
+    """The full (unsharded) weights' digest, the same on every rank: a collective."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        h.update(name.encode() + full.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def trainer(root: str, name: str, steps: int, **extra: Any) -> VerifiedTrainer:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    evaluation = {"eval_dataset": hf_train.RandomTokens(8, seed=1)} if extra.get("eval_strategy") else {}
+    callbacks = extra.pop("callbacks", None)
+    return VerifiedTrainer(model=hf_train.model(), args=hf_train.arguments(os.path.join(root, f"out-{name}"), steps, **extra),
+                           train_dataset=hf_train.RandomTokens(4 * world * steps), run=os.path.join(root, name),
+                           callbacks=callbacks, **evaluation)
+
+
+def sharded(t: VerifiedTrainer) -> dict[str, Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    layout = type(t.guard.layout).__name__ if t.guard else None
+    coverage = t.guard.coverage() if t.guard else None
+    return {"fsdp": isinstance(t.model, FSDPModule), "layout": layout,
+            "coverage": coverage.summary() if coverage else None,
+            "checkpoints": [(c.step, c.status.value) for c in CheckpointManager(t.run_url).list()]}
+
+
+def train(root: str) -> None:
+    one = {"gradient_accumulation_steps": 1}
+    out: dict[str, Any] = {}
+    clean = trainer(root, "clean", 8, **FSDP2, **one)
+    clean.train()
+    out["clean"] = {**sharded(clean), "digest": digest(clean.model)}
+    # Gradient accumulation, activation checkpointing, retention and the best model, in one run.
+    extras = trainer(root, "extras", 12, **FSDP2, gradient_checkpointing=True, eval_strategy="steps", eval_steps=4,
+                     load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+                     save_total_limit=1)
+    extras.train()
+    best = extras.state.best_global_step
+    out["extras"] = {**sharded(extras), "best": best, "digest": digest(extras.model)}
+    # What the model ended with, against each kept checkpoint's weights restored into it.
+    mgr = CheckpointManager(extras.run_url)
+    for info in mgr.list():
+        mgr.restore({"model": extras.model}, checkpoint_id=info.id)
+        out["extras"][f"digest-{info.step}"] = digest(extras.model)
+    if RANK == 0:
+        with open(os.path.join(root, "train.json"), "w") as f:
+            json.dump(out, f)
+    os.environ.update({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
+    trainer(root, "killed", 8, **one, callbacks=[Kill(1, 6)]).train()
+
+
+def resume(root: str) -> None:
+    os.environ.update({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
+    t = trainer(root, "killed", 8, gradient_accumulation_steps=1)
+    t.train(resume_from_checkpoint=True)
+    out = {**sharded(t), "digest": digest(t.model), "resumed_from": t.checkpoints.resumed_from if t.checkpoints else None}
+    if RANK == 0:
+        with open(os.path.join(root, "resume.json"), "w") as f:
+            json.dump(out, f)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    {"train": train, "resume": resume}[sys.argv[2]](sys.argv[1])
+    story_cli.leave(0)

@@ -3,7 +3,7 @@
     hf_fsdp_story.py DIR train    # clean run (fsdp= arguments); extras run; then accelerate's environment, killed
     hf_fsdp_story.py DIR resume   # the killed run resumed through accelerate's environment
 
-``train``: rank 0 writes ``DIR/train.json`` after the clean and extras phases, then the third phase, requested
+``train``: rank 0 writes ``DIR/train.json`` after the clean, extras and fault phases, then the third phase, requested
 only through ``ACCELERATE_USE_FSDP=true FSDP_VERSION=2``, is killed with SIGKILL on rank 1 at step 6 (after the save
 at 4): the launch ends there. ``resume``: the same run with ``resume_from_checkpoint=True``; rank 0 writes
 ``DIR/resume.json``. The model is hf_train's GPT-2 (Conv1D blocks), its blocks and root ``fully_shard``-ed by
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from verified_ckpt import CheckpointManager
+from verified_ckpt import CheckpointManager, GuardConfig, SilentCorruptionDetected
 from verified_ckpt.integrations.transformers import VerifiedTrainer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))  # torchrun runs it bare
@@ -31,6 +31,7 @@ import story_cli
 
 FSDP2 = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
 RANK = int(os.environ.get("RANK", "0"))
+FAULTY = "transformer.h.0.mlp.c_fc"
 
 
 class Kill(TrainerCallback):
@@ -42,6 +43,32 @@ class Kill(TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step + 1 == self.at and self.rank == RANK:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class WrongGradient(TrainerCallback):
+    """One rank's gradient of ``FAULTY``'s unsharded weight with one element x10, at one step, once (its first
+    microbatch's, never an audit's recomputation): hooked in the module's forward, where FSDP2 has gathered it."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step, self.now, self.fired = rank, step, 0, False
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        model.get_submodule(FAULTY).register_forward_pre_hook(self.pre)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.now = state.global_step + 1
+
+    def pre(self, module: torch.nn.Module, inputs: Any) -> None:
+        if self.fired or self.now != self.step or self.rank != RANK or not torch.is_grad_enabled():
+            return
+        self.fired = True
+        handle = module.weight.register_hook(lambda g: (handle.remove(), self.wrong(g))[1])
+
+    @staticmethod
+    def wrong(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        g.view(-1)[5] *= 10
+        return g
 
 
 def digest(model: torch.nn.Module) -> str:
@@ -90,6 +117,20 @@ def train(root: str) -> None:
     for info in mgr.list():
         mgr.restore({"model": extras.model}, checkpoint_id=info.id)
         out["extras"][f"digest-{info.step}"] = digest(extras.model)
+    # Faults as a faulty GPU would make them, each in a run of its own: a x10 element of rank 1's gradient of
+    # c_fc's weight, as autograd computes it at step 3; a bit flipped in rank 1's weight shard after the update
+    # of step 2 (verified_ckpt.faults), at rest until step 3 reads it.
+    out["faults"] = {}
+    for name, fault, spec in (("grad", [WrongGradient(1, 3)], ()), ("weights", None, ("weights:1:2:bitflip=30",))):
+        faulty = trainer(root, f"faulty-{name}", 4, **FSDP2, **one, callbacks=fault)
+        faulty.guard_config = GuardConfig(faults=spec)
+        try:
+            faulty.train()
+            out["faults"][name] = None
+        except SilentCorruptionDetected as e:
+            inc = e.incident
+            out["faults"][name] = {"kind": inc.kind, "ranks": list(inc.ranks), "step": inc.detected_step,
+                                    "detail": inc.detail}
     if RANK == 0:
         with open(os.path.join(root, "train.json"), "w") as f:
             json.dump(out, f)

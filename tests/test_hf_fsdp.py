@@ -2,7 +2,8 @@
 
 Two launches (tests/hf_fsdp_story.py): the first trains a clean run through ``fsdp="full_shard"`` with
 ``fsdp_config={"version": 2}``, a run with gradient accumulation, ``gradient_checkpointing=True``,
-``save_total_limit=1`` and ``load_best_model_at_end``, then a run asked for only through accelerate's environment
+``save_total_limit=1`` and ``load_best_model_at_end``, a run with a wrong gradient element and one with a
+weight shard's bit flipped (both on rank 1), then a run asked for only through accelerate's environment
 (``ACCELERATE_USE_FSDP=true FSDP_VERSION=2``) whose rank 1 is killed with SIGKILL at step 6; the second resumes
 that run with ``resume_from_checkpoint=True``. The refusals are unit tests: no process group needed.
 """
@@ -41,6 +42,15 @@ def test_fsdp2_trainer_is_guarded_through_the_sharded_layout_and_saves_restorabl
     assert clean["fsdp"] and clean["layout"] == "ShardedLayout"  # fully_shard-ed by accelerate, never DDP
     assert clean["checkpoints"] == [[4, "restorable"], [8, "restorable"]]
     assert "100% of parameters" in clean["coverage"]
+
+
+@pytest.mark.timeout(500)
+def test_fsdp2_trainer_names_a_wrong_gradient_at_its_step_and_a_flipped_weight_shard_at_the_next(story):
+    _, s, _ = story
+    grad, weights = s["faults"]["grad"], s["faults"]["weights"]
+    assert (grad["kind"], grad["ranks"], grad["step"]) == ("abft", [1], 3)  # x10 in c_fc's gradient at step 3
+    assert "transformer.h.0.mlp.c_fc.weight" in grad["detail"]
+    assert (weights["kind"], weights["ranks"], weights["step"]) == ("chain", [1], 3)  # flipped after step 2
 
 
 @pytest.mark.timeout(500)

@@ -24,13 +24,19 @@ deletes the best checkpoint or the rollback target; ``load_best_model_at_end`` r
 checkpoint (never an unverified or suspect one); ``torch_compile`` compiles the DDP model as usual, and the
 guard hooks what it wraps.
 
-Refused at construction, with what to use instead (docs/INTEGRATIONS.md): DeepSpeed and FSDP through the
-Trainer, ``fp16`` (a ``GradScaler`` skips overflow steps, which the guard would see as NaN/Inf: use ``bf16``),
-DataParallel (several GPUs in one process), LOMO optimizers (the update happens inside the backward, where no
-check can withhold it), ``past_index`` (audits would overwrite the Trainer's cached memories), ``push_to_hub``
-(nothing is written to ``output_dir/checkpoint-N``: push a ``vckpt export --format hf`` folder) and
-``save_only_model`` (a verified checkpoint is for resuming). It overrides ``Trainer`` methods that are not public
-API, so the supported ``transformers`` range is pinned in the ``transformers`` extra.
+FSDP2 (``fsdp="full_shard"`` with ``fsdp_config={"version": 2}``, or accelerate's ``ACCELERATE_USE_FSDP=true
+FSDP_VERSION=2``): accelerate ``fully_shard``-s the model, and the guard is built on that model, so it composes
+the sharded layout (guard/fsdp.py); saves hold the DTensor shards. A resume chooses its checkpoint and restores the
+Trainer's state before ``train()`` reads it, and the sharded rest of the same checkpoint once the model is sharded.
+
+Refused at construction, with what to use instead (docs/INTEGRATIONS.md): DeepSpeed, FSDP1, an FSDP request
+accelerate would drop (it would train without sharding), ``fp16`` (a ``GradScaler`` skips overflow steps, which
+the guard would see as NaN/Inf: use ``bf16``), DataParallel (several GPUs in one process), LOMO optimizers (the
+update happens inside the backward, where no check can withhold it), ``past_index`` (audits would overwrite the
+Trainer's cached memories), ``push_to_hub`` (nothing is written to ``output_dir/checkpoint-N``: push a
+``vckpt export --format hf`` folder) and ``save_only_model`` (a verified checkpoint is for resuming). It overrides
+``Trainer`` methods that are not public API, so the supported ``transformers`` range is pinned in the
+``transformers`` extra.
 """
 
 from __future__ import annotations

@@ -79,7 +79,28 @@ class VerifiedCheckpointIO(CheckpointIO):
                           {MODEL_ENTRY: checkpoint["state_dict"], LIGHTNING_ENTRY: rest, "rng": RNGState()})
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        state: dict[str, Any] = {MODEL_ENTRY: {}, LIGHTNING_ENTRY: {}, "rng": RNGState()}
+        return self._load(path, {MODEL_ENTRY: {}, LIGHTNING_ENTRY: {}, "rng": RNGState()})
+
+    def load_sharded(self, path: Any, model: torch.nn.Module, optimizers: list[Any]) -> dict[str, Any]:
+        """``load_checkpoint`` for ``ModelParallelStrategy``, which loads the model and optimizers itself and never
+        asks the plugin: the checkpoint goes into the live sharded model and optimizers in place (each rank reads
+        its own pieces of every DTensor), and the rest of Lightning's checkpoint is returned."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        # The live tensors are the templates: their placements say which piece each rank reads.
+        optim = [get_optimizer_state_dict(model, o) for o in optimizers]
+        state = {MODEL_ENTRY: get_model_state_dict(model), LIGHTNING_ENTRY: {"optimizer_states": optim},
+                 "rng": RNGState()}
+        checkpoint = self._load(path, state)
+        for o, restored in zip(optimizers, checkpoint["optimizer_states"], strict=True):
+            set_optimizer_state_dict(model, o, restored)  # hyperparameters too, which no tensor copy carries
+        return checkpoint
+
+    def _load(self, path: Any, state: dict[str, Any]) -> dict[str, Any]:
         ref = str(path)
         if ref == RESUME:
             self.manager.resume(state)
@@ -116,6 +137,13 @@ def _unsupported(trainer: Trainer, pl_module: LightningModule) -> str | None:
     return None
 
 
+def _loads_itself(strategy: Any) -> bool:
+    """Whether ``strategy`` loads checkpoints without its ``CheckpointIO`` (``ModelParallelStrategy``)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return isinstance(strategy, ModelParallelStrategy)
+
+
 def _loss(out: Any) -> torch.Tensor:
     loss = out.get("loss") if isinstance(out, dict) else out
     if not isinstance(loss, torch.Tensor):
@@ -138,6 +166,9 @@ class SDCGuardCallback(Callback):
             # Lightning saves from rank 0 only; a verified save is collective, so every rank hands it over.
             strategy.save_checkpoint = lambda checkpoint, filepath, storage_options=None: io.save_checkpoint(
                 checkpoint, filepath, storage_options)
+            if _loads_itself(strategy):  # it would read a DCP folder at the path and never ask the plugin
+                strategy.load_checkpoint = lambda path, weights_only=None: io.load_sharded(
+                    path, strategy.model, [getattr(o, "_optimizer", o) for o in strategy.optimizers])
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         problem = _unsupported(trainer, pl_module)

@@ -22,6 +22,10 @@ class _Unguarded:
 
     def __init__(self, optimizer: Any, step: Callable[..., Any]) -> None:
         self._optimizer, self.step = optimizer, step
+        # Named as framework wrappers name what they wrap, so the update oracle finds the torch optimizer beneath
+        # (``elementwise_optimizer``); hidden, state without a replica (FSDP2, TP) had no witness and never saved
+        # ``restorable``.
+        self.optimizer = optimizer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)

@@ -216,6 +216,40 @@ class Auditor:
         return self._round(jobs, batches, layout)
 
 
+def gradients(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+    """``d loss / d params``, leaving every parameter's ``.grad`` (the step's own gradients) as it was.
+
+    ``torch.autograd.grad`` does that, but a reentrant ``torch.utils.checkpoint`` (activation checkpointing with
+    ``use_reentrant=True``, HF's default before 4.35) refuses it: its backward re-runs the forward and calls
+    ``backward`` itself. Then the step's gradients are set aside, ``loss.backward()`` accumulates into empty
+    ones, and the step's are put back, on every path out."""
+    if not _reentrant(loss):
+        return torch.autograd.grad(loss, list(params), allow_unused=True)
+    kept = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        loss.backward()
+        return [p.grad for p in params]
+    finally:
+        for p, g in zip(params, kept, strict=True):
+            p.grad = g
+
+
+def _reentrant(loss: torch.Tensor) -> bool:
+    """Whether ``loss``'s graph holds a reentrant checkpoint's node (a walk of the graph: no computation)."""
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return False
+
+
 def recompute(module: torch.nn.Module, params: Sequence[torch.Tensor], loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
               microbatches: Sequence[Any], layout: dict[int, list[int]], project: Projector,
               on_bucket: Callable[[int, torch.Tensor], None] | None = None, scale: torch.Tensor | None = None
@@ -234,7 +268,7 @@ def recompute(module: torch.nn.Module, params: Sequence[torch.Tensor], loss_fn: 
             restore_rng((cpu_rng, cuda_rng), dev)
             loss = loss_fn(module, mb)
             scaled = loss if scale is None else loss * scale.to(loss.device)
-            grads = torch.autograd.grad(scaled, list(params), allow_unused=True)
+            grads = gradients(scaled, params)
         full = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=True)]
         # Same order of additions as autograd's accumulation into .grad.
         acc = full if acc is None else [x + g for x, g in zip(acc, full, strict=True)]

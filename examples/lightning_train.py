@@ -102,8 +102,9 @@ def fit(run: str, out: str, epochs: int, resume: bool, *, fault: str | None = No
 
 
 def fit_fsdp(out: str, epochs: int, config: GuardConfig | None = None, accumulate: int = 2) -> dict[str, Any]:
-    """The model under ``ModelParallelStrategy`` with FSDP2 and the guard's callback (its saves through
-    ``VerifiedCheckpointIO`` are not covered yet: docs/INTEGRATIONS.md); what the guard counted, or what it caught."""
+    """The model under ``ModelParallelStrategy`` with FSDP2 and the guard's callback (saves through
+    ``VerifiedCheckpointIO`` under it: tests/test_integrations_lightning_tp.py); what the guard counted, or what it
+    caught."""
     seed_everything(0, workers=True, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     callback = SDCGuardCallback(config)

@@ -13,13 +13,16 @@
 - **Loads**: ``ckpt_path=RESUME`` continues through ``CheckpointManager.resume`` (the rollback target after an
   incident, recording the rollback; otherwise the newest restorable checkpoint), verified before Lightning
   sees a byte. Any other ``ckpt_path`` names a step or checkpoint id of the run, restored as ``restore`` does.
+  ``ModelParallelStrategy`` (FSDP2, with or without tensor parallel) loads checkpoints itself, never through its
+  ``CheckpointIO``; the callback routes its loads to the plugin, which restores into the live sharded model and
+  optimizers in place.
 - **The guard** (:class:`SDCGuardCallback`) wraps the strategy's DDP model when training starts. Lightning's
   closure still runs ``training_step`` and its backward hooks; the guard records each batch (and the RNG
   state) before the forward, runs the backward, and the optimizer's ``step`` becomes ``guard.step()``: the
   checks pass, or the update is withheld and :class:`~verified_ckpt.SilentCorruptionDetected` is raised out of
   ``fit`` on every rank. Audits recompute a batch with the module's own ``training_step``.
 
-Limits (docs/INTEGRATIONS.md): automatic optimization with one optimizer, DDP, one device or FSDP2 under
+Limits (docs/INTEGRATIONS.md): automatic optimization with one optimizer, DDP, one device or FSDP2 (+ TP) under
 ``ModelParallelStrategy``, no loss-scaling precision (``16-mixed``); each is refused when
 training starts, with what to use instead. Gradient accumulation
 (``accumulate_grad_batches``) is supported. Resuming restarts an interrupted epoch from its start in Lightning,

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from ..errors import GuardUsageError
+from ..errors import GuardConfigurationError, GuardUsageError
 from ..history import NO_RANK, Event
 from ..rng import restore_rng
 from .abft import GradientChecks
@@ -44,6 +44,7 @@ from .sharded import (
 )
 from .stats import StepFigures, Verdict, host_row, step_rows
 from .stats import worst as worst_pair
+from .tp import loss_parallel_active, loss_value, replaying_under
 
 if TYPE_CHECKING:
     from .capture import Capture
@@ -118,6 +119,7 @@ class ShardedLayout:
             raise GuardUsageError(f"the model's mesh has {self.view.size} ranks, the guard's process group "
                                   f"{g.world}; give the guard the group the mesh spans")
         self._eps = 0.0
+        self._loss_parallel = False  # the step's backward ran under loss_parallel(): its audits replay under it too
         cfg = g.cfg
         self.checks = ShardedGradientChecks(g.module, g.params, cfg.seed, cfg.abft_slack, exclude=cfg.abft_exclude,
                                             watch=g.watch, forward=cfg.abft_forward) \
@@ -180,7 +182,10 @@ class ShardedLayout:
         accumulate unsharded gradients."""
         for root in self.roots:
             root.set_requires_gradient_sync(sync)
+        if not self.rs_tap.auditing:
+            self._loss_parallel = loss_parallel_active()
         if self.checks is not None:
+            self.checks.step = -1 if self.g._step is None else self.g._step
             self.checks.start_backward()
 
     def after_backward(self, sync: bool) -> None:
@@ -208,7 +213,8 @@ class ShardedLayout:
         if not self.rs_tap.rows and self.view.ring > 1:
             raise GuardUsageError("no gradient was reduce-scattered this step; the last backward() of a step must "
                                   "have sync=True")
-        loss = torch.stack(g._losses).sum().view(1)
+        loss = torch.stack([loss_value(x) for x in g._losses]).sum().view(1)
+        self._refuse_unchecked(s)
         rows = self._gather(s, torch.cat([*self.rs_tap.rows, self._abft_worst(), loss]), carry, on_carried)
         worst = [(r[-3], int(r[-2])) for r in rows]  # ABFT's worst (ratio, index), before the loss
         rows = [r[:-3] + r[-1:] for r in rows]
@@ -223,6 +229,12 @@ class ShardedLayout:
 
         self._judge_step(s, [*judged, *self._abft_verdict(s, worst, steps)], steps)
         self._audit_if_due(s, rows)
+
+    def _refuse_unchecked(self, s: int) -> None:
+        """The first step's tensor-parallel layers whose products the hooks cannot see: refused, on every rank alike
+        (the plan is the same on each), before the step's gather."""
+        if self.checks is not None and self.checks.problems:
+            raise GuardConfigurationError("; ".join(self.checks.problems), kind="abft", step=s)
 
     def _audit_if_due(self, s: int, rows: list[list[float]]) -> None:
         """The step's audit, when the schedule (or a request) has one now; ``rows``: what each rank recorded (its
@@ -386,9 +398,10 @@ class ShardedLayout:
         for i, (mb, rng) in enumerate(mine):
             restore_rng(rng, g.device)
             self.before_backward(i == len(mine) - 1)
-            loss = g.loss_fn(g.model, mb)
-            loss.backward()
-            total += loss.detach().to(torch.float64)
+            with replaying_under(self._loss_parallel):
+                loss = g.loss_fn(g.model, mb)
+                loss.backward()
+            total += loss_value(loss.detach()).to(torch.float64)
         return total
 
     def _audit_row(self, total: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ...dtensors import local
 from ..budget import Stopwatch
 from . import forward as fwd
 from . import norms
@@ -68,7 +69,10 @@ class GradientChecks:
         checked: set[int] = set()  # ids of the parameters some covering module holds
         # torch.compile would trace the hooks into its graphs (recompiling them at every new shape), or break the
         # graph at every layer if they were kept out: layers it compiles are left out, and say so.
-        roots = [module] if compiled else [m for m in module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+        # Both spellings of per-block compilation (torchtitan's): ``block.compile()`` in place, and
+        # ``torch.compile(block)`` registered in its place (an OptimizedModule holding the block as ``_orig_mod``).
+        roots = [module] if compiled else [m for m in module.modules() if getattr(m, "_compiled_call_impl", None) is not None
+                                           or isinstance(getattr(m, "_orig_mod", None), torch.nn.Module)]
         in_compiled = {id(m) for root in roots for m in root.modules()}
         self._norms: collections.Counter[str] = collections.Counter()  # covered normalisation layers, by kind
         for name, mod in module.named_modules():
@@ -297,6 +301,7 @@ class GradientChecks:
         weight_grad, input_grad = layer.weight.requires_grad, x.requires_grad
 
         def on_grad(dy: torch.Tensor) -> None:
+            dy = local(dy)  # a tensor-parallel slice's own output is a DTensor: the GEMM's is its local gradient
             if probing:  # backward FLOPs, counted where the backward really runs (not in a checkpoint's recompute)
                 gemm = 2 * (dy.numel() // max(dy.shape[-1], 1)) * layer.features[0] * layer.features[1]
                 self._flops["linear"] += gemm * (int(weight_grad) + int(input_grad))

@@ -9,7 +9,11 @@ hooks recorded, exactly as the DDP bucket check does (``checks.py``).
 
 Under tensor parallel a ``ColwiseParallel``/``RowwiseParallel`` Linear computes a local GEMM on its slice of the
 weight: ``dW_local = dY_localᵀ X`` (colwise, ``X`` replicated) or ``dYᵀ X_local`` (rowwise, ``dY`` replicated),
-checked the same way with vectors over the local slice. Not checked there, and reported as left out: a TP
+checked the same way with vectors over the local slice. The slice's product is observed where the layer computed
+it: its output's hook runs before a plan's output hook redistributes it (a head's ``output_layouts=Replicate()``
+all-gathers it, sequence parallel's ``Shard(1)`` reduce-scatters it), so the gradient each hook sees is the local
+GEMM's own, never a gathered one against a local slice; a plan whose local GEMM is not the product the hooks see
+fails at the first step (``guard/tp.py``). Not checked there, and reported as left out: a TP
 layer's bias (DTensor adds it across the TP reduction), the input gradient of a TP layer (colwise's is a partial
 sum that tensor parallel's own all-reduce completes, a reduction these hooks cannot observe), its forward
 output, and an embedding or a normalisation layer whose weight tensor parallel shards.
@@ -19,12 +23,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ...dtensors import is_dtensor, local
+from ...errors import GuardConfigurationError
+from ..tp import linear_problem, loss_parallel_active, loss_problem, placements
 from .checks import GradientChecks
 from .layers import OUTSIDE, Layer, gradient_paths
 from .sums import Covered, bound_coefficients, norm, ratio_of, rgs, signed_weights
@@ -32,7 +38,8 @@ from .sums import Covered, bound_coefficients, norm, ratio_of, rgs, signed_weigh
 __all__ = ["TP_BIAS", "TP_SHARDED", "ShardedGradientChecks"]
 
 TP_BIAS = "a tensor-parallel layer's bias: DTensor adds it across the tensor-parallel reduction"
-TP_SHARDED = "sharded by tensor parallel outside a Linear: no local GEMM to check"
+TP_SHARDED = ("a tensor-parallel DTensor outside a Linear (an embedding sharded over its vocabulary, a SequenceParallel "
+              "norm): no local GEMM to check")
 
 
 class ShardedGradientChecks(GradientChecks):
@@ -49,9 +56,12 @@ class ShardedGradientChecks(GradientChecks):
         self._measured: list[tuple[Covered, torch.Tensor, torch.Tensor, tuple[float, float, float]]] = []
         super().__init__(module, params, seed, slack, **kw)
         self._accumulated = self.watch.timed("abft")(self._accumulated)  # type: ignore[method-assign]
+        self._local_forward = self.watch.timed("abft")(self._local_forward)  # type: ignore[method-assign]
         # The parameters each module holds itself, as registered (FSDP's sharded ones): what a forward's tensors
         # stand for. Linear-like layers bind in their own pre-hook; embeddings and norms get one here.
         self._held: dict[int, dict[str, int]] = {}
+        self.problems: list[str] = []  # tensor-parallel layers whose local GEMM the hooks cannot see (``guard/tp.py``)
+        self.step = -1  # the step whose backward runs (what a configuration error names)
         for mod in module.modules():
             held = {a: id(p) for a in ("weight", "bias") if id(p := getattr(mod, a, None)) in self.covered}
             if held:
@@ -59,6 +69,10 @@ class ShardedGradientChecks(GradientChecks):
                 layer = self.layers.get(id(mod))
                 if layer is None or layer.kind == "Embedding":
                     mod.register_forward_pre_hook(self._bind_pre)
+                elif layer.kind == "Linear":
+                    # First among the layer's forward hooks: a tensor-parallel plan's output hook redistributes
+                    # the output after it, and the gradient of the redistributed output is not the slice's.
+                    mod.register_forward_hook(self._local_forward, prepend=True)
 
     # ------------------------------------------------------------ the tensors each forward uses
     def _bind_pre(self, mod: torch.nn.Module, args: Any) -> None:
@@ -107,11 +121,36 @@ class ShardedGradientChecks(GradientChecks):
             return None  # no input-gradient or forward check on a tensor-parallel slice (module doc)
         return super()._linear_pre(mod, args)
 
+    def _local_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
+        """A tensor-parallel Linear's own output (a DTensor), before its plan redistributes it: the local GEMM's
+        input and output, checked on their local tensors."""
+        layer = self.layers.get(id(mod))
+        if layer is None or not layer.tp or not self.on:
+            return
+        x = args[0] if args else None
+        problem = linear_problem(layer.name, placements(getattr(mod, "weight", None)), placements(x),
+                                 getattr(x, "ndim", 0))
+        if problem is not None:
+            if problem not in self.problems:
+                self.problems.append(problem)
+            return
+        super()._linear_forward(mod, (local(x), *args[1:]), out)
+
     def _linear_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
-        if is_dtensor(out):  # the TP plan keeps a DTensor output: its local view is not what the loss uses
+        layer = self.layers.get(id(mod))
+        if is_dtensor(out) or (layer is not None and layer.tp):  # a TP slice: ``_local_forward`` saw its output
             return
         x = args[0] if args else None
         super()._linear_forward(mod, (local(x), *args[1:]) if is_dtensor(x) else args, out)
+
+    def first_backward(self, loss: torch.Tensor, run: Callable[[torch.Tensor], None],
+                       agree: Callable[[list[bool]], list[bool]]) -> list[str]:
+        """As :meth:`GradientChecks.first_backward`, once the loss is one the guard can take (a loss-parallel
+        DTensor's backward needs ``loss_parallel()``'s handlers: refused at step 1 where it would fail inside)."""
+        problem = loss_problem(placements(loss), loss_parallel_active())
+        if problem is not None:
+            raise GuardConfigurationError(problem, kind="abft", step=self.step)
+        return super().first_backward(loss, run, agree)
 
     def begin_backward(self, params: Sequence[torch.Tensor]) -> None:
         """Nothing: what a gradient held before each backward is read by :meth:`start_backward`."""

@@ -1,0 +1,293 @@
+"""torchtitan's tensor-parallel plans under SDCGuard at its defaults, on FSDP2 + TP 2x2 ``(dp_shard, tp)`` gloo meshes.
+
+torchtitan itself is not used: ``pip install torchtitan==0.3.0`` would replace the installed fsspec (2026.9.0 ->
+2026.2.0, which s3fs pins) and pull in pandas, datasets and wandb. The stand-in below is a Llama with torchtitan's
+module names (``tok_embeddings``, ``layers.N.attention.wq/wk/wv/wo``, ``feed_forward.w1/w2/w3``,
+``attention_norm``, ``ffn_norm``, ``norm``, ``output``), parallelised as torchtitan's ``parallelize_llama``
+(``apply_tp``, then ``apply_fsdp``: each block, then the model) writes it, one test per plan:
+
+- ``replicated_head``: blocks colwise/rowwise, the head ``ColwiseParallel(output_layouts=Replicate())``;
+- ``loss_parallel``: the head ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``, the loss
+  computed under ``loss_parallel()``: a DTensor;
+- ``sequence_parallel``: torchtitan's plan with ``loss_parallel`` off: ``SequenceParallel`` norms,
+  ``PrepareModuleInput`` redistributions, ``Shard(1)`` activations between blocks;
+- ``sp_loss_parallel``: torchtitan llama3's default (sequence parallel and loss parallel).
+
+Each: clean steps raise nothing and a save is ``restorable``; a 10x element of a TP-sharded Linear's gradient is
+named by ABFT at its step on its rank; a bit flipped in a weight shard at rest is named at the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+DIM, HEADS, VOCAB, SEQ, BATCH = 16, 2, 32, 8, 2
+OWNER = 1  # the rank every fault is injected on
+FAULT_AT = 2
+PLANS = ("replicated_head", "loss_parallel", "sequence_parallel", "sp_loss_parallel")
+
+
+# ------------------------------------------------------------------------------------------------ the model
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = DIM // HEADS
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds its share of the heads, as torchtitan's Attention
+        q, k, v = (w(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+class FeedForward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w3 = torch.nn.Linear(DIM, 2 * DIM, bias=False), torch.nn.Linear(DIM, 2 * DIM, bias=False)
+        self.w2 = torch.nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention, self.feed_forward = Attention(), FeedForward()
+        self.attention_norm, self.ffn_norm = torch.nn.RMSNorm(DIM), torch.nn.RMSNorm(DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(torch.nn.Module):
+    def __init__(self, n_layers: int = 2) -> None:
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(VOCAB, DIM)
+        self.layers = torch.nn.ModuleDict({str(i): Block() for i in range(n_layers)})
+        self.norm = torch.nn.RMSNorm(DIM)
+        self.output = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))  # type: ignore[no-any-return]
+
+
+def parallelize(model: Transformer, mesh: Any, plan: str) -> Transformer:
+    """torchtitan's ``apply_tp`` (``sequence_parallel``: its plan as written; otherwise the blocks' plain
+    colwise/rowwise plan) and ``apply_fsdp`` over ``dp_shard``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    tp, sp, lp = mesh["tp"], plan.startswith("s"), plan.endswith("loss_parallel")
+    # "sp_head_unprepared": a mistake that trains, the head's input_layouts=Shard(1) forgotten, so DTensor gathers
+    # the sequence-sharded activations inside the head's GEMM
+    head_input = Shard(1) if sp and plan != "sp_head_unprepared" else Replicate()
+    head = ColwiseParallel(input_layouts=head_input, output_layouts=Shard(-1) if lp else Replicate(),
+                           use_local_output=not lp)
+    if sp:
+        top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+               "norm": SequenceParallel(), "output": head}
+    else:
+        top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()), "output": head}
+    parallelize_module(model, tp, top)
+    for block in model.layers.values():
+        layer_plan: dict[str, Any] = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                                      "attention.wv": ColwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+                                      "feed_forward.w3": ColwiseParallel()}
+        if sp:
+            layer_plan |= {"attention_norm": SequenceParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                           "ffn_norm": SequenceParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
+        if sp:
+            layer_plan |= {
+                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        else:
+            layer_plan |= {"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+        parallelize_module(block, tp, layer_plan)
+    dp = mesh["dp_shard"]
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    return model
+
+
+def loss_fn(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """torchtitan's cross-entropy; under loss parallel the logits are a DTensor sharded over the vocabulary, and
+    the loss a replicated DTensor."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1))
+
+
+def forward_only_loss_fn(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """A mistake: the loss under ``loss_parallel()``, which its backward (outside it) needs too."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        return loss_fn(model, tokens)
+
+
+def train_context(plan: str) -> contextlib.AbstractContextManager[Any]:
+    """torchtitan's ``train_context``: the forward and backward under ``loss_parallel()`` when the plan uses it."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if plan.endswith("loss_parallel") else contextlib.nullcontext()
+
+
+def tokens(position: int, step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1000 * step + position))
+
+
+# ------------------------------------------------------------------------------------------------ faults
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def wrong_gradient_hook(layer: torch.nn.Module, when: Any) -> None:
+    """While ``when()``: element 3 of this rank's slice of ``layer``'s weight gradient, as its backward computes it,
+    is 10x (a hook on the tensor the forward uses, before FSDP reduce-scatters it)."""
+    def wrong(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        local(g).view(-1)[3] *= 10
+        return g
+
+    def pre(mod: torch.nn.Module, args: Any) -> None:
+        if when() and torch.is_grad_enabled():
+            handle = mod.weight.register_hook(lambda g: (handle.remove(), wrong(g))[1])
+
+    layer.register_forward_pre_hook(pre)
+
+
+def flip(t: torch.Tensor, bit: int = 29) -> None:
+    """Flip an exponent bit of element 0 of this rank's piece of ``t``, in place (the value stays finite)."""
+    with torch.no_grad():
+        local(t).view(-1).view(torch.int32)[0] ^= 1 << bit
+
+
+# ------------------------------------------------------------------------------------------------ rank function
+def run_plan(rank: int, world: int, plan: str, fault: str | None, run: str | None, steps: int,
+             context: bool = True) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from verified_ckpt import (
+        CheckpointManager,
+        GuardConfig,
+        GuardConfigurationError,
+        SDCGuard,
+        SilentCorruptionDetected,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    position = mesh.get_coordinate()[0]
+    torch.manual_seed(0)
+    model = parallelize(Transformer(), mesh, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    at = [-1]
+    target = model.layers["0"].feed_forward  # type: ignore[index]
+    if fault == "grad":  # the plan's own layer: the head's colwise slice, or sequence parallel's rowwise one
+        wrong = target.w2 if plan.startswith("s") else model.output
+        wrong_gradient_hook(wrong, lambda: rank == OWNER and at[0] == FAULT_AT)
+    guard = SDCGuard(model, opt, loss_fn if context else forward_only_loss_fn, GuardConfig())
+    mgr = CheckpointManager(run, guard=guard) if run else None
+    statuses = []
+    try:
+        for step in range(steps):
+            at[0] = step
+            with train_context(plan) if context else contextlib.nullcontext():
+                guard.backward(tokens(position, step), step=step)
+            guard.step()
+            opt.zero_grad()
+            if fault == "weight" and rank == OWNER and step == FAULT_AT:
+                flip(target.w1.weight)
+            if mgr is not None and step == steps - 1:
+                statuses.append(mgr.save(step, {"model": model, "optim": opt}).status.value)
+    except SilentCorruptionDetected as e:
+        return {"caught": [e.incident.kind, e.incident.ranks, step], "detail": e.incident.detail}
+    except GuardConfigurationError as e:
+        return {"refused": [e.kind, e.step], "message": str(e)}
+    return {"statuses": statuses, "checks": {k: c.passed for k, c in guard.counters().items()}}
+
+
+def plan_story(rank: int, world: int, plan: str, run: str) -> dict:
+    got = {"clean": run_plan(rank, world, plan, None, run, 4),
+           "grad": run_plan(rank, world, plan, "grad", None, FAULT_AT + 1),
+           "weight": run_plan(rank, world, plan, "weight", None, FAULT_AT + 2)}
+    # What the guard cannot check is refused at the first step, in one line, on every rank: the mistakes next to
+    # each plan (a loss-parallel loss backpropagated outside its context; sequence-sharded activations reaching a
+    # colwise head declared to take replicated ones, which DTensor all-gathers inside the GEMM).
+    if plan == "loss_parallel":
+        got["refused"] = run_plan(rank, world, plan, None, None, 1, context=False)
+    if plan == "sequence_parallel":
+        got["refused"] = run_plan(rank, world, "sp_head_unprepared", None, None, 1)
+    return got
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_titan_plan_is_guarded_at_the_defaults(plan, tmp_path):
+    """One 2x2 job per plan: clean steps are quiet and the save is restorable; a 10x element of a TP-sharded
+    Linear's gradient is named by ABFT at its step on its rank; a weight shard's flip at rest, at the next step."""
+    got = run_ranks(plan_story, 4, plan, str(tmp_path / plan), timeout=110, retire=True)
+    clean = got[0]["clean"]
+    assert "caught" not in clean, clean
+    assert clean["statuses"] == ["restorable"], clean
+    assert clean["checks"]["abft"] >= 4, clean
+    for r in got:
+        assert r["grad"]["caught"][:3] == ["abft", [OWNER], FAULT_AT], r["grad"]
+        assert r["weight"]["caught"][1:] == [[OWNER], FAULT_AT + 1], r["weight"]
+        if plan == "loss_parallel":
+            assert r["refused"]["refused"] == ["abft", 0], r["refused"]
+            assert "outside loss_parallel()" in r["refused"]["message"], r["refused"]
+        if plan == "sequence_parallel":
+            assert r["refused"]["refused"] == ["abft", 0], r["refused"]
+            assert "Linear output: its weight placed (Shard(dim=0)) on an input placed (Shard(dim=1))" \
+                in r["refused"]["message"], r["refused"]
+
+
+# ------------------------------------------------------------------------------------------------ pure rules
+def test_linear_problem_accepts_the_local_gemms_and_names_the_rest():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from verified_ckpt.guard.tp import linear_problem
+
+    assert linear_problem("wq", (Shard(0),), (Replicate(),), 3) is None  # colwise
+    assert linear_problem("wo", (Shard(1),), (Shard(2),), 3) is None  # rowwise
+    assert linear_problem("wo", (Shard(1),), (Shard(-1),), 3) is None
+    assert linear_problem("head", (Replicate(),), (Shard(1),), 3) is None  # a replicated weight on local tokens
+    for w, x in [((Shard(0),), (Shard(1),)), ((Shard(1),), (Replicate(),)), ((Replicate(),), (Shard(2),)),
+                 ((Shard(0),), ()), ((Shard(0),), (Partial(),))]:
+        got = linear_problem("layers.0.wq", w, x, 3)
+        assert got is not None and got.startswith("ABFT cannot check tensor-parallel Linear layers.0.wq"), (w, x)
+        assert "PrepareModuleInput" in got and "\n" not in got
+
+
+def test_loss_problem_names_a_sharded_loss_and_a_missing_loss_parallel_context():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from verified_ckpt.guard.tp import loss_problem
+
+    assert loss_problem((), False) is None
+    assert loss_problem((Replicate(),), True) is None
+    assert "outside loss_parallel()" in (loss_problem((Replicate(),), False) or "")
+    for p in (Shard(0), Partial()):
+        assert "return a replicated loss" in (loss_problem((p,), True) or "")

@@ -252,6 +252,8 @@ def test_titan_plan_is_guarded_at_the_defaults(plan, tmp_path):
     assert "caught" not in clean, clean
     assert clean["statuses"] == ["restorable"], clean
     assert clean["checks"]["abft"] >= 4, clean
+    # The save's audit recomputes outside the loop's train context: under loss parallel, under loss_parallel() again.
+    assert clean["checks"]["audit"] >= 2, clean
     for r in got:
         assert r["grad"]["caught"][:3] == ["abft", [OWNER], FAULT_AT], r["grad"]
         assert r["weight"]["caught"][1:] == [[OWNER], FAULT_AT + 1], r["weight"]
@@ -291,3 +293,23 @@ def test_loss_problem_names_a_sharded_loss_and_a_missing_loss_parallel_context()
     assert "outside loss_parallel()" in (loss_problem((Replicate(),), False) or "")
     for p in (Shard(0), Partial()):
         assert "return a replicated loss" in (loss_problem((p,), True) or "")
+
+
+def test_an_audit_replays_under_loss_parallel_once_and_leaves_an_enclosing_context_whole():
+    """``loss_parallel()``'s exit drops its handlers, and only on a normal exit: the guard's replay enters it only
+    when it is off, and leaves it off after a failure."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from verified_ckpt.guard.tp import loss_parallel_active, replaying_under
+
+    with loss_parallel():
+        with replaying_under(True):
+            assert loss_parallel_active()
+        assert loss_parallel_active()  # the enclosing context still has its handlers
+    assert not loss_parallel_active()
+    with pytest.raises(ValueError), replaying_under(True):
+        assert loss_parallel_active()
+        raise ValueError("a failed recomputation")
+    assert not loss_parallel_active()
+    with replaying_under(False):
+        assert not loss_parallel_active()

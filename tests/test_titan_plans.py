@@ -148,6 +148,16 @@ def forward_only_loss_fn(model: torch.nn.Module, tokens: torch.Tensor) -> torch.
         return loss_fn(model, tokens)
 
 
+def full_loss_fn(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The loss reduced to a plain tensor inside the loop's ``loss_parallel()``: nothing in it says it needs the
+    context, which the guard's audits must still replay under."""
+    loss = loss_fn(model, tokens)
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+
+
+LOSSES = {"dtensor": loss_fn, "forward_only": forward_only_loss_fn, "full": full_loss_fn}
+
+
 def train_context(plan: str) -> contextlib.AbstractContextManager[Any]:
     """torchtitan's ``train_context``: the forward and backward under ``loss_parallel()`` when the plan uses it."""
     from torch.distributed.tensor.parallel import loss_parallel
@@ -187,7 +197,7 @@ def flip(t: torch.Tensor, bit: int = 29) -> None:
 
 # ------------------------------------------------------------------------------------------------ rank function
 def run_plan(rank: int, world: int, plan: str, fault: str | None, run: str | None, steps: int,
-             context: bool = True) -> dict:
+             loss: str = "dtensor") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from verified_ckpt import (
@@ -208,13 +218,13 @@ def run_plan(rank: int, world: int, plan: str, fault: str | None, run: str | Non
     if fault == "grad":  # the plan's own layer: the head's colwise slice, or sequence parallel's rowwise one
         wrong = target.w2 if plan.startswith("s") else model.output
         wrong_gradient_hook(wrong, lambda: rank == OWNER and at[0] == FAULT_AT)
-    guard = SDCGuard(model, opt, loss_fn if context else forward_only_loss_fn, GuardConfig())
+    guard = SDCGuard(model, opt, LOSSES[loss], GuardConfig())
     mgr = CheckpointManager(run, guard=guard) if run else None
     statuses = []
     try:
         for step in range(steps):
             at[0] = step
-            with train_context(plan) if context else contextlib.nullcontext():
+            with train_context(plan) if loss != "forward_only" else contextlib.nullcontext():
                 guard.backward(tokens(position, step), step=step)
             guard.step()
             opt.zero_grad()
@@ -237,7 +247,8 @@ def plan_story(rank: int, world: int, plan: str, run: str) -> dict:
     # each plan (a loss-parallel loss backpropagated outside its context; sequence-sharded activations reaching a
     # colwise head declared to take replicated ones, which DTensor all-gathers inside the GEMM).
     if plan == "loss_parallel":
-        got["refused"] = run_plan(rank, world, plan, None, None, 1, context=False)
+        got["refused"] = run_plan(rank, world, plan, None, None, 1, loss="forward_only")
+        got["full"] = run_plan(rank, world, plan, None, run + "-full", 2, loss="full")
     if plan == "sequence_parallel":
         got["refused"] = run_plan(rank, world, "sp_head_unprepared", None, None, 1)
     return got
@@ -260,6 +271,8 @@ def test_titan_plan_is_guarded_at_the_defaults(plan, tmp_path):
         if plan == "loss_parallel":
             assert r["refused"]["refused"] == ["abft", 0], r["refused"]
             assert "outside loss_parallel()" in r["refused"]["message"], r["refused"]
+            # The save's audit replays the plain loss under the loss_parallel() its step ran in.
+            assert r["full"]["statuses"] == ["restorable"] and r["full"]["checks"]["audit"] >= 2, r["full"]
         if plan == "sequence_parallel":
             assert r["refused"]["refused"] == ["abft", 0], r["refused"]
             assert "Linear output: its weight placed (Shard(dim=0)) on an input placed (Shard(dim=1))" \

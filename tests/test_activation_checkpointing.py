@@ -109,24 +109,28 @@ def wrong_gradient(layer: torch.nn.Module, when: Any) -> None:
     layer.register_forward_pre_hook(pre)
 
 
+def wrap(model: torch.nn.Sequential, layout: str, world: int) -> torch.nn.Module:
+    """``model`` under DDP, or with each inner block and the whole ``fully_shard``-ed over ``world`` ranks."""
+    if layout == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    for block in list(model)[1:-1]:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def train(rank: int, world: int, layout: str, mode: str) -> dict:
     """Guarded steps at GuardConfig() until the first incident: block 1's first Linear's gradient element x10 on
     rank FAULT_RANK at FAULT_STEP. The incident, and the counts of the clean steps before it."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
 
     model = build(mode)
-    if layout == "ddp":
-        wrapped: torch.nn.Module = DDP(model)
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-        for block in list(model)[1:-1]:
-            fully_shard(block, mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
+    wrapped = wrap(model, layout, world)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     now = {"step": 0}
     up = next(m for n, m in model[2].named_modules() if n.endswith("up"))
@@ -238,8 +242,6 @@ def compiled_blocks(rank: int, world: int, layout: str, how: str) -> dict:
     dynamo and AOTAutograd trace the block (where ABFT's hooks broke the graph) without inductor's C++ build,
     which costs a minute a launch on this machine. An element of the uncompiled input projection's gradient x10
     on rank FAULT_RANK at COMPILE_FAULT_STEP: ABFT still checks what it can see."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
 
     model = build("none")
@@ -248,16 +250,7 @@ def compiled_blocks(rank: int, world: int, layout: str, how: str) -> dict:
             model.register_module(str(i), torch.compile(model[i], fullgraph=True, backend="aot_eager"))
         else:
             model[i].compile(fullgraph=True, backend="aot_eager")
-    if layout == "ddp":
-        wrapped: torch.nn.Module = DDP(model)
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-        for block in list(model)[1:-1]:
-            fully_shard(block, mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
+    wrapped = wrap(model, layout, world)
     now = {"step": 0}
     wrong_gradient(model[0], lambda: now["step"] if rank == FAULT_RANK and now["step"] == COMPILE_FAULT_STEP else None)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)

@@ -13,13 +13,21 @@ module names (``tok_embeddings``, ``layers.N.attention.wq/wk/wv/wo``, ``feed_for
   ``PrepareModuleInput`` redistributions, ``Shard(1)`` activations between blocks;
 - ``sp_loss_parallel``: torchtitan llama3's default (sequence parallel and loss parallel).
 
-Each: clean steps raise nothing and a save is ``restorable``; a 10x element of a TP-sharded Linear's gradient is
-named by ABFT at its step on its rank; a bit flipped in a weight shard at rest is named at the next step.
+Each set-up (a plan, and on three of them torchtitan's per-block extras: full activation checkpointing, selective
+(op-level) activation checkpointing, and each block ``torch.compile``-d): 30 clean steps raise nothing and every
+save is ``restorable``; a 10x element of a TP-sharded Linear's gradient is named by ABFT at its step on its rank; a
+bit flipped in a weight shard at rest is named at the next step; rank 1 killed by SIGKILL, then every rank resumed,
+ends bit for bit where the clean run ended. Each extra rides on one plan rather than every combination (four 4-rank
+launches a set-up on two cores): the extras change how a block's forward runs again or is traced, which the plan's
+placements do not depend on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
+import signal
 from typing import Any
 
 import pytest
@@ -27,12 +35,15 @@ import torch
 import torch.nn.functional as F
 from dist_harness import run_ranks
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 DIM, HEADS, VOCAB, SEQ, BATCH = 16, 2, 32, 8, 2
 OWNER = 1  # the rank every fault is injected on
 FAULT_AT = 2
-PLANS = ("replicated_head", "loss_parallel", "sequence_parallel", "sp_loss_parallel")
+STEPS, SAVE_EVERY, KILL_AT = 30, 10, 14  # saves after steps 9, 19 and 29; the kill comes after the first
+# (plan, per-block extra): every plan once, torchtitan's AC and compile each on one of them
+SETUPS = (("replicated_head", None), ("loss_parallel", "full_ac"), ("sequence_parallel", "selective_ac"),
+          ("sp_loss_parallel", None), ("sp_loss_parallel", "compile"))
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -86,9 +97,10 @@ class Transformer(torch.nn.Module):
         return self.output(self.norm(h))  # type: ignore[no-any-return]
 
 
-def parallelize(model: Transformer, mesh: Any, plan: str) -> Transformer:
+def parallelize(model: Transformer, mesh: Any, plan: str, extra: str | None = None) -> Transformer:
     """torchtitan's ``apply_tp`` (``sequence_parallel``: its plan as written; otherwise the blocks' plain
-    colwise/rowwise plan) and ``apply_fsdp`` over ``dp_shard``."""
+    colwise/rowwise plan), then ``extra`` on each block (its AC, then its compile), then ``apply_fsdp`` over
+    ``dp_shard``."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -126,11 +138,31 @@ def parallelize(model: Transformer, mesh: Any, plan: str) -> Transformer:
         else:
             layer_plan |= {"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()}
         parallelize_module(block, tp, layer_plan)
+    for name, block in list(model.layers.items()):
+        model.layers[name] = per_block(block, extra)
     dp = mesh["dp_shard"]
     for block in model.layers.values():
         fully_shard(block, mesh=dp)
     fully_shard(model, mesh=dp)
     return model
+
+
+def per_block(block: torch.nn.Module, extra: str | None) -> torch.nn.Module:
+    """torchtitan's ``apply_ac`` (``full``: the block under ``checkpoint_wrapper``; ``selective``: op-level, a
+    policy saving every other matmul) and ``apply_compile`` (each block alone, ``fullgraph=True``; backend
+    ``aot_eager``: dynamo and AOTAutograd trace the block without inductor's C++ build, a minute a launch here)."""
+    from test_activation_checkpointing import _selective_policy
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    if extra == "full_ac":
+        return checkpoint_wrapper(block, preserve_rng_state=False)
+    if extra == "selective_ac":
+        return checkpoint_wrapper(block, preserve_rng_state=False,
+                                  context_fn=lambda: create_selective_checkpoint_contexts(_selective_policy()))
+    if extra == "compile":
+        return torch.compile(block, fullgraph=True, backend="aot_eager")  # type: ignore[return-value]
+    return block
 
 
 def loss_fn(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -176,14 +208,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def wrong_gradient_hook(layer: torch.nn.Module, when: Any) -> None:
     """While ``when()``: element 3 of this rank's slice of ``layer``'s weight gradient, as its backward computes it,
-    is 10x (a hook on the tensor the forward uses, before FSDP reduce-scatters it)."""
+    is 10x (a hook on the tensor the forward uses, before FSDP reduce-scatters it), once however often activation
+    checkpointing runs the forward again."""
+    armed = [False]
+
     def wrong(g: torch.Tensor) -> torch.Tensor:
         g = g.clone()
         local(g).view(-1)[3] *= 10
         return g
 
     def pre(mod: torch.nn.Module, args: Any) -> None:
-        if when() and torch.is_grad_enabled():
+        if when() and torch.is_grad_enabled() and not armed[0]:
+            armed[0] = True
             handle = mod.weight.register_hook(lambda g: (handle.remove(), wrong(g))[1])
 
     layer.register_forward_pre_hook(pre)
@@ -196,8 +232,28 @@ def flip(t: torch.Tensor, bit: int = 29) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ rank function
+def unwrapped(module: torch.nn.Module) -> Any:
+    """The block inside torchtitan's wrappers (``checkpoint_wrapper``, ``torch.compile``)."""
+    for attr in ("_checkpoint_wrapped_module", "_orig_mod"):
+        module = getattr(module, attr, module)
+    return module
+
+
+def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    """sha256 of every parameter and AdamW state, whole (``full_tensor``: a collective, every rank calls it)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        for t in [p, *(v for _, v in sorted(opt.state[p].items()) if v.dim())]:
+            h.update(t.full_tensor().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def run_plan(rank: int, world: int, plan: str, fault: str | None, run: str | None, steps: int,
-             loss: str = "dtensor") -> dict:
+             loss: str = "dtensor", extra: str | None = None, resume: bool = False) -> dict:
+    """One guarded job at the default GuardConfig(): ``steps`` steps, a save every SAVE_EVERY when ``run`` names a
+    run, ``fault`` (``grad``, ``weight``, ``kill``) on rank OWNER; ``resume`` continues from the run's newest
+    restorable checkpoint."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from verified_ckpt import (
@@ -211,61 +267,81 @@ def run_plan(rank: int, world: int, plan: str, fault: str | None, run: str | Non
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     position = mesh.get_coordinate()[0]
     torch.manual_seed(0)
-    model = parallelize(Transformer(), mesh, plan)
+    model = parallelize(Transformer(), mesh, plan, extra)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     at = [-1]
-    target = model.layers["0"].feed_forward  # type: ignore[index]
-    if fault == "grad":  # the plan's own layer: the head's colwise slice, or sequence parallel's rowwise one
-        wrong = target.w2 if plan.startswith("s") else model.output
+    target = unwrapped(model.layers["0"]).feed_forward  # type: ignore[index]
+    if fault == "grad":  # the plan's own layer: the head's colwise slice, or sequence parallel's rowwise one; the
+        # head when blocks are compiled (ABFT cannot see inside them, and their coverage line says so)
+        wrong = target.w2 if plan.startswith("s") and extra != "compile" else model.output
         wrong_gradient_hook(wrong, lambda: rank == OWNER and at[0] == FAULT_AT)
     guard = SDCGuard(model, opt, LOSSES[loss], GuardConfig())
     mgr = CheckpointManager(run, guard=guard) if run else None
+    first = mgr.resume({"model": model, "optim": opt}) if mgr is not None and resume else 0
     statuses = []
     try:
-        for step in range(steps):
+        for step in range(first, steps):
             at[0] = step
+            if fault == "kill" and rank == OWNER and step == KILL_AT:
+                os.kill(os.getpid(), signal.SIGKILL)
             with train_context(plan) if loss != "forward_only" else contextlib.nullcontext():
                 guard.backward(tokens(position, step), step=step)
             guard.step()
             opt.zero_grad()
             if fault == "weight" and rank == OWNER and step == FAULT_AT:
                 flip(target.w1.weight)
-            if mgr is not None and step == steps - 1:
+            if mgr is not None and ((step + 1) % SAVE_EVERY == 0 or step == steps - 1):
                 statuses.append(mgr.save(step, {"model": model, "optim": opt}).status.value)
     except SilentCorruptionDetected as e:
         return {"caught": [e.incident.kind, e.incident.ranks, step], "detail": e.incident.detail}
     except GuardConfigurationError as e:
         return {"refused": [e.kind, e.step], "message": str(e)}
-    return {"statuses": statuses, "checks": {k: c.passed for k, c in guard.counters().items()}}
+    except RuntimeError as e:  # gloo, when a peer was killed: this rank's next collective fails
+        if fault != "kill":
+            raise
+        return {"peer died": type(e).__name__}
+    cov = guard.coverage()
+    return {"statuses": statuses, "checks": {k: c.passed for k, c in guard.counters().items()},
+            "incidents": len(guard.incidents), "first": first, "digest": digest(model, opt),
+            "coverage": cov.summary() if cov else None}
 
 
-def plan_story(rank: int, world: int, plan: str, run: str) -> dict:
-    got = {"clean": run_plan(rank, world, plan, None, run, 4),
-           "grad": run_plan(rank, world, plan, "grad", None, FAULT_AT + 1),
-           "weight": run_plan(rank, world, plan, "weight", None, FAULT_AT + 2)}
+def plan_story(rank: int, world: int, plan: str, extra: str | None, run: str) -> dict:
+    got = {"clean": run_plan(rank, world, plan, None, run, STEPS, extra=extra),
+           "grad": run_plan(rank, world, plan, "grad", None, FAULT_AT + 1, extra=extra),
+           "weight": run_plan(rank, world, plan, "weight", None, FAULT_AT + 2, extra=extra)}
     # What the guard cannot check is refused at the first step, in one line, on every rank: the mistakes next to
     # each plan (a loss-parallel loss backpropagated outside its context; sequence-sharded activations reaching a
     # colwise head declared to take replicated ones, which DTensor all-gathers inside the GEMM).
     if plan == "loss_parallel":
-        got["refused"] = run_plan(rank, world, plan, None, None, 1, loss="forward_only")
-        got["full"] = run_plan(rank, world, plan, None, run + "-full", 2, loss="full")
+        got["refused"] = run_plan(rank, world, plan, None, None, 1, loss="forward_only", extra=extra)
+        got["full"] = run_plan(rank, world, plan, None, run + "-full", 2, loss="full", extra=extra)
     if plan == "sequence_parallel":
-        got["refused"] = run_plan(rank, world, "sp_head_unprepared", None, None, 1)
+        got["refused"] = run_plan(rank, world, "sp_head_unprepared", None, None, 1, extra=extra)
     return got
 
 
-@pytest.mark.parametrize("plan", PLANS)
-def test_titan_plan_is_guarded_at_the_defaults(plan, tmp_path):
-    """One 2x2 job per plan: clean steps are quiet and the save is restorable; a 10x element of a TP-sharded
-    Linear's gradient is named by ABFT at its step on its rank; a weight shard's flip at rest, at the next step."""
-    got = run_ranks(plan_story, 4, plan, str(tmp_path / plan), timeout=110, retire=True)
+def resumed(rank: int, world: int, plan: str, extra: str | None, run: str) -> dict:
+    return run_plan(rank, world, plan, None, run, STEPS, extra=extra, resume=True)
+
+
+@pytest.mark.parametrize(("plan", "extra"), SETUPS, ids=[f"{p}-{e}" if e else p for p, e in SETUPS])
+def test_titan_plan_is_guarded_at_the_defaults(plan, extra, tmp_path):
+    """One 2x2 job per set-up: 30 clean steps are quiet and every save is restorable; a 10x element of a TP-sharded
+    Linear's gradient is named by ABFT at its step on its rank; a weight shard's flip at rest, at the next step;
+    rank 1 killed by SIGKILL after the first save, then every rank resumed, ends bit for bit as the clean run."""
+    run = str(tmp_path / plan)
+    got = run_ranks(plan_story, 4, plan, extra, run, timeout=200, retire=True)
     clean = got[0]["clean"]
-    assert "caught" not in clean, clean
-    assert clean["statuses"] == ["restorable"], clean
-    assert clean["checks"]["abft"] >= 4, clean
-    # The save's audit recomputes outside the loop's train context: under loss parallel, under loss_parallel() again.
-    assert clean["checks"]["audit"] >= 2, clean
+    assert "caught" not in clean and clean["incidents"] == 0, clean
+    assert clean["statuses"] == ["restorable"] * 3, clean
+    assert clean["checks"]["abft"] >= STEPS, clean
+    # Each save audits (recomputing outside the loop's train context: under loss parallel, in loss_parallel() again).
+    assert clean["checks"]["audit"] >= 3, clean
+    if extra == "compile":
+        assert "inside a torch.compile'd module" in clean["coverage"], clean["coverage"]
     for r in got:
+        assert r["clean"]["digest"] == clean["digest"]  # the ranks' collectives agree on one state
         assert r["grad"]["caught"][:3] == ["abft", [OWNER], FAULT_AT], r["grad"]
         assert r["weight"]["caught"][1:] == [[OWNER], FAULT_AT + 1], r["weight"]
         if plan == "loss_parallel":
@@ -277,6 +353,16 @@ def test_titan_plan_is_guarded_at_the_defaults(plan, tmp_path):
             assert r["refused"]["refused"] == ["abft", 0], r["refused"]
             assert "Linear output: its weight placed (Shard(dim=0)) on an input placed (Shard(dim=1))" \
                 in r["refused"]["message"], r["refused"]
+    # kill -9 of rank 1 at step 14 (after the save at 9), then a fresh job resumes from the run.
+    killed = str(tmp_path / "killed")
+    died = run_ranks(run_plan, 4, plan, "kill", killed, STEPS, "dtensor", extra, killed=frozenset({OWNER}),
+                     timeout=150)
+    assert died[OWNER] is None and all("peer died" in died[r] for r in range(4) if r != OWNER), died
+    back = run_ranks(resumed, 4, plan, extra, killed, timeout=150, retire=True)
+    for r in back:
+        assert r["first"] == SAVE_EVERY and r["incidents"] == 0, r
+        assert r["statuses"] == ["restorable"] * 2, r
+        assert r["digest"] == clean["digest"], r  # every parameter and AdamW moment, bit for bit
 
 
 # ------------------------------------------------------------------------------------------------ pure rules

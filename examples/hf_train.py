@@ -75,9 +75,9 @@ class GradientFault(TrainerCallback):
 
 def arguments(out: str, steps: int, **extra: Any) -> TrainingArguments:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    extra = {"gradient_accumulation_steps": 2, **extra}
+    extra = {"gradient_accumulation_steps": 2, "save_steps": 4, **extra}
     return TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=steps,
-                             save_strategy="steps", save_steps=4, learning_rate=1e-3, seed=0, data_seed=0, use_cpu=True,
+                             save_strategy="steps", learning_rate=1e-3, seed=0, data_seed=0, use_cpu=True,
                              report_to="none", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
                              ddp_find_unused_parameters=False, ddp_backend="gloo" if world > 1 else None, **extra)
 

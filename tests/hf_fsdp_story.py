@@ -3,11 +3,11 @@
     hf_fsdp_story.py DIR train    # clean run (fsdp= arguments); extras run; then accelerate's environment, killed
     hf_fsdp_story.py DIR resume   # the killed run resumed through accelerate's environment
 
-``train``: rank 0 writes ``DIR/train.json`` after the clean, extras and fault phases, then the third phase, requested
-only through ``ACCELERATE_USE_FSDP=true FSDP_VERSION=2``, is killed with SIGKILL on rank 1 at step 6 (after the save
-at 4): the launch ends there. ``resume``: the same run with ``resume_from_checkpoint=True``; rank 0 writes
-``DIR/resume.json``. The model is hf_train's GPT-2 (Conv1D blocks), its blocks and root ``fully_shard``-ed by
-accelerate's FSDP2 plugin.
+``train``: rank 0 writes ``DIR/train.json`` after the clean (30 steps, a save every 10), extras and fault phases, then
+the last phase, requested only through ``ACCELERATE_USE_FSDP=true FSDP_VERSION=2`` and with
+``gradient_checkpointing=True``, is killed with SIGKILL on rank 1 at step 14 (after the save at 10): the launch ends
+there. ``resume``: the same run with ``resume_from_checkpoint=True``, to step 30; rank 0 writes ``DIR/resume.json``.
+The model is hf_train's GPT-2 (Conv1D blocks), its blocks and root ``fully_shard``-ed by accelerate's FSDP2 plugin.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ import story_cli
 FSDP2 = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
 RANK = int(os.environ.get("RANK", "0"))
 FAULTY = "transformer.h.0.mlp.c_fc"
+STEPS, SAVE_EVERY, KILL_AT = 30, 10, 14
+# The killed run: asked for through accelerate's environment only, with activation checkpointing (its recomputed
+# forward gives the same bits on CPU, so it must end where the clean run ended).
+KILLED = {"gradient_accumulation_steps": 1, "save_steps": SAVE_EVERY, "gradient_checkpointing": True}
 
 
 class Kill(TrainerCallback):
@@ -102,7 +106,7 @@ def sharded(t: VerifiedTrainer) -> dict[str, Any]:
 def train(root: str) -> None:
     one = {"gradient_accumulation_steps": 1}
     out: dict[str, Any] = {}
-    clean = trainer(root, "clean", 8, **FSDP2, **one)
+    clean = trainer(root, "clean", STEPS, **FSDP2, **one, save_steps=SAVE_EVERY)
     clean.train()
     out["clean"] = {**sharded(clean), "digest": digest(clean.model)}
     # Gradient accumulation, activation checkpointing, retention and the best model, in one run.
@@ -121,8 +125,11 @@ def train(root: str) -> None:
     # c_fc's weight, as autograd computes it at step 3; a bit flipped in rank 1's weight shard after the update
     # of step 2 (verified_ckpt.faults), at rest until step 3 reads it.
     out["faults"] = {}
-    for name, fault, spec in (("grad", [WrongGradient(1, 3)], ()), ("weights", None, ("weights:1:2:bitflip=30",))):
-        faulty = trainer(root, f"faulty-{name}", 4, **FSDP2, **one, callbacks=fault)
+    # The weight flip again under gradient_checkpointing=True: the at-rest chain reads the state, not the forward.
+    for name, fault, spec, more in (("grad", [WrongGradient(1, 3)], (), {}),
+                                    ("weights", None, ("weights:1:2:bitflip=30",), {}),
+                                    ("weights-gc", None, ("weights:1:2:bitflip=30",), {"gradient_checkpointing": True})):
+        faulty = trainer(root, f"faulty-{name}", 4, **FSDP2, **one, **more, callbacks=fault)
         faulty.guard_config = GuardConfig(faults=spec)
         try:
             faulty.train()
@@ -135,14 +142,15 @@ def train(root: str) -> None:
         with open(os.path.join(root, "train.json"), "w") as f:
             json.dump(out, f)
     os.environ.update({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
-    trainer(root, "killed", 8, **one, callbacks=[Kill(1, 6)]).train()
+    trainer(root, "killed", STEPS, **KILLED, callbacks=[Kill(1, KILL_AT)]).train()
 
 
 def resume(root: str) -> None:
     os.environ.update({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
-    t = trainer(root, "killed", 8, gradient_accumulation_steps=1)
+    t = trainer(root, "killed", STEPS, **KILLED)
     t.train(resume_from_checkpoint=True)
-    out = {**sharded(t), "digest": digest(t.model), "resumed_from": t.checkpoints.resumed_from if t.checkpoints else None}
+    out = {**sharded(t), "digest": digest(t.model), "resumed_from": t.checkpoints.resumed_from if t.checkpoints else None,
+           "checkpointing": bool(t.args.gradient_checkpointing), "incidents": len(t.guard.incidents) if t.guard else None}
     if RANK == 0:
         with open(os.path.join(root, "resume.json"), "w") as f:
             json.dump(out, f)

@@ -4,9 +4,9 @@ defaults. The model is parallelised in ``configure_model`` as Lightning's docs d
 on the ``tensor_parallel`` mesh, a LayerNorm and a head replicated across it, then ``fully_shard`` over
 ``data_parallel``.
 
-One launch runs clean (8 steps, a save per epoch), a x10 gradient element in the colwise (TP-sharded) Linear on
-rank 1 at step 6, and a bit flip in rank 2's shard of that Linear's weight after step 5's update. A second launch
-kills rank 1 by SIGKILL during step 6 (after the save at step 4), and a third resumes from the run.
+One launch runs clean (30 steps, a save per epoch of 10), a x10 gradient element in the colwise (TP-sharded) Linear
+on rank 1 at step 6, and a bit flip in rank 2's shard of that Linear's weight after step 5's update. A second launch
+kills rank 1 by SIGKILL during step 14 (after the save at step 10), and a third resumes from the run.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from dist_harness import run_ranks
 
 from verified_ckpt import CheckpointManager
 
-BATCH, BATCHES, EPOCHS = 4, 4, 2  # per data-parallel rank: 4 batches an epoch, 8 steps, a save per epoch
+BATCH, BATCHES, EPOCHS = 4, 10, 3  # per data-parallel rank: 10 batches an epoch, 30 steps, a save per epoch
+KILL_AT = 14
 
 
 def _lightning_module(fault: tuple[str, int, int] | None) -> Any:
@@ -62,11 +63,14 @@ def _lightning_module(fault: tuple[str, int, int] | None) -> Any:
             self.fired.append(1)  # once: the step's first gradient, never an audit's recomputation
 
             def wrong(g: torch.Tensor) -> torch.Tensor:
+                handle.remove()  # this step's gradient only
                 local = g.to_local().clone()
-                local.view(-1)[3] *= 10
+                # The largest element: behind the ReLU a given element can be exactly 0 at a step, and 10 x 0 is
+                # no fault (with 10 batches an epoch, element 3 was, at step 6).
+                local.view(-1)[local.abs().argmax()] *= 10
                 return DTensor.from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
 
-            mod.weight.register_hook(wrong)  # the unsharded parameter FSDP bound for this forward
+            handle = mod.weight.register_hook(wrong)  # the unsharded parameter FSDP bound for this forward
 
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             if self._due("kill"):
@@ -160,7 +164,8 @@ def test_lightning_fsdp2_with_tensor_parallel_2x2_saves_restorable_and_names_a_w
     root, s = story_2x2
     assert s["clean"]["steps"] == BATCHES * EPOCHS
     clean = CheckpointManager(os.path.join(root, "clean"))
-    assert [(c.step, c.status.value) for c in clean.list()] == [(4, "restorable"), (8, "restorable")]
+    assert [(c.step, c.status.value) for c in clean.list()] == [(10, "restorable"), (20, "restorable"),
+                                                                (30, "restorable")]
     assert clean.incidents() == []
     assert s["grad"]["caught"] == ["abft", [1], 6], s["grad"]  # at its step, before FSDP's reduce-scatter
     assert s["flip"]["caught"] == ["chain", [2], 6], s["flip"]  # at rest after step 5: named at the next step
@@ -171,14 +176,14 @@ def test_lightning_fsdp2_with_tensor_parallel_2x2_resumes_after_a_sigkill_bitwis
         story_2x2, tmp_path):
     _, s = story_2x2
     run = str(tmp_path / "killed")
-    died = run_ranks(fit, 4, run, ("kill", 1, 6), killed=frozenset({1}), timeout=120)
+    died = run_ranks(fit, 4, run, ("kill", 1, KILL_AT), killed=frozenset({1}), timeout=120)
     assert died[1] is None and all("peer died" in d for d in (died[0], died[2], died[3])), died
-    assert [(c.step, c.status.value) for c in CheckpointManager(run).list()] == [(4, "restorable")]
+    assert [(c.step, c.status.value) for c in CheckpointManager(run).list()] == [(10, "restorable")]
     resumed = run_ranks(fit, 4, run, None, True, timeout=120, retire=True)[0]
     assert resumed["steps"] == BATCHES * EPOCHS
     assert resumed["state"] == s["clean"]["state"]  # every parameter and AdamW moment, bit for bit
-    assert [(c.step, c.status.value) for c in CheckpointManager(run).list()] == [(4, "restorable"),
-                                                                              (8, "restorable")]
+    assert [(c.step, c.status.value) for c in CheckpointManager(run).list()] == [
+        (10, "restorable"), (20, "restorable"), (30, "restorable")]
 
 
 def test_the_guards_view_of_a_framework_optimizer_is_one_the_update_oracle_can_slice():

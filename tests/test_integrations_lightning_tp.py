@@ -6,7 +6,8 @@ on the ``tensor_parallel`` mesh, a LayerNorm and a head replicated across it, th
 
 One launch runs clean (30 steps, a save per epoch of 10), a x10 gradient element in the colwise (TP-sharded) Linear
 on rank 1 at step 6, and a bit flip in rank 2's shard of that Linear's weight after step 5's update. A second launch
-kills rank 1 by SIGKILL during step 14 (after the save at step 10), and a third resumes from the run.
+kills rank 1 by SIGKILL during step 14 (after the save at step 10), and a third resumes from the run; both with
+``save_distributed_checkpoint=False``, which the plugin overrides (Lightning would hand ranks 1-3 nothing to save).
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ def _full(module: Any) -> list[list[int]]:
 
 
 def fit(rank: int, world: int, run: str, fault: tuple[str, int, int] | None = None,
-        resume: bool = False) -> dict[str, Any]:
-    """One ``Trainer.fit`` on the 2x2 mesh; what it caught, or the full state it ended with."""
+        resume: bool = False, full_file: bool = False) -> dict[str, Any]:
+    """One ``Trainer.fit`` on the 2x2 mesh; what it caught, or the full state it ended with. ``full_file``:
+    ``save_distributed_checkpoint=False`` (Lightning's one full file on rank 0; the plugin stores the run its way)."""
     import warnings
 
     from lightning.pytorch import Trainer, seed_everything
@@ -127,7 +129,9 @@ def fit(rank: int, world: int, run: str, fault: tuple[str, int, int] | None = No
     module = _lightning_module(fault)
     io = VerifiedCheckpointIO(run)
     out = os.path.join(run + "-out", str(rank))
-    trainer = Trainer(strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2,
+                                     save_distributed_checkpoint=not full_file)
+    trainer = Trainer(strategy=strategy,
                       accelerator="cpu", devices=world, max_epochs=EPOCHS, plugins=[io], default_root_dir=out,
                       logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       callbacks=[SDCGuardCallback(), ModelCheckpoint(dirpath=out, every_n_epochs=1, save_top_k=-1)])
@@ -176,10 +180,11 @@ def test_lightning_fsdp2_with_tensor_parallel_2x2_resumes_after_a_sigkill_bitwis
         story_2x2, tmp_path):
     _, s = story_2x2
     run = str(tmp_path / "killed")
-    died = run_ranks(fit, 4, run, ("kill", 1, KILL_AT), killed=frozenset({1}), timeout=120)
+    # save_distributed_checkpoint=False in this run: Lightning would gather a full state dict on rank 0 only.
+    died = run_ranks(fit, 4, run, ("kill", 1, KILL_AT), False, True, killed=frozenset({1}), timeout=120)
     assert died[1] is None and all("peer died" in d for d in (died[0], died[2], died[3])), died
     assert [(c.step, c.status.value) for c in CheckpointManager(run).list()] == [(10, "restorable")]
-    resumed = run_ranks(fit, 4, run, None, True, timeout=120, retire=True)[0]
+    resumed = run_ranks(fit, 4, run, None, True, True, timeout=120, retire=True)[0]
     assert resumed["steps"] == BATCHES * EPOCHS
     assert resumed["state"] == s["clean"]["state"]  # every parameter and AdamW moment, bit for bit
     assert [(c.step, c.status.value) for c in CheckpointManager(run).list()] == [

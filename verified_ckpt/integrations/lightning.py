@@ -33,6 +33,7 @@ The plugin and callback reach into ``Strategy`` internals; the supported range i
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -47,6 +48,8 @@ __all__ = ["RESUME", "SDCGuardCallback", "VerifiedCheckpointIO"]
 
 RESUME = "vckpt:resume"  # ckpt_path that continues from the run
 LIGHTNING_ENTRY = "lightning"  # everything of Lightning's checkpoint but the module's state_dict
+
+log = logging.getLogger("verified_ckpt")
 
 
 class VerifiedCheckpointIO(CheckpointIO):
@@ -172,6 +175,12 @@ class SDCGuardCallback(Callback):
             if _loads_itself(strategy):  # it would read a DCP folder at the path and never ask the plugin
                 strategy.load_checkpoint = lambda path, weights_only=None: io.load_sharded(
                     path, strategy.model, [getattr(o, "_optimizer", o) for o in strategy.optimizers])
+                if not getattr(strategy, "_save_distributed_checkpoint", True):
+                    # Lightning would gather a full state dict on rank 0 and hand the other ranks nothing, and the
+                    # restore reads into the live DTensors: the run keeps each rank's shards, as with the default.
+                    strategy._save_distributed_checkpoint = True
+                    log.info("VerifiedCheckpointIO: save_distributed_checkpoint=False ignored: the run stores "
+                             "each rank's shards; `vckpt export` writes one full file")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         problem = _unsupported(trainer, pl_module)

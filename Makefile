@@ -11,6 +11,16 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(PY) -m pip install -q -c constraints-dev.txt -e ".[test,lint]"
 	touch $(STAMP)
 
+# torchtitan's own model and parallelize code for tests/test_titan_real.py, beside the venv (its pins would replace
+# fsspec, which s3fs pins, and pull in datasets, wandb and pandas): these packages only, without their dependencies;
+# only that test's ranks put .titan on their path.
+TITAN := .titan/.installed
+$(TITAN): $(STAMP)
+	rm -rf .titan
+	$(PY) -m pip install -q --no-deps --target .titan torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 \
+		einops==0.8.2 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 triton==3.9.0
+	touch $(TITAN)
+
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
@@ -31,7 +41,7 @@ lint: $(STAMP)
 # tests (S3, the service, crash points) overlap the CPU-bound multi-rank ones. Bytecode is written even where the
 # environment says not to (PYTHONDONTWRITEBYTECODE): the suite starts hundreds of processes (ranks, CLIs, jobs),
 # and each compiled this checkout's modules again, 1.4 CPU-seconds for the DDP example's imports.
-test: lint
+test: lint $(TITAN)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
@@ -41,4 +51,4 @@ bench: $(STAMP)
 	$(PY) tools/bench/bench_s3.py --mib 512 --repeats 3
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) .titan .pytest_cache .hypothesis .mypy_cache .ruff_cache

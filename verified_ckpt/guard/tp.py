@@ -24,8 +24,12 @@ import torch
 
 from ..dtensors import is_dtensor
 
-__all__ = ["linear_problem", "loss_parallel_active", "loss_problem", "loss_value", "placements", "replaying_under"]
+__all__ = ["gemm_output", "gradient_problem", "linear_problem", "loss_parallel_active", "loss_problem", "loss_value",
+           "output_seen_is_local", "placements", "replaying_under"]
 
+_FIX_OUTPUT = ("apply the plan with torch's parallelize_module and ColwiseParallel/RowwiseParallel (their output hooks "
+               "run after the guard's; torchtitan 0.3's modules redistribute inside their forward), or "
+               "GuardConfig(abft_exclude=[...]) for this layer")
 _FIX_LINEAR = ("use ColwiseParallel() on a replicated input or RowwiseParallel() on an input sharded on its last "
                "dimension (PrepareModuleInput to redistribute), or GuardConfig(abft_exclude=[...]) for this layer")
 
@@ -43,21 +47,58 @@ def _all(ps: tuple[Any, ...], test: Any) -> bool:
     return bool(ps) and all(test(p) for p in ps)
 
 
-def linear_problem(name: str, weight: tuple[Any, ...], x: tuple[Any, ...], x_dims: int) -> str | None:
+def linear_problem(name: str, weight: tuple[Any, ...], x: tuple[Any, ...], x_dims: int,
+                   out: tuple[Any, ...] | None = None) -> str | None:
     """Why ABFT cannot check the tensor-parallel Linear ``name`` from the placements of the weight its forward uses
     and of its input (as its forward sees them, on the tensor-parallel mesh; ``x_dims``: the input's dimensions),
     or ``None`` where DTensor computes it as one local GEMM on those local tensors (module doc): a colwise slice on
     a replicated input, a rowwise slice on an input sharded on its last dimension, or a replicated weight on an
-    input replicated or sharded on a dimension other than the features'."""
+    input replicated or sharded on a dimension other than the features'. ``out``: the placements of the output the
+    module's forward hooks see, where known; it must be the GEMM's own (``gemm_output``), or, for a rowwise
+    slice's partial sums, their all-reduce (the same local gradient): a forward that redistributes its output
+    before its hooks run (torchtitan 0.3's modules do, inside ``forward``) hides the local GEMM's gradient."""
     last = (-1, x_dims - 1)
     colwise = _all(weight, lambda p: p.is_shard(0)) and _all(x, lambda p: p.is_replicate())
     rowwise = _all(weight, lambda p: p.is_shard(1)) and _all(x, lambda p: any(p.is_shard(d) for d in last))
     whole = _all(weight, lambda p: p.is_replicate()) and _all(
         x, lambda p: p.is_replicate() or (p.is_shard() and not any(p.is_shard(d) for d in last)))
-    if colwise or rowwise or whole:
+    if not (colwise or rowwise or whole):
+        return (f"ABFT cannot check tensor-parallel Linear {name}: its weight placed {_spelt(weight)} on an input "
+                f"placed {_spelt(x)} is not one local GEMM (DTensor redistributes inside it); {_FIX_LINEAR}")
+    if out is None or output_seen_is_local(gemm_output(weight, x), out, x_dims):
         return None
-    return (f"ABFT cannot check tensor-parallel Linear {name}: its weight placed {_spelt(weight)} on an input placed "
-            f"{_spelt(x)} is not one local GEMM (DTensor redistributes inside it); {_FIX_LINEAR}")
+    return (f"ABFT cannot check tensor-parallel Linear {name}: its forward hooks see its output placed {_spelt(out)}, "
+            f"already redistributed from its local GEMM's {_spelt(gemm_output(weight, x))}; {_FIX_OUTPUT}")
+
+
+def gradient_problem(name: str, weight: tuple[Any, ...], grad: tuple[Any, ...]) -> str | None:
+    """Why ABFT cannot check the tensor-parallel weight ``name`` whose gradient came placed ``grad``, or ``None``
+    when it is placed as the weight: a gradient placed otherwise was not the local GEMM the hooks recorded (a
+    forward that redistributes its operands inside itself, as torchtitan 0.3's modules do)."""
+    if tuple(grad) == tuple(weight):
+        return None
+    return (f"ABFT cannot check tensor-parallel Linear {name}: its weight placed {_spelt(weight)} got a gradient "
+            f"placed {_spelt(grad)}, not its local GEMM's (its forward redistributes inside itself); {_FIX_OUTPUT}")
+
+
+def gemm_output(weight: tuple[Any, ...], x: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The placements of a tensor-parallel Linear's local GEMM output, per mesh dimension: a colwise slice's is
+    sharded on its last dimension, a rowwise slice's partial sums, a replicated weight's placed as its input."""
+    from torch.distributed.tensor import Partial, Shard
+
+    def one(w: Any, p: Any) -> Any:
+        return Shard(-1) if w.is_shard(0) else Partial() if w.is_shard(1) else p
+    return tuple(one(w, p) for w, p in zip(weight, x, strict=False))
+
+
+def output_seen_is_local(gemm: tuple[Any, ...], seen: tuple[Any, ...], dims: int) -> bool:
+    """Whether the output placed ``seen`` has the local GEMM's gradient: the GEMM's own placements, or partial
+    sums all-reduced (the gradient of a replicated output is each partial sum's)."""
+    def same(g: Any, s: Any) -> bool:
+        if g.is_shard() and s.is_shard():
+            return bool(g.dim % dims == s.dim % dims)
+        return bool(g == s) or (g.is_partial() and s.is_replicate())
+    return len(gemm) == len(seen) and all(same(g, s) for g, s in zip(gemm, seen, strict=True))
 
 
 def loss_problem(loss: tuple[Any, ...], active: bool) -> str | None:

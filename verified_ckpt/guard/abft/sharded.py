@@ -30,7 +30,7 @@ import torch
 
 from ...dtensors import is_dtensor, local
 from ...errors import GuardConfigurationError
-from ..tp import linear_problem, loss_parallel_active, loss_problem, placements
+from ..tp import gradient_problem, linear_problem, loss_parallel_active, loss_problem, placements
 from .checks import GradientChecks
 from .layers import OUTSIDE, Layer, gradient_paths
 from .sums import Covered, bound_coefficients, norm, ratio_of, rgs, signed_weights
@@ -129,7 +129,7 @@ class ShardedGradientChecks(GradientChecks):
             return
         x = args[0] if args else None
         problem = linear_problem(layer.name, placements(getattr(mod, "weight", None)), placements(x),
-                                 getattr(x, "ndim", 0))
+                                 getattr(x, "ndim", 0), placements(out) if is_dtensor(out) else None)
         if problem is not None:
             if problem not in self.problems:
                 self.problems.append(problem)
@@ -173,6 +173,13 @@ class ShardedGradientChecks(GradientChecks):
         c = self.covered.get(self._alias.get(id(live), -1))
         if c is None or not self.on or not c.rows or live.grad is None:
             return
+        if is_dtensor(live.grad):
+            problem = gradient_problem(c.name, placements(live), placements(live.grad))
+            if problem is not None:  # refused at the step's end (``_refuse_unchecked``), never a raw error here
+                if problem not in self.problems:
+                    self.problems.append(problem)
+                c.entries, c.rows, c.base, c.base_spread = [], 0, None, None
+                return
         g = local(live.grad).detach()
         g = g if g.dtype == torch.float32 else g.float()
         with torch.no_grad():

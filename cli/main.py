@@ -1,6 +1,6 @@
 """``vckpt``: inspect, verify and recover verified checkpoints from a shell.
 
-Exit codes, the library's table (``verified_ckpt.recovery.exits``, docs/CLI.md): 0 ok, 1 a check failed, 2 usage,
+Exit codes, the library's table (``verified_ckpt.exitcodes``, docs/CLI.md): 0 ok, 1 a check failed, 2 usage,
 3 store unreachable, 4/5/6 an open SDC incident (hosts named / none named / software), 7 no rollback target.
 """
 
@@ -128,9 +128,9 @@ def verify_cmd(mgr: CheckpointManager, out: Output, step: int | None, every: boo
     if depth == "head":
         results = mgr.verify(step, jobs=jobs, depth="head")
     else:
-        from verified_ckpt.checkpoint.fleet import connect
+        from verified_ckpt import dask_client
 
-        cluster = connect(dask_at, jobs) if dask_at else contextlib.nullcontext()
+        cluster = dask_client(dask_at, jobs) if dask_at else contextlib.nullcontext()
         with cluster as client, out.progress(mgr.total_bytes(step), "verifying") as advance:
             results = mgr.verify(step, jobs=jobs, progress=advance, cluster=client)
     rows = [{**r.to_dict(), "depth": r.depth, **({"coverage": r.coverage} if r.coverage else {})} for r in results]

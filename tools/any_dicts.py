@@ -7,7 +7,9 @@ Three places are told apart:
   ``to_record``, ``from_record``, ``to_json``, ``from_json``, strict parsers and decoders), and ``jsonx``;
 - *other libraries' protocols*: what torch, Hugging Face, Lightning, DCP or fsspec define as a plain dict
   (``state_dict``/``load_state_dict``, a Trainer's batch, Lightning's checkpoint dict, ``storage_options``);
-- *inside*: everything else, the number the rule bounds (under 40).
+- *inside*: everything else, the number the rule bounds (:data:`BOUND`).
+
+Exits 1 when *inside* is above the bound (``make lint`` runs it).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ PROTOCOL = re.compile(r"^(state_dict|load_state_dict|training_step|_loss_of|save
                       r"_state|save|load|_values|write_data|read_metadata|run|modified|stamp)$")
 JSON_CLASSES = re.compile(r"^_Fields$")  # a strict parser's typed field access over one decoded document
 JSON_MODULES = {"jsonx.py"}
+# The count when the rule went into `make lint`. It only goes down: a change that types a dict lowers it here in the
+# same commit; a new untyped dict inside the library is a record to declare instead (docs/DESIGN.md, typed seams).
+BOUND = 58
 
 
 def places(path: pathlib.Path) -> list[tuple[int, str, str]]:
@@ -60,7 +65,11 @@ def main(argv: list[str]) -> int:
                 if "--list" in argv and where == "inside":
                     print(f"{p}:{line}: {fn or '<module>'}")
     print(f"dict[str, Any]: {sum(counts.values())} in all; {counts['json']} at JSON I/O, {counts['protocol']} in other "
-          f"libraries' protocols, {counts['inside']} inside")
+          f"libraries' protocols, {counts['inside']} inside (bound {BOUND})")
+    if counts["inside"] > BOUND:
+        print(f"{counts['inside'] - BOUND} dict[str, Any] inside the library over the bound of {BOUND}: declare a typed "
+              "record instead (`python tools/any_dicts.py --list` names each place)", file=sys.stderr)
+        return 1
     return 0
 
 

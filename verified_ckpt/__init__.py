@@ -3,6 +3,22 @@
 The whole public API is re-exported here; every other module is internal.
 Names are resolved on first use (PEP 562), so a tool that only lists or
 inspects runs (the ``vckpt`` CLI) never pays for importing torch.
+
+The modules, in layers from the lowest (each imports only lower layers: docs/DESIGN.md's module table, held by the
+import-linter contracts in pyproject.toml):
+
+1. ``crc``, ``dtensors``, ``errors``, ``faults``, ``fingerprint``, ``jsonx``, ``rng``, ``stage_state``, ``status``,
+   ``tensorspec``
+2. ``batches``, ``evidence``, ``hosts``, ``layout``, ``report``, ``shards``, ``signing``, ``skeleton``
+3. ``flatten``, ``manifest``
+4. ``lanes``, ``record_fields``
+5. ``records``
+6. ``decisions``, ``exitcodes``, ``history``, ``store``
+7. ``comm``, ``health``, ``ledger``
+8. ``guard``, ``sharding``
+9. ``bundle``
+10. ``checkpoint``, ``recovery``
+11. ``integrations``, ``service``
 """
 
 from __future__ import annotations
@@ -31,7 +47,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .checkpoint import CheckpointManager, OpenCheckpoint, RankReport, RunView, SaveSession, replay_bundle
+    from .checkpoint import CheckpointManager, OpenCheckpoint, RankReport, RunView, SaveSession, dask_client, replay_bundle
     from .comm import Communicator
     from .evidence import evidence_basis
     from .fingerprint import Fingerprint
@@ -55,7 +71,7 @@ _LAZY = {
     "RNGState": "rng", "Status": "status", "discover_runs": "store", "ExitCode": "recovery",
     "exit_code_for": "recovery", "exit_on": "recovery", "replay_bundle": "checkpoint", "OpenCheckpoint": "checkpoint",
     "RankReport": "checkpoint", "SaveSession": "checkpoint", "PALETTE": "status", "HEALTH_COLOURS": "status",
-    "RunHealth": "health", "evidence_basis": "evidence", "StageState": "stage_state",
+    "RunHealth": "health", "evidence_basis": "evidence", "StageState": "stage_state", "dask_client": "checkpoint",
 }
 
 __all__ = [
@@ -99,6 +115,7 @@ __all__ = [
     "UnsafePath",
     "VerificationResult",
     "VerifiedCkptError",
+    "dask_client",
     "discover_runs",
     "evidence_basis",
     "exit_code_for",

@@ -12,9 +12,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from .exitcodes import ExitCode, verdict_of
 from .manifest import CheckpointInfo
 from .records import Incident
-from .recovery.exits import ExitCode, verdict_of
 from .status import Status
 
 __all__ = ["RunHealth", "run_health"]

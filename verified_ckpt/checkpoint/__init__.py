@@ -6,15 +6,20 @@ as manifest bytes; ``OpenCheckpoint``), ``saving`` (the manager's write path, bu
 (checked reads, one reader with named modes), ``loading`` (into live objects, all or nothing), ``recovery``
 (restore, resume, rollback), ``catalog`` (run view, records, selection), ``housekeeping`` (retention, gc,
 compaction), ``verification``, ``export``, ``journal`` (the ledger's rows), ``lease``, ``stages`` (pipeline
-stages), ``replays`` (a replay bundle read back, checked), ``supervision`` (the supervisor's decisions, recorded).
+stages), ``replays`` (a replay bundle read back, checked), ``supervision`` (the supervisor's decisions, recorded),
+``clearance`` (a suspect host cleared on the record), ``fitting`` (does the live state fit: every difference first),
+``background`` (what a save leaves running, finished before exit), ``kept`` (a long-lived reader's parsed objects),
+``fleet`` (reads on a Dask cluster; its ``connect`` is public as ``dask_client``), ``batchops`` (S3 Batch Operations'
+scrub at rest).
 """
 
 from .catalog import RunView
+from .fleet import connect as dask_client
 from .manager import CheckpointManager
 from .opening import OpenCheckpoint
 from .replays import replay_bundle
 from .session import RankReport, SaveSession
 from .supervision import record_decision
 
-__all__ = ["CheckpointManager", "OpenCheckpoint", "RankReport", "RunView", "SaveSession", "record_decision",
-           "replay_bundle"]
+__all__ = ["CheckpointManager", "OpenCheckpoint", "RankReport", "RunView", "SaveSession", "dask_client",
+           "record_decision", "replay_bundle"]

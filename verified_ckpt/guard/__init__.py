@@ -14,6 +14,8 @@ and one module per check decides.
   changed at rest, for the consensus). ``witnesses``: the chain, the oracle and the scaler composed around each update.
 - ``protocol``: the ``Layout`` protocol every layout satisfies.
 - ``capture``: what a replay needs, taken when a gradient check fails before the update.
+- ``stats`` (per-bucket and per-step statistics, ``Verdict``), ``tp`` (the tensor-parallel plans ABFT can check),
+  ``recompute`` (the witness's side of the oracle), ``scaling`` (fp16 with a gradient scaler).
 """
 
 from .config import GuardConfig

@@ -3,7 +3,7 @@ invariants (the guard's, written once) and how one kind of parallelism reduces, 
 
 ``replicated`` (DDP, one process), ``fsdp`` (FSDP2, HSDP, FSDP2 + TP) and ``pipeline`` (a pipeline schedule over
 FSDP2 stages) implement it; mypy checks each against it where the guard builds it, and
-``tests/test_guard_structure.py`` checks at run time that each does. A new layout (expert parallel) is a class
+``tests/test_guard_contract.py`` checks at run time that each does. A new layout (expert parallel) is a class
 that satisfies this, not a change to the guard.
 """
 

@@ -1,10 +1,11 @@
-"""Recovery without a person: verdicts as exit codes (``exits``), whether a host is suspect (``health``), and the
-supervisor that restarts a job from its rollback target, off the suspect hosts (``supervise``, ``supervisor``),
-the replay that tells a faulty host from a transient fault (``replay``), and the one rule of where a job restarts
-after an incident (``restart``). A suspect host is cleared only on the record (``clear_host``, ``record_replay``:
-``checkpoint/clearance``), never by a rollback. Imports no torch until a replay is asked for: the CLI's
-``node-health`` and ``supervise`` start fast. ``host_problem`` and ``local_host`` are the one
-grammar of a host name and this machine's name in it (``verified_ckpt.hosts``), for the tools that take a host."""
+"""Recovery without a person: verdicts as exit codes (``exits``; torchelastic's error file: ``errorfile``),
+whether a host is suspect (``health``), and the supervisor that restarts a job from its rollback target, off the
+suspect hosts (``supervise``, ``supervisor``), the replay that tells a faulty host from a transient fault
+(``replay``), and the one rule of where a job restarts after an incident (``restart``). A suspect host is cleared
+only on the record (``clear_host``, ``record_replay``: ``checkpoint/clearance``), never by a rollback. Imports no
+torch until a replay is asked for: the CLI's ``node-health`` and ``supervise`` start fast. ``host_problem`` and
+``local_host`` are the one grammar of a host name and this machine's name in it (``verified_ckpt.hosts``), for the
+tools that take a host."""
 
 from typing import Any
 

@@ -11,7 +11,8 @@ Layout of a run at any fsspec URL::
 
 Modules: ``backend`` (one filesystem and its capabilities, chosen once), ``paths`` (plain names),
 ``failures`` (backend errors as one-line ``StorageError``s), ``run`` (checkpoints), ``records``, ``objects``
-(ledger, replay bundles), ``transfer`` (how shard bytes move), ``runs`` (URLs and discovery), ``export``.
+(ledger, replay bundles), ``transfer`` (how shard bytes move), ``runs`` (URLs and discovery), ``export``,
+``checksummed`` (a shard's S3 upload with its CRC-64/NVME).
 Nothing outside this package imports fsspec.
 """
 

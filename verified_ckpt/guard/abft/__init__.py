@@ -30,7 +30,10 @@ walked, and a covered parameter that receives a gradient from more places than i
 forwards (a weight used outside its module: a head tied with ``F.linear(x, wte.weight)``, attention's
 ``out_proj`` inside ``F.multi_head_attention_forward``) is left out with one warning that names it. Modules
 whose class overrides ``forward`` are not covered (a subclass may compute something else from its weight).
-Normalisation layers are checked by ``norms``, attention's forward products by ``products``. Not covered:
+Normalisation layers are checked by ``norms``, attention's forward products by ``products``, forward GEMMs by
+``forward``; FSDP2 and tensor parallel's local GEMMs by ``sharded``. The parts: ``checks`` (the hooks and the check),
+``layers`` (what is covered, the coverage report), ``sums`` (the arithmetic and bounds), ``verdict`` (every rank's
+worst ratio judged), ``flops`` (the backward's FLOPs, for coverage). Not covered:
 elementwise layers, convolutions, and any parameter of another module type. Coverage is reported at the first
 step as a share of parameters and of backward FLOPs.
 """

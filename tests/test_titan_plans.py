@@ -412,3 +412,15 @@ def test_an_audit_replays_under_loss_parallel_once_and_leaves_an_enclosing_conte
     assert not loss_parallel_active()
     with replaying_under(False):
         assert not loss_parallel_active()
+
+
+def test_a_refusal_is_one_line_the_fix_said_once_and_the_other_layers_named():
+    from verified_ckpt.guard.tp import refusal
+
+    problems = [f"ABFT cannot check tensor-parallel Linear layers.{i}.wo: its forward hooks see ...; apply the plan "
+                "with torch's parallelize_module" for i in range(4)] + ["the loss is a DTensor placed (Partial(sum))"]
+    got = refusal(problems)
+    assert got.startswith(problems[0]) and got.count("parallelize_module") == 1 and "\n" not in got
+    assert "3 more Linear layers cannot be checked either: layers.1.wo, layers.2.wo, layers.3.wo" in got
+    assert got.endswith("; the loss is a DTensor placed (Partial(sum))")
+    assert refusal(problems[:1]) == problems[0]

@@ -44,7 +44,7 @@ from .sharded import (
 )
 from .stats import StepFigures, Verdict, host_row, step_rows
 from .stats import worst as worst_pair
-from .tp import loss_parallel_active, loss_value, replaying_under
+from .tp import loss_parallel_active, loss_value, refusal, replaying_under
 
 if TYPE_CHECKING:
     from .capture import Capture
@@ -234,7 +234,7 @@ class ShardedLayout:
         """The first step's tensor-parallel layers whose products the hooks cannot see: refused, on every rank alike
         (the plan is the same on each), before the step's gather."""
         if self.checks is not None and self.checks.problems:
-            raise GuardConfigurationError("; ".join(self.checks.problems), kind="abft", step=s)
+            raise GuardConfigurationError(refusal(self.checks.problems), kind="abft", step=s)
 
     def _audit_if_due(self, s: int, rows: list[list[float]]) -> None:
         """The step's audit, when the schedule (or a request) has one now; ``rows``: what each rank recorded (its

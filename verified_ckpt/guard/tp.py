@@ -16,8 +16,9 @@ and an audit's recomputation runs under the same context the step used.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from ..dtensors import is_dtensor
 
 __all__ = ["gemm_output", "gradient_problem", "linear_problem", "loss_parallel_active", "loss_problem", "loss_value",
-           "output_seen_is_local", "placements", "replaying_under"]
+           "output_seen_is_local", "placements", "refusal", "replaying_under"]
 
 _FIX_OUTPUT = ("apply the plan with torch's parallelize_module and ColwiseParallel/RowwiseParallel (their output hooks "
                "run after the guard's; torchtitan 0.3's modules redistribute inside their forward), or "
@@ -69,6 +70,19 @@ def linear_problem(name: str, weight: tuple[Any, ...], x: tuple[Any, ...], x_dim
         return None
     return (f"ABFT cannot check tensor-parallel Linear {name}: its forward hooks see its output placed {_spelt(out)}, "
             f"already redistributed from its local GEMM's {_spelt(gemm_output(weight, x))}; {_FIX_OUTPUT}")
+
+
+_LAYER = re.compile(r"ABFT cannot check tensor-parallel Linear (\S+):")
+
+
+def refusal(problems: Sequence[str]) -> str:
+    """The first step's refusal in one line: the first problem in full (what to change), the other layers by name
+    (a plan that hides one layer's GEMM hides its siblings' too, and the fix is the same text each time)."""
+    first, rest = problems[0], problems[1:]
+    names = [m.group(1) for p in rest if (m := _LAYER.match(p))]
+    others = [p for p in rest if not _LAYER.match(p)]
+    more = f"; {len(names)} more Linear layers cannot be checked either: {', '.join(names)}" if names else ""
+    return "; ".join([first + more, *others])
 
 
 def gradient_problem(name: str, weight: tuple[Any, ...], grad: tuple[Any, ...]) -> str | None:

@@ -353,3 +353,41 @@ def test_a_layernorm_under_cpu_bf16_autocast_sums_its_rows_in_bf16_and_raises_no
     assert run_head(None) is None
     e = run_head(7)
     assert e is not None and (e.kind, e.detected_step) == ("abft", 7) and "norm.weight" in str(e), e
+
+
+def _sharded_llama(rank: int, world: int) -> dict:
+    """A tiny HF Llama under FSDP2 with its final norm ``fully_shard``-ed on its own (accelerate's plugin can shard
+    it so): three guarded steps at the defaults."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from verified_ckpt.guard.abft.norms import norm_kind
+
+    torch.manual_seed(0)
+    model = hf_model("llama")
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model.model.norm, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    spec = norm_kind(model.model.norm)  # FSDP2's class for it: its __new__ re-runs LlamaRMSNorm.__init__()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = SDCGuard(model, opt, hf_loss, GuardConfig())
+    for step in range(1, 4):
+        guard.backward(torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank)),
+                       step=step)
+        guard.step()
+        opt.zero_grad(set_to_none=True)
+    cov = guard.coverage()
+    return {"spec": spec.label if spec else None, "covered": cov.modules.get("LlamaRMSNorm (RMSNorm)", 0) if cov else 0,
+            "incidents": len(guard.incidents)}
+
+
+@pytest.mark.timeout(120)
+def test_a_library_norm_fully_shard_ed_on_its_own_is_recognised_and_guarded():
+    """HF Trainer + FSDP2 on a Llama stopped every rank in SDCGuard's constructor with a raw ``TypeError:
+    LlamaRMSNorm.__init__() missing 1 required positional argument: 'hidden_size'`` (the probe's copy of the norm)."""
+    from dist_harness import run_ranks
+
+    for r in run_ranks(_sharded_llama, 2, timeout=110):
+        assert r == {"spec": "LlamaRMSNorm (RMSNorm)", "covered": 5, "incidents": 0}, r

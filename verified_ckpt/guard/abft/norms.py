@@ -20,7 +20,6 @@ with the batch's statistics or with running ones it holds (not ``SyncBatchNorm``
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -85,7 +84,16 @@ def computed_norm(mod: torch.nn.Module) -> NormSpec | None:
     if eps is None:
         return None
     kind = _probe(mod, w.shape[0], eps, b is not None)
-    return None if kind is None else NormSpec(kind, (w.shape[0],), eps, f"{type(mod).__name__} ({kind})")
+    return None if kind is None else NormSpec(kind, (w.shape[0],), eps, f"{_own_name(type(mod))} ({kind})")
+
+
+def _own_name(cls: type) -> str:
+    """The class's name as its library spells it: FSDP2 (and ``replicate``) re-class a module they wrap on its own
+    as ``type("FSDP" + name, (FSDPModule, cls))``, which the coverage line would list apart."""
+    bases = cls.__bases__
+    if len(bases) == 2 and cls.__name__ != bases[1].__name__ and cls.__name__.endswith(bases[1].__name__):
+        return bases[1].__name__
+    return cls.__name__
 
 
 def _probe(mod: torch.nn.Module, n: int, eps: float, biased: bool) -> str | None:
@@ -95,14 +103,8 @@ def _probe(mod: torch.nn.Module, n: int, eps: float, biased: bool) -> str | None
     x = torch.randn(2, 3, n, generator=g) * 3 + 0.5  # a mean away from zero tells LayerNorm from RMSNorm
     gamma = torch.rand(n, generator=g) + 0.5
     beta = torch.randn(n, generator=g) if biased else None
-    stand_in = copy.copy(mod)  # the instance's settings; its own dicts below, so nothing is shared or kept
-    stand_in._parameters = {"weight": torch.nn.Parameter(gamma.clone(), requires_grad=False)}
-    if beta is not None:
-        stand_in._parameters["bias"] = torch.nn.Parameter(beta.clone(), requires_grad=False)
-    stand_in._buffers, stand_in._modules = {}, {}
-    for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
-        setattr(stand_in, hooks, collections.OrderedDict())
     try:
+        stand_in = _stand_in(mod, gamma, beta)
         with torch.no_grad():
             out = type(mod).forward(stand_in, x)
     except Exception:  # noqa: BLE001 - a forward that needs more than one input, or another device: not a norm here
@@ -119,6 +121,22 @@ def _probe(mod: torch.nn.Module, n: int, eps: float, biased: bool) -> str | None
             if torch.allclose(out, xhat * scale + shift, rtol=1e-4, atol=1e-5):
                 return kind
     return None
+
+
+def _stand_in(mod: torch.nn.Module, gamma: torch.Tensor, beta: torch.Tensor | None) -> torch.nn.Module:
+    """A shallow copy of ``mod`` (the instance's settings) with its own dicts: fresh parameters, no buffers, children
+    or hooks, so nothing is shared or kept. Made without ``copy.copy``: a module ``fully_shard``-ed on its own has
+    FSDP2's class, whose ``__new__`` runs the original ``__init__`` again with no arguments (Hugging Face's
+    ``LlamaRMSNorm(hidden_size)`` raised a TypeError there when accelerate sharded it)."""
+    stand_in = object.__new__(type(mod))
+    stand_in.__dict__.update(mod.__dict__)
+    stand_in._parameters = {"weight": torch.nn.Parameter(gamma.clone(), requires_grad=False)}
+    if beta is not None:
+        stand_in._parameters["bias"] = torch.nn.Parameter(beta.clone(), requires_grad=False)
+    stand_in._buffers, stand_in._modules = {}, {}
+    for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+        setattr(stand_in, hooks, collections.OrderedDict())
+    return stand_in
 
 
 @dataclasses.dataclass(frozen=True)

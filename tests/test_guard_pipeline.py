@@ -175,7 +175,7 @@ def audited(rank: int, world: int, base: str) -> dict:
                 mine = self.layout.stage.stage_index == stage and rank == 3 * stage + 1
 
                 def firing() -> bool:
-                    return mine and self._step == AUDIT_FAULT_AT and not self.abft.paused
+                    return mine and self.current_step == AUDIT_FAULT_AT and not self.abft.paused
 
                 block = next(iter(self.model.blocks.values()))
                 if direction == "backward":

@@ -491,7 +491,7 @@ def owner_faults(rank: int, fault: str) -> Iterator[None]:
     hooked: set[int] = set()
 
     def wrapped(self: Any) -> None:
-        s = self._step
+        s = self.current_step
         target = next(p for p in self.model.parameters() if p.dim() == 2)
         if id(self) not in hooked:  # the first step's end: the hooks act from the next step on
             hooked.add(id(self))
@@ -499,7 +499,7 @@ def owner_faults(rank: int, fault: str) -> Iterator[None]:
                 wrong_update_hooks(self.optimizer, target, lambda: rank == 1 and cur[0] >= FAULT_AT)
             if fault == "grad":
                 linear = next(m for m in self.model.modules() if isinstance(m, torch.nn.Linear))
-                wrong_gradient_hook(linear, lambda: rank == 1 and self._step == FAULT_AT)
+                wrong_gradient_hook(linear, lambda: rank == 1 and self.current_step == FAULT_AT)
         cur[0] = s
         step(self)
         if rank == 1 and s == FAULT_AT and fault in ("weight", "exp_avg"):

@@ -12,7 +12,8 @@ and one module per check decides.
   ``consensus``, ``oracle`` (a peer recomputes a slice of each rank's optimizer update; ``replicas``: its DDP form,
   the replicas' own updates compared), ``chain`` (every rank's state between its update and its next use; which copy
   changed at rest, for the consensus). ``witnesses``: the chain, the oracle and the scaler composed around each update.
-- ``protocol``: the ``Layout`` protocol every layout satisfies.
+- ``protocol``: the ``Layout`` protocol every layout satisfies; ``parts``: what a layout is built from
+  (``GuardParts``, ``StepState``), never the guard itself.
 - ``capture``: what a replay needs, taken when a gradient check fails before the update.
 - ``stats`` (per-bucket and per-step statistics, ``Verdict``), ``tp`` (the tensor-parallel plans ABFT can check),
   ``recompute`` (the witness's side of the oracle), ``scaling`` (fp16 with a gradient scaler).

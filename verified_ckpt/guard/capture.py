@@ -16,18 +16,20 @@ exactly what was checked: the replicated layout, an incident that names ranks, a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import batches
-from .audit import Recomputed, exchange_batches
+from .audit import Auditor, Recomputed, exchange_batches
 
 if TYPE_CHECKING:
-    from .replicated import ReplicatedLayout
+    from .parts import GuardParts, StepState
 
-__all__ = ["Capture", "Recipe", "Suspect", "take"]
+__all__ = ["Capture", "Recipe", "Recompute", "Suspect", "take"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,26 +68,35 @@ class Capture:
     suspects: list[Suspect]
 
 
-def state_bytes(layout: ReplicatedLayout) -> int:
-    g = layout.g
-    return sum(t.numel() * t.element_size() for t in [*g.params, *g.buffers])
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """What the layout lends a capture to recompute a suspect's microbatches as an audit would: its auditor, the
+    step's buckets (parameter positions) and how it pauses ABFT (a recomputation is not the step's gradients)."""
+
+    auditor: Auditor
+    buckets: dict[int, list[int]]
+    paused: Callable[[], contextlib.AbstractContextManager[None]]
 
 
-def take(layout: ReplicatedLayout, step: int, suspects: list[int], kind: str, gathered: list[Any]) -> Capture | None:
+def state_bytes(parts: GuardParts) -> int:
+    return sum(t.numel() * t.element_size() for t in [*parts.params, *parts.buffers])
+
+
+def take(g: GuardParts, st: StepState, via: Recompute, step: int, suspects: list[int], kind: str,
+         gathered: list[Any]) -> Capture | None:
     """Collective. The capture of step ``step`` on rank 0 (``None`` on the others, and on every rank when it cannot
     be taken: no healthy rank to recompute, or the state and microbatches exceed the bound)."""
-    g = layout.g
     healthy = [r for r in range(g.world) if r not in suspects]
-    state = state_bytes(layout)
+    state = state_bytes(g)
     if not suspects or not healthy or g.cfg.replay_max_bytes <= 0 or state > g.cfg.replay_max_bytes:
         return None
-    everyone = exchange_batches(g.comm, step, list(zip(g._batches, g._rng, strict=True)), g.batch_for)
+    everyone = exchange_batches(g.comm, step, list(zip(st.batches, st.rng, strict=True)), g.batch_for)
     leaves = sum(t.numel() * t.element_size() for r in suspects for mb, _ in everyone[r] for t in batches.encode(mb)[0])
     if state + leaves > g.cfg.replay_max_bytes:
         return None
     refs = {t: healthy[i % len(healthy)] for i, t in enumerate(suspects)}
-    with layout.paused():  # as an audit: a recomputation, not this step's gradients
-        done = {t: layout.auditor.recompute_round({refs[t]: t}, everyone, layout.tap.layout)[refs[t]] for t in suspects}
+    with via.paused():  # as an audit: a recomputation, not this step's gradients
+        done = {t: via.auditor.recompute_round({refs[t]: t}, everyone, via.buckets)[refs[t]] for t in suspects}
     if g.rank != 0:
         return None
     named = []
@@ -94,9 +105,9 @@ def take(layout: ReplicatedLayout, step: int, suspects: list[int], kind: str, ga
         for mb, (cpu, cuda) in everyone[t]:
             ts, spec = batches.encode(mb)
             mbs.append((spec, [x.detach().cpu() for x in ts], cpu.cpu(), None if cuda is None else cuda.cpu()))
-        named.append(Suspect(t, g.host_of(t).host, Recomputed.recorded(gathered[t]), refs[t], done[t], mbs))
+        named.append(Suspect(t, g.comm.host_of(t).host, Recomputed.recorded(gathered[t]), refs[t], done[t], mbs))
     module = g.module
-    recipe = Recipe(step, kind, {i: list(m) for i, m in layout.tap.layout.items()}, g.project.k, g.project.seed,
+    recipe = Recipe(step, kind, {i: list(m) for i, m in via.buckets.items()}, g.project.k, g.project.seed,
                     g.cfg.mode, g.cfg.rtol)
     return Capture(recipe, {n: p.detach().cpu() for n, p in module.named_parameters()},
                    {n: b.detach().cpu() for n, b in module.named_buffers()}, named)

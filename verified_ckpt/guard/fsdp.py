@@ -48,7 +48,7 @@ from .tp import loss_parallel_active, loss_value, refusal, replaying_under
 
 if TYPE_CHECKING:
     from .capture import Capture
-    from .sdcguard import SDCGuard
+    from .parts import GuardParts, StepState
 
 __all__ = ["ShardedLayout"]
 
@@ -105,39 +105,39 @@ class ShardedLayout:
     module_of = staticmethod(lambda model: model)  # FSDP's hooks live on the model itself
     gradient_checks = True  # ABFT on each rank's local computation (``abft/sharded.py``); not yet per pipeline stage
 
-    def __init__(self, g: SDCGuard) -> None:
-        self.g = g
-        self.roots = fsdp_roots(g.model)
-        dp = data_parallel_mesh(g.model)
-        check_parameters(g.module.named_parameters(), dp)
+    def __init__(self, parts: GuardParts, state: StepState) -> None:
+        self.p, self.st = parts, state
+        p = parts
+        self.roots = fsdp_roots(p.model)
+        dp = data_parallel_mesh(p.model)
+        check_parameters(p.module.named_parameters(), dp)
         assert dp is not None
         # Every rank's data-parallel grid (one collective, at construction): the distinct ones are the columns of
         # the dimensions FSDP does not span (tensor parallel), each with the same replica x shard shape.
         grid = dp.mesh.reshape(-1).to(torch.int64)
-        self.view = MeshView.of(g.comm.all_gather_rows(grid.to(g.device)).tolist(), list(dp.mesh.shape))
-        if self.view.size != g.world:
+        self.view = MeshView.of(p.comm.all_gather_rows(grid.to(p.device)).tolist(), list(dp.mesh.shape))
+        if self.view.size != p.world:
             raise GuardUsageError(f"the model's mesh has {self.view.size} ranks, the guard's process group "
-                                  f"{g.world}; give the guard the group the mesh spans")
+                                  f"{p.world}; give the guard the group the mesh spans")
         self._eps = 0.0
         self._loss_parallel = False  # the step's backward ran under loss_parallel(): its audits replay under it too
-        cfg = g.cfg
-        self.checks = ShardedGradientChecks(g.module, g.params, cfg.seed, cfg.abft_slack, exclude=cfg.abft_exclude,
-                                            watch=g.watch, forward=cfg.abft_forward) \
+        cfg = p.cfg
+        self.checks = ShardedGradientChecks(p.module, p.params, cfg.seed, cfg.abft_slack, exclude=cfg.abft_exclude,
+                                            watch=p.sched.watch, forward=cfg.abft_forward) \
             if cfg.abft and self.gradient_checks else None
         self.abft: GradientChecks | None = self.checks  # what the guard schedules and pauses
-        self.rs_tap = ShardedTap(g.project, self._reduce_scatter, two_d=self.view.replicas > 1, inject=self._inject,
-                                 watch=g.watch)
-        for m in g.model.modules():
+        self.rs_tap = ShardedTap(p.project, self._reduce_scatter, two_d=self.view.replicas > 1, inject=self._inject,
+                                 watch=p.sched.watch)
+        for m in p.model.modules():
             if isinstance(m, FSDPModule):
                 m.set_custom_reduce_scatter(self.rs_tap)  # type: ignore[arg-type]  # the ReduceScatter protocol
                 m.set_all_reduce_hook(self.rs_tap.after_all_reduce)
         # Not while the tap is paused: a pipeline stage's shape inference (``pipeline``), no step's computation.
-        g.faults.hook_compute(g.model, g.rank, lambda: g._kept[0] if g._step is None else g._step,
-                              lambda: self.rs_tap.paused)
-        if g.rank == 0 and self.view.replicas == 1:
+        p.faults.hook_compute(p.model, p.rank, state.now_or_kept, lambda: self.rs_tap.paused)
+        if p.rank == 0 and self.view.replicas == 1:
             log.info(one_replica_note(self.view, "tensor-parallel columns" if type(self) is ShardedLayout
                                       else "pipeline stages or tensor-parallel columns"))
-        elif g.rank == 0 and self.view.replicas == 2:
+        elif p.rank == 0 and self.view.replicas == 2:
             # At the caller of SDCGuard(...): one frame more when a subclass (the pipeline layout) builds this.
             warnings.warn(TWO_GROUPS, stacklevel=3 + (type(self) is not ShardedLayout))
 
@@ -152,26 +152,31 @@ class ShardedLayout:
 
     @property
     def records_batches(self) -> bool:
-        return self.g.audits_enabled
+        return self._audits_enabled
+
+    @property
+    def _audits_enabled(self) -> bool:
+        """The guard's rule (``SDCGuard.audits_enabled``) over this layout's ring."""
+        return self.p.cfg.audit_every is not None and self.view.ring >= 2
 
     @property
     def node_of(self) -> list[int]:
-        return self.g.comm.node_of()
+        return self.p.comm.node_of()
 
     @property
     def targets(self) -> list[int | None]:
         """Auditor rank -> the rank whose microbatches it recomputes (the one before it in the audit ring)."""
         ring = self.view.ring >= 2
-        return [self.view.shifted(r, -1) if ring else None for r in range(self.g.world)]
+        return [self.view.shifted(r, -1) if ring else None for r in range(self.p.world)]
 
     def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: Any, op: Any, async_op: bool) -> Any:
         self._eps = max(self._eps, torch.finfo(input.dtype).eps / 2)
-        return self.g.comm.reduce_scatter(output, input, group, op, async_op)
+        return self.p.comm.reduce_scatter(output, input, group, op, async_op)
 
     def _inject(self, site: str, t: torch.Tensor) -> None:
-        g = self.g
-        if g._step is not None and g.faults.firing(site, g.rank, g._step):
-            g.faults.apply(site, g.rank, g._step, t)
+        p = self.p
+        if self.st.step is not None and p.faults.firing(site, p.rank, self.st.step):
+            p.faults.apply(site, p.rank, self.st.step, t)
 
     # ------------------------------------------------------------ the loop's parts
     def no_sync(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
@@ -185,7 +190,7 @@ class ShardedLayout:
         if not self.rs_tap.auditing:
             self._loss_parallel = loss_parallel_active()
         if self.checks is not None:
-            self.checks.step = -1 if self.g._step is None else self.g._step
+            self.checks.step = -1 if self.st.step is None else self.st.step
             self.checks.start_backward()
 
     def after_backward(self, sync: bool) -> None:
@@ -193,6 +198,10 @@ class ShardedLayout:
 
     def first_forward(self, batch: Any) -> None:
         """Nothing: FSDP's reduction order does not depend on a first iteration, unlike DDP's buckets."""
+
+    def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
+        """No schedule here (``runs_schedule`` is false): ``SDCGuard.pipeline_step`` refuses before it gets here."""
+        raise GuardUsageError("pipeline_step needs SDCGuard(..., pipeline=schedule); train with backward() here")
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         return self.checks.pausing() if self.checks is not None else contextlib.nullcontext()
@@ -209,20 +218,20 @@ class ShardedLayout:
     def check_before_update(self, s: int, carry: torch.Tensor, on_carried: Callable[[list[list[float]]], None]) -> None:
         """NaN/Inf and checksums of this step's reductions, then an audit when one is due (see ``SDCGuard.step``;
         ``carry`` and ``on_carried`` as ``ReplicatedLayout.check_before_update`` takes them)."""
-        g, cfg = self.g, self.g.cfg
+        p, cfg = self.p, self.p.cfg
         if not self.rs_tap.rows and self.view.ring > 1:
             raise GuardUsageError("no gradient was reduce-scattered this step; the last backward() of a step must "
                                   "have sync=True")
-        loss = torch.stack([loss_value(x) for x in g._losses]).sum().view(1)
+        loss = torch.stack([loss_value(x) for x in self.st.losses]).sum().view(1)
         self._refuse_unchecked(s)
         rows = self._gather(s, torch.cat([*self.rs_tap.rows, self._abft_worst(), loss]), carry, on_carried)
         worst = [(r[-3], int(r[-2])) for r in rows]  # ABFT's worst (ratio, index), before the loss
         rows = [r[:-3] + r[-1:] for r in rows]
         # A data-parallel mesh of one rank (tensor parallel only) reduces nothing: there is nothing to judge, and
         # no pass is claimed.
-        judged = judge_step(s, [r[:-1] for r in rows], self.view, self.rs_tap.modes, g.project.k, self._eps or 2.0**-24,
-                            cfg.checksum_slack, g.project.rms_weight) if self.rs_tap.rows else []
-        calls, shards, k = len(self.rs_tap.modes), self.view.shards, g.project.k
+        judged = judge_step(s, [r[:-1] for r in rows], self.view, self.rs_tap.modes, p.project.k, self._eps or 2.0**-24,
+                            cfg.checksum_slack, p.project.rms_weight) if self.rs_tap.rows else []
+        calls, shards, k = len(self.rs_tap.modes), self.view.shards, p.project.k
 
         def steps() -> Sequence[StepFigures]:
             return rank_steps(rows, calls, shards, k)
@@ -239,22 +248,22 @@ class ShardedLayout:
     def _audit_if_due(self, s: int, rows: list[list[float]]) -> None:
         """The step's audit, when the schedule (or a request) has one now; ``rows``: what each rank recorded (its
         reductions' rows, then its loss)."""
-        g = self.g
-        if g.audits_enabled and (g._audit_requested or g.sched.plan.audit):
+        p = self.p
+        if self._audits_enabled and (self.st.audit_requested or p.sched.plan.audit):
             t0 = time.perf_counter()
-            g._audit_requested = False
+            self.st.audit_requested = False
             # The first step's backward ran under ABFT's FLOP counter, which can round differently (HF Llama): its
             # audit compares two recomputations, each owner's of its own and its auditor's, not the step's records.
             counted = self.checks is not None and self.checks.counted
-            self._audit(s, list(zip(g._batches, g._rng, strict=True)), None if counted else rows)
-            g.sched.watch.audit = time.perf_counter() - t0
+            self._audit(s, list(zip(self.st.batches, self.st.rng, strict=True)), None if counted else rows)
+            p.sched.watch.audit = time.perf_counter() - t0
 
     def _abft_verdict(self, s: int, worst: Sequence[tuple[float, int]],
                       steps: Callable[[], Sequence[StepFigures]]) -> list[Verdict]:
         """ABFT's verdict of step ``s`` from every rank's worst (ratio, index); none when no rank checked anything."""
         if self.checks is None:
             return []
-        rank_rows = self.g.cfg.ledger_rank_rows
+        rank_rows = self.p.cfg.ledger_rank_rows
         v = judge_abft(worst, self._name_of, lambda bad: step_rows(s, steps(), bad, rank_rows)
                        + [Event(s, "abft", r, "fail") for r in bad])
         return [] if v is None else [v]
@@ -270,33 +279,33 @@ class ShardedLayout:
         checks = self.checks
         got = [t for t in (checks.step_worst(), checks.inputs_worst()) if t is not None] if checks is not None else []
         if not got:
-            return torch.full((2,), -1.0, dtype=torch.float64, device=self.g.device)  # a fill: no copy from the host
+            return torch.full((2,), -1.0, dtype=torch.float64, device=self.p.device)  # a fill: no copy from the host
         return got[0].to(torch.float64) if len(got) == 1 else worst_pair(torch.stack(got))
 
     def _gather(self, s: int, row: torch.Tensor, carry: torch.Tensor,
                 on_carried: Callable[[list[list[float]]], None]) -> list[list[float]]:
         """Every rank's ``row``: the step's one host sync. The guard's ``carry`` and the budget's figures travel in
         the same row, last; ``on_carried`` gets every rank's carry, and the schedule of step ``s`` is decided."""
-        g = self.g
-        costs = g.sched.watch.take()
+        p = self.p
+        costs = p.sched.watch.take()
         t0 = time.perf_counter()
         n = row.numel()
-        gathered = g.comm.all_gather_rows(torch.cat([row, carry.to(row.dtype).to(row.device),
+        gathered = p.comm.all_gather_rows(torch.cat([row, carry.to(row.dtype).to(row.device),
                                                      host_row(costs.row(), row.device)])).tolist()
-        g.sched.decide(s, [r[-Costs.FIELDS:] for r in gathered], time.perf_counter() - t0, g.device.type == "cpu")
-        g._report_schedule(s)
+        p.sched.decide(s, [r[-Costs.FIELDS:] for r in gathered], time.perf_counter() - t0, p.device.type == "cpu")
+        p.report_schedule(s)
         on_carried([r[n:-Costs.FIELDS] for r in gathered])
         return [r[:n] for r in gathered]
 
     def _judge_step(self, s: int, judged: Sequence[Verdict], steps: Callable[[], Sequence[StepFigures]]) -> None:
         """Judge the per-step verdicts whose checks the config has on, then the step's ledger rows (``steps()``, built
         only when a ledger listens)."""
-        g, cfg = self.g, self.g.cfg
+        p, cfg = self.p, self.p.cfg
         verdicts = [v for v in judged if v.kind == "abft"
                     or (cfg.check_checksum if v.kind == "checksum" else cfg.check_nonfinite)]
         for v in verdicts:
-            g.judge.judge(s, v)
-        g.judge.emit(lambda: step_rows(s, steps(), [], cfg.ledger_rank_rows)
+            p.judge.judge(s, v)
+        p.judge.emit(lambda: step_rows(s, steps(), [], cfg.ledger_rank_rows)
                      + [Event(s, v.kind.split("_")[0], NO_RANK, "pass") for v in verdicts])
 
     def consensus(self, step: int) -> list[str]:
@@ -304,22 +313,22 @@ class ShardedLayout:
 
         Returns every rank's fingerprint as hex when the replicas of every shard agree (empty on a 1-D mesh).
         """
-        g = self.g
-        tensors, keys, _ = boxes_of(g.module.named_parameters(), g.optimizer, self.scope)
-        mine = box_rows(tensors, keys, g.witnesses.chain.moved, g.device)  # the chain's order is boxes_of's
+        p = self.p
+        tensors, keys, _ = boxes_of(p.module.named_parameters(), p.optimizer, self.scope)
+        mine = box_rows(tensors, keys, p.moved, p.device)  # the chain's order is boxes_of's
         # Ranks may hold different numbers of pieces (optimizer state not yet made everywhere): padded rows.
-        n = int(g.comm.all_gather_rows(torch.tensor([mine.shape[0]], device=g.device)).max())
-        padded = torch.cat([mine, torch.full((n - mine.shape[0], 4), -1, dtype=torch.int64, device=g.device)])
-        gathered = g.comm.all_gather_rows(torch.cat([state_row(g.params, g.optimizer, g.device), padded.view(-1)]))
+        n = int(p.comm.all_gather_rows(torch.tensor([mine.shape[0]], device=p.device)).max())
+        padded = torch.cat([mine, torch.full((n - mine.shape[0], 4), -1, dtype=torch.int64, device=p.device)])
+        gathered = p.comm.all_gather_rows(torch.cat([state_row(p.params, p.optimizer, p.device), padded.view(-1)]))
         rows = [r[:3] for r in gathered.tolist()]
-        boxes = [gathered[r, 3:].view(-1, 4).tolist() for r in range(g.world)]
-        verdicts, fps = judge_state(step, rows, boxes, g._last_pass("consensus") + 1)
+        boxes = [gathered[r, 3:].view(-1, 4).tolist() for r in range(p.world)]
+        verdicts, fps = judge_state(step, rows, boxes, p.last_pass("consensus") + 1)
         for v in verdicts:
-            g.judge.judge(step, v)
+            p.judge.judge(step, v)
         return fps if self.view.replicas > 1 else []
 
     def state_lanes(self) -> torch.Tensor:
-        return state_row(self.g.params, self.g.optimizer, self.g.device)[:2]
+        return state_row(self.p.params, self.p.optimizer, self.p.device)[:2]
 
     def capture(self, step: int, suspects: list[int], kind: str) -> Capture | None:
         """No replay bundle: a replay recomputes one rank's step from whole weights, which no rank holds here."""
@@ -333,7 +342,7 @@ class ShardedLayout:
     def local_state(self) -> list[torch.Tensor]:
         """This rank's pieces of the parameters and their optimizer state, in the consensus's order (``boxes_of``'s),
         for the at-rest chain (``chain.py``)."""
-        return local_state(self.g.module.named_parameters(), self.g.optimizer)
+        return local_state(self.p.module.named_parameters(), self.p.optimizer)
 
     def owned(self) -> list[bool]:
         """Per parameter (the guard's order): whether this rank's piece of it is held by no other rank (a
@@ -341,8 +350,8 @@ class ShardedLayout:
         optimizer state, are the at-rest chain's. Counted over every rank's box keys (collective, once): a
         placement alone does not say it, since a norm FSDP shards over each TP rank's own ``dp`` sub-mesh is held
         alike by every TP rank."""
-        mine = box_keys(self.g.module.named_parameters(), self.scope)
-        holders = Counter(k for b in self.g.comm.gather_bytes(json.dumps(mine).encode()) for k in json.loads(b))
+        mine = box_keys(self.p.module.named_parameters(), self.scope)
+        holders = Counter(k for b in self.p.comm.gather_bytes(json.dumps(mine).encode()) for k in json.loads(b))
         return [holders[k] == 1 for k in mine]
     scope = ""  # what tells this module's names apart from another's (a pipeline's stage)
 
@@ -351,7 +360,7 @@ class ShardedLayout:
         """Audit ``mine`` now, with the current weights: every rank recomputes its own microbatches and those of
         the rank before it in the audit ring, and the two recomputations must agree (a save's audit)."""
         if arrive:
-            self.g.comm.arrive("audit")
+            self.p.comm.arrive("audit")
         self._audit(s, mine, None)
 
     def _audit(self, s: int, mine: list[tuple[Any, Any]], rows: list[list[float]] | None) -> None:
@@ -359,28 +368,28 @@ class ShardedLayout:
         at its shard index; on a 1-D mesh the previous shard rank's), and on a mismatch of the one before that,
         all ranks together (they must all-gather); see ``sharded.judge_audit``. ``rows``: what each owner recorded
         while training; ``None``: each owner recomputes its own too (the weights have changed since)."""
-        g = self.g
-        shape = (self.view.shards, g.project.k)
-        everyone = exchange_batches(g.comm, s, mine, g.batch_for)
+        p = self.p
+        shape = (self.view.shards, p.project.k)
+        everyone = exchange_batches(p.comm, s, mine, p.batch_for)
 
         def vectors(rows: list[list[float]]) -> list[tuple[float, list[float], list[float]]]:
             return [audit_vector(r, self._calls(i, r), *shape) for i, r in enumerate(rows)]
 
         owner = vectors(rows if rows is not None else self._recompute_for(everyone, 0))
         first = vectors(self._recompute_for(everyone, 1))
-        exact, first_suspect = g.cfg.mode == "exact", g._last_pass("audit") + 1
-        verdict, differ = judge_audit(s, owner, first, None, self.view, exact=exact, rtol=g.cfg.rtol,
-                                      rms_weight=g.project.rms_weight, first_suspect=first_suspect)
+        exact, first_suspect = p.cfg.mode == "exact", p.last_pass("audit") + 1
+        verdict, differ = judge_audit(s, owner, first, None, self.view, exact=exact, rtol=p.cfg.rtol,
+                                      rms_weight=p.project.rms_weight, first_suspect=first_suspect)
         if differ and self.view.ring >= 3:
             second = vectors(self._recompute_for(everyone, 2))
-            verdict, _ = judge_audit(s, owner, first, second, self.view, exact=exact, rtol=g.cfg.rtol,
-                                     rms_weight=g.project.rms_weight, first_suspect=first_suspect)
+            verdict, _ = judge_audit(s, owner, first, second, self.view, exact=exact, rtol=p.cfg.rtol,
+                                     rms_weight=p.project.rms_weight, first_suspect=first_suspect)
         verdict = self._attribute(verdict, owner, first)
         if not verdict.ok:
             # A wrong weight shard makes its whole replica group compute wrongly (the group all-gathers it),
             # so compare the shards first: that names the one rank holding it, not its healthy peers.
             self.consensus(s)
-        g.judge.judge(s, verdict)
+        p.judge.judge(s, verdict)
 
     def _attribute(self, v: Verdict, owner: Sequence[tuple[float, list[float], list[float]]],
                    first: Sequence[tuple[float, list[float], list[float]]]) -> Verdict:
@@ -389,17 +398,17 @@ class ShardedLayout:
 
     def _calls(self, rank: int, row: Sequence[float]) -> int:
         """How many reductions rank ``rank``'s audit row holds (the rows, then the loss)."""
-        return (len(row) - 1) // ((self.view.shards + 2) * (self.g.project.k + 1))
+        return (len(row) - 1) // ((self.view.shards + 2) * (self.p.project.k + 1))
 
     def _replay(self, mine: list[tuple[Any, Any]]) -> torch.Tensor:
         """Forward and backward ``mine``'s microbatches, each from its random state; their summed loss."""
-        g = self.g
-        total = torch.zeros((), dtype=torch.float64, device=g.device)
+        p = self.p
+        total = torch.zeros((), dtype=torch.float64, device=p.device)
         for i, (mb, rng) in enumerate(mine):
-            restore_rng(rng, g.device)
+            restore_rng(rng, p.device)
             self.before_backward(i == len(mine) - 1)
             with replaying_under(self._loss_parallel):
-                loss = g.loss_fn(g.model, mb)
+                loss = p.loss_fn(p.model, mb)
                 loss.backward()
             total += loss_value(loss.detach()).to(torch.float64)
         return total
@@ -411,26 +420,26 @@ class ShardedLayout:
     def _recompute_for(self, everyone: list[list[Any]], back: int) -> list[list[float]]:
         """Recompute, on every rank at once, the microbatches of the rank ``back`` places before it in the audit
         ring; the gathered rows. Gradients, buffers, random state and the step's rows are put back."""
-        g = self.g
-        owner = self.view.shifted(g.rank, -back) if back else g.rank
-        grads = [p.grad for p in g.params]
-        buffers = [b.detach().clone() for b in g.buffers]
+        parts = self.p
+        owner = self.view.shifted(parts.rank, -back) if back else parts.rank
+        grads = [p.grad for p in parts.params]
+        buffers = [b.detach().clone() for b in parts.buffers]
         kept = (self.rs_tap.rows, self.rs_tap.modes)
         self.rs_tap.reset()
         self.rs_tap.auditing = True
         try:
             # ABFT paused: a recomputation is not this step's gradients
-            with self.paused(), torch.random.fork_rng(devices=[g.device] if g.device.type == "cuda" else []):
-                for p in g.params:
+            with self.paused(), torch.random.fork_rng(devices=[parts.device] if parts.device.type == "cuda" else []):
+                for p in parts.params:
                     p.grad = None
                 row = self._audit_row(self._replay(everyone[owner]))
         finally:
             self.rs_tap.auditing = False
             self.rs_tap.rows, self.rs_tap.modes = kept
-            for p, grad in zip(g.params, grads, strict=True):
+            for p, grad in zip(parts.params, grads, strict=True):
                 p.grad = grad
             with torch.no_grad():
-                for b, saved in zip(g.buffers, buffers, strict=True):
+                for b, saved in zip(parts.buffers, buffers, strict=True):
                     b.copy_(saved)
-        return g.comm.all_gather_rows(row).tolist()
+        return parts.comm.all_gather_rows(row).tolist()
 

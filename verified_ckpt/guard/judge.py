@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import GuardConfigurationError, SilentCorruptionDetected
 from ..evidence import CheckCounts
@@ -141,6 +141,14 @@ class Judge:
             fn(events)
 
 
+class _Steps(Protocol):
+    """What the bookkeeping reads of the guard's per-step record (``parts.StepState``; a protocol, since ``parts``
+    imports this module for its judge)."""
+
+    step: int | None
+    start: int | None
+
+
 class Bookkeeping:
     """What every layout's guard reports through its judge: counts, margins, incidents, listeners, and the
     coverage and schedule lines (one place, so no layout re-does them)."""
@@ -150,8 +158,7 @@ class Bookkeeping:
     abft: GradientChecks | None
     sched: Schedule
     rank: int
-    _start: int | None
-    _step: int | None
+    _st: _Steps
 
     @property
     def topology(self) -> list[Host]:
@@ -162,7 +169,7 @@ class Bookkeeping:
 
     @property
     def current_step(self) -> int | None:
-        return self._step
+        return self._st.step
 
     def _report_schedule(self, s: int) -> None:
         rows = self.sched.report(s, self.rank)
@@ -176,7 +183,7 @@ class Bookkeeping:
             if cov.left_out:
                 log.warning("SDCGuard: ABFT leaves out %s; their gradients are checked by audits and consensus only "
                             "(docs/GUARD.md, 'What ABFT covers')", cov.left_out_summary())
-        self.judge.emit(lambda: [Event(self._step or 0, "coverage", NO_RANK, "pass", (0, 0), cov.param_fraction,
+        self.judge.emit(lambda: [Event(self._st.step or 0, "coverage", NO_RANK, "pass", (0, 0), cov.param_fraction,
                                   cov.flop_fraction or 0.0)])
 
     def coverage(self) -> Coverage | None:
@@ -204,7 +211,7 @@ class Bookkeeping:
         return counts
 
     def _last_pass(self, kind: str) -> int:
-        return self.judge.last_pass(kind, self._start)
+        return self.judge.last_pass(kind, self._st.start)
 
     def add_incident_listener(self, fn: Callable[[Incident], None]) -> None:
         """Call ``fn(incident)`` on every rank whenever a check fails (before raising)."""

@@ -56,7 +56,7 @@ from .sharded import MeshView, RankStep, judge_step, rank_steps
 from .stats import Verdict
 
 if TYPE_CHECKING:
-    from .sdcguard import SDCGuard
+    from .parts import GuardParts, StepState
 
 __all__ = ["METADATA_PASSES", "PipelineLayout", "one_verdict", "stage_of", "upstream_explained", "within"]
 
@@ -147,15 +147,15 @@ class PipelineLayout(ShardedLayout):
     kind = "pipeline"
     runs_schedule = True
 
-    def __init__(self, g: SDCGuard, schedule: Any) -> None:
+    def __init__(self, parts: GuardParts, state: StepState, schedule: Any) -> None:
         self.schedule, self.stage = schedule, stage_of(schedule)
         self.scope = f"stage {self.stage.stage_index}"  # stages reuse parameter names: their pieces are apart
         submod: Any = self.stage.submod
-        if not isinstance(submod, FSDPModule) or id(submod) != id(g.model):
+        if not isinstance(submod, FSDPModule) or id(submod) != id(parts.model):
             raise GuardUsageError(f"give SDCGuard the stage's module, fully_shard-ed over the stage's data-parallel "
                                   f"mesh, the same one the PipelineStage runs (got {type(submod).__name__}; "
                                   "docs/GUARD.md, 'Pipeline parallel')")
-        super().__init__(g)
+        super().__init__(parts, state)
         self.layout: StageRows | None = None
         self.names: list[list[str]] = []  # every rank's ABFT names by index (the first step's end)
         self._uses: list[bool] | None = None  # the first step's uses from outside the covering modules, this rank's
@@ -200,25 +200,25 @@ class PipelineLayout(ShardedLayout):
         losses: list[torch.Tensor] = []
         self.schedule.step(*args, target=target, losses=losses, **kwargs)
         if not losses:
-            return torch.zeros((), dtype=torch.float64, device=self.g.device)
+            return torch.zeros((), dtype=torch.float64, device=self.p.device)
         return torch.stack([x.detach().to(torch.float64) for x in losses]).sum()
 
     # ------------------------------------------------------------ checks
     def check_before_update(self, s: int, carry: torch.Tensor, on_carried: Callable[[list[list[float]]], None]) -> None:
         """Every stage's per-step checks, judged on every rank from the job's gathered rows (module doc; ``carry``
         and ``on_carried`` as ``ReplicatedLayout.check_before_update`` takes them)."""
-        g, cfg = self.g, self.g.cfg
+        p, cfg = self.p, self.p.cfg
         if not self.rs_tap.rows and self.view.shards * self.view.replicas > 1:
             raise GuardUsageError("no gradient was reduced this step; run the step through guard.pipeline_step")
         # A stage of one rank reduces nothing (FSDP over a mesh of one): its row is empty, and nothing is claimed.
         local = torch.cat(self.rs_tap.rows) if self.rs_tap.rows else torch.zeros(0, dtype=torch.float64,
-                                                                                 device=g.device)
-        loss = torch.stack(g._losses).sum().view(1)
+                                                                                 device=p.device)
+        loss = torch.stack(self.st.losses).sum().view(1)
         if self.layout is None:
             self.layout = self._learn(local.numel())
         lay = self.layout
-        if local.numel() != lay.lengths[g.rank]:
-            raise GuardUsageError(f"this stage reduced {local.numel()} values this step, {lay.lengths[g.rank]} at the "
+        if local.numel() != lay.lengths[p.rank]:
+            raise GuardUsageError(f"this stage reduced {local.numel()} values this step, {lay.lengths[p.rank]} at the "
                                   "first: the guard needs the same reductions every step")
         if self.checks is not None and self.checks.probing:
             self._end_probe()
@@ -234,7 +234,7 @@ class PipelineLayout(ShardedLayout):
             if not any(lay.lengths[r] for r in ranks):
                 continue  # this stage reduced nothing: no verdict, so no pass is claimed for it
             got = judge_step(s, [rows[r] for r in ranks], MeshView([_relabel(col, ranks)]), lay.modes[ranks[0]],
-                             g.project.k, self._eps or 2.0**-24, cfg.checksum_slack, g.project.rms_weight)
+                             p.project.k, self._eps or 2.0**-24, cfg.checksum_slack, p.project.rms_weight)
             judged.append([within(ranks, v if v.ok else dataclasses.replace(v, detail=f"stage {c}: {v.detail}"))
                            for v in got])
         verdicts = [v for kind in ("nonfinite_local", "nonfinite_averaged", "checksum")
@@ -274,7 +274,7 @@ class PipelineLayout(ShardedLayout):
     def _replay(self, mine: list[tuple[Any, Any]]) -> torch.Tensor:
         """The owner's whole step through the schedule, from its inputs and random state (one entry per step)."""
         ((args, kwargs, target), rng), = mine
-        restore_rng(rng, self.g.device)
+        restore_rng(rng, self.p.device)
         return self.run(args, kwargs, target)
 
     def _audit_row(self, total: torch.Tensor) -> torch.Tensor:
@@ -287,23 +287,23 @@ class PipelineLayout(ShardedLayout):
         """The first step's end, outside the schedule: the stage's ranks agree on what ABFT leaves out (any of them
         saw a use from outside), every rank learns every rank's names (the stages check different parameters), and
         the coverage is reported (collective)."""
-        checks, g = self.checks, self.g
+        checks, parts = self.checks, self.p
         assert checks is not None
         mine = self._uses if self._uses is not None else [False] * len(checks.order)
-        every = [json.loads(b) for b in g.comm.gather_bytes(json.dumps(mine).encode())]
-        stage = next(col for col in self.view.columns if any(g.rank in row for row in col))
+        every = [json.loads(b) for b in parts.comm.gather_bytes(json.dumps(mine).encode())]
+        stage = next(col for col in self.view.columns if any(parts.rank in row for row in col))
         peers = [every[r] for row in stage for r in row]
         checks.leave_out([any(p[i] for p in peers) for i in range(len(mine))])
         checks.end_probe()
         codes = [checks.name_of(i) for i in range(checks.codes)]
         cov = dataclasses.asdict(checks.coverage())
-        sent = {"names": codes, "coverage": cov, "params": sum(p.numel() for p in g.params)}  # DTensors: global
-        told = [json.loads(b) for b in g.comm.gather_bytes(json.dumps(sent).encode())]
+        sent = {"names": codes, "coverage": cov, "params": sum(p.numel() for p in parts.params)}  # DTensors: global
+        told = [json.loads(b) for b in parts.comm.gather_bytes(json.dumps(sent).encode())]
         self.names = [t["names"] for t in told]
         # One coverage for the job: each stage's (its first rank's), weighted by the stage's parameters.
         firsts = [col[0][0] for col in self.view.columns]
-        g._report_coverage(Coverage.of_parts([(_coverage(told[r]["coverage"]), int(told[r]["params"]))
-                                              for r in firsts]))
+        parts.report_coverage(Coverage.of_parts([(_coverage(told[r]["coverage"]), int(told[r]["params"]))
+                                                  for r in firsts]))
 
     def _name_of(self, rank: int, index: int) -> str:
         names = self.names[rank] if rank < len(self.names) else []
@@ -311,12 +311,12 @@ class PipelineLayout(ShardedLayout):
 
     def _learn(self, length: int) -> StageRows:
         """Every rank's row length and reductions' modes (the first step: two small gathers)."""
-        g = self.g
+        p = self.p
         mine = [length, len(self.rs_tap.modes), self.stage.stage_index]
-        both = g.comm.all_gather_rows(torch.tensor(mine, dtype=torch.int64, device=g.device)).tolist()
+        both = p.comm.all_gather_rows(torch.tensor(mine, dtype=torch.int64, device=p.device)).tolist()
         most = max(n for _, n, _ in both)
         codes = [MODES.index(m) for m in self.rs_tap.modes] + [-1] * (most - len(self.rs_tap.modes))
-        every = g.comm.all_gather_rows(torch.tensor(codes, dtype=torch.int64, device=g.device)).tolist()
+        every = p.comm.all_gather_rows(torch.tensor(codes, dtype=torch.int64, device=p.device)).tolist()
         return StageRows([n for n, _, _ in both], [[MODES[c] for c in row[:n]] for row, (_, n, _) in zip(every, both,
                                                                                                          strict=True)],
                          [k for _, _, k in both])
@@ -324,7 +324,7 @@ class PipelineLayout(ShardedLayout):
     def _rank_steps(self, rows: list[list[float]], losses: list[float], lay: StageRows) -> list[RankStep]:
         """Every rank's ledger figures; the stages before the last hold no loss, so each shows its replica's, from the
         last stage's rank at the same place."""
-        k, shards, last = self.g.project.k, self.view.shards, self.view.columns[-1]
+        k, shards, last = self.p.project.k, self.view.shards, self.view.columns[-1]
         loss_of = {r: losses[last[i][j]] for col in self.view.columns for i, row in enumerate(col)
                    for j, r in enumerate(row)}
         return [rank_steps([[*row, loss_of[r]]], len(lay.modes[r]), shards, k)[0] for r, row in enumerate(rows)]

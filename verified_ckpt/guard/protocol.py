@@ -1,10 +1,12 @@
 """What a layout gives :class:`~verified_ckpt.guard.sdcguard.SDCGuard`: the declared seam between the loop's
 invariants (the guard's, written once) and how one kind of parallelism reduces, observes and holds the state.
+A layout is built from the guard's parts and its per-step record (``parts.GuardParts``, ``parts.StepState``),
+never from the guard itself.
 
 ``replicated`` (DDP, one process), ``fsdp`` (FSDP2, HSDP, FSDP2 + TP) and ``pipeline`` (a pipeline schedule over
 FSDP2 stages) implement it; mypy checks each against it where the guard builds it, and
-``tests/test_guard_contract.py`` checks at run time that each does. A new layout (expert parallel) is a class
-that satisfies this, not a change to the guard.
+``tests/test_guard_contract.py`` (``test_guard_pipeline.py`` for the pipeline) checks at run time that each does.
+A new layout (expert parallel) is a class that satisfies this, not a change to the guard.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class Layout(Protocol):
     def after_backward(self, sync: bool) -> None: ...
 
     def first_forward(self, batch: Any) -> None: ...
+
+    def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
+        """This rank's part of one schedule step (``runs_schedule``: ``SDCGuard.pipeline_step``); its summed loss."""
+        ...
 
     def reset(self) -> None:
         """A step is over (or was abandoned): drop what was recorded for it."""

@@ -34,17 +34,23 @@ class Schedule:
         replicas: how many copies of each piece of state a consensus compares (one: no consensus).
     """
 
-    def __init__(self, cfg: GuardConfig, *, audits: bool, abft: bool, replicas: int,
+    def __init__(self, cfg: GuardConfig, *, audits: bool = False, abft: bool = False, replicas: int = 1,
                  watch: Stopwatch | None = None) -> None:
         self.cfg = cfg
         self.watch = watch or Stopwatch()
-        self.budget = Budget(cfg.overhead, consensus_every=cfg.consensus_every, audit_every=cfg.audit_every,
-                             abft=abft, abft_every=cfg.abft_every, audits=audits, consensus=replicas >= 2)
+        self.fit(audits=audits, abft=abft, replicas=replicas)
         self.plan = Plan(False, False, True)
         self.abft_ran = False  # whether ABFT ran at the step being closed (its cost is measured only then)
         self.slices = 0  # budget audits run: which slice is next
         self.slicing: bool | None = None  # whether loss_fn takes a slice of a microbatch (decided at the first)
         self._logged: Rates | None = None
+
+    def fit(self, *, audits: bool, abft: bool, replicas: int) -> None:
+        """The budget for what the layout runs: the guard builds its schedule before its layout (whose hooks add to
+        the stopwatch) and fits it once the layout says whether audits, ABFT and a consensus can run."""
+        cfg = self.cfg
+        self.budget = Budget(cfg.overhead, consensus_every=cfg.consensus_every, audit_every=cfg.audit_every,
+                             abft=abft, abft_every=cfg.abft_every, audits=audits, consensus=replicas >= 2)
 
     @property
     def rates(self) -> Rates | None:

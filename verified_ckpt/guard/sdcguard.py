@@ -31,6 +31,7 @@ from .budget import Rates, Stopwatch
 from .capture import Capture
 from .config import GuardConfig
 from .judge import Bookkeeping, Judge
+from .parts import GuardParts, StepState
 from .protocol import Layout
 from .replicated import TWO_REPLICAS, ReplicatedLayout
 from .schedule import Schedule
@@ -41,7 +42,6 @@ __all__ = ["TWO_REPLICAS", "SDCGuard"]
 
 if TYPE_CHECKING:  # the sharded layouts load torch.distributed.fsdp and .tensor: imported when a model needs them
     from .fsdp import ShardedLayout
-    from .pipeline import PipelineLayout
 log = logging.getLogger("verified_ckpt")
 
 
@@ -91,7 +91,6 @@ class SDCGuard(Bookkeeping):
     ) -> None:
         self.cfg = config or GuardConfig()
         scaled = scaling(scaler)
-        self.scale: torch.Tensor | None = None  # the scaler's scale at the step in progress (audits recompute with it)
         if loss_fn is None and pipeline is None:
             raise GuardUsageError("SDCGuard needs loss_fn(model, batch) -> loss: audits recompute with it")
         self.model, self.optimizer, self.batch_for = model, optimizer, batch_for
@@ -115,24 +114,21 @@ class SDCGuard(Bookkeeping):
         self.project = Projector(self.cfg.checksum_lanes, self.cfg.seed, self.device)
         self.judge = Judge(self.world, self.host_of, self.rank)
         self.watch = Stopwatch()
-        self._ran_backward = False
-        self._audit_requested = False
-        self._step: int | None = None
-        self._start: int | None = None
-        self._batches: list[Any] = []
-        self._rng: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._losses: list[torch.Tensor] = []
-        self._kept: tuple[int | None, list[Any]] = (None, [])  # the last step and its first microbatch (save audits)
+        self.sched = Schedule(self.cfg, watch=self.watch)
+        self._st: StepState = StepState()  # the step in progress: the guard's, which the layout reads (``parts``)
         self._capture_listeners: list[Callable[[Capture], None]] = []
+        parts = GuardParts(model, self.module, self.params, self.buffers, optimizer, self.loss_fn, batch_for, self.cfg,
+                           self.comm, self.judge, self.project, self.sched, self.faults, self.device, scaled.on,
+                           self._report_schedule, self._report_coverage, self._last_pass,
+                           self._moved)
         if pipeline is not None:
             from .pipeline import PipelineLayout
 
-            self.layout: Layout = PipelineLayout(self, pipeline)
+            self.layout: Layout = PipelineLayout(parts, self._st, pipeline)
         else:
-            self.layout = kind(self)
+            self.layout = kind(parts, self._st)
         self.abft = self.layout.abft
-        self.sched = Schedule(self.cfg, audits=self.audits_enabled, abft=self.abft is not None, replicas=self.world,
-                              watch=self.watch)
+        self.sched.fit(audits=self.audits_enabled, abft=self.abft is not None, replicas=self.world)
         self.judge.scheduled = (("audit",) if self.audits_enabled else ()) + (("consensus",) if self.replicas >= 2 else ())
         self.witnesses = Witnesses(self.params, optimizer, self.layout, self.comm, slices=self.cfg.oracle_slices,
                                    scaler=scaled, judge=self.judge.judge, consensus=self.layout.consensus)
@@ -158,7 +154,7 @@ class SDCGuard(Bookkeeping):
 
     def request_audit(self) -> None:
         """Audit at the next :meth:`step`, whatever the schedule."""
-        self._audit_requested = True
+        self._st.audit_requested = True
 
     # ------------------------------------------------------------ training
     def backward(self, batch: Any, *, step: int, sync: bool = True) -> torch.Tensor:
@@ -180,30 +176,31 @@ class SDCGuard(Bookkeeping):
         self.begin((args, kwargs, target), step=step)  # what an audit replays: this rank's inputs of the step
         if self.abft is not None:
             self.sched.abft_ran = self.abft.on
-        loss = cast("PipelineLayout", self.layout).run(args, kwargs, target)
-        self._losses.append(loss)
+        loss = self.layout.run(args, kwargs, target)
+        self._st.losses.append(loss)
         return loss
 
     def begin(self, batch: Any, *, step: int) -> None:
         """For a framework that runs the forward itself (the Lightning integration): call this just before its
         forward of ``batch`` (the RNG state is recorded here, for audits to replay), then :meth:`backward_of`
         with the loss it computed. ``loss_fn(model, batch)`` must compute the same loss: audits rerun it."""
-        if self._step is not None and step != self._step and self._batches:
-            raise GuardUsageError(f"backward for step {step} while step {self._step} has not been closed with step()")
-        if self._step != step:
+        st = self._st
+        if st.step is not None and step != st.step and st.batches:
+            raise GuardUsageError(f"backward for step {step} while step {st.step} has not been closed with step()")
+        if st.step != step:
             self._reset_step()
-        self._step = step
-        if self._start is None:
-            self._start = step
-        if not self._batches:
+        st.step = step
+        if st.start is None:
+            st.start = step
+        if not st.batches:
             self.sched.watch.start()
-            self.scale = self.witnesses.scaler.scale_now(self.device)
+            st.scale = self.witnesses.scaler.scale_now(self.device)
         self.layout.first_forward(batch)
-        self._ran_backward = True
+        st.ran_backward = True
         if self.layout.records_batches and self.batch_for is None:
             batches.encode(batch)  # fails now, naming the leaf, not at the first audit hundreds of steps later
-        self._rng.append(microbatch_state(self.device))
-        self._batches.append(batch)
+        st.rng.append(microbatch_state(self.device))
+        st.batches.append(batch)
 
     def backward_of(self, loss: torch.Tensor, *, sync: bool = True,
                     backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
@@ -212,11 +209,12 @@ class SDCGuard(Bookkeeping):
         if self.layout.runs_schedule:
             raise GuardUsageError("under a pipeline schedule, train with guard.pipeline_step(...): the schedule runs "
                                   "the backward")
-        if len(self._batches) != len(self._rng) or len(self._losses) >= len(self._batches):
+        st = self._st
+        if len(st.batches) != len(st.rng) or len(st.losses) >= len(st.batches):
             raise GuardUsageError("call guard.begin(batch, step=...) before guard.backward_of(loss)")
         run = backward if backward is not None else self.witnesses.scaler.backward
         self.layout.before_backward(sync)
-        if self.abft is not None and not self._losses:
+        if self.abft is not None and not st.losses:
             # Where ABFT starts from: what the gradients hold as the step's backward begins (a framework may zero
             # them after begin(), between its forward and its backward, as Lightning's closure does).
             self.abft.begin_backward(self.params)
@@ -227,7 +225,7 @@ class SDCGuard(Bookkeeping):
         else:
             run(loss)
         self.layout.after_backward(sync)
-        self._losses.append(loss.detach().to(torch.float64))
+        st.losses.append(loss.detach().to(torch.float64))
         return loss.detach()
 
     def step(self) -> None:
@@ -238,9 +236,10 @@ class SDCGuard(Bookkeeping):
                 (or, for consensus, the replicas disagree after it).
             GuardUsageError: :meth:`backward` was not called for this step.
         """
-        if self._step is None or not self._batches:
+        st = self._st
+        if st.step is None or not st.batches:
             raise GuardUsageError("call guard.backward(batch, step=...) before guard.step()")
-        s = self._step
+        s = st.step
         before = True  # a failure before the update leaves the step's weights for a replay capture
         try:
             self.layout.check_before_update(s, self.witnesses.carry(), lambda rows: self.witnesses.judge_carried(s, rows))
@@ -258,13 +257,13 @@ class SDCGuard(Bookkeeping):
             raise
         else:
             if self.cfg.audit_before_save and self.audits_enabled:
-                self._kept = (s, [(self._batches[0], self._rng[0])])
+                st.kept = (s, [(st.batches[0], st.rng[0])])
         finally:
             if self.abft is not None:
                 self.abft.enabled = self.sched.plan.abft
             self.faults.step_done(s)
             self._reset_step()
-            self._step = None
+            st.step = None
 
     def _update(self, s: int) -> None:
         """Step ``s``'s update, once its checks passed: the witnesses around it, then a consensus when one is due."""
@@ -278,6 +277,11 @@ class SDCGuard(Bookkeeping):
             t0 = time.perf_counter()
             self.layout.consensus(s)
             self.sched.watch.consensus = time.perf_counter() - t0
+
+    def _moved(self, lanes: torch.Tensor) -> torch.Tensor:
+        """The chain's flags for a consensus's lanes, looked up at each consensus: the witnesses, and their chain over
+        the layout's ``local_state``, are built after the layout that asks."""
+        return self.witnesses.chain.moved(lanes)
 
     def add_capture_listener(self, fn: Callable[[Capture], None]) -> None:
         """Call ``fn(capture)`` on rank 0 with what a replay of a failed step needs (``capture.py``), after the
@@ -311,7 +315,7 @@ class SDCGuard(Bookkeeping):
         Raises:
             SilentCorruptionDetected: the recomputations disagree (a third rank breaks the tie, as in any audit).
         """
-        s, mine = self._kept
+        s, mine = self._st.kept
         if s is None or not self.audits_enabled:
             return False
         self.layout.audit_fresh(s, mine, arrive=True)
@@ -351,7 +355,7 @@ class SDCGuard(Bookkeeping):
         return self.layout.agreed()
 
     def _reset_step(self) -> None:
-        self._batches, self._rng, self._losses = [], [], []
+        self._st.clear()
         self.layout.reset()
 
     # ------------------------------------------------------------ resume

@@ -1,8 +1,9 @@
 """The checkpoint lifecycle behind one facade, :class:`CheckpointManager`.
 
 ``manager`` (the facade that holds the invariants), ``session`` (the public two-phase save: ``SaveSession``,
-``RankReport``, the ``Rendezvous`` of a non-blocking save), ``opening`` (the checked open: one choice, broadcast
-as manifest bytes; ``OpenCheckpoint``), ``saving`` (the manager's write path, built on a session), ``reading``
+``RankReport``, the ``Rendezvous`` of a non-blocking save), ``exchange`` (one type per way a save's reports
+travel: alone, collective, through the store), ``opening`` (the checked open: one choice, broadcast as manifest
+bytes; ``OpenCheckpoint``), ``saving`` (the manager's write path, built on a session), ``reading``
 (checked reads, one reader with named modes), ``loading`` (into live objects, all or nothing), ``recovery``
 (restore, resume, rollback), ``catalog`` (run view, records, selection), ``housekeeping`` (retention, gc,
 compaction), ``verification``, ``export``, ``journal`` (the ledger's rows), ``lease``, ``stages`` (pipeline

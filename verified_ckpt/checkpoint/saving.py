@@ -12,7 +12,6 @@ run (retention, the open-incident warning) is :meth:`Saver.housekeep`, run after
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import logging
@@ -34,7 +33,6 @@ from ..guard import SDCGuard
 from ..hosts import Topology
 from ..jsonx import canonical_json
 from ..lanes import lanes_of
-from ..layout import LayoutEntry
 from ..manifest import CheckpointInfo, Manifest, ShardEntry, TensorEntry, state_fingerprint_of
 from ..sharding import split
 from ..shards import supported, write_shard
@@ -45,9 +43,9 @@ from ..store import RunStore, utc_now
 from ..tensorspec import MAX_NDIM, dtype_name
 from . import housekeeping
 from .catalog import Catalog, info
+from .exchange import exchange_for
 from .lease import Lease
-from .opening import as_raised, error_doc
-from .session import RankReport, Rendezvous, SaveSession, agreed_names, agreement_problem, reports_problem, witness_problem
+from .session import RankReport, SaveJob, SaveSession, agreed_names, agreement_problem, reports_problem, witness_problem
 from .stages import merge
 
 __all__ = ["UNGUARDED", "SaveJob", "Saver", "checked_flat"]
@@ -99,35 +97,6 @@ def checked_flat(step: int, state: Mapping[str, Any], rank: int = 0, live: Seque
         if problem:
             raise InvalidState(f"state[{key!r}] cannot be saved: {problem}; flatten it into fewer levels")
     return dataclasses.replace(flat, bookkeeping=bookkeeping(flat.tensors, live))
-
-
-@dataclasses.dataclass
-class SaveJob:
-    """What the synchronous part of a save decided, handed to the (maybe background) writer."""
-
-    cid: str
-    step: int
-    flat: Flat
-    status: Status
-    reasons: list[str]
-    evidence: dict[str, Any]
-    topology: Topology
-    resumed_from: str | None
-    # Sharded tensors: the chunks this rank alone writes, and the global layout (the same on every rank).
-    # ``flat.tensors`` then holds only the replicated tensors, which the ranks share out.
-    mine: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    layout: dict[str, LayoutEntry] = dataclasses.field(default_factory=dict)
-    started: float = dataclasses.field(default_factory=time.monotonic)  # when save() was called (the log says how long)
-    lease: Lease | None = None  # rank 0's claim on the folder while the save runs
-    # Reports that travel through the store are sealed with this key, which only the job's memory holds: rank 0
-    # drew it and sent it by the save's collective; it is never written (``Rendezvous``).
-    seal: Signer = dataclasses.field(default_factory=Signer, repr=False)
-    # Rank 0: the fingerprint every replica agreed on at this save's consensus, by tensor name, for the tensors
-    # other ranks write too (``agreement_problem``).
-    agreed: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Rank 0: the fingerprint the guard's at-rest chain vouched for at this save, by stored name, for the chunks a
-    # rank alone writes (``witness_problem``): single-owner state's counterpart of ``agreed``.
-    witnessed: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class Saver:
@@ -247,53 +216,22 @@ class Saver:
         """Write this rank's shards and commit; every rank returns the committed checkpoint.
 
         Collectives only when ``collective`` (the caller's thread); otherwise reports and the manifest pass
-        through a ``Rendezvous`` in the store.
+        through a ``Rendezvous`` in the store (``exchange``).
         """
         job, rank, world = session.job, self.comm.rank, self.comm.world
+        exchange = exchange_for(session, self.comm, self.store, collective=collective, timeout_s=self.report_timeout_s,
+                                committed=self.committed)
         # Alone, this rank's own tensors go with the rest: a single process writes the files it always did.
         alone = not self.comm.active
-        rendezvous = Rendezvous(self.store, job.cid, world, self.report_timeout_s, job.seal)
         plan = self._plan(job.flat.tensors | job.mine if alone else job.flat.tensors)
-        failure: Exception | None = None
         try:
             report = self._write(job.cid, plan, range(rank, len(plan), world), "shard-{:05d}")
             report += self.write(job.cid, {} if alone else job.mine, f"chunks-r{rank:05d}-{{:05d}}")
         except BaseException as e:
-            if not (self.comm.active and collective and isinstance(e, Exception)):
-                session.abort()
-                if self.comm.active and not collective:
-                    rendezvous.post_error(rank, str(e))  # rank 0 stops waiting for us
-                raise
-            failure = e  # the others learn of it in the gather below, instead of waiting for our report
-        if alone:
-            return session.commit([report])
-        if collective:
-            sent = b"E" + json.dumps(error_doc(failure)).encode() if failure is not None else b"R" + report.to_json()
-            got = self.comm.gather_bytes(sent)
-            failed = [(r, json.loads(b[1:])) for r, b in enumerate(got) if b[:1] == b"E"]
-            if failed:
-                session.abort()
-                if failure is not None:
-                    raise failure
-                r, doc = failed[0]
-                raise as_raised(doc["error"], f"rank {r} failed to write its shards of {job.cid}: {doc['message']}; "
-                                "the checkpoint is not committed")
-            reports = [RankReport.from_json(b[1:], r) for r, b in enumerate(got)]
-            if rank == 0:
-                with contextlib.suppress(Exception):  # publish raises it on every rank alike
-                    session.commit(reports)
-            return session.publish()  # every rank returns only after the commit, with the same manifest in hand
-        rendezvous.post(rank, report)
-        if rank != 0:
-            return self.committed(job.cid, rendezvous.await_manifest())
-        try:
-            committed = session.commit(rendezvous.collect(mine=report))  # its own report is never read back
-        except BaseException as e:
-            session.abort()  # a report refused or missing: the folder's lease goes too (gc takes the orphan)
-            rendezvous.post_failure(e)  # the others stop waiting for a manifest that will not come
+            exchange.fail(e)  # the others learn of it instead of waiting for this rank's report
             raise
-        rendezvous.clear()
-        return committed
+        exchange.send(report)
+        return exchange.announce(lambda: session.commit(exchange.collect()))
 
     def committed(self, cid: str, manifest_bytes: bytes) -> CheckpointInfo:
         """The committed checkpoint ``cid`` from its manifest's bytes, with its signature checked."""

@@ -19,7 +19,9 @@ once the manifest is written they run as their own step on rank 0 (``CheckpointM
 background and joins it at the next save or ``wait()``). A save reads only what it wrote.
 
 Reports travel by collective when the caller's thread may run one, else through a :class:`Rendezvous` of
-small objects beside the shards (a non-blocking save's background thread may not run collectives).
+small objects beside the shards (a non-blocking save's background thread may not run collectives); the manager's
+own save picks one of ``exchange``'s types for that. A session holds its ``SaveJob`` and reaches the writer only
+through :class:`Writer`, so this module needs nothing of ``saving``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..crc import is_hex
 from ..errors import InvalidState, ManifestError, StorageError
@@ -43,11 +45,14 @@ from .opening import as_raised, error_doc
 if TYPE_CHECKING:
     import torch
 
+    from ..comm import Communicator
+    from ..flatten import Flat
+    from ..hosts import Topology
     from ..store import RunStore
-    from .saving import SaveJob, Saver
+    from .lease import Lease
 
-__all__ = ["RankReport", "Rendezvous", "SaveSession", "agreed_names", "agreement_problem", "reports_problem",
-           "witness_problem"]
+__all__ = ["RankReport", "Rendezvous", "SaveJob", "SaveSession", "Writer", "agreed_names", "agreement_problem",
+           "reports_problem", "witness_problem"]
 
 _LIMITS = Limits(max_bytes=MAX_MANIFEST_BYTES, max_depth=8)
 _COMMIT_ERROR = "commit.error"  # beside the shards: rank 0's failed commit, for the ranks awaiting the manifest
@@ -274,11 +279,53 @@ class Rendezvous:
             delay = min(delay * 2, 0.5)
 
 
+@dataclasses.dataclass
+class SaveJob:
+    """What the synchronous part of a save decided, handed to the (maybe background) writer."""
+
+    cid: str
+    step: int
+    flat: Flat
+    status: Status
+    reasons: list[str]
+    evidence: dict[str, Any]
+    topology: Topology
+    resumed_from: str | None
+    # Sharded tensors: the chunks this rank alone writes, and the global layout (the same on every rank).
+    # ``flat.tensors`` then holds only the replicated tensors, which the ranks share out.
+    mine: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    layout: dict[str, LayoutEntry] = dataclasses.field(default_factory=dict)
+    started: float = dataclasses.field(default_factory=time.monotonic)  # when save() was called (the log says how long)
+    lease: Lease | None = None  # rank 0's claim on the folder while the save runs
+    # Reports that travel through the store are sealed with this key, which only the job's memory holds: rank 0
+    # drew it and sent it by the save's collective; it is never written (``Rendezvous``).
+    seal: Signer = dataclasses.field(default_factory=Signer, repr=False)
+    # Rank 0: the fingerprint every replica agreed on at this save's consensus, by tensor name, for the tensors
+    # other ranks write too (``agreement_problem``).
+    agreed: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Rank 0: the fingerprint the guard's at-rest chain vouched for at this save, by stored name, for the chunks a
+    # rank alone writes (``witness_problem``): single-owner state's counterpart of ``agreed``.
+    witnessed: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+class Writer(Protocol):
+    """What a session needs of the writer behind it (``saving.Saver``): a narrow seam, so that this module, which
+    the writer builds on, never imports it."""
+
+    comm: Communicator
+
+    def write(self, cid: str, tensors: dict[str, torch.Tensor], pattern: str) -> RankReport: ...
+
+    def commit(self, job: SaveJob, reports: list[RankReport]) -> tuple[bytes, CheckpointInfo]: ...
+
+    def committed(self, cid: str, manifest_bytes: bytes) -> CheckpointInfo: ...
+
+
 class SaveSession:
     """One checkpoint being written (from ``CheckpointManager.begin_save``; the call table is in this module's
     docstring). ``id``, ``step`` and ``status`` are what ``begin_save`` decided, the same on every rank."""
 
-    def __init__(self, saver: Saver, job: SaveJob, on_committed: Callable[[CheckpointInfo], None]) -> None:
+    def __init__(self, saver: Writer, job: SaveJob, on_committed: Callable[[CheckpointInfo], None]) -> None:
         self._saver, self.job, self._on_committed = saver, job, on_committed  # ``job``: the saver's, not API
         self._manifest: bytes = b""
         self._committed: CheckpointInfo | None = None  # rank 0's, parsed once at commit; publish hands it back

@@ -32,13 +32,15 @@ demo-recovery: $(STAMP)
 	$(PY) examples/recovery_demo.py
 
 # Style is held by tools, not by review: ruff (lint, import order), mypy (strict), the size rules, the layering
-# (import-linter's contracts in pyproject.toml, docs/DESIGN.md) and the bound on untyped dicts inside the library.
+# (import-linter's contracts in pyproject.toml, docs/DESIGN.md), the bound on untyped dicts inside the library, and
+# no import circle inside a package.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check verified_ckpt cli tools examples
 	$(VENV)/bin/mypy
 	$(PY) tools/size_check.py verified_ckpt cli
 	$(VENV)/bin/lint-imports
 	$(PY) tools/any_dicts.py
+	$(PY) tools/import_cycles.py
 
 # Two workers, a test file each at a time (module fixtures run once): on a 2-core host the suite's I/O-bound
 # tests (S3, the service, crash points) overlap the CPU-bound multi-rank ones. Bytecode is written even where the

@@ -56,7 +56,7 @@ def s3_bucket(s3_server):
 # The slowest test files, slowest first (their in-suite wall seconds on the 2-core host, measured with a per-test
 # timer). `make test` runs two workers a file at a time in this order (`--no-loadscope-reorder`: xdist would
 # otherwise hand out the files with the most tests first, and these few-test, slow files ran alone at the end).
-SLOW_FIRST = ("test_guard_fsdp.py", "test_service.py", "test_integrations_hf.py", "test_hf_fsdp.py",
+SLOW_FIRST = ("test_campaign.py", "test_guard_fsdp.py", "test_service.py", "test_integrations_hf.py", "test_hf_fsdp.py",
               "test_integrations_lightning_tp.py", "test_titan_plans.py", "test_titan_real.py", "test_rollback_dist.py", "test_s3.py",
               "test_integrations_lightning.py", "test_guard_dist.py", "test_crash_records.py", "test_story.py",
               "test_async_and_crash.py", "test_recovery.py", "test_replay.py", "test_guard_models.py", "test_hostile.py", "test_ledger.py",

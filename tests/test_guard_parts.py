@@ -75,7 +75,7 @@ def test_a_layout_is_built_and_used_from_parts_and_a_step_state_alone():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cfg = GuardConfig(abft=False)
+    cfg = GuardConfig()
     parts, state = parts_of(model, opt, cfg), StepState()
     layout = ReplicatedLayout(parts, state)
     assert not any(type(v).__name__ == "SDCGuard" for v in vars(layout).values())

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from dist_harness import run_ranks
 
+from verified_ckpt.dtensors import local
+
 pytestmark = pytest.mark.timeout(800)  # a bound over three launches (story, killed, resumed), each bounded below
 
 DIM, HEADS, VOCAB, SEQ, BATCH = 16, 2, 32, 8, 2
@@ -203,10 +205,6 @@ def tokens(position: int, step: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ faults
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def wrong_gradient_hook(layer: torch.nn.Module, when: Any) -> None:
     """While ``when()``: element 3 of this rank's slice of ``layer``'s weight gradient, as its backward computes it,
     is 10x (a hook on the tensor the forward uses, before FSDP reduce-scatters it), once however often activation

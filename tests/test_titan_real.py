@@ -30,6 +30,9 @@ from typing import Any
 import pytest
 import torch
 from dist_harness import run_ranks
+from test_titan_plans import flip, wrong_gradient_hook  # the same faults as the stand-in's
+
+from verified_ckpt.dtensors import local
 
 pytestmark = pytest.mark.timeout(420)  # a bound: about 50 s a launch at rest, several times that beside busy processes
 
@@ -193,31 +196,6 @@ def titan_loss(loss: Any, dims: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ faults
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def wrong_gradient_hook(layer: torch.nn.Module, when: Any) -> None:
-    """While ``when()``: element 3 of this rank's slice of ``layer``'s weight gradient, as its backward computes it,
-    is 10x (a hook on the tensor the forward uses, before FSDP reduce-scatters it)."""
-    def wrong(g: torch.Tensor) -> torch.Tensor:
-        g = g.clone()
-        local(g).view(-1)[3] *= 10
-        return g
-
-    def pre(mod: torch.nn.Module, args: Any) -> None:
-        if when() and torch.is_grad_enabled():
-            handle = mod.weight.register_hook(lambda g: (handle.remove(), wrong(g))[1])
-
-    layer.register_forward_pre_hook(pre)
-
-
-def flip(t: torch.Tensor, bit: int = 29) -> None:
-    """Flip an exponent bit of element 0 of this rank's piece of ``t``, in place (the value stays finite)."""
-    with torch.no_grad():
-        local(t).view(-1).view(torch.int32)[0] ^= 1 << bit
-
-
 # ------------------------------------------------------------------------------------------------ rank functions
 def unguarded(rank: int, world: int, backend: str, sp: bool, steps: int) -> list[float]:
     """torchtitan's train step without the guard: the losses."""

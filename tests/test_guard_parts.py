@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from verified_ckpt import GuardConfig
+from verified_ckpt.errors import GuardUsageError, SilentCorruptionDetected
 from verified_ckpt.comm import Communicator
 from verified_ckpt.faults import FaultPlan
 from verified_ckpt.guard.judge import Judge
@@ -21,6 +22,7 @@ from verified_ckpt.guard.parts import GuardParts, StepState
 from verified_ckpt.guard.replicated import ReplicatedLayout
 from verified_ckpt.guard.schedule import Schedule
 from verified_ckpt.guard.stats import Projector
+from verified_ckpt.guard.steprow import StepRow
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,8 +69,7 @@ def parts_of(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: GuardConfi
     sched = Schedule(cfg)
     return GuardParts(model, model, params, list(model.buffers()), opt, lambda m, b: m(b).sum(), None, cfg, comm,
                       Judge(comm.world, comm.host_of, comm.rank), Projector(cfg.checksum_lanes, cfg.seed, comm.device),
-                      sched, FaultPlan(cfg.faults), comm.device, False, lambda s: None, lambda c: None,
-                      lambda kind: -1, lambda lanes: torch.zeros(lanes.shape[0], dtype=torch.bool))
+                      sched, FaultPlan(cfg.faults), comm.device, False, lambda c: None, lambda kind: -1, lambda lanes: torch.zeros(lanes.shape[0], dtype=torch.bool))
 
 
 def test_a_layout_is_built_and_used_from_parts_and_a_step_state_alone():
@@ -91,3 +92,48 @@ def test_a_layout_is_built_and_used_from_parts_and_a_step_state_alone():
     state.batches, state.losses = [torch.ones(2, 4)], [torch.ones(())]
     state.clear()
     assert (state.batches, state.rng, state.losses) == ([], [], [])
+
+
+def test_a_layout_judges_a_step_from_its_named_row_segments_without_the_guard():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    parts, state = parts_of(model, opt, GuardConfig()), StepState()
+    layout = ReplicatedLayout(parts, state)
+    with pytest.raises(GuardUsageError, match="no gradient bucket"):
+        layout.row(1)
+    state.step = 1
+    model(torch.randn(5, 4)).sum().backward()
+    layout.after_backward(True)  # one process: the step's one bucket, where DDP's hook would run
+    row = StepRow([*layout.row(1), ("loss", torch.ones(1, dtype=torch.float64))])
+    (mine,) = row.split(parts.comm.all_gather_rows(row.cat(torch.device("cpu"))))
+    assert mine.value("loss") == 1.0
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+    assert mine.value("sumsq") == pytest.approx(float(grads @ grads))
+    assert layout.judge(1, [mine]) == []  # one process: nothing to compare, nothing singled out
+    # A NaN in this rank's gradients is named from the same row.
+    state.step = 2
+    layout.reset()
+    opt.zero_grad()
+    model(torch.full((5, 4), float("nan"))).sum().backward()
+    layout.after_backward(True)
+    row = StepRow([*layout.row(2), ("loss", torch.ones(1, dtype=torch.float64))])
+    with pytest.raises(SilentCorruptionDetected, match="non-finite|NaN"):
+        layout.judge(2, row.split(parts.comm.all_gather_rows(row.cat(torch.device("cpu")))))
+
+
+def test_a_step_row_reads_back_every_segment_by_name_bit_for_bit():
+    payload = torch.tensor([0x7FF8_0000_0000_1234], dtype=torch.int64).view(torch.float64)  # a NaN with a payload
+    segments = [("a", torch.tensor([1.5, -2.0], dtype=torch.float64)), ("lanes", torch.tensor([-1, 2**62])),
+                ("nan", payload), ("empty", torch.zeros(0, dtype=torch.float64))]
+    row = StepRow(segments)
+    two = torch.stack([row.cat(torch.device("cpu")), row.cat(torch.device("cpu"))])
+    for got in row.split(two):
+        assert got.floats("a") == [1.5, -2.0] and got["lanes"].tolist() == [-1, 2**62]
+        assert got["nan"].view("int64").tolist() == [0x7FF8_0000_0000_1234] and got.floats("empty") == []
+    with pytest.raises(ValueError, match="shape"):
+        row.split(two[:, :-1])  # ranks that sent different segments are refused, not misread
+    with pytest.raises(ValueError, match="distinct"):
+        StepRow([("a", payload), ("a", payload)])
+    with pytest.raises(ValueError, match="float64 or int64"):
+        StepRow([("a", torch.ones(2))])

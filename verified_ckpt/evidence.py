@@ -110,6 +110,28 @@ class Evidence:
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class GuardAccount:
+    """What the guard answers a save of one step (``SDCGuard.save_evidence``), after the collective checks a save
+    runs: the consensus's fingerprints, its check counters, and its witnesses' account of state without a replica.
+
+    ``agreed``: each whole state tensor this rank holds with the fingerprint every replica agreed on (a save checks
+    what other ranks wrote against it); ``vouched``: each tensor of this rank's state without a replica with the
+    fingerprint the at-rest chain found it still holds (``None`` where the chain did not hold)."""
+
+    step: int
+    fingerprints: list[str]
+    counters: Mapping[str, CheckCounts]
+    replicas: int
+    audits_enabled: bool
+    single_owner: bool
+    owner_problem: str | None
+    oracle_slices: int
+    forward: bool
+    agreed: list[tuple[Any, str]]
+    vouched: list[tuple[Any, str]] | None
+
+
 class EvidenceTracker:
     """Turns the guard's running check counters into each save's evidence and status.
 
@@ -133,6 +155,12 @@ class EvidenceTracker:
         step where every kind passed (``guard.judge``), starts after the previous save, never before it."""
         last = counters.get("audit", CheckCounts()).last_pass
         return audits_enabled and (last is None or last < step)
+
+    def for_account(self, a: GuardAccount) -> tuple[Evidence, Status, list[str]]:
+        """:meth:`for_save` of what the guard answered a save."""
+        return self.for_save(a.step, a.fingerprints, a.counters, world=a.replicas, audits_enabled=a.audits_enabled,
+                             single_owner=a.single_owner, oracle_slices=a.oracle_slices, forward=a.forward,
+                             owner_problem=a.owner_problem)
 
     def for_save(self, step: int, fingerprints: Sequence[str], counters: Mapping[str, CheckCounts], *, world: int,
                  audits_enabled: bool, single_owner: bool = False, oracle_slices: int = 0,

@@ -55,7 +55,7 @@ def main() -> None:
     checks = abft.GradientChecks
     for cls, name, label in [(checks, "_linear_forward", "ABFT forward hooks"), (checks, "bucket", "ABFT bucket checks"),
                              (tap, "local_stats", "local bucket statistics"),
-                             (sdcguard, "gather_step_stats", "step figures and their gather")]:
+                             (sdcguard.SDCGuard, "_check", "the step row, its gather and the checks")]:
         setattr(cls, name, timer(totals, label, getattr(cls, name)))
     model = models.mlp(args.width, args.depth)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -124,18 +124,12 @@ class Saver:
         if g is None:
             status, reasons, evidence = Status.UNVERIFIED, [UNGUARDED], {}
         else:
-            if g.cfg.audit_before_save and self.tracker.needs_audit(g.counters(), g.audits_enabled, step):
-                g.audit_now()  # no audit covered this step yet: one now, as the consensus below (raises on a mismatch)
-            fingerprints = g.consensus(step)  # raises on disagreement: nothing is written
-            ev, status, reasons = self.tracker.for_save(step, fingerprints, g.counters(), world=g.replicas,
-                                                        audits_enabled=g.audits_enabled,
-                                                        single_owner=g.single_owner_evidence(step),
-                                                        oracle_slices=g.cfg.oracle_slices, forward=g.cfg.abft_forward,
-                                                        owner_problem=g.witnesses.owner_problem(step))
+            account = g.save_evidence(step)  # raises on a failed audit or disagreement: nothing is written
+            ev, status, reasons = self.tracker.for_account(account)
             evidence = ev.to_dict()
-            if fingerprints and self.comm.rank == 0:
-                agreed = agreed_names(parts.replicated, g.agreed())
-            witnessed = self._witnessed(g.witnesses.vouched(step), parts.mine | own | held, bool(parts.layout))
+            if account.fingerprints and self.comm.rank == 0:
+                agreed = agreed_names(parts.replicated, account.agreed)
+            witnessed = self._witnessed(account.vouched, parts.mine | own | held, bool(parts.layout))
         hosts = list(self.comm.topology())
         if self.comm.world == 1:  # name the device the state lives on, which a single process may not have told comm
             device = next((t.device for t in flat.tensors.values() if t.device.type == "cuda"), torch.device("cpu"))

@@ -15,7 +15,8 @@ and one module per check decides.
 - ``protocol``: the ``Layout`` protocol every layout satisfies; ``parts``: what a layout is built from
   (``GuardParts``, ``StepState``), never the guard itself.
 - ``capture``: what a replay needs, taken when a gradient check fails before the update.
-- ``stats`` (per-bucket and per-step statistics, ``Verdict``), ``tp`` (the tensor-parallel plans ABFT can check),
+- ``steprow``: the step's one gathered row, named segments joined and split back by name; ``stats`` (per-bucket
+  and per-step statistics, ``Verdict``), ``tp`` (the tensor-parallel plans ABFT can check),
   ``recompute`` (the witness's side of the oracle), ``scaling`` (fp16 with a gradient scaler).
 """
 

@@ -283,5 +283,5 @@ def recompute(module: torch.nn.Module, params: Sequence[torch.Tensor], loss_fn: 
         lanes += tensor_lanes(flat) * (2 * index + 1)
         parts.append(project.part(*project.split(flat)))
         sizes.append(flat.numel())
-    # Finished as the owner's per-bucket projections are (``gather_step_stats``): equal grads, equal bits.
+    # Finished as the owner's per-bucket projections are (``stats.step_segments``): equal grads, equal bits.
     return loss_total, project.total(parts, sizes), lanes

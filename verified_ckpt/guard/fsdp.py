@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -30,7 +29,6 @@ from .abft import judge as judge_abft
 from .abft.sharded import ShardedGradientChecks
 from .audit import exchange_batches
 from .boxes import box_keys, box_rows, boxes_of, local_state
-from .budget import Costs
 from .sharded import (
     MeshView,
     ShardedTap,
@@ -42,15 +40,16 @@ from .sharded import (
     rank_steps,
     state_row,
 )
-from .stats import StepFigures, Verdict, host_row, step_rows
+from .stats import StepFigures, Verdict, step_rows
 from .stats import worst as worst_pair
 from .tp import loss_parallel_active, loss_value, refusal, replaying_under
 
 if TYPE_CHECKING:
     from .capture import Capture
     from .parts import GuardParts, StepState
+    from .steprow import RankRow
 
-__all__ = ["ShardedLayout"]
+__all__ = ["ShardedLayout", "worst_of"]
 
 log = logging.getLogger("verified_ckpt")
 
@@ -215,48 +214,47 @@ class ShardedLayout:
         """Nothing to rebuild (``first_forward``)."""
 
     # ------------------------------------------------------------ checks
-    def check_before_update(self, s: int, carry: torch.Tensor, on_carried: Callable[[list[list[float]]], None]) -> None:
-        """NaN/Inf and checksums of this step's reductions, then an audit when one is due (see ``SDCGuard.step``;
-        ``carry`` and ``on_carried`` as ``ReplicatedLayout.check_before_update`` takes them)."""
-        p, cfg = self.p, self.p.cfg
+    def row(self, s: int) -> list[tuple[str, torch.Tensor]]:
+        """This rank's segments of step ``s``'s gathered row: its reductions' rows, and ABFT's worst pair."""
         if not self.rs_tap.rows and self.view.ring > 1:
             raise GuardUsageError("no gradient was reduce-scattered this step; the last backward() of a step must "
                                   "have sync=True")
-        loss = torch.stack([loss_value(x) for x in self.st.losses]).sum().view(1)
         self._refuse_unchecked(s)
-        rows = self._gather(s, torch.cat([*self.rs_tap.rows, self._abft_worst(), loss]), carry, on_carried)
-        worst = [(r[-3], int(r[-2])) for r in rows]  # ABFT's worst (ratio, index), before the loss
-        rows = [r[:-3] + r[-1:] for r in rows]
+        reduced = torch.cat(self.rs_tap.rows) if self.rs_tap.rows else torch.zeros(0, dtype=torch.float64,
+                                                                                    device=self.p.device)
+        return [("reductions", reduced), ("abft", self._abft_worst())]
+
+    def judge(self, s: int, rows: Sequence[RankRow]) -> list[int]:
+        """NaN/Inf and checksums of this step's reductions and ABFT's worst, judged (raises on the first that fails);
+        no rank stands out for an audit here (the schedule's, or a request, decides one)."""
+        p, cfg = self.p, self.p.cfg
+        reductions = [r.floats("reductions") for r in rows]
         # A data-parallel mesh of one rank (tensor parallel only) reduces nothing: there is nothing to judge, and
         # no pass is claimed.
-        judged = judge_step(s, [r[:-1] for r in rows], self.view, self.rs_tap.modes, p.project.k, self._eps or 2.0**-24,
+        judged = judge_step(s, reductions, self.view, self.rs_tap.modes, p.project.k, self._eps or 2.0**-24,
                             cfg.checksum_slack, p.project.rms_weight) if self.rs_tap.rows else []
         calls, shards, k = len(self.rs_tap.modes), self.view.shards, p.project.k
 
         def steps() -> Sequence[StepFigures]:
-            return rank_steps(rows, calls, shards, k)
+            return rank_steps([[*x, r.value("loss")] for x, r in zip(reductions, rows, strict=True)], calls, shards, k)
 
-        self._judge_step(s, [*judged, *self._abft_verdict(s, worst, steps)], steps)
-        self._audit_if_due(s, rows)
+        self._judge_step(s, [*judged, *self._abft_verdict(s, worst_of(rows), steps)], steps)
+        return []
+
+    def audit(self, s: int, rows: Sequence[RankRow], suspects: list[int]) -> None:
+        """Step ``s``'s audit (the schedule's, or a request): every rank's recorded reductions and loss against
+        recomputations."""
+        # The first step's backward ran under ABFT's FLOP counter, which can round differently (HF Llama): its
+        # audit compares two recomputations, each owner's of its own and its auditor's, not the step's records.
+        counted = self.checks is not None and self.checks.counted
+        recorded = [[*r.floats("reductions"), r.value("loss")] for r in rows]
+        self._audit(s, list(zip(self.st.batches, self.st.rng, strict=True)), None if counted else recorded)
 
     def _refuse_unchecked(self, s: int) -> None:
         """The first step's tensor-parallel layers whose products the hooks cannot see: refused, on every rank alike
         (the plan is the same on each), before the step's gather."""
         if self.checks is not None and self.checks.problems:
             raise GuardConfigurationError(refusal(self.checks.problems), kind="abft", step=s)
-
-    def _audit_if_due(self, s: int, rows: list[list[float]]) -> None:
-        """The step's audit, when the schedule (or a request) has one now; ``rows``: what each rank recorded (its
-        reductions' rows, then its loss)."""
-        p = self.p
-        if self._audits_enabled and (self.st.audit_requested or p.sched.plan.audit):
-            t0 = time.perf_counter()
-            self.st.audit_requested = False
-            # The first step's backward ran under ABFT's FLOP counter, which can round differently (HF Llama): its
-            # audit compares two recomputations, each owner's of its own and its auditor's, not the step's records.
-            counted = self.checks is not None and self.checks.counted
-            self._audit(s, list(zip(self.st.batches, self.st.rng, strict=True)), None if counted else rows)
-            p.sched.watch.audit = time.perf_counter() - t0
 
     def _abft_verdict(self, s: int, worst: Sequence[tuple[float, int]],
                       steps: Callable[[], Sequence[StepFigures]]) -> list[Verdict]:
@@ -281,21 +279,6 @@ class ShardedLayout:
         if not got:
             return torch.full((2,), -1.0, dtype=torch.float64, device=self.p.device)  # a fill: no copy from the host
         return got[0].to(torch.float64) if len(got) == 1 else worst_pair(torch.stack(got))
-
-    def _gather(self, s: int, row: torch.Tensor, carry: torch.Tensor,
-                on_carried: Callable[[list[list[float]]], None]) -> list[list[float]]:
-        """Every rank's ``row``: the step's one host sync. The guard's ``carry`` and the budget's figures travel in
-        the same row, last; ``on_carried`` gets every rank's carry, and the schedule of step ``s`` is decided."""
-        p = self.p
-        costs = p.sched.watch.take()
-        t0 = time.perf_counter()
-        n = row.numel()
-        gathered = p.comm.all_gather_rows(torch.cat([row, carry.to(row.dtype).to(row.device),
-                                                     host_row(costs.row(), row.device)])).tolist()
-        p.sched.decide(s, [r[-Costs.FIELDS:] for r in gathered], time.perf_counter() - t0, p.device.type == "cpu")
-        p.report_schedule(s)
-        on_carried([r[n:-Costs.FIELDS] for r in gathered])
-        return [r[:n] for r in gathered]
 
     def _judge_step(self, s: int, judged: Sequence[Verdict], steps: Callable[[], Sequence[StepFigures]]) -> None:
         """Judge the per-step verdicts whose checks the config has on, then the step's ledger rows (``steps()``, built
@@ -326,9 +309,6 @@ class ShardedLayout:
         for v in verdicts:
             p.judge.judge(step, v)
         return fps if self.view.replicas > 1 else []
-
-    def state_lanes(self) -> torch.Tensor:
-        return state_row(self.p.params, self.p.optimizer, self.p.device)[:2]
 
     def capture(self, step: int, suspects: list[int], kind: str) -> Capture | None:
         """No replay bundle: a replay recomputes one rank's step from whole weights, which no rank holds here."""
@@ -443,3 +423,7 @@ class ShardedLayout:
                     b.copy_(saved)
         return parts.comm.all_gather_rows(row).tolist()
 
+
+def worst_of(rows: Sequence[RankRow]) -> list[tuple[float, int]]:
+    """Every rank's worst ABFT (ratio, parameter index) from its row."""
+    return [(ratio, int(index)) for ratio, index in (r.floats("abft") for r in rows)]

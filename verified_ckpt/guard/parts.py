@@ -71,7 +71,6 @@ class GuardParts:
         sched: the budget's schedule (its ``watch`` is the stopwatch every hook adds to); built before the layout
             and fitted to it after (``Schedule.fit``).
         scaled: a gradient scaler runs (fp16): NaN/Inf is then the scale overflowing, not a fault.
-        report_schedule: the guard's ledger row and log line when the schedule of a step moved.
         report_coverage: the guard's line and ledger row of what ABFT covers (the first step).
         last_pass: the last step a kind of check passed (before this process's first step when never).
         moved: the at-rest chain's flags for a consensus's fingerprint lanes (the chain is built over the
@@ -93,7 +92,6 @@ class GuardParts:
     faults: FaultPlan
     device: torch.device
     scaled: bool
-    report_schedule: Callable[[int], None]
     report_coverage: Callable[[Coverage], None]
     last_pass: Callable[[str], int]
     moved: Callable[[torch.Tensor], torch.Tensor]

@@ -51,12 +51,13 @@ from ..errors import GuardUsageError
 from ..history import NO_RANK, Event
 from ..rng import restore_rng
 from .abft.layers import Coverage
-from .fsdp import ShardedLayout
+from .fsdp import ShardedLayout, worst_of
 from .sharded import MeshView, RankStep, judge_step, rank_steps
 from .stats import Verdict
 
 if TYPE_CHECKING:
     from .parts import GuardParts, StepState
+    from .steprow import RankRow
 
 __all__ = ["METADATA_PASSES", "PipelineLayout", "one_verdict", "stage_of", "upstream_explained", "within"]
 
@@ -204,16 +205,15 @@ class PipelineLayout(ShardedLayout):
         return torch.stack([x.detach().to(torch.float64) for x in losses]).sum()
 
     # ------------------------------------------------------------ checks
-    def check_before_update(self, s: int, carry: torch.Tensor, on_carried: Callable[[list[list[float]]], None]) -> None:
-        """Every stage's per-step checks, judged on every rank from the job's gathered rows (module doc; ``carry``
-        and ``on_carried`` as ``ReplicatedLayout.check_before_update`` takes them)."""
-        p, cfg = self.p, self.p.cfg
+    def row(self, s: int) -> list[tuple[str, torch.Tensor]]:
+        """This rank's segments of step ``s``'s gathered row: its stage's reductions padded to the longest stage's
+        (the ranks gather equal rows), and ABFT's worst pair. The first step learns every rank's lengths."""
+        p = self.p
         if not self.rs_tap.rows and self.view.shards * self.view.replicas > 1:
             raise GuardUsageError("no gradient was reduced this step; run the step through guard.pipeline_step")
         # A stage of one rank reduces nothing (FSDP over a mesh of one): its row is empty, and nothing is claimed.
         local = torch.cat(self.rs_tap.rows) if self.rs_tap.rows else torch.zeros(0, dtype=torch.float64,
                                                                                  device=p.device)
-        loss = torch.stack(self.st.losses).sum().view(1)
         if self.layout is None:
             self.layout = self._learn(local.numel())
         lay = self.layout
@@ -223,28 +223,42 @@ class PipelineLayout(ShardedLayout):
         if self.checks is not None and self.checks.probing:
             self._end_probe()
         pad = torch.zeros(lay.width - local.numel(), dtype=local.dtype, device=local.device)
-        row = torch.cat([local, pad, self._abft_worst(), loss.to(local.dtype)])
-        gathered = self._gather(s, row, carry, on_carried)
-        rows = [r[:lay.lengths[i]] for i, r in enumerate(gathered)]
-        worst = [(r[lay.width], int(r[lay.width + 1])) for r in gathered]
-        losses = [r[lay.width + 2] for r in gathered]
+        return [("reductions", torch.cat([local, pad])), ("abft", self._abft_worst())]
+
+    def judge(self, s: int, rows: Sequence[RankRow]) -> list[int]:
+        """Every stage's per-step checks, judged on every rank from the job's gathered rows (module doc)."""
+        p, cfg, lay = self.p, self.p.cfg, self.layout
+        assert lay is not None  # learnt by ``row``
+        reductions = self._reductions(rows)
         judged: list[list[Verdict]] = []
         for c, col in enumerate(self.view.columns):
             ranks = [r for row in col for r in row]
             if not any(lay.lengths[r] for r in ranks):
                 continue  # this stage reduced nothing: no verdict, so no pass is claimed for it
-            got = judge_step(s, [rows[r] for r in ranks], MeshView([_relabel(col, ranks)]), lay.modes[ranks[0]],
+            got = judge_step(s, [reductions[r] for r in ranks], MeshView([_relabel(col, ranks)]), lay.modes[ranks[0]],
                              p.project.k, self._eps or 2.0**-24, cfg.checksum_slack, p.project.rms_weight)
             judged.append([within(ranks, v if v.ok else dataclasses.replace(v, detail=f"stage {c}: {v.detail}"))
                            for v in got])
         verdicts = [v for kind in ("nonfinite_local", "nonfinite_averaged", "checksum")
                     if (v := one_verdict([x for stage in judged for x in stage if x.kind == kind])) is not None]
+        losses = [r.value("loss") for r in rows]
 
         def steps() -> list[RankStep]:
-            return self._rank_steps(rows, losses, lay)
+            return self._rank_steps(reductions, losses, lay)
 
-        self._judge_step(s, [*verdicts, *self._abft_verdict(s, worst, steps)], steps)
-        self._audit_if_due(s, [[*row, loss] for row, loss in zip(rows, losses, strict=True)])
+        self._judge_step(s, [*verdicts, *self._abft_verdict(s, worst_of(rows), steps)], steps)
+        return []
+
+    def audit(self, s: int, rows: Sequence[RankRow], suspects: list[int]) -> None:
+        """Step ``s``'s audit, against every rank's recorded reductions (its own length) and loss."""
+        recorded = [[*x, r.value("loss")] for x, r in zip(self._reductions(rows), rows, strict=True)]
+        counted = self.checks is not None and self.checks.counted
+        self._audit(s, list(zip(self.st.batches, self.st.rng, strict=True)), None if counted else recorded)
+
+    def _reductions(self, rows: Sequence[RankRow]) -> list[list[float]]:
+        """Every rank's reductions' rows, without the padding."""
+        assert self.layout is not None
+        return [r.floats("reductions")[:n] for r, n in zip(rows, self.layout.lengths, strict=True)]
 
     # ------------------------------------------------------------ audits
     def _attribute(self, v: Verdict, owner: Sequence[tuple[float, list[float], list[float]]],

@@ -12,7 +12,7 @@ A new layout (expert parallel) is a class that satisfies this, not a change to t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -20,6 +20,7 @@ import torch
 if TYPE_CHECKING:
     from .abft import GradientChecks
     from .capture import Capture
+    from .steprow import RankRow
 
 __all__ = ["Layout"]
 
@@ -86,15 +87,22 @@ class Layout(Protocol):
     def prepare_resume(self) -> None: ...
 
     # -------------------------------------------------------------- checks
-    def check_before_update(self, s: int, carry: torch.Tensor,
-                            on_carried: Callable[[list[list[float]]], None]) -> None:
-        """Every check of step ``s`` before the update, from the step's one gather, in which ``carry`` (the
-        guard's own figures) travels; ``on_carried`` gets every rank's carry before the layout judges."""
+    def row(self, s: int) -> list[tuple[str, torch.Tensor]]:
+        """This rank's segments of step ``s``'s gathered row (``steprow.StepRow``: 1-D float64 or int64, the same
+        names and widths on every rank); raises ``GuardUsageError`` when the step reduced nothing."""
+        ...
+
+    def judge(self, s: int, rows: Sequence[RankRow]) -> list[int] | None:
+        """The layout's per-step checks of step ``s`` from every rank's gathered row (raises on the first that
+        fails, the same on every rank). Returns the ranks the figures single out for an audit (``[]``: none),
+        ``None`` when the step is not to be audited at all (a gradient scaler skips it)."""
+        ...
+
+    def audit(self, s: int, rows: Sequence[RankRow], suspects: list[int]) -> None:
+        """Step ``s``'s audit, when the guard found one due (the schedule, a request, or ``suspects``)."""
         ...
 
     def consensus(self, step: int) -> list[str]: ...
-
-    def state_lanes(self) -> torch.Tensor: ...
 
     def agreed(self) -> list[tuple[torch.Tensor, str]]: ...
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,11 +26,12 @@ from .audit import Auditor, exchange_batches
 from .capture import Capture
 from .consensus import StateProbe
 from .schedule import AUDIT_SLICES
-from .stats import StepStats, Verdict, gather_step_stats, step_rows
+from .stats import StepStats, Verdict, step_rows, step_segments
 from .tap import GradientTap
 
 if TYPE_CHECKING:
     from .parts import GuardParts, StepState
+    from .steprow import RankRow
 
 __all__ = ["TWO_REPLICAS", "ReplicatedLayout"]
 
@@ -158,60 +158,51 @@ class ReplicatedLayout:
             self._warmup_pending = True
 
     # ------------------------------------------------------------ checks
-    def check_before_update(self, s: int, carry: torch.Tensor, on_carried: Callable[[list[list[float]]], None]) -> None:
-        """Every check of step ``s`` that must pass before the update (raises on the first that fails). ``carry``
-        travels in the step's gathered row; ``on_carried`` gets every rank's, before this layout judges."""
-        p = self.p
+    def row(self, s: int) -> list[tuple[str, torch.Tensor]]:
+        """This rank's segments of step ``s``'s gathered row: its buckets' figures (``stats.step_segments``)."""
         if not self.tap.buckets:
             raise GuardUsageError("no gradient bucket was reduced this step; the last backward() of a step must have sync=True")
         inputs = self.abft.inputs_worst() if self.abft is not None else None
-        costs = p.sched.watch.take()
-        t0 = time.perf_counter()
-        gathered = gather_step_stats(p.comm, self.tap.buckets, self.st.losses, p.project, inputs, costs.row(), carry)
-        self.gathered = gathered  # what each rank recorded, for a replay capture if a check fails
-        on_carried([list(x.carry) for x in gathered])
-        p.sched.decide(s, [x.costs for x in gathered], time.perf_counter() - t0, p.device.type == "cpu")
-        p.report_schedule(s)
-        self._check_gradients(s, gathered)
+        return step_segments(self.tap.buckets, self.p.project, inputs)
 
-    def _check_gradients(self, s: int, gathered: list[StepStats]) -> None:
-        """The per-step checks before the update (NaN/Inf, checksum, ABFT), then an audit when one is due."""
-        p, st, cfg = self.p, self.st, self.p.cfg
-        rows = cfg.ledger_rank_rows
-        verdicts: list[Verdict | None] = list(nonfinite.check(s, gathered, rows)) if cfg.check_nonfinite else []
+    def judge(self, s: int, rows: Sequence[RankRow]) -> list[int] | None:
+        """The per-step checks before the update (NaN/Inf, checksum, ABFT; raises on the first that fails); the ranks
+        whose gradient norm stands out, for an audit (``None``: the gradient scaler skips the step)."""
+        p, cfg = self.p, self.p.cfg
+        gathered = self.gathered = [StepStats.of(r) for r in rows]  # what each rank recorded, for a replay capture
+        ledger = cfg.ledger_rank_rows
+        verdicts: list[Verdict | None] = list(nonfinite.check(s, gathered, ledger)) if cfg.check_nonfinite else []
         if p.scaled and any(v is not None and not v.ok for v in verdicts):
             # Under a gradient scaler, NaN/Inf is the scale overflowing: the scaler skips this step and lowers the
             # scale, as it does without the guard; no check can judge this step's values, and no host is blamed.
             log.info("step %d: the gradients overflowed under the loss scale; the gradient scaler skips the step", s)
             p.judge.emit(lambda: [Event(s, "overflow", NO_RANK, "none")])
-            return
+            return None
         if cfg.check_checksum:
-            verdicts.append(checksum.check(s, gathered, cfg.checksum_slack, p.project.rms_weight, rows))
+            verdicts.append(checksum.check(s, gathered, cfg.checksum_slack, p.project.rms_weight, ledger))
         if self.abft is not None:
-            verdicts.append(abft.check(s, gathered, self.abft.name_of, rows))
+            verdicts.append(abft.check(s, gathered, self.abft.name_of, ledger))
         for v in verdicts:
             if v is not None:
                 p.judge.judge(s, v)
-        p.judge.emit(lambda: step_rows(s, gathered, [], rows) + [Event(s, v.kind.split("_")[0], NO_RANK, "pass")
-                                                              for v in verdicts if v is not None])
+        p.judge.emit(lambda: step_rows(s, gathered, [], ledger) + [Event(s, v.kind.split("_")[0], NO_RANK, "pass")
+                                                                for v in verdicts if v is not None])
         norms = [x.norm for x in gathered]
-        suspects = [0, 1] if decisions.diverged_pair(norms, cfg.outlier_factor) else \
+        return [0, 1] if decisions.diverged_pair(norms, cfg.outlier_factor) else \
             decisions.outliers(norms, cfg.outlier_factor)
+
+    def audit(self, s: int, rows: Sequence[RankRow], suspects: list[int]) -> None:
+        """Step ``s``'s audit: of what every rank recorded (a fixed interval, a request, or ``suspects`` an outlier
+        named), else the budget's slice of a fresh recomputation."""
+        p, st, cfg = self.p, self.st, self.p.cfg
         recorded = isinstance(cfg.audit_every, int) and p.sched.plan.audit
-        if p.world < 2:
-            return
-        t0 = time.perf_counter()
         if recorded or suspects or st.audit_requested:
             jobs = self.auditor.plan(None if (recorded or st.audit_requested) else suspects)
             first = p.last_pass("audit") + 1
             self._run_audit(s, list(zip(st.batches, st.rng, strict=True)), lambda b: self.auditor.run(
-                s, gathered, jobs, batches=b, layout=self.tap.layout, first_suspect=first))
-            st.audit_requested = False
-        elif p.sched.plan.audit:
-            self._slice_audit(s)
+                s, self.gathered, jobs, batches=b, layout=self.tap.layout, first_suspect=first))
         else:
-            return
-        p.sched.watch.audit = time.perf_counter() - t0
+            self._slice_audit(s)
 
     def _slice_audit(self, s: int) -> None:
         """The budget's audit: every rank recomputes one row slice of its own first microbatch and of its target's,
@@ -260,9 +251,6 @@ class ReplicatedLayout:
         for v in verdicts:
             p.judge.judge(step, v)
         return fps
-
-    def state_lanes(self) -> torch.Tensor:
-        return consensus.state_lanes(consensus.state_tensors(self.p.params, self.p.optimizer), self.p.device)
 
     def agreed(self) -> list[tuple[torch.Tensor, str]]:
         """The last consensus's state tensors with the fingerprint every replica holds (each replica holds all)."""

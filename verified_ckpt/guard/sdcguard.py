@@ -24,6 +24,7 @@ from .. import batches
 from ..comm import Communicator
 from ..dtensors import is_fsdp
 from ..errors import GuardConfigurationError, GuardUsageError, SilentCorruptionDetected
+from ..evidence import EvidenceTracker, GuardAccount
 from ..faults import FaultPlan
 from ..records import Incident
 from ..rng import microbatch_state
@@ -35,7 +36,9 @@ from .parts import GuardParts, StepState
 from .protocol import Layout
 from .replicated import TWO_REPLICAS, ReplicatedLayout
 from .schedule import Schedule
-from .stats import Projector
+from .stats import Projector, host_row
+from .steprow import StepRow
+from .tp import loss_value
 from .witnesses import NOT_REPLAYED, Witnesses, scaling
 
 __all__ = ["TWO_REPLICAS", "SDCGuard"]
@@ -119,8 +122,7 @@ class SDCGuard(Bookkeeping):
         self._capture_listeners: list[Callable[[Capture], None]] = []
         parts = GuardParts(model, self.module, self.params, self.buffers, optimizer, self.loss_fn, batch_for, self.cfg,
                            self.comm, self.judge, self.project, self.sched, self.faults, self.device, scaled.on,
-                           self._report_schedule, self._report_coverage, self._last_pass,
-                           self._moved)
+                           self._report_coverage, self._last_pass, self._moved)
         if pipeline is not None:
             from .pipeline import PipelineLayout
 
@@ -242,7 +244,7 @@ class SDCGuard(Bookkeeping):
         s = st.step
         before = True  # a failure before the update leaves the step's weights for a replay capture
         try:
-            self.layout.check_before_update(s, self.witnesses.carry(), lambda rows: self.witnesses.judge_carried(s, rows))
+            self._check(s)
             before = False
             self._update(s)
         except SilentCorruptionDetected as e:
@@ -264,6 +266,32 @@ class SDCGuard(Bookkeeping):
             self.faults.step_done(s)
             self._reset_step()
             st.step = None
+
+    def _check(self, s: int) -> None:
+        """Step ``s``'s checks before the update (each raises when it fails), from the step's one gather: the layout's
+        segments with the guard's own (the loss, the budget's costs, the witnesses' carries), the schedule decided
+        from every rank's costs, the witnesses' verdicts (a change at rest or a wrong update is the cause of what the
+        others would see next), the layout's, then an audit when one is due."""
+        st, layout = self._st, self.layout
+        mine = layout.row(s)
+        losses = [loss_value(x) for x in st.losses]
+        loss = losses[0].view(1) if len(losses) == 1 else torch.stack(losses).sum().view(1)
+        costs = self.sched.watch.take()
+        row = StepRow([*mine, ("loss", loss), ("costs", host_row(costs.row(), self.device)), *self.witnesses.carry()])
+        t0 = time.perf_counter()
+        every = row.split(self.comm.all_gather_rows(row.cat(self.device)))
+        self.sched.decide(s, [r.floats("costs") for r in every], time.perf_counter() - t0, self.device.type == "cpu")
+        self._report_schedule(s)
+        self.witnesses.judge_carried(s, every)
+        suspects = layout.judge(s, every)
+        # An outlier (DDP) asks for an audit whatever the schedule; a step the scaler skips (None) gets none.
+        if suspects is None or not layout.records_batches:
+            return
+        if suspects or st.audit_requested or self.sched.plan.audit:
+            t0 = time.perf_counter()
+            layout.audit(s, every, suspects)
+            st.audit_requested = False
+            self.sched.watch.audit = time.perf_counter() - t0
 
     def _update(self, s: int) -> None:
         """Step ``s``'s update, once its checks passed: the witnesses around it, then a consensus when one is due."""
@@ -333,26 +361,20 @@ class SDCGuard(Bookkeeping):
         if self.world < 2:
             return []  # unavailable with one replica: reported by the caller as such, never as a pass
         self.comm.arrive("consensus")  # a caller may have reached it on some ranks only (a save on rank 0)
-        self._settle(step)
+        self.witnesses.settle(step)  # collective: the witnesses judged now
         return self.layout.consensus(step)
 
-    def _settle(self, step: int) -> None:
-        """Collective, at a save: the witnesses judged now (``Witnesses.settle``)."""
-        self.witnesses.settle(step)
-
-    def single_owner_evidence(self, step: int) -> bool:
-        """Whether state without a replica carries its own evidence at a save of ``step``
-        (``Witnesses.single_owner_evidence``)."""
-        return self.witnesses.single_owner_evidence(step)
-
-    def state_lanes(self) -> torch.Tensor:
-        """Exact fingerprint lanes of this rank's parameters and optimizer state (its shards), on device."""
-        return self.layout.state_lanes()
-
-    def agreed(self) -> list[tuple[torch.Tensor, str]]:
-        """After a passing :meth:`consensus`: each whole state tensor this rank holds with the fingerprint every
-        replica agreed on (empty where ranks hold pieces). A save checks what other ranks wrote against it."""
-        return self.layout.agreed()
+    def save_evidence(self, step: int) -> GuardAccount:
+        """Collective, at a save of ``step``: an audit first when none passed at this step (``audit_before_save``),
+        the consensus (raises on a disagreement, so nothing is written), then what the save records of them and of
+        the witnesses (``evidence.GuardAccount``)."""
+        if self.cfg.audit_before_save and EvidenceTracker.needs_audit(self.counters(), self.audits_enabled, step):
+            self.audit_now()  # raises on a mismatch, as the consensus does
+        fingerprints = self.consensus(step)
+        w = self.witnesses
+        return GuardAccount(step, fingerprints, self.counters(), self.replicas, self.audits_enabled,
+                            w.single_owner_evidence(step), w.owner_problem(step), self.cfg.oracle_slices,
+                            self.cfg.abft_forward, self.layout.agreed() if fingerprints else [], w.vouched(step))
 
     def _reset_step(self) -> None:
         self._st.clear()

@@ -4,8 +4,8 @@ Per bucket, before the all-reduce: the squared norm (outlier trigger and
 checksum bound), seeded random projections (checksum; NaN/Inf shows up here)
 and exact fingerprint lanes (audits). After it: the projections of the
 averaged bucket. At :meth:`SDCGuard.step` each rank's per-bucket figures are
-summed and all ranks' sums are gathered in one collective, the step's one
-device-to-host copy.
+summed into segments of the step's row (``steprow.py``), which the guard
+gathers from all ranks in one collective, the step's one device-to-host copy.
 """
 
 from __future__ import annotations
@@ -14,18 +14,19 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
 import torch
 
-from ..comm import Communicator
 from ..history import NO_RANK, Event
 from ..lanes import tensor_lanes
 
+if TYPE_CHECKING:
+    from .steprow import RankRow
+
 __all__ = [
-    "BucketStats", "Projector", "StepStats", "Verdict", "failed_rows", "gather_step_stats", "local_stats",
-    "step_rows", "worst",
+    "BucketStats", "Projector", "StepStats", "Verdict", "failed_rows", "local_stats", "step_rows", "step_segments",
+    "worst",
 ]
 
 LANES = 1024  # projection vector length; buckets are folded onto it row by row
@@ -167,7 +168,7 @@ def local_stats(index: int, buf: torch.Tensor, project: Projector, lanes: bool =
 
 @dataclasses.dataclass(frozen=True)
 class StepStats:
-    """One rank's figures for a whole step, as every rank sees them after the gather."""
+    """One rank's figures for a whole step, as every rank sees them after the gather (:meth:`of` its row)."""
 
     sumsq: float
     numel: float
@@ -179,27 +180,30 @@ class StepStats:
     abft_index: int = -1
     eps: float = 2.0**-24  # the largest unit roundoff among the step's buckets
     lanes_known: bool = True
-    costs: tuple[float, ...] = ()  # what the rank spent (``budget.Costs.row``), for the budget's schedule
-    carry: tuple[float, ...] = ()  # what the guard's own checks carry in the step's row (``SDCGuard.step``)
 
     @property
     def norm(self) -> float:
         return math.sqrt(max(self.sumsq, 0.0))
 
+    @staticmethod
+    def of(row: RankRow) -> StepStats:
+        """A rank's figures from its gathered row: the segments :func:`step_segments` made, and the guard's loss."""
+        numel, eps = row.floats("meta")
+        lane_a, lane_b = (int(v) for v in row["lanes"].tolist())
+        ratio, index = row.floats("abft")
+        return StepStats(row.value("sumsq"), numel, row.value("loss"), row.floats("proj"), row.floats("avg"),
+                         (lane_a, lane_b), ratio, int(index), abs(eps), eps > 0)
 
-def gather_step_stats(comm: Communicator, buckets: Sequence[BucketStats], losses: Sequence[torch.Tensor],
-                      project: Projector, abft: torch.Tensor | None = None,
-                      costs: Sequence[float] = (), carry: torch.Tensor | None = None) -> list[StepStats]:
-    """Sum this rank's buckets and losses and gather every rank's sums: the step's one device-to-host copy.
+
+def step_segments(buckets: Sequence[BucketStats], project: Projector,
+                  abft: torch.Tensor | None = None) -> list[tuple[str, torch.Tensor]]:
+    """This rank's buckets summed into the step row's segments (``steprow.py``; :meth:`StepStats.of` reads them).
 
     A fixed handful of ops per step whatever the number of buckets: the projections of every bucket are
-    finished in one product per side (``Projector.total``); the row is parsed on the host. ``abft``: a worst
-    ABFT (ratio, index) pair checked outside the buckets (input gradients), weighed with the buckets' own.
-    ``costs``: host figures that travel in the same row (the budget's measurements); ``carry``: float64 figures on
-    the device that do too (the update oracle's and the at-rest chain's)."""
+    finished in one product per side (``Projector.total``). ``abft``: a worst ABFT (ratio, index) pair checked
+    outside the buckets (input gradients), weighed with the buckets' own."""
     bs = sorted(buckets, key=lambda b: b.index)
     dev = bs[0].sumsq.device
-    k = project.k
     sizes = [b.numel for b in bs]
     proj = project.total([b.part for b in bs], sizes)
     avg = project.total([b.avg_part if b.avg_part is not None else torch.zeros_like(b.part) for b in bs], sizes)
@@ -210,20 +214,10 @@ def gather_step_stats(comm: Communicator, buckets: Sequence[BucketStats], losses
         lanes = (torch.stack([b.lanes for b in bs if b.lanes is not None]) * w[:, None]).sum(0)
     else:
         lanes = _const((0, 0), torch.int64, dev)
-    loss = losses[0].view(1) if len(losses) == 1 else torch.stack(list(losses)).sum(0, keepdim=True)
+    # The eps's sign says whether the lanes are known (one value fewer in the row).
     meta = _const((float(sum(sizes)), max(b.eps for b in bs) * (1 if known else -1)), torch.float64, dev)
-    carried = carry if carry is not None else torch.zeros(0, dtype=torch.float64, device=dev)
-    n = len(costs) + carried.numel()
-    floats = torch.cat([sumsq, loss, meta, proj, avg, _worst_abft(bs, dev, abft), host_row(costs, dev), carried.to(dev)])
-    rows = comm.all_gather_rows(torch.cat([floats.view(torch.int64), lanes])).numpy()
-    out = []
-    for row in rows:
-        f = row[: 6 + 2 * k + n].view(np.float64).tolist()
-        lane_a, lane_b = row[6 + 2 * k + n :].tolist()
-        out.append(StepStats(f[0], f[2], f[1], f[4 : 4 + k], f[4 + k : 4 + 2 * k], (lane_a, lane_b), f[4 + 2 * k],
-                             int(f[5 + 2 * k]), abs(f[3]), f[3] > 0, tuple(f[6 + 2 * k : 6 + 2 * k + len(costs)]),
-                             tuple(f[6 + 2 * k + len(costs):])))
-    return out
+    return [("sumsq", sumsq), ("meta", meta), ("proj", proj), ("avg", avg), ("abft", _worst_abft(bs, dev, abft)),
+            ("lanes", lanes)]
 
 
 def host_row(values: Sequence[float], device: torch.device) -> torch.Tensor:

@@ -28,6 +28,7 @@ from .stats import Verdict
 if TYPE_CHECKING:
     from ..comm import Communicator
     from .protocol import Layout
+    from .steprow import RankRow
 
 __all__ = ["NOT_REPLAYED", "NullScaling", "Witnesses"]
 
@@ -145,15 +146,15 @@ class Witnesses:
         return self.oracle.diverged
 
     # ------------------------------------------------------------ at the next step
-    def carry(self) -> torch.Tensor:
-        """What the chain and the oracle carry in this step's gathered row (zeros for the ones not running)."""
-        return torch.cat([self.chain.carry(), self.oracle.carry()])
+    def carry(self) -> list[tuple[str, torch.Tensor]]:
+        """The step row's segments the chain and the oracle carry (zeros for the ones not running)."""
+        return [("chain", self.chain.carry()), ("oracle", self.oracle.carry())]
 
-    def judge_carried(self, s: int, rows: list[list[float]]) -> None:
+    def judge_carried(self, s: int, rows: Sequence[RankRow]) -> None:
         """The chain's and the oracle's verdicts from every rank's carry (the same on every rank), before the
         layout's own checks: a change at rest or a wrong update is the cause of what those would see next."""
-        self._judge_chain(s, [r[:2] for r in rows])
-        v = self.oracle.agree([r[2:2 + CARRY] for r in rows])
+        self._judge_chain(s, [r.floats("chain") for r in rows])
+        v = self.oracle.agree([r.floats("oracle") for r in rows])
         if v is not None:
             self._judge(s, v)
             self._oracle_ok = self._updated  # passed (a failure raised): the oracle's verdict on the last update

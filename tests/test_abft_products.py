@@ -190,3 +190,23 @@ def test_nothing_is_checked_outside_the_forward_and_an_error_in_it_leaves_no_mod
     with pytest.raises(RuntimeError, match="the model's own error"):
         guard.backward(torch.randn(8, 8), step=2)
     assert _get_current_function_mode() is None
+
+
+def test_after_the_first_step_the_mode_is_held_only_inside_the_modules_that_ran_a_product():
+    """Held over the whole forward, the mode intercepted every torch call of the model; from the second step it is
+    held only where the first step's products ran (a later step's product is still checked: the transient test
+    faults steps 2-3). A model without one keeps no hook at all."""
+    def holders(model: nn.Module) -> list[str]:
+        return [n for n, m in model.named_modules()
+                if any("ProductChecks" in getattr(h, "__qualname__", "") for h in m._forward_pre_hooks.values())]
+
+    guard, model, e, _ = run("llama", 2)
+    assert e is None and holders(model) == [f"model.layers.{i}.self_attn" for i in range(2)]
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    plain = SDCGuard(mlp, opt, lambda m, x: m(x).sum(), GuardConfig())
+    assert holders(mlp) == ["", "0", "1", "2"]
+    plain.backward(torch.randn(4, 8), step=1)
+    plain.step()
+    assert holders(mlp) == [] and plain.abft.products.names == []

@@ -1,22 +1,32 @@
 """One device check, one JSON file: fingerprints, consensus, per-step guard cost, saves and restores on a GPU.
 
-    python tools/gpu_check.py --out gpu_check.json          (tools/gpu_check.sh runs it on a lent GPU, < 4 min)
+    python tools/gpu_check.py --out gpu_check.json          (tools/gpu_check.sh runs it on a lent GPU, < 8 min)
+    python tools/gpu_check.py --sections guard_cost --out gpu_check.json     (issue 51's figures alone, < 3 min)
     python tools/gpu_check.py --small --out small.json      (CPU, seconds: the test suite runs it so it cannot rot)
 
-Sections (each timed side by side on the same device, medians of repeats):
-* ``equality``: device fingerprints equal CPU fingerprints for 12 dtypes, odd sizes, misaligned and
+Sections (each timed side by side on the same device, medians of repeats), in the order they run, with each one's
+cap on an H100 (``CAPS``: a section past its cap is stopped there and named in ``errors``; one that would start
+when the script's 470 s budget cannot hold its cap is skipped and named there too; ``seconds`` says what each took):
+* ``equality`` (20 s): device fingerprints equal CPU fingerprints for 12 dtypes, odd sizes, misaligned and
   non-contiguous views, batched and per tensor; single bit flips at bits 0, 7, 22, 23, 30, 31 change them alike;
-* ``throughput``: one big tensor's fingerprint against ``torch.sum`` and a device copy; lanes of ~600 tensors
-  batched against one ``sum()`` per tensor;
-* ``consensus``: the transformer state's consensus lanes (time, and aten ops counted by a dispatch mode);
-* ``step``: plain against guarded training steps of the transformer, interleaved (single process);
-* ``owner``: the single-owner evidence's own parts on the device, interleaved against plain steps of the d=256 GPT
-  benchmark and the d=1024 transformer: the update oracle (``guard/oracle.py``; one process witnesses its own
-  slices, so everything but the transfer) and the at-rest chain (``guard/chain.py``: its two passes);
-* ``io``: verified save / restore / non-blocking-save blocking time against ``torch.save`` / ``torch.load`` +
+* ``guard_cost`` (150 s; ``tools/gpu_guard_cost.py``): the default guard (``GuardConfig()``) against plain steps,
+  interleaved, at d=2048 and d=4096 (bf16 autocast, 24,576 and 12,288 tokens a step: device-bound), with and without
+  the forward checks and ABFT; the guard's own expected overhead; the cost model's prediction for the same steps
+  (``tools/bench/abft_cost_model.py``, counted on the device); ``row_stats``' GB/s against ``torch.sum``;
+* ``throughput`` (40 s): one big tensor's fingerprint against ``torch.sum`` and a device copy; lanes of ~600
+  tensors batched against one ``sum()`` per tensor;
+* ``consensus`` (15 s): the transformer state's consensus lanes (time, and aten ops counted by a dispatch mode);
+* ``step`` (60 s): plain against guarded training steps of the d=1024 transformer, interleaved (single process);
+* ``owner`` (75 s): the single-owner evidence's own parts on the device, interleaved against plain steps of the
+  d=256 GPT benchmark and the d=1024 transformer: the update oracle (``guard/oracle.py``; one process witnesses its
+  own slices, so everything but the transfer) and the at-rest chain (``guard/chain.py``: its two passes);
+* ``hf`` (60 s): Hugging Face GPT-2 and Llama, plain against guarded, weights compared bit for bit;
+* ``io`` (60 s): verified save / restore / non-blocking-save blocking time against ``torch.save`` / ``torch.load`` +
   ``load_state_dict`` and ``dcp.save`` / ``dcp.load``.
 
-Exits 1 if any fingerprint differs between devices. Without CUDA (and without ``--small``) it says so, exits 0.
+The JSON is rewritten after every section, so a window that closes early leaves what ran. Exits 1 if any
+fingerprint differs between devices or any section failed. Without CUDA (and without ``--small``) it says so,
+exits 0.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -36,6 +47,7 @@ sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "bench"), os.path.j
 
 import torch  # noqa: E402
 from bench_state_fingerprint import OpCount, state  # noqa: E402
+from gpu_guard_cost import guard_cost  # noqa: E402
 
 from verified_ckpt import CheckpointManager, GuardConfig, SDCGuard, tensor_fingerprint  # noqa: E402
 from verified_ckpt.fingerprint import lanes_hex  # noqa: E402
@@ -340,43 +352,89 @@ def io(device: torch.device, tensors: list[torch.Tensor], repeats: int) -> dict[
     return out
 
 
+# Each section's cap on an H100, in seconds (the script's budget is BUDGET_S: a section that would start past it is
+# skipped, and one that runs past its cap is stopped there and recorded as such; the figures from run a on the
+# H200 took about 4 minutes for every section but guard_cost).
+CAPS = {"equality": 20, "guard_cost": 150, "throughput": 40, "consensus": 15, "step": 60, "owner": 75, "hf": 60,
+        "io": 60}
+BUDGET_S = 470.0
+
+
+class SectionCap(BaseException):
+    """A section ran past its cap (a BaseException: the sections' own ``except Exception`` must not swallow it)."""
+
+
+def capped(name: str, cap: float, fn: Callable[[], Any]) -> Any:
+    """``fn()``, stopped by SIGALRM after ``cap`` seconds (on the main thread; between Python bytecodes, so a
+    kernel running on the device finishes first)."""
+    def stop(signum: int, frame: Any) -> None:
+        raise SectionCap(f"section {name} ran past its cap of {cap:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    begun = time.monotonic()
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, cap)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        if outer:  # an alarm set before this one (pytest-timeout's, in the suite) keeps what is left of its time
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - begun), 1e-3))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--small", action="store_true", help="CPU and small sizes: seconds, for the test suite")
-    ap.add_argument("--sections", default="equality,throughput,consensus,step,owner,hf,io",
+    ap.add_argument("--sections", default="equality,guard_cost,throughput,consensus,step,owner,hf,io",
                     help="comma-separated: which sections to run (equality always runs)")
     args = ap.parse_args()
-    wanted = set(args.sections.split(","))
+    wanted = set(args.sections.split(",")) | {"equality"}
     if not args.small and not torch.cuda.is_available():
         print("no CUDA device: nothing to check (use --small for the CPU check)")
         return 0
+    begun = time.monotonic()
     device = torch.device("cpu" if args.small else "cuda")
     # The issue-18 transformer (12 layers, d=1024, AdamW: 1.7 GiB) on a GPU; a small one for --small.
     layers, d, vocab, repeats = (2, 32, 64, 2) if args.small else (12, 1024, 8192, 5)
-    tensors = [t.to(device) for t in state(layers, d, vocab, seq=64 if args.small else 1024)]
+    # Built only for the sections that read it: a run of guard_cost alone keeps its 1.7 GiB and its seconds.
+    tensors = [t.to(device) for t in state(layers, d, vocab, seq=64 if args.small else 1024)] \
+        if wanted & {"throughput", "consensus", "io"} else []
     result: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                              "torch": torch.__version__, "small": args.small}
-    result["equality"] = equality(device)
-    if "throughput" in wanted:
-        result["throughput"] = throughput(device, (1 << 16) if args.small else (1 << 30), tensors, repeats)
-    if "consensus" in wanted:
-        result["consensus"] = consensus(device, tensors, repeats)
-    if "step" in wanted:
-        result["step"] = step_overhead(device, 32 if args.small else 1024, 2 if args.small else 12, 6 if args.small else 40)
-    # The d=256 GPT of the DDP and single-owner benchmarks (batch 16), and the d=1024 transformer above.
-    if "owner" in wanted:
-        result["owner"] = owner(device, [(32, 2, 64, 4)] if args.small else [(256, 4, 1024, 16), (1024, 12, 8192, 8)],
-                                6 if args.small else 40)
-    if "hf" in wanted:
-        result["hf"] = hf(device, ["gpt2", "llama"], 32 if args.small else 256, 5 if args.small else 20)
-    if "io" in wanted:
-        result["io"] = io(device, tensors, repeats)
+                              "torch": torch.__version__, "small": args.small, "seconds": {}, "errors": {}}
+    small = args.small
+    sections: dict[str, Callable[[], Any]] = {
+        "equality": lambda: equality(device),
+        # The per-step checks at d=2048 and d=4096 (bf16, device-bound), the cost model beside them, row_stats' GB/s.
+        "guard_cost": lambda: guard_cost(device, small, cap_s=0.5 * CAPS["guard_cost"]),
+        "throughput": lambda: throughput(device, (1 << 16) if small else (1 << 30), tensors, repeats),
+        "consensus": lambda: consensus(device, tensors, repeats),
+        "step": lambda: step_overhead(device, 32 if small else 1024, 2 if small else 12, 6 if small else 40),
+        # The d=256 GPT of the DDP and single-owner benchmarks (batch 16), and the d=1024 transformer above.
+        "owner": lambda: owner(device, [(32, 2, 64, 4)] if small else [(256, 4, 1024, 16), (1024, 12, 8192, 8)],
+                               6 if small else 40),
+        "hf": lambda: hf(device, ["gpt2", "llama"], 32 if small else 256, 5 if small else 20),
+        "io": lambda: io(device, tensors, repeats),
+    }
+    for name, fn in sections.items():
+        if name not in wanted:
+            continue
+        t0 = time.monotonic()
+        if t0 - begun + CAPS[name] > BUDGET_S:
+            result["errors"][name] = f"skipped: {t0 - begun:.0f} s spent, its cap of {CAPS[name]} s would pass the " \
+                                     f"script's {BUDGET_S:.0f} s (run it alone with --sections {name})"
+            continue
+        try:  # one section's failure is recorded, the rest still run: a lent device's minutes are few
+            result[name] = capped(name, CAPS[name], fn)
+        except (Exception, SectionCap) as e:
+            result["errors"][name] = f"{type(e).__name__}: {str(e)[:500]}"
+        result["seconds"][name] = time.monotonic() - t0
+        if args.out:  # after every section, so a window that closes early still leaves what ran
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0 if result["equality"]["ok"] else 1
+    ok = "equality" in result and result["equality"]["ok"]
+    return 0 if ok and not result["errors"] else 1
 
 
 if __name__ == "__main__":

@@ -83,6 +83,29 @@ def counted(run: Any) -> tuple[dict[str, float], dict[str, list[int]]]:
     return {"ops": c.ops, "bytes": c.bytes, "flops": flops.get_total_flops()}, c.by_op
 
 
+def predict(p: dict[str, float], g: dict[str, float], bandwidth: float = 4.8e12, flops: float = 0.4 * 990e12,
+            host_per_op: float | None = None) -> dict[str, Any]:
+    """The plain step's and the guarded step's predicted times from their :func:`counted` figures, and the overhead
+    (``tools/gpu_check.py`` calls it beside its measurement, with the counts it takes on the device)."""
+    # Host time per op, from the H200 run c (docs/gpu/h200-2026-12-04-c.json, d=1024, 12 layers, batch 8 x 64): the
+    # plain step's 26.7 ms over its 2,252 counted ops, and the guarded step's 41.9 ms more over the 1,271 ops the
+    # checks added then (this tool with --no-products: attention's products came after that run). A check's op
+    # costs the host 2.78 times a training op: its hooks' Python, and small ops each launched alone.
+    h_plain = host_per_op if host_per_op is not None else 26.7e-3 / 2252
+    h_added = 2.78 * h_plain if host_per_op is None else host_per_op
+
+    def time_of(c: dict[str, float]) -> dict[str, float]:
+        host = p["ops"] * h_plain + (c["ops"] - p["ops"]) * h_added
+        device = c["bytes"] / bandwidth + c["flops"] / flops
+        return {"host_s": host, "device_s": device, "step_s": max(host, device)}
+
+    tp, tg = time_of(p), time_of(g)
+    return {"host_per_op_s": {"training": h_plain, "checks": h_added}, "bandwidth": bandwidth, "flops_per_s": flops,
+            "predicted_plain": tp, "predicted_guarded": tg, "predicted_overhead": tg["step_s"] / tp["step_s"] - 1,
+            "predicted_overhead_if_device_bound": tg["device_s"] / tp["device_s"] - 1,
+            "bound_by": "host (launches)" if tp["host_s"] > tp["device_s"] else "device"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, default=1024)
@@ -128,28 +151,12 @@ def main() -> None:
     (p, p_ops), (g, g_ops) = counted(plain_step), counted(lambda: guarded_step(1))
     added_by_op = {k: [n - p_ops.get(k, [0, 0])[0], b - p_ops.get(k, [0, 0])[1]] for k, (n, b) in g_ops.items()}
     top = sorted(added_by_op.items(), key=lambda kv: -kv[1][1])[:12]
-    # Host time per op, from the H200 run c (docs/gpu/h200-2026-12-04-c.json, d=1024, 12 layers, batch 8 x 64): the
-    # plain step's 26.7 ms over its 2,252 counted ops, and the guarded step's 41.9 ms more over the 1,271 ops the
-    # checks added then (this tool with --no-products: attention's products came after that run). A check's op
-    # costs the host 2.78 times a training op: its hooks' Python, and small ops each launched alone.
-    h_plain = args.host_per_op if args.host_per_op is not None else 26.7e-3 / 2252
-    h_added = 2.78 * h_plain if args.host_per_op is None else args.host_per_op
-    def time_of(c: dict[str, float]) -> dict[str, float]:
-        host = p["ops"] * h_plain + (c["ops"] - p["ops"]) * h_added
-        device = c["bytes"] / args.bandwidth + c["flops"] / args.flops
-        return {"host_s": host, "device_s": device, "step_s": max(host, device)}
-
-    tp, tg = time_of(p), time_of(g)
+    pred = predict(p, g, args.bandwidth, args.flops, args.host_per_op)
     print(json.dumps({
         "model": {"d": args.d, "layers": args.layers, "batch": args.batch, "context": args.context,
                   "vocab": args.vocab, "params": sum(x.numel() for x in plain.parameters())},
-        "plain": p, "guarded": g, "added": {k: g[k] - p[k] for k in p},
-        "host_per_op_s": {"training": h_plain, "checks": h_added}, "bandwidth": args.bandwidth, "flops_per_s": args.flops,
-        "predicted_plain": tp, "predicted_guarded": tg,
-        "predicted_overhead": tg["step_s"] / tp["step_s"] - 1,
-        "predicted_overhead_if_device_bound": tg["device_s"] / tp["device_s"] - 1,
-        "added_by_op (count, bytes)": dict(top),
-        "bound_by": "host (launches)" if tp["host_s"] > tp["device_s"] else "device"}, indent=1))
+        "plain": p, "guarded": g, "added": {k: g[k] - p[k] for k in p}, **pred,
+        "added_by_op (count, bytes)": dict(top)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -47,8 +47,9 @@ def test_gpu_check_small_mode_writes_every_section_and_fingerprints_agree(tmp_pa
         assert {"overhead", "overhead_no_forward", "overhead_no_abft"} <= w.keys()
         assert w["predicted"]["guarded"]["ops"] > w["predicted"]["plain"]["ops"] > 0
         assert w["predicted"]["predicted_overhead"] > 0 and {"at_measured_sum_bandwidth", "on_h200"} <= w["predicted"].keys()
+        assert w["kernel"]["step"]["sum_gb_s"] > 0, w["kernel"]
         if "skipped" not in w["kernel"]:
-            assert w["kernel"]["step"]["row_stats_gb_s"] > 0 and w["kernel"]["step"]["sum_gb_s"] > 0, w["kernel"]
+            assert w["kernel"]["step"]["row_stats_gb_s"] > 0, w["kernel"]
             assert w["kernel"]["step"]["max_rel_diff_vs_torch"] < 1e-5, w["kernel"]
     assert set(r["seconds"]) == {"equality", "guard_cost", "throughput", "consensus", "step", "owner", "hf", "io"}
 

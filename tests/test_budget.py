@@ -110,3 +110,29 @@ def test_one_slow_step_does_not_starve_the_checks():
         b.plan(step, [Costs(slow if step > 1 else 0.0, 0.004, 0.0, 0.1 if step % 5 == 0 else -1.0, -1.0)], False)
     rates = b.rates
     assert rates is not None and rates.plain_s < 2.0, rates
+
+
+def test_the_guards_work_after_the_gather_counts_in_the_next_steps_time_and_floor(monkeypatch):
+    """The verdicts, the gather and the witnesses around the update ran after the step's figures were taken and
+    before the next step began: untimed, they read as nobody's, and the estimate came out below a run's measure."""
+    import verified_ckpt.guard.budget as budget
+
+    now = [0.0]
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: now[0])
+    w = budget.Stopwatch()
+    w.start()
+    now[0] = 1.0
+    assert w.take().step_s == 1.0  # the first step: from its first microbatch to its gather
+    now[0] = 1.5  # 0.5 s after the gather: 0.2 the optimizer's update, 0.1 a consensus, 0.05 a wait for the device
+    w.update, w.consensus = 0.2, 0.1
+    w.close(waited=0.05)
+    assert w.floor == pytest.approx(0.15)
+    now[0] = 2.0
+    w.start()
+    w.own(1.9)  # a microbatch's bookkeeping
+    now[0] = 3.0
+    got = w.take()
+    # This step's 1.0 s, the update and the consensus (measured apart) and the guard's 0.15 s after the last gather.
+    assert got.floor_s == pytest.approx(0.15 + 0.1) and got.step_s == pytest.approx(1.0 + 0.2 + 0.1 + 0.15)
+    w.close()  # nothing was taken since: nothing to add
+    assert w.floor == 0.0

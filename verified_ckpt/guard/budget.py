@@ -143,6 +143,8 @@ class Stopwatch:
         self.audit = -1.0
         self.update = 0.0
         self._mark: float | None = None
+        self._taken: float | None = None  # when the last figures were taken (the step's gather)
+        self._tail = 0.0  # the guard's own work after the last gather: the next step's, in its time and its floor
 
     def start(self) -> None:
         """The step's first microbatch begins."""
@@ -166,10 +168,28 @@ class Stopwatch:
         """This rank's figures for the step, and start counting again (called at each step's gather)."""
         now = time.perf_counter()
         periodic = max(self.consensus, 0.0) + max(self.audit, 0.0)
-        step = now - self._mark + self.update + periodic if self._mark is not None else 0.0
+        step = now - self._mark + self.update + periodic + self._tail if self._mark is not None else 0.0
         got = Costs(step, self.floor, self.abft, self.consensus, self.audit)
         self._mark, self.floor, self.abft, self.consensus, self.audit, self.update = None, 0.0, 0.0, -1.0, -1.0, 0.0
+        self._taken, self._tail = now, 0.0
         return got
+
+    def own(self, t0: float) -> None:
+        """The guard's own work since ``t0`` inside a step (a microbatch's bookkeeping): part of the floor."""
+        self.floor += time.perf_counter() - t0
+
+    def close(self, waited: float = 0.0) -> None:
+        """The step is over: what the guard did since its gather (the gather and the verdicts, the witnesses around
+        the update; not the update, a consensus or an audit, which are measured apart, nor ``waited``, a wait for the
+        device that is training's) is its own work, added to the next step's time and floor. Untimed, it read as
+        training: the estimate came out below what a run measured."""
+        if self._taken is None:
+            return
+        tail = time.perf_counter() - self._taken - self.update - max(self.consensus, 0.0) - max(self.audit, 0.0)
+        tail = max(tail - waited, 0.0)
+        self.floor += tail
+        self._tail += tail
+        self._taken = None
 
 
 class Budget:

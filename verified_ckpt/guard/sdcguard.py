@@ -186,7 +186,7 @@ class SDCGuard(Bookkeeping):
         """For a framework that runs the forward itself (the Lightning integration): call this just before its
         forward of ``batch`` (the RNG state is recorded here, for audits to replay), then :meth:`backward_of`
         with the loss it computed. ``loss_fn(model, batch)`` must compute the same loss: audits rerun it."""
-        st = self._st
+        st, t0 = self._st, time.perf_counter()
         if st.step is not None and step != st.step and st.batches:
             raise GuardUsageError(f"backward for step {step} while step {st.step} has not been closed with step()")
         if st.step != step:
@@ -197,12 +197,14 @@ class SDCGuard(Bookkeeping):
         if not st.batches:
             self.sched.watch.start()
             st.scale = self.witnesses.scaler.scale_now(self.device)
-        self.layout.first_forward(batch)
-        st.ran_backward = True
+        self.sched.watch.own(t0)
+        self.layout.first_forward(batch)  # a warm-up pass after a restore: training's time, not the guard's
+        st.ran_backward, t0 = True, time.perf_counter()
         if self.layout.records_batches and self.batch_for is None:
             batches.encode(batch)  # fails now, naming the leaf, not at the first audit hundreds of steps later
         st.rng.append(microbatch_state(self.device))
         st.batches.append(batch)
+        self.sched.watch.own(t0)
 
     def backward_of(self, loss: torch.Tensor, *, sync: bool = True,
                     backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
@@ -266,6 +268,7 @@ class SDCGuard(Bookkeeping):
             self.faults.step_done(s)
             self._reset_step()
             st.step = None
+            self.sched.watch.close(self.sched.waited)
 
     def _check(self, s: int) -> None:
         """Step ``s``'s checks before the update (each raises when it fails), from the step's one gather: the layout's

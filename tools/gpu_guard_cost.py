@@ -125,12 +125,20 @@ def one_width(device: torch.device, shape: tuple[int, int, int, int, int], steps
         "guard_schedule": rates.summary() if rates is not None else None,
         "abft_passed": guard.checks["abft"].passed if guard is not None else None,
     }
-    row["kernel"] = kernel_bandwidth(device, batch * context, d, big=device.type == "cuda")
-    row["predicted"] = prediction(device, lambda: one(steps, *runs["plain"]), lambda: one(steps, *runs["default"]),
-                                  row["kernel"].get("sum_gb_s"))
+    row["kernel"] = _kept(lambda: kernel_bandwidth(device, batch * context, d, big=device.type == "cuda"))
+    row["predicted"] = _kept(lambda: prediction(device, lambda: one(steps, *runs["plain"]),
+                                                lambda: one(steps, *runs["default"]), row["kernel"].get("sum_gb_s")))
     if device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return row
+
+
+def _kept(part: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``part()``, or its error: a kernel timing that runs out of memory must not lose the steps measured before it."""
+    try:
+        return part()
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def prediction(device: torch.device, plain: Callable[[], None], guarded: Callable[[], None],

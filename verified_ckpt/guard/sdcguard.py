@@ -221,8 +221,10 @@ class SDCGuard(Bookkeeping):
         if self.abft is not None and not st.losses:
             # Where ABFT starts from: what the gradients hold as the step's backward begins (a framework may zero
             # them after begin(), between its forward and its backward, as Lightning's closure does).
+            t0 = time.perf_counter()
             self.abft.begin_backward(self.params)
             self.sched.abft_ran = self.abft.on
+            self.sched.watch.abft += time.perf_counter() - t0
         if self.abft is not None and self.abft.probing:
             self.abft.first_backward(loss, run, self.comm.any_of)
             self._report_coverage(self.abft.coverage())
@@ -275,8 +277,9 @@ class SDCGuard(Bookkeeping):
         segments with the guard's own (the loss, the budget's costs, the witnesses' carries), the schedule decided
         from every rank's costs, the witnesses' verdicts (a change at rest or a wrong update is the cause of what the
         others would see next), the layout's, then an audit when one is due."""
-        st, layout = self._st, self.layout
-        mine = layout.row(s)
+        st, layout, t0 = self._st, self.layout, time.perf_counter()
+        mine = layout.row(s)  # the step's figures summed: the guard's own work (ABFT's worst input ratio included)
+        self.sched.watch.own(t0)
         losses = [loss_value(x) for x in st.losses]
         loss = losses[0].view(1) if len(losses) == 1 else torch.stack(losses).sum().view(1)
         costs = self.sched.watch.take()

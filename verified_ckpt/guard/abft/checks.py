@@ -7,7 +7,7 @@ import contextlib
 import fnmatch
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,10 +30,35 @@ from .layers import (
 )
 from .norms import norm_kind
 from .products import ProductChecks
+from .rowstats import row_stats
 from .sums import EPS32, RMS, Covered, matmul_eps, rgs, row_norms, signed_weights, unit_roundoff, worst_ratio
 from .verdict import code_name
 
 __all__ = ["GradientChecks"]
+
+
+
+class Rows(NamedTuple):
+    """A layer's vectors as the rows two of its tensors are projected on in one read each (``rowstats``): ``x =
+    [s, Wᵀ r]`` for the input (with the forward check), ``dy = [W s, r]`` for the output's gradient (with the input
+    check); ``ws`` and ``wr`` their rows refilled per step, in place (views made once: each costs a dispatch)."""
+
+    s: torch.Tensor  # what they were built from
+    r: torch.Tensor
+    x: torch.Tensor
+    dy: torch.Tensor
+    ws: torch.Tensor
+    wr: torch.Tensor
+
+
+def _rows(cache: dict[int, Rows], layer: Layer, s: torch.Tensor, r: torch.Tensor) -> Rows:
+    """The layer's :class:`Rows`, built again when its vectors change (a tensor-parallel slice's, at its first
+    forward)."""
+    got = cache.get(layer.number)
+    if got is None or got.s is not s or got.r is not r:
+        x, dy = torch.stack((s, torch.zeros_like(s))), torch.stack((torch.zeros_like(r), r))
+        got = cache[layer.number] = Rows(s, r, x, dy, dy[0], x[1])
+    return got
 
 
 class GradientChecks:
@@ -107,6 +132,7 @@ class GradientChecks:
         self._open: dict[int, InputCheck] = {}  # by id of the module: a forward between its two hooks
         self._inputs: list[InputCheck] = []  # this step's input-gradient checks, filled
         self._forwards: list[tuple[torch.Tensor, int]] = []  # this step's forward-output ratios, and their layer
+        self._rows: dict[int, Rows] = {}  # by layer number
         # Attention's products, at their step (``products.py``); not inside torch.compile'd code, which would trace
         # the mode into its graphs.
         self.products = ProductChecks(lambda: self.on, slack, seed, None if in_compiled else module, timed)
@@ -252,13 +278,14 @@ class GradientChecks:
         if layer is None or layer.s is None or not self._active(x) or not isinstance(x, torch.Tensor):
             return None
         check = self._open[id(mod)] = InputCheck(layer)
-        if layer.tag != self._tag:
+        if layer.tag != self._tag and layer.r is not None:
+            rows = _rows(self._rows, layer, layer.s, layer.r)
             with torch.no_grad():
                 w = (layer.weight if layer.live is None else layer.live).detach().float()
-                layer.ws = torch.mv(w.T, layer.s) if layer.kind == "Conv1D" else torch.mv(w, layer.s)
+                layer.ws = torch.mv(w.T if layer.kind == "Conv1D" else w, layer.s, out=rows.ws)
                 layer.wnorm = row_norms(w.reshape(1, -1)).view(())  # float32, as the products it bounds
-            if self.forward:
-                fwd.prepare(layer)
+                if self.forward:
+                    fwd.prepare(layer, w, rows.wr)
             layer.tag = self._tag
         tapped: torch.Tensor = InputTap.apply(x, check, self._input_grad)  # type: ignore[no-untyped-call]
         return (tapped, *args[1:])
@@ -280,24 +307,25 @@ class GradientChecks:
             for c in (w, bias):
                 if c is not None:
                     c.uses += 1
+        if layer.r is None or layer.s is None:
+            return
+        rows = _rows(self._rows, layer, layer.s, layer.r)
         xs = a = None
         if w is not None or forward:
             # Float32 checksums, no autograd graph (an autocast context costs more than the products: only where
-            # one is on). One float32 input and its row norms serve the weight check and the forward check.
+            # one is on). One read of the input: its products for the weight check and the forward check, and the
+            # row norms both bound with.
             with torch.no_grad(), torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
-                x2 = x.reshape(-1, x.shape[-1])
-                x2 = x2 if x2.dtype == torch.float32 else x2.float()
-                a = row_norms(x2)
-                if w is not None and layer.s is not None:
-                    xs = torch.mv(x2, layer.s)
+                xs, a = row_stats(x.reshape(-1, x.shape[-1]), rows.x if forward else layer.s)
                 if forward:
-                    got = fwd.ratio(layer, x2, a, out, (matmul_eps(x.device.type, cast), unit_roundoff(out.dtype)),
+                    xs, xwr = xs.unbind()
+                    got = fwd.ratio(layer, mod, xwr, a, out, (matmul_eps(x.device.type, cast), unit_roundoff(out.dtype)),
                                     self.slack)
                     if got is not None:
                         self._forwards.append((got, layer.number))
-        if (w is None and bias is None and check is None and not probing) or layer.r is None or layer.s is None:
+        if w is None and bias is None and check is None and not probing:
             return
-        r, device_type = layer.r, x.device.type
+        device_type = x.device.type
         weight_grad, input_grad = layer.weight.requires_grad, x.requires_grad
 
         def on_grad(dy: torch.Tensor) -> None:
@@ -309,16 +337,14 @@ class GradientChecks:
             if w is None and bias is None and check is None:
                 return
             with torch.no_grad():
-                dy2 = dy.reshape(-1, dy.shape[-1])
-                dy2 = dy2 if dy2.dtype == torch.float32 else dy2.float()
-                b = row_norms(dy2)
+                # One read of the output's gradient: dY (W s) for the input check beside dY r for the weight's and bias's
+                y, b = row_stats(dy.reshape(-1, dy.shape[-1]), rows.r if check is None else rows.dy)
                 eps = (matmul_eps(device_type, cast), unit_roundoff(dy.dtype))
-                if check is not None and layer.ws is not None:
-                    check.z, check.b, check.eps = torch.mv(dy2, layer.ws), b, eps
-                y = torch.mv(dy2, r) if w is not None or bias is not None else None
-            if w is not None and y is not None:
+                if check is not None:
+                    (check.z, y), check.b, check.eps = y.unbind(), b, eps
+            if w is not None:
                 w.add(xs, a, y, b, eps)
-            if bias is not None and y is not None:
+            if bias is not None:
                 bias.add(None, None, y, b, eps)
 
         out.register_hook(self.watch.timed("abft")(on_grad))
@@ -359,9 +385,8 @@ class GradientChecks:
 
         def on_grad(dy: torch.Tensor) -> None:
             with torch.no_grad():
-                dy2 = dy.reshape(-1, dy.shape[-1]).float()
-                e.add(picked, ones, torch.mv(dy2, s), row_norms(dy2),
-                      (EPS32, unit_roundoff(dy.dtype)))
+                proj, b = row_stats(dy.reshape(-1, dy.shape[-1]), s[None])
+                e.add(picked, ones, proj[0], b, (EPS32, unit_roundoff(dy.dtype)))
 
         out.register_hook(self.watch.timed("abft")(on_grad))
 

@@ -2,7 +2,8 @@
 against its input, row by row, in the forward hook.
 
 ``Y = X Wᵀ + b``, so for the layer's random vector ``r`` over its outputs ``Y_n · r = X_n · (Wᵀ r) + b · r``: one
-pass over ``Y`` and one over ``X`` per forward, against the GEMM itself, and ``Wᵀ r`` once per step. A wrong
+read of ``Y`` (``Y r`` and its row norms) per forward, against the GEMM itself; ``X (Wᵀ r)`` is taken in the read
+of ``X`` the weight check makes anyway (``rowstats``), and ``Wᵀ r`` once per step. A wrong
 output element moves its own row's product; the bound is that row's rounding:
 
     bound_n = slack · [(2 ε_in + ε₃₂ √in) · ‖X_n‖ · max_i c_i + rms(r) · (ε_out + ε₃₂ (√out + 1)) · ‖Y_n‖]
@@ -21,39 +22,40 @@ import math
 
 import torch
 
+from ...dtensors import local
 from .layers import Layer
-from .sums import EPS32, RMS, row_norms
+from .rowstats import row_stats
+from .sums import EPS32, RMS
 
 __all__ = ["prepare", "ratio"]
 
 
-def prepare(layer: Layer) -> None:
-    """Per step (the weights change between steps): ``Wᵀ r`` and ``max_i c_i`` of ``layer``."""
+def prepare(layer: Layer, w: torch.Tensor, out: torch.Tensor) -> None:
+    """Per step (the weights change between steps): ``Wᵀ r`` (written into ``out``: the row of the input's
+    vectors it is projected on) and ``max_i c_i`` of ``layer``. ``w``: the weight as this forward uses it (FSDP2's
+    unsharded one, a tensor-parallel slice's local one), float32, as the module stores it."""
     if layer.r is None:
         return
     with torch.no_grad():
-        w = layer.weight.detach().float()
         w = w.T if layer.kind == "Conv1D" else w  # (out, in)
-        layer.wr = torch.mv(w.T, layer.r)
+        layer.wr = torch.mv(w.T, layer.r, out=out)
         layer.cmax = torch.sqrt(torch.mv(w.square().T, layer.r.square())).max()
 
 
-def ratio(layer: Layer, x2: torch.Tensor, a: torch.Tensor, y: torch.Tensor, eps: tuple[float, float],
-          slack: float) -> torch.Tensor | None:
-    """The worst row's |Y_n·r - X_n·(Wᵀr) - b·r| / bound_n of one forward (0-d, on the device), ``None`` if the
-    layer's vectors are not ready (no step has prepared them). ``x2``: the input as float32 rows, ``a`` their norms
-    (the weight check's own, computed once)."""
+def ratio(layer: Layer, mod: torch.nn.Module, xwr: torch.Tensor, a: torch.Tensor, y: torch.Tensor,
+          eps: tuple[float, float], slack: float) -> torch.Tensor | None:
+    """The worst row's |Y_n·r - X_n·(Wᵀr) - b·r| / bound_n of one forward of ``mod`` (0-d, on the device), ``None``
+    if the layer's vectors are not ready (no step has prepared them). ``xwr``: the input's rows times ``Wᵀ r``,
+    ``a`` their norms (both from the weight check's read of the input)."""
     if layer.r is None or layer.wr is None or layer.cmax is None:
         return None
     out_f, in_f = layer.features
     with torch.no_grad():
-        y2 = y.detach().reshape(-1, y.shape[-1])
-        y2 = y2 if y2.dtype == torch.float32 else y2.float()
-        got = torch.mv(y2, layer.r)
-        want = torch.mv(x2, layer.wr)
-        if layer.bias is not None:
-            want = want + torch.dot(layer.bias.detach().float(), layer.r)
-        yn = row_norms(y2)
+        got, yn = row_stats(y.reshape(-1, y.shape[-1]), layer.r)  # no graph: under no_grad
+        want = xwr
+        bias = getattr(mod, "bias", None)  # as this forward used it (FSDP2's unsharded one), not as registered
+        if isinstance(bias, torch.Tensor):
+            want = want + torch.dot(local(bias).detach().float(), layer.r)
         eps_in, eps_out = eps
         bound = slack * ((2 * eps_in + EPS32 * math.sqrt(in_f)) * a * layer.cmax
                          + RMS * (eps_out + EPS32 * (math.sqrt(out_f) + 1)) * yn) + 1e-30

@@ -1,0 +1,144 @@
+"""One read of a tensor for its ABFT row statistics (``guard/abft/rowstats.py``): the torch path gives what the
+separate ops it replaced gave, and the Triton kernel (run here by Triton's interpreter on CPU tensors) gives the
+torch path's results within float32 rounding, sees a ×10 element, and reads nothing past the tensor's edges.
+
+The kernel runs in one child process with ``TRITON_INTERPRET=1``: ``triton.jit`` reads the variable when it
+defines the kernel, and a kernel this process defined first (on a GPU, by an earlier test) would stay compiled.
+
+Tolerance: both paths sum ``d`` float32 products, in different orders; each is within ``γ_d · Σ|a_i v_i|``
+(``γ_d ≈ d·u``, u = 2⁻²⁴) of the exact sum, so they differ by at most ``2 d u Σ|a_i v_i|`` (bf16 and fp16 become
+float32 exactly). The norms likewise, by at most ``2 d u ‖a‖``. Errors below are divided by those bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from verified_ckpt.guard.abft.rowstats import row_stats, torch_row_stats
+from verified_ckpt.guard.abft.sums import EPS32, row_norms
+
+pytestmark = pytest.mark.timeout(60)
+
+SLACK = 8.0  # GuardConfig's default abft slack
+# (n, d): ragged against the kernel's 16 x 128 tiles, one row, one exact tile multiple
+SHAPES = [(37, 200), (1, 5), (256, 256), (100, 129)]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cases() -> list[tuple[int, int, int, str, str]]:
+    """(n, d, c, dtype, layout): c = 0 stands for one vector given as 1-D."""
+    out = []
+    for i, (n, d) in enumerate(SHAPES):
+        for c in (0, 1, 2, 3):
+            dtype = list(DTYPES)[(i + c) % 3]
+            layout = ("contiguous", "row-strided", "column-strided")[(i + c) % 3]
+            out.append((n, d, c, dtype, layout))
+    return out
+
+
+def inputs(n: int, d: int, c: int, dtype: str, layout: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` as a view whose neighbours in memory are NaN (a read past its edge would show), and the vectors."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, d, generator=g).to(DTYPES[dtype])
+    vecs = (torch.rand(max(c, 1), d, generator=g) + 1) * (torch.randint(0, 2, (max(c, 1), d), generator=g) * 2 - 1)
+    if layout == "row-strided":  # rows of a wider buffer, and rows past the last
+        buf = torch.full((n + 3, d + 19), math.nan, dtype=a.dtype)
+        buf[:n, :d] = a
+        a = buf[:n, :d]
+    elif layout == "column-strided":  # every other column of a buffer twice as wide
+        buf = torch.full((n, 2 * d + 1), math.nan, dtype=a.dtype)
+        buf[:, 1 : 2 * d + 1 : 2] = a
+        a = buf[:, 1 : 2 * d + 1 : 2]
+    return a, vecs[0] if c == 0 else vecs
+
+
+def scaled_errors(a: torch.Tensor, vecs: torch.Tensor, got: tuple[torch.Tensor, torch.Tensor],
+                  want: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
+    """The largest |got - want| of the projections and of the norms, each over its rounding bound (module doc)."""
+    a32 = a.float()
+    d = a.shape[1]
+    v = vecs.reshape(-1, d)
+    scale = (a32.abs() @ v.abs().T).T.reshape(got[0].shape) * 2 * d * EPS32 + 1e-30
+    proj = ((got[0] - want[0]).abs() / scale).max().item()
+    norms = ((got[1] - want[1]).abs() / (2 * d * EPS32 * want[1])).max().item()
+    return proj, norms
+
+
+def interpreted() -> dict[str, object]:
+    """What the child process measures: the kernel against the torch path over every case, and one fault."""
+    from verified_ckpt.guard.abft import rowstats
+    from verified_ckpt.guard.abft.rowstats import triton_row_stats
+
+    row_stats(*inputs(3, 4, 2, "float32", "contiguous"))
+    untouched = rowstats._triton.cache_info().currsize == 0  # the CPU path never asks for Triton
+    errors = []
+    for case in cases():
+        a, vecs = inputs(*case)
+        got = triton_row_stats(a, vecs)
+        want = torch_row_stats(a, vecs)
+        shapes = [list(t.shape) for t in got] == [list(t.shape) for t in want]
+        errors.append([list(case), *scaled_errors(a, vecs, got, want), shapes, bool(torch.isfinite(got[0]).all())])
+    # One ×10 element, at its row's largest magnitude (a ×10 of a near-zero element is within any rounding bound)
+    a, vecs = inputs(37, 200, 2, "bfloat16", "row-strided", seed=1)
+    before, norms = triton_row_stats(a, vecs)
+    row = 11
+    col = int(a[row].float().abs().argmax())
+    a[row, col] *= 10
+    after, _ = triton_row_stats(a, vecs)
+    moved = (after - before).abs()
+    # forward.py's bound on the input side, with the vectors' largest entry for its column weights: the rounding
+    # of a bf16 GEMM's row and of float32 projections of that width
+    bound = SLACK * (2 * 2.0**-8 + EPS32 * math.sqrt(200)) * norms[row] * vecs.abs().max()
+    a[row + 1, col] = math.nan  # a NaN stays NaN (the clamp keeps it): what makes the hooks' ratio an alarm
+    nan_proj, nan_norms = triton_row_stats(a, vecs)
+    return {"untouched": untouched, "errors": errors, "fault": (moved[:, row] / bound).min().item(),
+            "others": moved[:, torch.arange(37) != row].max().item(),
+            "nan": bool(nan_proj[:, row + 1].isnan().all() and nan_norms[row + 1].isnan()),
+            "nan_alone": int(nan_norms.isnan().sum()) + int(nan_proj.isnan().sum())}
+
+
+@pytest.fixture(scope="module")
+def kernel() -> dict:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = "import json, test_rowstats; print(json.dumps(test_rowstats.interpreted()))"
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=50, env=env,
+                          cwd=os.path.dirname(__file__), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got: dict = json.loads(proc.stdout.strip().splitlines()[-1])
+    return got
+
+
+def test_the_kernel_equals_the_torch_path_within_float32_rounding(kernel):
+    assert kernel["untouched"]
+    for case, proj, norms, shapes, finite in kernel["errors"]:
+        assert shapes, case
+        assert proj <= 1 and norms <= 1, (case, proj, norms)
+        assert finite, case  # nothing past a ragged edge (NaN there) was read
+
+
+def test_the_kernel_sees_a_single_element_times_ten_and_only_in_its_row(kernel):
+    assert kernel["fault"] > 1, kernel["fault"]
+    assert kernel["others"] == 0  # rows are summed apart: one row's fault moves no other row's products
+    assert kernel["nan"] and kernel["nan_alone"] == 3, kernel
+
+
+@pytest.mark.parametrize("case", cases()[:8], ids=str)
+def test_the_torch_path_equals_the_separate_ops_it_replaced(case):
+    """What the hooks computed before, one op per vector (``mv`` over a float32 copy) and ``row_norms``."""
+    a, vecs = inputs(*case)
+    proj, norms = row_stats(a, vecs)
+    a32 = a.float()
+    assert torch.equal(norms, row_norms(a32))
+    if vecs.dim() == 1:
+        assert torch.equal(proj, torch.mv(a32, vecs))
+        return
+    old = torch.stack([torch.mv(a32, v) for v in vecs])
+    assert scaled_errors(a, vecs, (proj, norms), (old, norms))[0] <= 1

@@ -1,0 +1,135 @@
+"""One read of an activation for every row statistic ABFT takes of it: its projections on a few vectors and its
+row norms.
+
+The hooks need, of the layer input ``X``, ``X s`` (the weight check) and ``X (Wᵀ r)`` (the forward check); of the
+output ``Y``, ``Y r``; of the output's gradient ``dY``, ``dY (W s)`` and ``dY r``; and of each, the row norms their
+bounds are built on. :func:`row_stats` returns all of one tensor's in one pass over it:
+``proj[j] = a.float() @ vecs[j]`` and ``norms = sums.row_norms(a.float())``.
+
+* On CUDA, where Triton imports: one kernel (:func:`triton_row_stats`) reads ``a`` once, in tiles of rows by
+  columns, in its own dtype (bf16/fp16 are upcast in registers: no float32 copy of ``a``), accumulating the
+  ``c`` products and the sum of squares in float32; the ragged edges are masked (nothing past a row's end or the
+  last row is read). The products are elementwise multiplies summed per row, not ``tl.dot``: ``c`` is at most 4,
+  under a tensor core's smallest tile, and the interpreter's bf16 ``tl.dot`` is wrong.
+* Elsewhere: one float32 copy where ``a`` is not float32, then ``mm(vecs, a32ᵀ)`` and ``row_norms``. Measured on
+  this project's 2-core CPU (torch 2.13, 2 threads, float32 ``a``, median µs for c = 1 / 2 / 3):
+
+      n x d          mm(vecs[c,d], aᵀ)    c x mv         mm(a, cols[d,c])
+      512 x 256      26 / 25 / 24         26 / 34 / 41   26 / 53 / 50
+      4096 x 256     319 / 344 / 326      307 / 550 / 638   332 / 445 / 447
+      4096 x 1024    1270 / 1264 / 1250   1249 / 1897 / 2465   1378 / 1942 / 1902
+      16384 x 512    2486 / 2472 / 2463   2488 / 3698 / 4884   2396 / 3893 / 3856
+
+  so the vectors are rows (``[c, d]``, contiguous) and the product is taken as ``vecs @ aᵀ``: one pass over ``a``
+  whatever ``c`` (the other orientation, ``a @ cols``, is the skinny GEMM the ``Projector`` doc in ``guard/stats.py``
+  measured slower than separate ``mv``). ``proj`` comes back as ``[c, n]``: each projection a contiguous vector.
+
+Triton is imported on the first CUDA call, never at ``import verified_ckpt``. Under ``TRITON_INTERPRET=1`` (set
+before that first call: the kernel is defined then) :func:`triton_row_stats` also runs on CPU tensors; that is how
+the tests run it. Rounding order differs from the torch path's, so thresholds are calibrated on a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Any
+
+import torch
+
+from .sums import TINY, row_norms
+
+__all__ = ["MAX_VECTORS", "row_stats", "torch_row_stats", "triton_row_stats"]
+
+MAX_VECTORS = 4  # the most projections one read returns (the kernel keeps one float32 column per vector)
+_BLOCK_N, _BLOCK_D = 16, 128  # rows by columns per tile: 2048 float32 per program, with room for the products
+
+
+def row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(proj float32[c, n], norms float32[n])`` of a 2-D ``a`` (``n`` rows of ``d``, any float dtype, rows may
+    be strided) and float32 ``vecs[c, d]`` (c in 1..4): ``proj[j] = a.float() @ vecs[j]``, ``norms`` as
+    ``sums.row_norms(a.float())``; one vector ``vecs[d]`` gives ``proj[n]``. One read of ``a``: a Triton kernel on
+    CUDA, the torch ops elsewhere."""
+    if a.is_cuda and _triton() is not None:
+        return triton_row_stats(a, vecs)
+    return torch_row_stats(a, vecs)
+
+
+def torch_row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_stats` in torch ops (the CPU path, and CUDA's where Triton is missing)."""
+    if torch.is_autocast_enabled(a.device.type):  # a backward run inside autocast would take the product in bf16
+        with torch.autocast(a.device.type, enabled=False):
+            return torch_row_stats(a, vecs)
+    a32 = a if a.dtype == torch.float32 else a.float()
+    # One vector: mv, no view dispatched (the hooks' host cost counts every dispatch)
+    return torch.mv(a32, vecs) if vecs.dim() == 1 else torch.mm(vecs, a32.T), row_norms(a32)
+
+
+def triton_row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_stats` by one Triton kernel (on CUDA; on CPU tensors too under ``TRITON_INTERPRET=1``)."""
+    n, d = a.shape
+    c = 1 if vecs.dim() == 1 else vecs.shape[0]
+    if not 1 <= c <= MAX_VECTORS or vecs.shape[-1] != d or vecs.dim() > 2:
+        raise ValueError(f"row_stats takes 1 to {MAX_VECTORS} vectors of the rows' width {d}, got a {tuple(vecs.shape)}"
+                         " tensor: pass the vectors as rows of one float32 tensor")
+    vecs = vecs.float().contiguous()
+    proj = torch.empty((n,) if vecs.dim() == 1 else (c, n), dtype=torch.float32, device=a.device)
+    norms = torch.empty(n, dtype=torch.float32, device=a.device)
+    if n == 0:
+        return proj, norms
+    kernel = _kernel()
+    grid = (-(-n // _BLOCK_N),)
+    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+        kernel[grid](a, vecs, proj, norms, n, d, a.stride(0), a.stride(1), TINY * math.sqrt(max(d, 1)),
+                     C=c, BLOCK_C=1 << (c - 1).bit_length(), BLOCK_N=_BLOCK_N, BLOCK_D=min(_BLOCK_D, _pow2(d)))
+    return proj, norms
+
+
+def _pow2(d: int) -> int:
+    """The power of two at or above ``d`` (and at least 16: a tile's smallest width)."""
+    return max(16, 1 << (max(d, 1) - 1).bit_length())
+
+
+@functools.cache
+def _triton() -> Any:
+    """The ``triton`` module, or ``None`` where it does not import (a CPU-only install)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The kernel, defined on first use: ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates."""
+    triton = _triton()
+    if triton is None:
+        raise RuntimeError("row_stats' kernel needs Triton: install it (`pip install triton`) or use torch_row_stats")
+    import triton.language as tl
+
+    @triton.jit
+    def row_stats_kernel(a_ptr, v_ptr, p_ptr, q_ptr, n, d, stride_n, stride_d, floor,  # type: ignore[no-untyped-def]
+                         C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_rows = rows < n
+        at = rows.to(tl.int64) * stride_n  # a tensor over 2³¹ elements is addressed in 64 bits
+        cs = tl.arange(0, BLOCK_C)
+        acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in range(0, d, BLOCK_D):
+            ks = k + tl.arange(0, BLOCK_D)
+            in_cols = ks < d
+            x = tl.load(a_ptr + at[:, None] + ks[None, :].to(tl.int64) * stride_d,
+                        mask=in_rows[:, None] & in_cols[None, :], other=0.0).to(tl.float32)
+            sq += tl.sum(x * x, axis=1)
+            for j in tl.static_range(C):
+                v = tl.load(v_ptr + j * d + ks, mask=in_cols, other=0.0)
+                acc += tl.where(cs[None, :] == j, tl.sum(x * v[None, :], axis=1)[:, None], 0.0)
+        norm = tl.sqrt(sq)
+        # As row_norms' clamp (a NaN stays NaN: it is what makes the ratio an alarm)
+        tl.store(q_ptr + rows, tl.where(norm < floor, floor, norm), mask=in_rows)
+        tl.store(p_ptr + cs[None, :].to(tl.int64) * n + rows[:, None], acc, mask=in_rows[:, None] & (cs[None, :] < C))
+
+    return row_stats_kernel

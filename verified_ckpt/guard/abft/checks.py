@@ -275,9 +275,9 @@ class GradientChecks:
         x = args[0] if args else None
         layer = self.layers.get(id(mod))
         # The input gradient is checked even where the weight's is left out: it depends on the layer's forward only.
-        if layer is None or layer.s is None or not self._active(x) or not isinstance(x, torch.Tensor):
+        if layer is None or layer.s is None or not isinstance(x, torch.Tensor) or not self.on \
+                or not torch.is_grad_enabled():
             return None
-        check = self._open[id(mod)] = InputCheck(layer)
         if layer.tag != self._tag and layer.r is not None:
             rows = _rows(self._rows, layer, layer.s, layer.r)
             with torch.no_grad():
@@ -287,6 +287,9 @@ class GradientChecks:
                 if self.forward:
                     fwd.prepare(layer, w, rows.wr)
             layer.tag = self._tag
+        if not x.requires_grad:  # a first layer's input (the data): no input gradient, but its forward is checked
+            return None
+        check = self._open[id(mod)] = InputCheck(layer)
         tapped: torch.Tensor = InputTap.apply(x, check, self._input_grad)  # type: ignore[no-untyped-call]
         return (tapped, *args[1:])
 

@@ -52,12 +52,14 @@ def ratio(layer: Layer, mod: torch.nn.Module, xwr: torch.Tensor, a: torch.Tensor
     out_f, in_f = layer.features
     with torch.no_grad():
         got, yn = row_stats(y.reshape(-1, y.shape[-1]), layer.r)  # no graph: under no_grad
-        want = xwr
+        diff = got - xwr
         bias = getattr(mod, "bias", None)  # as this forward used it (FSDP2's unsharded one), not as registered
         if isinstance(bias, torch.Tensor):
-            want = want + torch.dot(local(bias).detach().float(), layer.r)
+            diff -= torch.dot(local(bias).detach().float(), layer.r)
         eps_in, eps_out = eps
-        bound = slack * ((2 * eps_in + EPS32 * math.sqrt(in_f)) * a * layer.cmax
-                         + RMS * (eps_out + EPS32 * (math.sqrt(out_f) + 1)) * yn) + 1e-30
-        worst: torch.Tensor = ((got - want).abs() / bound).nan_to_num(nan=torch.inf).max()
+        # The bound in two ops (each costs a dispatch, per layer and forward). It is never 0: ‖Y_n‖ is clamped
+        # above 0 (``sums.row_norms``).
+        bound = torch.addcmul(yn * (slack * RMS * (eps_out + EPS32 * (math.sqrt(out_f) + 1))), a, layer.cmax,
+                              value=slack * (2 * eps_in + EPS32 * math.sqrt(in_f)))
+        worst: torch.Tensor = diff.abs_().div_(bound).nan_to_num_(nan=torch.inf).max()
         return worst

@@ -11,22 +11,26 @@ bounds are built on. :func:`row_stats` returns all of one tensor's in one pass o
   ``c`` products and the sum of squares in float32; the ragged edges are masked (nothing past a row's end or the
   last row is read). The products are elementwise multiplies summed per row, not ``tl.dot``: ``c`` is at most 4,
   under a tensor core's smallest tile, and the interpreter's bf16 ``tl.dot`` is wrong.
-* Elsewhere: one float32 copy where ``a`` is not float32, then ``mm(vecs, a32ᵀ)`` and ``row_norms``. Measured on
-  this project's 2-core CPU (torch 2.13, 2 threads, float32 ``a``, median µs for c = 1 / 2 / 3):
+* Elsewhere: one float32 copy where ``a`` is not float32, then ``mm(vecs, a32ᵀ)`` and ``row_norms`` (one vector:
+  ``mv``). Measured on this project's 2-core CPU (torch 2.13, 2 threads, float32 ``a``, best of 9, µs for
+  c = 1 / 2 / 3; the row norms alone for comparison):
 
-      n x d          mm(vecs[c,d], aᵀ)    c x mv         mm(a, cols[d,c])
-      512 x 256      26 / 25 / 24         26 / 34 / 41   26 / 53 / 50
-      4096 x 256     319 / 344 / 326      307 / 550 / 638   332 / 445 / 447
-      4096 x 1024    1270 / 1264 / 1250   1249 / 1897 / 2465   1378 / 1942 / 1902
-      16384 x 512    2486 / 2472 / 2463   2488 / 3698 / 4884   2396 / 3893 / 3856
+      n x d          mm(vecs[c,d], aᵀ)   c x mv             mm(a, cols[d,c])    row norms
+      512 x 256      7 / 6 / 7           6 / 13 / 19        6 / 21 / 19         10
+      4096 x 256     58 / 58 / 60        56 / 95 / 172      49 / 152 / 147      62
+      4096 x 1024    328 / 329 / 335     335 / 663 / 1019   322 / 648 / 650     345
+      16384 x 512    634 / 631 / 648     634 / 1279 / 1900  610 / 1340 / 1307   640
 
   so the vectors are rows (``[c, d]``, contiguous) and the product is taken as ``vecs @ aᵀ``: one pass over ``a``
-  whatever ``c`` (the other orientation, ``a @ cols``, is the skinny GEMM the ``Projector`` doc in ``guard/stats.py``
-  measured slower than separate ``mv``). ``proj`` comes back as ``[c, n]``: each projection a contiguous vector.
+  whatever ``c``, for the cost of one ``mv`` (the other orientation, ``a @ cols``, is the skinny GEMM the
+  ``Projector`` doc in ``guard/stats.py`` measured slower than separate ``mv``). ``proj`` comes back as ``[c, n]``:
+  each projection a contiguous vector. The norm stays a pass of its own (2 on a CPU, against 3 to 4 before).
 
-Triton is imported on the first CUDA call, never at ``import verified_ckpt``. Under ``TRITON_INTERPRET=1`` (set
-before that first call: the kernel is defined then) :func:`triton_row_stats` also runs on CPU tensors; that is how
-the tests run it. Rounding order differs from the torch path's, so thresholds are calibrated on a device.
+Triton is imported on the first CUDA call, never at ``import verified_ckpt`` (where it is installed, torch's own
+``torch.utils.flop_counter``, which ``flops`` imports, loads it with the guard: about 0.1 s, not this module's).
+Under ``TRITON_INTERPRET=1`` (set before that first call: the kernel is defined then) :func:`triton_row_stats`
+also runs on CPU tensors; that is how the tests run it. Rounding order differs from the torch path's, so
+thresholds are calibrated on a device.
 """
 
 from __future__ import annotations

@@ -276,7 +276,7 @@ class GradientChecks:
         layer = self.layers.get(id(mod))
         # The input gradient is checked even where the weight's is left out: it depends on the layer's forward only.
         if layer is None or layer.s is None or not isinstance(x, torch.Tensor) or not self.on \
-                or not torch.is_grad_enabled():
+                or not torch.is_grad_enabled() or not (x.requires_grad or self.forward):
             return None
         if layer.tag != self._tag and layer.r is not None:
             rows = _rows(self._rows, layer, layer.s, layer.r)

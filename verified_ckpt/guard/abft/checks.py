@@ -37,7 +37,6 @@ from .verdict import code_name
 __all__ = ["GradientChecks"]
 
 
-
 class Rows(NamedTuple):
     """A layer's vectors as the rows two of its tensors are projected on in one read each (``rowstats``): ``x =
     [s, Wᵀ r]`` for the input (with the forward check), ``dy = [W s, r]`` for the output's gradient (with the input

@@ -284,7 +284,7 @@ class GradientChecks:
                 layer.ws = torch.mv(w.T if layer.kind == "Conv1D" else w, layer.s, out=rows.ws)
                 layer.wnorm = row_norms(w.reshape(1, -1)).view(())  # float32, as the products it bounds
                 if self.forward:
-                    fwd.prepare(layer, w, rows.wr)
+                    fwd.prepare(layer, w, rows.wr, layer.bias if layer.live_bias is None else layer.live_bias)
             layer.tag = self._tag
         if not x.requires_grad:  # a first layer's input (the data): no input gradient, but its forward is checked
             return None
@@ -321,7 +321,7 @@ class GradientChecks:
                 xs, a = row_stats(x.reshape(-1, x.shape[-1]), rows.x if forward else layer.s)
                 if forward:
                     xs, xwr = xs.unbind()
-                    got = fwd.ratio(layer, mod, xwr, a, out, (matmul_eps(x.device.type, cast), unit_roundoff(out.dtype)),
+                    got = fwd.ratio(layer, xwr, a, out, (matmul_eps(x.device.type, cast), unit_roundoff(out.dtype)),
                                     self.slack)
                     if got is not None:
                         self._forwards.append((got, layer.number))

@@ -30,21 +30,23 @@ from .sums import EPS32, RMS
 __all__ = ["prepare", "ratio"]
 
 
-def prepare(layer: Layer, w: torch.Tensor, out: torch.Tensor) -> None:
+def prepare(layer: Layer, w: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
     """Per step (the weights change between steps): ``Wᵀ r`` (written into ``out``: the row of the input's
-    vectors it is projected on) and ``max_i c_i`` of ``layer``. ``w``: the weight as this forward uses it (FSDP2's
-    unsharded one, a tensor-parallel slice's local one), float32, as the module stores it."""
+    vectors it is projected on), ``max_i c_i`` and ``b · r`` of ``layer``. ``w``, ``bias``: as this forward uses
+    them (FSDP2's unsharded ones, read in the pre-hook: FSDP2 may reshard them before the forward hook runs; a
+    tensor-parallel slice's local one), ``w`` float32, as the module stores it."""
     if layer.r is None:
         return
     with torch.no_grad():
         w = w.T if layer.kind == "Conv1D" else w  # (out, in)
         layer.wr = torch.mv(w.T, layer.r, out=out)
         layer.cmax = torch.sqrt(torch.mv(w.square().T, layer.r.square())).max()
+        layer.br = None if bias is None else torch.dot(local(bias).detach().float(), layer.r)
 
 
-def ratio(layer: Layer, mod: torch.nn.Module, xwr: torch.Tensor, a: torch.Tensor, y: torch.Tensor,
+def ratio(layer: Layer, xwr: torch.Tensor, a: torch.Tensor, y: torch.Tensor,
           eps: tuple[float, float], slack: float) -> torch.Tensor | None:
-    """The worst row's |Y_n·r - X_n·(Wᵀr) - b·r| / bound_n of one forward of ``mod`` (0-d, on the device), ``None``
+    """The worst row's |Y_n·r - X_n·(Wᵀr) - b·r| / bound_n of one forward (0-d, on the device), ``None``
     if the layer's vectors are not ready (no step has prepared them). ``xwr``: the input's rows times ``Wᵀ r``,
     ``a`` their norms (both from the weight check's read of the input)."""
     if layer.r is None or layer.wr is None or layer.cmax is None:
@@ -53,9 +55,8 @@ def ratio(layer: Layer, mod: torch.nn.Module, xwr: torch.Tensor, a: torch.Tensor
     with torch.no_grad():
         got, yn = row_stats(y.reshape(-1, y.shape[-1]), layer.r)  # no graph: under no_grad
         diff = got - xwr
-        bias = getattr(mod, "bias", None)  # as this forward used it (FSDP2's unsharded one), not as registered
-        if isinstance(bias, torch.Tensor):
-            diff -= torch.dot(local(bias).detach().float(), layer.r)
+        if layer.br is not None:
+            diff -= layer.br
         eps_in, eps_out = eps
         # The bound in two ops (each costs a dispatch, per layer and forward). It is never 0: ‖Y_n‖ is clamped
         # above 0 (``sums.row_norms``).

@@ -53,6 +53,7 @@ class Layer:
     # The weight as the forward uses it, where that is not ``weight``: FSDP2 swaps in the all-gathered (unsharded)
     # parameter for the forward, and tensor parallel computes with its local slice (``abft/sharded.py``).
     live: torch.Tensor | None = None
+    live_bias: torch.Tensor | None = None  # the bias as the forward uses it (FSDP2's unsharded one), where bound
     tp: bool = False  # a tensor-parallel slice: its weight gradient is checked, nothing else (``abft/sharded.py``)
     r: torch.Tensor | None = None  # over the output features
     s: torch.Tensor | None = None  # over the input features
@@ -62,6 +63,7 @@ class Layer:
     # Per step, for the forward check (``forward``): Wᵀ r, and the largest column norm of W as r weighs it.
     wr: torch.Tensor | None = None
     cmax: torch.Tensor | None = None
+    br: torch.Tensor | None = None  # forward check, per step: b · r (``None``: no bias)
     tag: int = -1
 
 

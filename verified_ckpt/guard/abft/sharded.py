@@ -93,6 +93,9 @@ class ShardedGradientChecks(GradientChecks):
                 self._first_use(layer, attr, reg, live)
             if layer is not None and attr == "weight":
                 layer.live = local(live)
+            if layer is not None and attr == "bias":
+                # Read in the pre-hook: FSDP2's own post-forward hook may reshard it before the forward check runs.
+                layer.live_bias = local(live)
         return layer
 
     def _first_use(self, layer: Layer | None, attr: str, pid: int, live: torch.Tensor) -> None:

@@ -49,9 +49,12 @@ class GuardConfig:
         check_checksum: the all-reduce checksum every step.
         abft: per-step verification of the gradients Linear-like layers (``nn.Linear``, Hugging Face's
             ``Conv1D``) and ``nn.Embedding`` compute: weight, bias and input gradients.
-        abft_forward: also check the forward output of every covered Linear-like layer, row by row (``Y r`` against
-            ``X (Wᵀ r) + b·r``: two more passes over its input and output per forward; off by default, its cost
-            is in docs/BENCHMARKS.md). A wrong forward value is then caught at its step, not at the next audit.
+        abft_forward: check the forward output of every covered Linear-like layer too, row by row (``Y r`` against
+            ``X (Wᵀ r) + b·r``: one more read of its output per forward, the input's products taken in the read the
+            weight check makes anyway; its cost is in docs/BENCHMARKS.md). On by default: a wrong forward value
+            (a Linear's output, attention's products, which ABFT checks in the forward whatever this says) is
+            caught at its step, naming the layer; without it such a one-off fault reaches the gradients whole and
+            only a recompute audit of that very step would see it.
         abft_slack: safety factor on the ABFT rounding bounds.
         abft_exclude: ``fnmatch`` patterns of parameter names ABFT leaves out (a weight the model changes where
             ABFT's hooks cannot see it; audits and consensus still cover it).
@@ -86,7 +89,7 @@ class GuardConfig:
     check_nonfinite: bool = True
     check_checksum: bool = True
     abft: bool = True
-    abft_forward: bool = False
+    abft_forward: bool = True
     abft_slack: float = 8.0
     abft_exclude: tuple[str, ...] = ()
     oracle_slices: int = 8

@@ -196,12 +196,17 @@ def test_after_the_first_step_the_mode_is_held_only_inside_the_modules_that_ran_
     """Held over the whole forward, the mode intercepted every torch call of the model; from the second step it is
     held only where the first step's products ran (a later step's product is still checked: the transient test
     faults steps 2-3). A model without one keeps no hook at all."""
-    def holders(model: nn.Module) -> list[str]:
+    def holders(model: nn.Module, hook: str = "ProductChecks._enter") -> list[str]:
         return [n for n, m in model.named_modules()
-                if any("ProductChecks" in getattr(h, "__qualname__", "") for h in m._forward_pre_hooks.values())]
+                if any(hook in getattr(h, "__qualname__", "") for h in m._forward_pre_hooks.values())]
 
     guard, model, e, _ = run("llama", 2)
     assert e is None and holders(model) == [f"model.layers.{i}.self_attn" for i in range(2)]
+    # Inside them, the submodules that run no product (the projections) run outside the mode.
+    assert holders(model, "ProductChecks._suspend") == [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2)
+                                                        for p in "qkvo"]
+    _, _, e, hit = run("llama", 4, (3, 2, 12345))  # and a later step's product is still caught
+    assert hit is not None and hit.changed and e is not None and (e.kind, e.detected_step) == ("abft", 3), e
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(mlp.parameters(), lr=0.1)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 from ...dtensors import is_dtensor
 from .sums import EPS32, RMS, matmul_eps, row_norms, signed_weights, unit_roundoff
@@ -67,6 +67,8 @@ class ProductChecks(TorchFunctionMode):
         self.learning = True  # the first step: name the products
         self._handles: dict[str, tuple[Any, Any]] = {}  # each module's two hooks, by name
         self._homes: set[str] = set()  # the modules whose own forward ran a product (the first step's)
+        self._suspended: list[bool] = []  # per submodule call inside a home: whether it left the mode (``_quiet``)
+        self._module = module
         if module is not None:
             self.hooks(module)
 
@@ -111,6 +113,31 @@ class ProductChecks(TorchFunctionMode):
                 for h in handles:
                     h.remove()
         self._handles = {}
+        if self._module is not None and self._homes:
+            self._quiet(self._module)
+
+    def _quiet(self, module: torch.nn.Module) -> None:
+        """Inside a module that runs products, its submodules that run none (attention's projections, a rotary
+        embedding) run outside the mode: it intercepted their ops and the guard's own hooks' ops on them (most
+        of its 600 calls per step in a two-layer HF Llama), none of which it checks."""
+        mods = dict(module.named_modules())
+        for home in self._homes:
+            for child, sub in mods[home].named_children():
+                full = f"{home}.{child}" if home else child
+                if any(h == full or h.startswith(full + ".") for h in self._homes):
+                    continue  # a product runs below it: it keeps the mode
+                sub.register_forward_pre_hook(self._suspend, prepend=True)  # before the guard's own hooks on it
+                sub.register_forward_hook(self._resume, always_call=True)  # after them
+
+    def _suspend(self, _mod: torch.nn.Module, _args: Any) -> None:
+        left = bool(self._stack) and _get_current_function_mode() is self  # never another mode pushed above it
+        if left:
+            self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        self._suspended.append(left)
+
+    def _resume(self, _mod: torch.nn.Module, _args: Any, _out: Any) -> None:
+        if self._suspended and self._suspended.pop():
+            self.__enter__()  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------ the checks
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

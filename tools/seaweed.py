@@ -274,14 +274,32 @@ def stop(handle: SeaweedHandle, grace: float = 5.0) -> None:
             os.unlink(f"/tmp/seaweedfs-{name}-{handle.ports[flag]}.sock")
 
 
-def restart(handle: SeaweedHandle, timeout: float = READY_TIMEOUT_S) -> SeaweedHandle:
-    """Start a stopped server again on the same data and ports (a crash-recovery scenario)."""
+# Ports of services the clients never reach (weed checks even a disabled one's port at start-up): a restart may move
+# them if another process took one while the server was down, as a suite run beside it once did (WebDAV's).
+_AUXILIARY = ("admin.port", "admin.port.grpc", "webdav.port", "debug.port", "s3.debug.port")
+
+
+def restart(handle: SeaweedHandle, timeout: float = READY_TIMEOUT_S, attempts: int = 3) -> SeaweedHandle:
+    """Start a stopped server again on the same data and ports (a crash-recovery scenario); an auxiliary port
+    (``_AUXILIARY``) taken meanwhile is picked afresh, the ones clients reach never move."""
+    cmd, ports, last_err = list(handle.cmd), dict(handle.ports), None
+    for _attempt in range(attempts):
+        try:
+            return _restart_once(handle, cmd, ports, timeout)
+        except _PortRace as e:
+            last_err = e
+            ports.update(zip(_AUXILIARY, _free_ports(len(_AUXILIARY)), strict=True))
+            cmd = [next((f"-{k}={ports[k]}" for k in _AUXILIARY if c.startswith(f"-{k}=")), c) for c in cmd]
+    raise RuntimeError(f"weed mini failed to restart {attempts} times") from last_err
+
+
+def _restart_once(handle: SeaweedHandle, cmd: list[str], ports: dict[str, int], timeout: float) -> SeaweedHandle:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
     t0 = time.monotonic()
     with open(handle.log_path, "ab") as log:
-        proc = subprocess.Popen(handle.cmd, cwd=handle.data_dir.parent, env=env, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(cmd, cwd=handle.data_dir.parent, env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_pdeathsig())  # noqa: PLW1509 - it only calls prctl, which is fork-safe
     again = SeaweedHandle(handle.endpoint_url, handle.access_key, handle.secret_key, handle.region, proc,
-                          handle.ports, handle.data_dir, handle.log_path, handle.cmd, 0.0, env=handle.env)
+                          ports, handle.data_dir, handle.log_path, cmd, 0.0, env=handle.env)
     return _wait_ready(again, t0, timeout)

@@ -46,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "bench"), os.path.join(HERE, "..", "examples")]
 
 import torch  # noqa: E402
+from bench_guard import train_step  # noqa: E402
 from bench_state_fingerprint import OpCount, state  # noqa: E402
 from gpu_guard_cost import guard_cost  # noqa: E402
 
@@ -147,13 +148,7 @@ def step_overhead(device: torch.device, d: int, layers: int, steps: int) -> dict
     batch = torch.randint(0, 512, (8, 65), device=device)
 
     def one(s: int, m: torch.nn.Module, opt: torch.optim.Optimizer, guard: SDCGuard | None) -> None:
-        if guard is None:
-            lm_loss(m, batch).backward()
-            opt.step()
-        else:
-            guard.backward(batch, step=s)
-            guard.step()
-        opt.zero_grad()
+        train_step(m, opt, guard, batch, s, lm_loss)
 
     times: dict[str, list[float]] = {name: [] for name in runs}
     for s in range(steps):  # interleaved, so drift in clocks and caches hits both alike

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_guard import train_step  # tools/bench: on the path where gpu_check imports this module
 
 from verified_ckpt import GuardConfig, SDCGuard
 
@@ -90,13 +91,7 @@ def one_width(device: torch.device, shape: tuple[int, int, int, int, int], steps
     ids = torch.randint(0, vocab, (batch, context + 1), device=device)
 
     def one(s: int, m: torch.nn.Module, opt: torch.optim.Optimizer, guard: SDCGuard | None) -> None:
-        if guard is None:
-            loss(m, ids).backward()
-            opt.step()
-        else:
-            guard.backward(ids, step=s)
-            guard.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(m, opt, guard, ids, s, loss)
 
     times: dict[str, list[float]] = {name: [] for name in runs}
     capped = False

@@ -11,17 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
+from forward_campaign import Times10
 from models import TinyGPT, lm_loss
 from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
 
 pytestmark = pytest.mark.timeout(240)
-
-PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, F.scaled_dot_product_attention)
-
 
 def hf(kind: str) -> nn.Module:
     import transformers as tf
@@ -49,28 +45,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[..., torch.Tensor], st
 }
 
 
-class Transient(TorchFunctionMode):
-    """The test's own fault: the ``which``-th product of the forward (counted in call order) gets one element x10."""
-
-    def __init__(self, which: int, element: int) -> None:
-        super().__init__()
-        self.which, self.element, self.seen, self.changed = which, element, 0, False
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func in PRODUCTS and isinstance(out, torch.Tensor) and out.dim() >= 3 and torch.is_grad_enabled():
-            self.seen += 1
-            if self.seen == self.which:
-                out = out.clone(memory_format=torch.contiguous_format)
-                k = self.element % out.numel()
-                before = out.view(-1)[k].item()
-                out.view(-1)[k] = out.view(-1)[k] * 10
-                self.changed = before != 0
-        return out
-
-
 def run(kind: str, steps: int, fault: tuple[int, int, int] | None = None, bf16: bool = False,
-        seed: int = 0) -> tuple[SDCGuard, nn.Module, Any, Transient | None]:
+        seed: int = 0) -> tuple[SDCGuard, nn.Module, Any, Times10 | None]:
     build, loss, _ = MODELS[kind]
     torch.manual_seed(seed)
     model = build()
@@ -86,7 +62,7 @@ def run(kind: str, steps: int, fault: tuple[int, int, int] | None = None, bf16: 
         batch = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
         try:
             if fault is not None and step == fault[0]:
-                hit = Transient(fault[1], fault[2])
+                hit = Times10(fault[1], fault[2], nudge_zero=False)  # the campaign's fault; x10 of a 0 is none
                 with hit:
                     guard.backward(batch, step=step)
             else:

@@ -104,11 +104,12 @@ def trial(rank: int, kind: str, site: str, bad: int, at: int, seed: int) -> dict
 
 
 class Times10(TorchFunctionMode):
-    """x10 on one element of the ``which``-th product (counted in call order) of the forward it is held over."""
+    """x10 on one element of the ``which``-th product (counted in call order) of the forward it is held over;
+    ``nudge_zero``: an exact 0 becomes 1 (else x10 of it is no fault, and ``changed`` says so)."""
 
-    def __init__(self, which: int, element: int) -> None:
+    def __init__(self, which: int, element: int, nudge_zero: bool = True) -> None:
         super().__init__()
-        self.which, self.element, self.seen = which, element, 0
+        self.which, self.element, self.nudge_zero, self.seen, self.changed = which, element, nudge_zero, 0, False
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -117,7 +118,9 @@ class Times10(TorchFunctionMode):
             if self.seen == self.which:
                 out = out.clone(memory_format=torch.contiguous_format)
                 k = self.element % out.numel()
-                out.view(-1)[k] = out.view(-1)[k] * 10 + (1.0 if out.view(-1)[k] == 0 else 0.0)
+                zero = bool(out.view(-1)[k] == 0)
+                out.view(-1)[k] = out.view(-1)[k] * 10 + (1.0 if zero and self.nudge_zero else 0.0)
+                self.changed = not zero or self.nudge_zero
         return out
 
 

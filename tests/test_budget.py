@@ -125,7 +125,8 @@ def test_the_guards_work_after_the_gather_counts_in_the_next_steps_time_and_floo
     assert w.take().step_s == 1.0  # the first step: from its first microbatch to its gather
     now[0] = 1.5  # 0.5 s after the gather: 0.2 the optimizer's update, 0.1 a consensus, 0.05 a wait for the device
     w.update, w.consensus = 0.2, 0.1
-    w.close(waited=0.05)
+    w.waited(0.05)
+    w.close()
     assert w.floor == pytest.approx(0.15)
     now[0] = 2.0
     w.start()

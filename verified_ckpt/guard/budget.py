@@ -145,6 +145,7 @@ class Stopwatch:
         self._mark: float | None = None
         self._taken: float | None = None  # when the last figures were taken (the step's gather)
         self._tail = 0.0  # the guard's own work after the last gather: the next step's, in its time and its floor
+        self._waited = 0.0  # the last gather's wait for the device (a GPU's backward): training's time, not the guard's
 
     def start(self) -> None:
         """The step's first microbatch begins."""
@@ -174,22 +175,27 @@ class Stopwatch:
         self._taken, self._tail = now, 0.0
         return got
 
-    def own(self, t0: float) -> None:
-        """The guard's own work since ``t0`` inside a step (a microbatch's bookkeeping): part of the floor."""
-        self.floor += time.perf_counter() - t0
+    def own(self, t0: float, part: str = "floor") -> None:
+        """The guard's own work since ``t0`` inside a step (a microbatch's bookkeeping), counted to ``part``
+        (``"floor"`` or ``"abft"``)."""
+        setattr(self, part, getattr(self, part) + time.perf_counter() - t0)
 
-    def close(self, waited: float = 0.0) -> None:
+    def waited(self, seconds: float) -> None:
+        """The step's gather waited this long for the device (its copy back follows the backward's kernels)."""
+        self._waited = seconds
+
+    def close(self) -> None:
         """The step is over: what the guard did since its gather (the gather and the verdicts, the witnesses around
-        the update; not the update, a consensus or an audit, which are measured apart, nor ``waited``, a wait for the
-        device that is training's) is its own work, added to the next step's time and floor. Untimed, it read as
+        the update; not the update, a consensus or an audit, which are measured apart, nor the gather's wait for the
+        device, which is training's: :meth:`waited`) is its own work, added to the next step's time and floor. Untimed, it read as
         training: the estimate came out below what a run measured."""
         if self._taken is None:
             return
         tail = time.perf_counter() - self._taken - self.update - max(self.consensus, 0.0) - max(self.audit, 0.0)
-        tail = max(tail - waited, 0.0)
+        tail = max(tail - self._waited, 0.0)
         self.floor += tail
         self._tail += tail
-        self._taken = None
+        self._taken, self._waited = None, 0.0
 
 
 class Budget:

@@ -43,7 +43,6 @@ class Schedule:
         self.abft_ran = False  # whether ABFT ran at the step being closed (its cost is measured only then)
         self.slices = 0  # budget audits run: which slice is next
         self.slicing: bool | None = None  # whether loss_fn takes a slice of a microbatch (decided at the first)
-        self.waited = 0.0  # the step's gather, where it waited for the device (a GPU's backward): training's time
         self._logged: Rates | None = None
 
     def fit(self, *, audits: bool, abft: bool, replicas: int) -> None:
@@ -61,7 +60,7 @@ class Schedule:
         """The plan for ``step`` (and ABFT at the next) from every rank's gathered cost figures."""
         # On a GPU the gather's copy back waits for the backward's kernels: that wait is training, not the guard
         # (``Stopwatch.close`` leaves it out; on a CPU it is the guard's own).
-        self.waited = 0.0 if on_cpu else gather_s
+        self.watch.waited(0.0 if on_cpu else gather_s)
         self.plan = self.budget.plan(step, [Costs.of(r) for r in rows], self.abft_ran)
         return self.plan
 

@@ -224,7 +224,7 @@ class SDCGuard(Bookkeeping):
             t0 = time.perf_counter()
             self.abft.begin_backward(self.params)
             self.sched.abft_ran = self.abft.on
-            self.sched.watch.abft += time.perf_counter() - t0
+            self.sched.watch.own(t0, "abft")
         if self.abft is not None and self.abft.probing:
             self.abft.first_backward(loss, run, self.comm.any_of)
             self._report_coverage(self.abft.coverage())
@@ -270,7 +270,7 @@ class SDCGuard(Bookkeeping):
             self.faults.step_done(s)
             self._reset_step()
             st.step = None
-            self.sched.watch.close(self.sched.waited)
+            self.sched.watch.close()
 
     def _check(self, s: int) -> None:
         """Step ``s``'s checks before the update (each raises when it fails), from the step's one gather: the layout's

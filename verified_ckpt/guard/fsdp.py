@@ -228,7 +228,7 @@ class ShardedLayout:
         """NaN/Inf and checksums of this step's reductions and ABFT's worst, judged (raises on the first that fails);
         no rank stands out for an audit here (the schedule's, or a request, decides one)."""
         p, cfg = self.p, self.p.cfg
-        reductions = [r.floats("reductions") for r in rows]
+        reductions = self._reductions(rows)
         # A data-parallel mesh of one rank (tensor parallel only) reduces nothing: there is nothing to judge, and
         # no pass is claimed.
         judged = judge_step(s, reductions, self.view, self.rs_tap.modes, p.project.k, self._eps or 2.0**-24,
@@ -247,8 +247,12 @@ class ShardedLayout:
         # The first step's backward ran under ABFT's FLOP counter, which can round differently (HF Llama): its
         # audit compares two recomputations, each owner's of its own and its auditor's, not the step's records.
         counted = self.checks is not None and self.checks.counted
-        recorded = [[*r.floats("reductions"), r.value("loss")] for r in rows]
+        recorded = [[*x, r.value("loss")] for x, r in zip(self._reductions(rows), rows, strict=True)]
         self._audit(s, list(zip(self.st.batches, self.st.rng, strict=True)), None if counted else recorded)
+
+    def _reductions(self, rows: Sequence[RankRow]) -> list[list[float]]:
+        """Every rank's reductions' rows from its gathered row (``pipeline``: without its padding)."""
+        return [r.floats("reductions") for r in rows]
 
     def _refuse_unchecked(self, s: int) -> None:
         """The first step's tensor-parallel layers whose products the hooks cannot see: refused, on every rank alike

@@ -249,12 +249,6 @@ class PipelineLayout(ShardedLayout):
         self._judge_step(s, [*verdicts, *self._abft_verdict(s, worst_of(rows), steps)], steps)
         return []
 
-    def audit(self, s: int, rows: Sequence[RankRow], suspects: list[int]) -> None:
-        """Step ``s``'s audit, against every rank's recorded reductions (its own length) and loss."""
-        recorded = [[*x, r.value("loss")] for x, r in zip(self._reductions(rows), rows, strict=True)]
-        counted = self.checks is not None and self.checks.counted
-        self._audit(s, list(zip(self.st.batches, self.st.rng, strict=True)), None if counted else recorded)
-
     def _reductions(self, rows: Sequence[RankRow]) -> list[list[float]]:
         """Every rank's reductions' rows, without the padding."""
         assert self.layout is not None

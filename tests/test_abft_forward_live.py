@@ -57,7 +57,7 @@ def test_the_forward_check_reads_the_tensors_the_forward_used_and_checks_a_first
 
     model[0].register_forward_hook(wrong)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard.append(SDCGuard(model, opt, mse, GuardConfig(abft_every=1, abft_forward=True, audit_every=None)))
+    guard.append(SDCGuard(model, opt, mse, GuardConfig()))  # the defaults: forward checks on (one rank: no audits)
     caught = None
     for step in range(1, 5):
         g = torch.Generator().manual_seed(step)

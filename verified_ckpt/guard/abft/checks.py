@@ -7,15 +7,15 @@ import contextlib
 import fnmatch
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from ...dtensors import local
 from ..budget import Stopwatch
-from . import forward as fwd
 from . import norms
 from .flops import FlopCount
+from .forward import Forwards
 from .layers import (
     COMPILED,
     OUTSIDE,
@@ -31,33 +31,11 @@ from .layers import (
 from .norms import norm_kind
 from .products import ProductChecks
 from .rowstats import row_stats
-from .sums import EPS32, RMS, Covered, matmul_eps, rgs, row_norms, signed_weights, unit_roundoff, worst_ratio
+from .sums import EPS32, RMS, Covered, matmul_eps, rgs, signed_weights, unit_roundoff, worst_ratio
 from .verdict import code_name
+from .weights import Weights
 
 __all__ = ["GradientChecks"]
-
-
-class Rows(NamedTuple):
-    """A layer's vectors as the rows two of its tensors are projected on in one read each (``rowstats``): ``x =
-    [s, Wᵀ r]`` for the input (with the forward check), ``dy = [W s, r]`` for the output's gradient (with the input
-    check); ``ws`` and ``wr`` their rows refilled per step, in place (views made once: each costs a dispatch)."""
-
-    s: torch.Tensor  # what they were built from
-    r: torch.Tensor
-    x: torch.Tensor
-    dy: torch.Tensor
-    ws: torch.Tensor
-    wr: torch.Tensor
-
-
-def _rows(cache: dict[int, Rows], layer: Layer, s: torch.Tensor, r: torch.Tensor) -> Rows:
-    """The layer's :class:`Rows`, built again when its vectors change (a tensor-parallel slice's, at its first
-    forward)."""
-    got = cache.get(layer.number)
-    if got is None or got.s is not s or got.r is not r:
-        x, dy = torch.stack((s, torch.zeros_like(s))), torch.stack((torch.zeros_like(r), r))
-        got = cache[layer.number] = Rows(s, r, x, dy, dy[0], x[1])
-    return got
 
 
 class GradientChecks:
@@ -70,6 +48,8 @@ class GradientChecks:
         slack: safety factor on the rounding bounds.
         exclude: ``fnmatch`` patterns of parameter names to leave out.
     """
+
+    group_weights = True  # whether layers' weights stay put through a step (``weights.WeightGroups``)
 
     def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor], seed: int, slack: float,
                  exclude: Sequence[str] = (), compiled: bool = False, watch: Stopwatch | None = None,
@@ -130,8 +110,8 @@ class GradientChecks:
         self._tag = 0
         self._open: dict[int, InputCheck] = {}  # by id of the module: a forward between its two hooks
         self._inputs: list[InputCheck] = []  # this step's input-gradient checks, filled
-        self._forwards: list[tuple[torch.Tensor, int]] = []  # this step's forward-output ratios, and their layer
-        self._rows: dict[int, Rows] = {}  # by layer number
+        self._forwards = Forwards(slack)  # this step's forward-output checks
+        self._weights: Weights | None = None  # what each step's checks need of the weights
         # Attention's products, at their step (``products.py``); not inside torch.compile'd code, which would trace
         # the mode into its graphs.
         self.products = ProductChecks(lambda: self.on, slack, seed, None if in_compiled else module, timed)
@@ -233,7 +213,7 @@ class GradientChecks:
         for c in self.covered.values():
             c.entries, c.base, c.base_spread, c.rows, c.eps_in, c.eps_out, c.eps_acc = [], None, None, 0, EPS32, EPS32, EPS32
         self._inputs = []
-        self._forwards = []
+        self._forwards = Forwards(self.slack)
         self.products.reset()
         self._open = {}
         self._tag += 1  # a new step: the weights may have changed
@@ -270,6 +250,14 @@ class GradientChecks:
     def _active(self, out: Any) -> bool:
         return self.on and torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
 
+    @property
+    def weights(self) -> Weights:
+        """What each step's checks need of the weights, made at the first covered forward (tensor-parallel slices
+        are bound by then)."""
+        if self._weights is None:
+            self._weights = Weights(list(self.layers.values()), self.forward, self.group_weights)
+        return self._weights
+
     def _linear_pre(self, mod: torch.nn.Module, args: Any) -> Any:
         x = args[0] if args else None
         layer = self.layers.get(id(mod))
@@ -278,14 +266,7 @@ class GradientChecks:
                 or not torch.is_grad_enabled() or not (x.requires_grad or self.forward):
             return None
         if layer.tag != self._tag and layer.r is not None:
-            rows = _rows(self._rows, layer, layer.s, layer.r)
-            with torch.no_grad():
-                w = (layer.weight if layer.live is None else layer.live).detach().float()
-                layer.ws = torch.mv(w.T if layer.kind == "Conv1D" else w, layer.s, out=rows.ws)
-                layer.wnorm = row_norms(w.reshape(1, -1)).view(())  # float32, as the products it bounds
-                if self.forward:
-                    fwd.prepare(layer, w, rows.wr, layer.bias if layer.live_bias is None else layer.live_bias)
-            layer.tag = self._tag
+            self.weights.prepare(layer, self._tag)
         if not x.requires_grad:  # a first layer's input (the data): no input gradient, but its forward is checked
             return None
         check = self._open[id(mod)] = InputCheck(layer)
@@ -311,7 +292,7 @@ class GradientChecks:
                     c.uses += 1
         if layer.r is None or layer.s is None:
             return
-        rows = _rows(self._rows, layer, layer.s, layer.r)
+        rows = self.weights.rows(layer)
         xs = a = None
         if w is not None or forward:
             # Float32 checksums, no autograd graph (an autocast context costs more than the products: only where
@@ -321,10 +302,7 @@ class GradientChecks:
                 xs, a = row_stats(x.reshape(-1, x.shape[-1]), rows.x if forward else layer.s)
                 if forward:
                     xs, xwr = xs.unbind()
-                    got = fwd.ratio(layer, xwr, a, out, (matmul_eps(x.device.type, cast), unit_roundoff(out.dtype)),
-                                    self.slack)
-                    if got is not None:
-                        self._forwards.append((got, layer.number))
+                    self._forwards.add(layer, out, xwr, a, (matmul_eps(x.device.type, cast), unit_roundoff(out.dtype)))
         if w is None and bias is None and check is None and not probing:
             return
         device_type = x.device.type
@@ -422,7 +400,7 @@ class GradientChecks:
         """float64[2]: the worst input-gradient ratio of this step and ``n_params + layer`` naming its layer (on the
         device); ``None`` when no input gradient was checked."""
         base = self.overflow_at + self._n
-        return worst_layer(self._inputs, self._forwards, self._n, len(self.layers),
+        return worst_layer(self._inputs, self._forwards.ratios() if self._forwards else None, self._n, len(self.layers),
                            [(r, base + number) for r, number in self.products.ratios])
 
     @property

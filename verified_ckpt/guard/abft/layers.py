@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..stats import worst
-from .sums import constant_on, lengths_on
+from .sums import constant_on, floored, lengths_on
 
 __all__ = ["COMPILED", "OUTSIDE", "TP_UNCHECKED", "Coverage", "InputCheck", "InputTap", "Layer", "gradient_paths", "input_ratios",
            "layer_kind", "worst_layer"]
@@ -80,19 +80,22 @@ class InputCheck:
     coef: float = 0.0
 
 
-def worst_layer(inputs: list[InputCheck], forwards: list[tuple[torch.Tensor, int]], base: int,
+def worst_layer(inputs: list[InputCheck], forwards: tuple[torch.Tensor, tuple[int, ...]] | None, base: int,
                 n_layers: int, others: Sequence[tuple[torch.Tensor, int]] = ()) -> torch.Tensor | None:
-    """float64[2]: the worst of a step's input-gradient checks (``inputs``), forward-output ratios (``forwards``:
-    ratio and layer number) and other ratios with their codes (``others``: the products', ``products.py``), and its
-    code: ``base + layer``, or ``base + n_layers + layer`` for a forward; on the device (no host sync). ``None``
-    when nothing was checked."""
-    if not inputs and not forwards and not others:
+    """float64[2]: the worst of a step's input-gradient checks (``inputs``), forward-output checks (``forwards``:
+    each call's ratio, float64, and its layer's number) and other ratios with their codes (``others``: the
+    products', ``products.py``), and its code: ``base + layer``, or ``base + n_layers + layer`` for a forward; on
+    the device (no host sync). ``None`` when nothing was checked."""
+    if not inputs and forwards is None and not others:
         return None
     parts = [input_ratios(inputs)] if inputs else []
-    if forwards or others:
-        parts.append(torch.stack([r.reshape(()) for r, _ in [*forwards, *others]]).double())
+    if forwards is not None:
+        parts.append(forwards[0])
+    if others:
+        parts.append(torch.stack([r.reshape(()) for r, _ in others]).double())
     ratios = torch.cat(parts) if len(parts) > 1 else parts[0]
-    codes = (tuple(base + c.layer.number for c in inputs) + tuple(base + n_layers + number for _, number in forwards)
+    codes = (tuple(base + c.layer.number for c in inputs)
+             + (() if forwards is None else tuple(base + n_layers + number for number in forwards[1]))
              + tuple(code for _, code in others))
     which = constant_on(codes, torch.float64, ratios.device)
     return worst(torch.stack([ratios, which]).T)
@@ -105,7 +108,7 @@ def input_ratios(checks: list[InputCheck]) -> torch.Tensor:
     in dispatch than in arithmetic on small layers, where most of ABFT's overhead was."""
     u = torch.cat([c.u for c in checks if c.u is not None])
     z = torch.cat([c.z for c in checks if c.z is not None])
-    b = torch.cat([c.b for c in checks if c.b is not None])
+    b = floored(torch.cat([c.b for c in checks if c.b is not None]))
     wnorm = torch.stack([c.layer.wnorm for c in checks if c.layer.wnorm is not None])
     lens = lengths_on(tuple(c.u.numel() for c in checks if c.u is not None), u.device)
     scale = wnorm * constant_on(tuple(c.coef for c in checks), torch.float32, u.device)

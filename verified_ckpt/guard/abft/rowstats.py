@@ -4,14 +4,15 @@ row norms.
 The hooks need, of the layer input ``X``, ``X s`` (the weight check) and ``X (Wᵀ r)`` (the forward check); of the
 output ``Y``, ``Y r``; of the output's gradient ``dY``, ``dY (W s)`` and ``dY r``; and of each, the row norms their
 bounds are built on. :func:`row_stats` returns all of one tensor's in one pass over it:
-``proj[j] = a.float() @ vecs[j]`` and ``norms = sums.row_norms(a.float())``.
+``proj[j] = a.float() @ vecs[j]`` and ``norms = ‖a_n‖`` unfloored: the hooks record them and the step's batched
+checks floor all of a step's at once after joining them (``sums.floored``: one op a step, not one a call).
 
 * On CUDA, where Triton imports: one kernel (:func:`triton_row_stats`) reads ``a`` once, in tiles of rows by
   columns, in its own dtype (bf16/fp16 are upcast in registers: no float32 copy of ``a``), accumulating the
   ``c`` products and the sum of squares in float32; the ragged edges are masked (nothing past a row's end or the
   last row is read). The products are elementwise multiplies summed per row, not ``tl.dot``: ``c`` is at most 4,
   under a tensor core's smallest tile, and the interpreter's bf16 ``tl.dot`` is wrong.
-* Elsewhere: one float32 copy where ``a`` is not float32, then ``mm(vecs, a32ᵀ)`` and ``row_norms`` (one vector:
+* Elsewhere: one float32 copy where ``a`` is not float32, then ``mm(vecs, a32ᵀ)`` and the row norms (one vector:
   ``mv``). Measured on this project's 2-core CPU (torch 2.13, 2 threads, float32 ``a``, best of 9, µs for
   c = 1 / 2 / 3; the row norms alone for comparison):
 
@@ -37,12 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from typing import Any
 
 import torch
-
-from .sums import TINY, row_norms
 
 __all__ = ["MAX_VECTORS", "row_stats", "torch_row_stats", "triton_row_stats"]
 
@@ -52,8 +50,9 @@ _BLOCK_N, _BLOCK_D = 16, 128  # rows by columns per tile: 2048 float32 per progr
 
 def row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(proj float32[c, n], norms float32[n])`` of a 2-D ``a`` (``n`` rows of ``d``, any float dtype, rows may
-    be strided) and float32 ``vecs[c, d]`` (c in 1..4): ``proj[j] = a.float() @ vecs[j]``, ``norms`` as
-    ``sums.row_norms(a.float())``; one vector ``vecs[d]`` gives ``proj[n]``. One read of ``a``: a Triton kernel on
+    be strided) and float32 ``vecs[c, d]`` (c in 1..4, rows may be strided): ``proj[j] = a.float() @ vecs[j]``,
+    ``norms`` the rows' norms, not floored (``sums.floored`` after the step's are joined); one vector ``vecs[d]``
+    gives ``proj[n]``. One read of ``a``: a Triton kernel on
     CUDA, the torch ops elsewhere."""
     if a.is_cuda and _triton() is not None:
         return triton_row_stats(a, vecs)
@@ -67,7 +66,8 @@ def torch_row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, 
             return torch_row_stats(a, vecs)
     a32 = a if a.dtype == torch.float32 else a.float()
     # One vector: mv, no view dispatched (the hooks' host cost counts every dispatch)
-    return torch.mv(a32, vecs) if vecs.dim() == 1 else torch.mm(vecs, a32.T), row_norms(a32)
+    return (torch.mv(a32, vecs) if vecs.dim() == 1 else torch.mm(vecs, a32.T),
+            torch.linalg.vector_norm(a32, dim=1))
 
 
 def triton_row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +77,7 @@ def triton_row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor,
     if not 1 <= c <= MAX_VECTORS or vecs.shape[-1] != d or vecs.dim() > 2:
         raise ValueError(f"row_stats takes 1 to {MAX_VECTORS} vectors of the rows' width {d}, got a {tuple(vecs.shape)}"
                          " tensor: pass the vectors as rows of one float32 tensor")
-    vecs = vecs.float().contiguous()
+    vecs = vecs if vecs.dtype == torch.float32 and vecs.stride(-1) == 1 else vecs.float().contiguous()
     proj = torch.empty((n,) if vecs.dim() == 1 else (c, n), dtype=torch.float32, device=a.device)
     norms = torch.empty(n, dtype=torch.float32, device=a.device)
     if n == 0:
@@ -85,7 +85,7 @@ def triton_row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor,
     kernel = _kernel()
     grid = (-(-n // _BLOCK_N),)
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
-        kernel[grid](a, vecs, proj, norms, n, d, a.stride(0), a.stride(1), TINY * math.sqrt(max(d, 1)),
+        kernel[grid](a, vecs, proj, norms, n, d, a.stride(0), a.stride(1), vecs.stride(0) if vecs.dim() == 2 else d,
                      C=c, BLOCK_C=1 << (c - 1).bit_length(), BLOCK_N=_BLOCK_N, BLOCK_D=min(_BLOCK_D, _pow2(d)))
     return proj, norms
 
@@ -114,7 +114,7 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def row_stats_kernel(a_ptr, v_ptr, p_ptr, q_ptr, n, d, stride_n, stride_d, floor,  # type: ignore[no-untyped-def]
+    def row_stats_kernel(a_ptr, v_ptr, p_ptr, q_ptr, n, d, stride_n, stride_d, stride_v,  # type: ignore[no-untyped-def]
                          C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_rows = rows < n
@@ -129,11 +129,9 @@ def _kernel() -> Any:
                         mask=in_rows[:, None] & in_cols[None, :], other=0.0).to(tl.float32)
             sq += tl.sum(x * x, axis=1)
             for j in tl.static_range(C):
-                v = tl.load(v_ptr + j * d + ks, mask=in_cols, other=0.0)
+                v = tl.load(v_ptr + j * stride_v + ks, mask=in_cols, other=0.0)
                 acc += tl.where(cs[None, :] == j, tl.sum(x * v[None, :], axis=1)[:, None], 0.0)
-        norm = tl.sqrt(sq)
-        # As row_norms' clamp (a NaN stays NaN: it is what makes the ratio an alarm)
-        tl.store(q_ptr + rows, tl.where(norm < floor, floor, norm), mask=in_rows)
+        tl.store(q_ptr + rows, tl.sqrt(sq), mask=in_rows)  # a NaN stays NaN: it is what makes the ratio an alarm
         tl.store(p_ptr + cs[None, :].to(tl.int64) * n + rows[:, None], acc, mask=in_rows[:, None] & (cs[None, :] < C))
 
     return row_stats_kernel

@@ -46,6 +46,8 @@ class ShardedGradientChecks(GradientChecks):
     """:class:`GradientChecks` for a ``fully_shard``-ed model (with or without tensor parallel): the weights are
     the ones each forward uses, and each gradient is checked as it is accumulated, before FSDP reduces it."""
 
+    group_weights = False  # a forward's weight exists only in that forward (FSDP2's unsharded one, a TP slice)
+
     def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor], seed: int, slack: float,
                  **kw: Any) -> None:
         self._seed = seed

@@ -12,15 +12,18 @@ import torch
 __all__ = [
     "EPS32",
     "MAX_ENTRIES",
+    "NORM_FLOOR",
     "RMS",
     "Covered",
     "bound_coefficients",
     "coefficients_on",
     "constant_on",
     "expected_sums",
+    "floored",
     "lengths_on",
     "matmul_eps",
     "norm",
+    "per_call",
     "ratio_of",
     "rgs",
     "row_norms",
@@ -28,6 +31,7 @@ __all__ = [
     "sums",
     "unit_roundoff",
     "worst_ratio",
+    "zero_on",
 ]
 
 RMS = math.sqrt(7 / 3)  # rms of a weight drawn from ±[1, 2]
@@ -37,6 +41,11 @@ MAX_ENTRIES = 8
 EPS32 = 2.0**-24
 _SQRT3 = math.sqrt(3)
 TINY = 1.1e-19  # √(smallest normal float32): below it a float32 square underflows
+# The floor of every row norm a bound is built on (``floored``): ``TINY`` times the root of the widest row any
+# layer has (2²⁰ features), so no row's norm is 0 where its float32 squares underflowed (``row_norms``). One
+# floor for every width, so that the norms of a whole step are floored in one op after they are joined; it is
+# above what a narrower row needs, which only loosens the bound of rows whose values are all below 1e-16.
+NORM_FLOOR = TINY * 2.0**10
 MATMUL_EPS = {"highest": 2.0**-24, "high": 2.0**-11, "medium": 2.0**-8}  # float32 matmuls on CUDA: full, TF32, bf16
 
 
@@ -113,6 +122,12 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     return got
 
 
+def floored(norms: torch.Tensor) -> torch.Tensor:
+    """Row norms (a step's, joined: ``rowstats.row_stats`` gives them unfloored) floored in place at
+    ``NORM_FLOOR`` (``row_norms`` says why); a NaN stays NaN."""
+    return norms.clamp_min_(NORM_FLOOR)
+
+
 def signed_weights(n: int, g: torch.Generator, device: torch.device) -> torch.Tensor:
     signs = torch.randint(0, 2, (n,), generator=g) * 2 - 1
     return ((torch.rand(n, generator=g) + 1) * signs).to(device)
@@ -145,7 +160,7 @@ def sums(covered: Sequence[Covered]) -> tuple[torch.Tensor, torch.Tensor]:
         entries = [e for c in weights for e in c.entries]
         lengths = lengths_on(tuple(sum(e[2].numel() for e in c.entries) for c in weights), entries[0][2].device)
         x = torch.cat([e[0] for e in entries if e[0] is not None])
-        ab = torch.cat([e[1] for e in entries if e[1] is not None]) * torch.cat([e[3] for e in entries])
+        ab = floored(torch.cat([e[1] for e in entries if e[1] is not None])) * floored(torch.cat([e[3] for e in entries]))
         y = torch.cat([e[2] for e in entries])
         expected.append(torch.segment_reduce(x.double() * y.double(), "sum", lengths=lengths))
         spread.append(torch.segment_reduce(ab.double().square(), "sum", lengths=lengths))
@@ -153,7 +168,8 @@ def sums(covered: Sequence[Covered]) -> tuple[torch.Tensor, torch.Tensor]:
         entries = [e for c in biases for e in c.entries]
         lengths = lengths_on(tuple(sum(e[2].numel() for e in c.entries) for c in biases), entries[0][2].device)
         expected.append(torch.segment_reduce(torch.cat([e[2] for e in entries]).double(), "sum", lengths=lengths))
-        spread.append(torch.segment_reduce(torch.cat([e[3] for e in entries]).double().square(), "sum", lengths=lengths))
+        spread.append(torch.segment_reduce(floored(torch.cat([e[3] for e in entries])).double().square(), "sum",
+                                           lengths=lengths))
     if len(expected) == 1:
         return expected[0], spread[0]
     return torch.cat(expected), torch.cat(spread)
@@ -164,6 +180,18 @@ def constant_on(values: tuple[float, ...] | tuple[int, ...], dtype: torch.dtype,
     """Plain numbers of a layout (segment lengths, coefficients, codes) as a device tensor, made once per layout: a
     host-to-device copy saved per step."""
     return torch.tensor(values, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=512)
+def per_call(values: tuple[float, ...], lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """float32: each call's plain number (a bound's coefficient) repeated over its rows, made once per layout."""
+    return torch.tensor(values, dtype=torch.float32).repeat_interleave(torch.tensor(lengths)).to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def zero_on(device: torch.device) -> torch.Tensor:
+    """A float32 0-d zero on ``device``, made once: what stands for a term a layer lacks (its bias) in a stack."""
+    return torch.zeros((), device=device)
 
 
 def lengths_on(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -41,7 +41,6 @@ from .sharded import (
     state_row,
 )
 from .stats import StepFigures, Verdict, step_rows
-from .stats import worst as worst_pair
 from .tp import loss_parallel_active, loss_value, refusal, replaying_under
 
 if TYPE_CHECKING:
@@ -279,10 +278,10 @@ class ShardedLayout:
         """float64[2]: this step's worst ABFT (ratio, index) over the weight and input gradients this rank checked
         (``[-1, -1]``: none)."""
         checks = self.checks
-        got = [t for t in (checks.step_worst(), checks.inputs_worst()) if t is not None] if checks is not None else []
-        if not got:
+        got = checks.worst() if checks is not None else None
+        if got is None:
             return torch.full((2,), -1.0, dtype=torch.float64, device=self.p.device)  # a fill: no copy from the host
-        return got[0].to(torch.float64) if len(got) == 1 else worst_pair(torch.stack(got))
+        return got.to(torch.float64)
 
     def _judge_step(self, s: int, judged: Sequence[Verdict], steps: Callable[[], Sequence[StepFigures]]) -> None:
         """Judge the per-step verdicts whose checks the config has on, then the step's ledger rows (``steps()``, built

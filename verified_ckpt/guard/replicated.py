@@ -162,7 +162,7 @@ class ReplicatedLayout:
         """This rank's segments of step ``s``'s gathered row: its buckets' figures (``stats.step_segments``)."""
         if not self.tap.buckets:
             raise GuardUsageError("no gradient bucket was reduced this step; the last backward() of a step must have sync=True")
-        inputs = self.abft.inputs_worst() if self.abft is not None else None
+        inputs = self.abft.worst() if self.abft is not None else None
         return step_segments(self.tap.buckets, self.p.project, inputs)
 
     def judge(self, s: int, rows: Sequence[RankRow]) -> list[int] | None:

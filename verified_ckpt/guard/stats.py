@@ -148,7 +148,6 @@ class BucketStats:
     part: torch.Tensor  # float32, the local bucket's projection, unfinished (``Projector.part``)
     lanes: torch.Tensor | None  # int64[2], exact fingerprint of the local bucket (on scheduled audit steps)
     avg_part: torch.Tensor | None = None  # float32, the all-reduced bucket's, unfinished
-    abft: torch.Tensor | None = None  # float64[2]: the worst ABFT ratio and its parameter index
     eps: float = 2.0**-24  # unit roundoff of the dtype the bucket is reduced in
 
 
@@ -200,8 +199,8 @@ def step_segments(buckets: Sequence[BucketStats], project: Projector,
     """This rank's buckets summed into the step row's segments (``steprow.py``; :meth:`StepStats.of` reads them).
 
     A fixed handful of ops per step whatever the number of buckets: the projections of every bucket are
-    finished in one product per side (``Projector.total``). ``abft``: a worst ABFT (ratio, index) pair checked
-    outside the buckets (input gradients), weighed with the buckets' own."""
+    finished in one product per side (``Projector.total``). ``abft``: the step's worst ABFT (ratio, code) pair
+    (``GradientChecks.worst``: the buckets' gradients, judged at the step's end, and the layers' checks)."""
     bs = sorted(buckets, key=lambda b: b.index)
     dev = bs[0].sumsq.device
     sizes = [b.numel for b in bs]
@@ -216,7 +215,8 @@ def step_segments(buckets: Sequence[BucketStats], project: Projector,
         lanes = _const((0, 0), torch.int64, dev)
     # The eps's sign says whether the lanes are known (one value fewer in the row).
     meta = _const((float(sum(sizes)), max(b.eps for b in bs) * (1 if known else -1)), torch.float64, dev)
-    return [("sumsq", sumsq), ("meta", meta), ("proj", proj), ("avg", avg), ("abft", _worst_abft(bs, dev, abft)),
+    abft = _const((-1.0, -1.0), torch.float64, dev) if abft is None else abft  # [-1, -1]: nothing checked
+    return [("sumsq", sumsq), ("meta", meta), ("proj", proj), ("avg", avg), ("abft", abft),
             ("lanes", lanes)]
 
 
@@ -233,14 +233,6 @@ def host_row(values: Sequence[float], device: torch.device) -> torch.Tensor:
 def _const(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small constant tensor, made once (a per-step op or host-to-device copy saved); never written to."""
     return torch.tensor(values, dtype=dtype, device=device)
-
-
-def _worst_abft(buckets: Sequence[BucketStats], dev: torch.device, extra: torch.Tensor | None) -> torch.Tensor:
-    """float64[2]: the worst ABFT ratio over the buckets (and ``extra``) and its index ([-1, -1]: nothing covered)."""
-    got = [b.abft for b in buckets if b.abft is not None] + ([extra] if extra is not None else [])
-    if not got:
-        return _const((-1.0, -1.0), torch.float64, dev)
-    return got[0] if len(got) == 1 else worst(torch.stack(got))
 
 
 def worst(pairs: torch.Tensor) -> torch.Tensor:

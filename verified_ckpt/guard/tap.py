@@ -95,7 +95,7 @@ class GradientTap:
         t1 = time.perf_counter()
         self.watch.floor += t1 - t0
         if self.abft is not None:  # before the all-reduce: the local gradients, as this rank computed them
-            stats.abft = self.abft.flat(list(bucket.parameters()), buf, stats.sumsq)
+            self.abft.flat(list(bucket.parameters()), buf, stats.sumsq)
             self.watch.abft += time.perf_counter() - t1
         if self.fixed_order:
             parts = [torch.empty_like(buf) for _ in range(world)]
@@ -182,7 +182,7 @@ class GradientTap:
         stats = local_stats(0, flat, self.project, self.want_lanes(), rows)
         if self.abft is not None:
             t = time.perf_counter()
-            stats.abft = self.abft.flat(self.params, flat, stats.sumsq)
+            self.abft.flat(self.params, flat, stats.sumsq)
             self.watch.abft += time.perf_counter() - t
         self.faults.apply("allreduce", 0, step, flat)
         stats.avg_part = self.project.part(*rows)

@@ -13,6 +13,7 @@ import torch
 
 from ...dtensors import local
 from ..budget import Stopwatch
+from ..stats import worst
 from . import norms
 from .flops import FlopCount
 from .forward import Forwards
@@ -28,10 +29,11 @@ from .layers import (
     layer_kind,
     worst_layer,
 )
+from .measured import Measured, judge
 from .norms import norm_kind
 from .products import ProductChecks
 from .rowstats import row_stats
-from .sums import EPS32, RMS, Covered, matmul_eps, rgs, signed_weights, unit_roundoff, worst_ratio
+from .sums import EPS32, RMS, Covered, matmul_eps, rgs, signed_weights, unit_roundoff
 from .verdict import code_name
 from .weights import Weights
 
@@ -111,6 +113,7 @@ class GradientChecks:
         self._open: dict[int, InputCheck] = {}  # by id of the module: a forward between its two hooks
         self._inputs: list[InputCheck] = []  # this step's input-gradient checks, filled
         self._forwards = Forwards(slack)  # this step's forward-output checks
+        self._measured: list[Measured] = []  # this step's gradients, measured where whole (``measured.py``)
         self._weights: Weights | None = None  # what each step's checks need of the weights
         # Attention's products, at their step (``products.py``); not inside torch.compile'd code, which would trace
         # the mode into its graphs.
@@ -213,6 +216,7 @@ class GradientChecks:
         for c in self.covered.values():
             c.entries, c.base, c.base_spread, c.rows, c.eps_in, c.eps_out, c.eps_acc = [], None, None, 0, EPS32, EPS32, EPS32
         self._inputs = []
+        self._measured = []
         self._forwards = Forwards(self.slack)
         self.products.reset()
         self._open = {}
@@ -342,7 +346,7 @@ class GradientChecks:
             eps_in, eps_out = check.eps[0], max(check.eps[1], unit_roundoff(g.dtype))
             check.u = u
             check.coef = self.slack * RMS * (eps_in + eps_out + EPS32 * (math.sqrt(out_f) + math.sqrt(in_f) + 2))
-            self._inputs.append(check)  # checked with every other layer's at the step's end (``inputs_worst``)
+            self._inputs.append(check)  # checked with every other layer's at the step's end (``worst``)
 
     def _embedding_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
         layer = self.layers.get(id(mod))
@@ -371,37 +375,36 @@ class GradientChecks:
         out.register_hook(self.watch.timed("abft")(on_grad))
 
     # ------------------------------------------------------------ check
-    def flat(self, params: Sequence[torch.Tensor], buf: torch.Tensor,
-             sumsq: torch.Tensor | None = None) -> torch.Tensor | None:
+    def flat(self, params: Sequence[torch.Tensor], buf: torch.Tensor, sumsq: torch.Tensor | None = None) -> None:
         """:meth:`bucket` over a flat buffer holding ``params``' gradients one after another (a DDP bucket)."""
-        grads, pos = [], 0
-        for p in params:
-            grads.append(buf[pos : pos + p.numel()].view(p.shape))
-            pos += p.numel()
-        return self.bucket(params, grads, sumsq)
+        sizes = [p.numel() for p in params]
+        self.bucket(params, [g.view(p.shape) for p, g in zip(params, buf[: sum(sizes)].split(sizes), strict=True)], sumsq)
 
     def bucket(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-               sumsq: torch.Tensor | None = None) -> torch.Tensor | None:
-        """float64[2]: the worst ratio |actual - expected| / bound over the bucket's covered parameters, and that
-        parameter's index (on the device, no host sync); ``None`` when nothing in the bucket was covered this step.
-
-        One pass over each covered gradient (its ``v0ᵀ G v1``); the expected values and spreads of all of them, over
-        every microbatch, in a fixed handful of ops (``_sums``). ``sumsq``: the squared norm of all the gradients
-        together (the tap has it already). Its root bounds every gradient's own norm in the bound, which saves a
-        pass over each gradient; without it, each gradient's norm is computed.
-        """
+               sumsq: torch.Tensor | None = None) -> None:
+        """Measure a bucket's covered gradients, as this rank computed them (before their all-reduce): one pass over
+        each (its ``v0ᵀ G v1``, per group of like-shaped ones, ``measured.py``). ``sumsq``: the squared norm of all
+        the bucket's gradients together (the tap has it already): its root bounds each one's own. They are judged
+        with every other bucket's at the step's end (:meth:`worst`)."""
         got = [(c, g) for p, g in zip(params, grads, strict=True)
                if (c := self.covered.get(id(p))) is not None and c.rows]
-        if not got:
-            return None
-        return worst_ratio(got, sumsq, self.slack, self.overflow_at)
+        if got:
+            # Measured again in the same step (one process reducing after each microbatch): the gradient now holds
+            # every microbatch so far, which is what the step's records are compared with at its end.
+            again = {id(c) for c, _ in got}
+            self._measured = [m for m in self._measured if id(m.covered[0]) not in again]
+            with torch.no_grad():
+                self._measured.append(Measured.of_bucket(got, sumsq, self.slack))
 
-    def inputs_worst(self) -> torch.Tensor | None:
-        """float64[2]: the worst input-gradient ratio of this step and ``n_params + layer`` naming its layer (on the
-        device); ``None`` when no input gradient was checked."""
-        base = self.overflow_at + self._n
-        return worst_layer(self._inputs, self._forwards.ratios() if self._forwards else None, self._n, len(self.layers),
-                           [(r, base + number) for r, number in self.products.ratios])
+    def worst(self) -> torch.Tensor | None:
+        """float64[2]: this step's worst ABFT ratio and its code (:meth:`name_of`) over the gradients measured, the
+        input gradients, the forward outputs and the products, on the device (no host sync); ``None`` when
+        nothing was checked."""
+        base = self.overflow_at + self._n  # the products' codes
+        layers = worst_layer(self._inputs, self._forwards.ratios() if self._forwards else None, self._n,
+                             len(self.layers), [(r, base + number) for r, number in self.products.ratios])
+        got = [t for t in (judge(self._measured, self.overflow_at), layers) if t is not None]
+        return (got[0] if len(got) == 1 else worst(torch.stack(got))) if got else None
 
     @property
     def overflow_at(self) -> int:

@@ -33,7 +33,8 @@ from ...errors import GuardConfigurationError
 from ..tp import gradient_problem, linear_problem, loss_parallel_active, loss_problem, placements
 from .checks import GradientChecks
 from .layers import OUTSIDE, Layer, gradient_paths
-from .sums import Covered, bound_coefficients, norm, ratio_of, rgs, signed_weights
+from .measured import Measured
+from .sums import bound_coefficients, norm, rgs, signed_weights
 
 __all__ = ["TP_BIAS", "TP_SHARDED", "ShardedGradientChecks"]
 
@@ -55,7 +56,6 @@ class ShardedGradientChecks(GradientChecks):
         self._live: dict[int, torch.Tensor] = {}  # id of a covered parameter -> the tensor its forward uses
         # This step's checked gradients, measured where each was whole: what the step's end judges all at once
         # (one batch of sums, as the DDP bucket check), not one check per gradient.
-        self._measured: list[tuple[Covered, torch.Tensor, torch.Tensor, tuple[float, float, float]]] = []
         super().__init__(module, params, seed, slack, **kw)
         self._accumulated = self.watch.timed("abft")(self._accumulated)  # type: ignore[method-assign]
         self._local_forward = self.watch.timed("abft")(self._local_forward)  # type: ignore[method-assign]
@@ -190,8 +190,8 @@ class ShardedGradientChecks(GradientChecks):
         with torch.no_grad():
             # What the check needs of the gradient (its checksum and norm: two passes), and of the records (moved
             # to a copy: the next microbatch records afresh).
-            self._measured.append((dataclasses.replace(c, entries=list(c.entries)), rgs(c, g).double(), norm(g),
-                                   bound_coefficients(c, g.shape, self.slack)))
+            self._measured.append(Measured([dataclasses.replace(c, entries=list(c.entries))], rgs(c, g).double().view(1),
+                                           norm(g).view(1), [bound_coefficients(c, g.shape, self.slack)]))
         c.entries, c.rows, c.base, c.base_spread = [], 0, None, None
 
     def outside_uses(self, loss: torch.Tensor | Sequence[torch.Tensor]) -> list[bool]:
@@ -205,18 +205,5 @@ class ShardedGradientChecks(GradientChecks):
     def leave_out(self, mask: Sequence[bool], why: str = OUTSIDE) -> list[str]:
         names = super().leave_out(mask, why)
         # What was measured of them already is dropped: a pipeline stage decides after its first step's backwards.
-        self._measured = [m for m in self._measured if m[0].name not in names]
+        self._measured = [m for m in self._measured if m.covered[0].name not in names]
         return names
-
-    def reset(self) -> None:
-        super().reset()
-        self._measured = []
-
-    def step_worst(self) -> torch.Tensor | None:
-        """float64[2]: this step's worst (ratio, index) over every checked gradient; ``None`` when none was."""
-        if not self._measured:
-            return None
-        got = sorted(self._measured, key=lambda m: m[0].v1 is None)  # weights first, as ``ratio_of`` takes them
-        with torch.no_grad():
-            return ratio_of([m[0] for m in got], torch.stack([m[1] for m in got]), torch.stack([m[2] for m in got]),
-                            [m[3] for m in got], self.overflow_at)

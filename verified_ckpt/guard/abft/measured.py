@@ -1,0 +1,115 @@
+"""Gradients measured where they were whole, judged once per step.
+
+A gradient is measured where this rank holds it whole and as it computed it: a DDP bucket before its all-reduce
+(``Measured.of_bucket``), an FSDP2 unsharded gradient before its reduce-scatter (``sharded.py``). What the check
+needs of it is its projection ``v0ᵀ G v1`` and, where the bucket's norm does not bound it, its norm; the comparison
+with what the hooks recorded (``sums.ratio_of``: the expected values, spreads and bounds) waits for the step's end
+and runs once over every bucket, a fixed handful of ops per step instead of per bucket.
+
+A bucket's projections are taken per group of like-shaped parameters: a DDP bucket lays each transformer block's
+parameters out in the same order, so like-shaped gradients lie evenly spaced in its buffer and one strided view
+reads them all (``bmm`` against the stacked vectors); elsewhere they are stacked first (a copy). Four ops a shape
+instead of two a parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from .sums import EPS32, TINY, Covered, bound_coefficients, constant_on, norm, ratio_of
+
+__all__ = ["Measured", "judge", "projections"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """Gradients measured together: their records (``covered``), float64 projections ``v0ᵀ G v1`` and norms, and the
+    bound's coefficients (``sums.bound_coefficients``), in one order."""
+
+    covered: list[Covered]
+    actual: torch.Tensor
+    norms: torch.Tensor
+    coefficients: list[tuple[float, float, float]]
+
+    @staticmethod
+    def of_bucket(got: list[tuple[Covered, torch.Tensor]], sumsq: torch.Tensor | None, slack: float) -> Measured:
+        """One bucket's covered gradients (``got``). ``sumsq``: the squared norm of all the bucket's gradients
+        together (the tap has it already); its root bounds every gradient's own norm, which saves a pass over
+        each. Without it, or where a gradient was rounded to bf16 (autocast: its own norm matters to the bound and
+        a pass over it buys the detection back), each gradient's norm is computed."""
+        got = [(c, g if g.dtype == torch.float32 else g.float()) for c, g in got]
+        order, actual = projections(got)
+        covered = [got[k][0] for k in order]
+        low = any(c.eps_out > EPS32 for c in covered)
+        if sumsq is not None and not low:
+            norms = sumsq.to(torch.float64).sqrt().clamp_min(TINY).expand(len(order))
+        else:
+            norms = torch.stack([norm(got[k][1]) for k in order])
+        return Measured(covered, actual, norms, [bound_coefficients(c, got[k][1].shape, slack)
+                                                 for c, k in zip(covered, order, strict=True)])
+
+
+def projections(got: Sequence[tuple[Covered, torch.Tensor]]) -> tuple[list[int], torch.Tensor]:
+    """``v0ᵀ G v1`` (``v0ᵀ g`` for a vector) of each float32 gradient in ``got``, float64, in the order returned
+    (indices into ``got``): one group per shape (module doc)."""
+    shapes: dict[tuple[int, ...], list[int]] = {}
+    for k, (_, g) in enumerate(got):
+        shapes.setdefault(tuple(g.shape), []).append(k)
+    order: list[int] = []
+    parts = []
+    for members in shapes.values():
+        members.sort(key=lambda k: got[k][1].storage_offset())  # evenly spaced, ascending: one strided view
+        gs = _gathered([got[k][1] for k in members])
+        v0 = _stacked(tuple(got[k][0].v0 for k in members))
+        v1s = [got[k][0].v1 for k in members]
+        if gs.dim() == 3 and all(v is not None for v in v1s):
+            v1 = _stacked(tuple(v for v in v1s if v is not None))
+            parts.append((torch.bmm(gs, v1.unsqueeze(2)).squeeze(2) * v0).sum(1))
+        else:
+            parts.append((gs.reshape(len(members), -1) * v0).sum(1))
+        order += members
+    return order, (torch.cat(parts) if len(parts) > 1 else parts[0]).double()
+
+
+def _gathered(gs: list[torch.Tensor]) -> torch.Tensor:
+    """Like-shaped gradients as one ``[L, *shape]`` tensor: a strided view where they lie evenly spaced in one
+    buffer (ascending), else a stacked copy."""
+    g0 = gs[0]
+    if len(gs) == 1:
+        return g0.unsqueeze(0)
+    offsets = [g.storage_offset() for g in gs]
+    step = offsets[1] - offsets[0]
+    storage = g0.untyped_storage().data_ptr()
+    if step >= g0.numel() and all(b - a == step for a, b in itertools.pairwise(offsets)) and all(
+            g.is_contiguous() and g.untyped_storage().data_ptr() == storage for g in gs):
+        return g0.as_strided((len(gs), *g0.shape), (step, *g0.stride()), offsets[0])
+    return torch.stack(gs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stacked(vectors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A group's vectors as rows of one tensor, made once per group (a parameter's vectors never change)."""
+    return torch.stack(vectors)
+
+
+def judge(measured: Sequence[Measured], overflow_at: int) -> torch.Tensor | None:
+    """float64[2]: the worst ratio over every gradient of ``measured`` and its code (``sums.ratio_of``), on the
+    device (no host sync); ``None`` when none was measured."""
+    if not measured:
+        return None
+    covered = [c for m in measured for c in m.covered]
+    coefficients = [x for m in measured for x in m.coefficients]
+    # ``ratio_of`` takes weights first, then vectors (the order ``sums.sums`` returns)
+    perm = sorted(range(len(covered)), key=lambda k: covered[k].v1 is None)
+    actual = torch.cat([m.actual for m in measured]) if len(measured) > 1 else measured[0].actual
+    norms = torch.cat([m.norms for m in measured]) if len(measured) > 1 else measured[0].norms
+    if perm != list(range(len(covered))):
+        at = constant_on(tuple(perm), torch.int64, actual.device)
+        actual, norms = actual.index_select(0, at), norms.index_select(0, at)
+    with torch.no_grad():
+        return ratio_of([covered[k] for k in perm], actual, norms, [coefficients[k] for k in perm], overflow_at)

@@ -151,17 +151,17 @@ def test_nothing_is_checked_outside_the_forward_and_an_error_in_it_leaves_no_mod
 
     def loss_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = m(x)
-        extra.append(len(guard.abft.products.ratios))
+        extra.append(len(guard.abft.products.calls))
         y = x.view(2, 4, 8)
         return out + (y @ y.transpose(-2, -1)).sum() * 0  # a product outside the model's forward: not checked
 
     guard = SDCGuard(model, opt, loss_fn, GuardConfig())
     guard.backward(torch.randn(8, 8), step=1)
-    assert len(guard.abft.products.ratios) == extra[0] == 1 and _get_current_function_mode() is None
+    assert len(guard.abft.products.calls) == extra[0] == 1 and _get_current_function_mode() is None
     guard.step()
     with torch.no_grad():
         model(torch.randn(8, 8))  # evaluation: not a step's forward
-    assert not guard.abft.products.ratios and _get_current_function_mode() is None
+    assert not guard.abft.products.calls and _get_current_function_mode() is None
     model.fail = True
     with pytest.raises(RuntimeError, match="the model's own error"):
         guard.backward(torch.randn(8, 8), step=2)

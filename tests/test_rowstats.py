@@ -85,6 +85,12 @@ def interpreted() -> dict[str, object]:
         want = torch_row_stats(a, vecs)
         shapes = [list(t.shape) for t in got] == [list(t.shape) for t in want]
         errors.append([list(case), *scaled_errors(a, vecs, got, want), shapes, bool(torch.isfinite(got[0]).all())])
+    # Vectors as rows of a wider buffer (``weights.py`` keeps every like-shaped layer's in one: each layer's are
+    # a strided view), read in place by the kernel
+    a, vecs = inputs(37, 200, 2, "float32", "contiguous", seed=2)
+    wide = torch.full((2, 3, 200), math.nan)
+    wide[:, 1] = vecs
+    strided = scaled_errors(a, vecs, triton_row_stats(a, wide[:, 1]), torch_row_stats(a, vecs))
     # One ×10 element, at its row's largest magnitude (a ×10 of a near-zero element is within any rounding bound)
     a, vecs = inputs(37, 200, 2, "bfloat16", "row-strided", seed=1)
     before, norms = triton_row_stats(a, vecs)
@@ -98,7 +104,7 @@ def interpreted() -> dict[str, object]:
     bound = SLACK * (2 * 2.0**-8 + EPS32 * math.sqrt(200)) * norms[row] * vecs.abs().max()
     a[row + 1, col] = math.nan  # a NaN stays NaN: what makes the hooks' ratio an alarm
     nan_proj, nan_norms = triton_row_stats(a, vecs)
-    return {"untouched": untouched, "errors": errors, "fault": (moved[:, row] / bound).min().item(),
+    return {"untouched": untouched, "errors": errors, "strided": strided, "fault": (moved[:, row] / bound).min().item(),
             "others": moved[:, torch.arange(37) != row].max().item(),
             "nan": bool(nan_proj[:, row + 1].isnan().all() and nan_norms[row + 1].isnan()),
             "nan_alone": int(nan_norms.isnan().sum()) + int(nan_proj.isnan().sum())}
@@ -122,6 +128,10 @@ def test_the_kernel_equals_the_torch_path_within_float32_rounding(kernel):
         assert shapes, case
         assert proj <= 1 and norms <= 1, (case, proj, norms)
         assert finite, case  # nothing past a ragged edge (NaN there) was read
+
+
+def test_the_kernel_reads_vectors_that_are_strided_rows_of_a_wider_buffer(kernel):
+    assert max(kernel["strided"]) <= 1, kernel["strided"]  # NaN beside them: a read outside the rows would show
 
 
 def test_the_kernel_sees_a_single_element_times_ten_and_only_in_its_row(kernel):

@@ -15,7 +15,7 @@ from ...dtensors import local
 from ..budget import Stopwatch
 from ..stats import worst
 from . import norms
-from .flops import FlopCount
+from .flops import FlopCount, quiet, uncounted
 from .forward import Forwards
 from .layers import (
     COMPILED,
@@ -62,8 +62,10 @@ class GradientChecks:
         self.enabled = True  # the budget's choice for this step (the first step always runs: it measures coverage)
         self.watch = watch or Stopwatch()
         timed = self.watch.timed("abft")
+        # The checks' own work: timed as ABFT's, and not counted as the backward's FLOPs (coverage's denominator)
+        self.own: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: timed(uncounted(fn))
         for hook in ("_linear_pre", "_linear_forward", "_embedding_forward", "_input_grad"):  # their time is ABFT's
-            setattr(self, hook, timed(getattr(self, hook)))
+            setattr(self, hook, self.own(getattr(self, hook)))
         self.covered: dict[int, Covered] = {}
         self.layers: dict[int, Layer] = {}  # by id of the module
         self.left_out: list[tuple[str, str]] = []
@@ -117,7 +119,7 @@ class GradientChecks:
         self._weights: Weights | None = None  # what each step's checks need of the weights
         # Attention's products, at their step (``products.py``); not inside torch.compile'd code, which would trace
         # the mode into its graphs.
-        self.products = ProductChecks(lambda: self.on, slack, seed, None if in_compiled else module, timed)
+        self.products = ProductChecks(lambda: self.on, slack, seed, None if in_compiled else module, self.own)
 
     def _install(self, name: str, mod: torch.nn.Module, kind: str, names: dict[int, str], index: dict[int, int],
                  g: torch.Generator) -> Layer:
@@ -331,7 +333,7 @@ class GradientChecks:
             if bias is not None:
                 bias.add(None, None, y, b, eps)
 
-        out.register_hook(self.watch.timed("abft")(on_grad))
+        out.register_hook(self.own(on_grad))
 
     def _input_grad(self, check: InputCheck, g: torch.Tensor) -> None:
         """The layer's share of its input's gradient, row by row against ``dY (W s)`` (see the module doc)."""
@@ -372,7 +374,7 @@ class GradientChecks:
                 proj, b = row_stats(dy.reshape(-1, dy.shape[-1]), s[None])
                 e.add(picked, ones, proj[0], b, (EPS32, unit_roundoff(dy.dtype)))
 
-        out.register_hook(self.watch.timed("abft")(on_grad))
+        out.register_hook(self.own(on_grad))
 
     # ------------------------------------------------------------ check
     def flat(self, params: Sequence[torch.Tensor], buf: torch.Tensor, sumsq: torch.Tensor | None = None) -> None:
@@ -393,16 +395,15 @@ class GradientChecks:
             # every microbatch so far, which is what the step's records are compared with at its end.
             again = {id(c) for c, _ in got}
             self._measured = [m for m in self._measured if id(m.covered[0]) not in again]
-            with torch.no_grad():
+            with torch.no_grad(), quiet():
                 self._measured.append(Measured.of_bucket(got, sumsq, self.slack))
 
     def worst(self) -> torch.Tensor | None:
         """float64[2]: this step's worst ABFT ratio and its code (:meth:`name_of`) over the gradients measured, the
         input gradients, the forward outputs and the products, on the device (no host sync); ``None`` when
         nothing was checked."""
-        base = self.overflow_at + self._n  # the products' codes
         layers = worst_layer(self._inputs, self._forwards.ratios() if self._forwards else None, self._n,
-                             len(self.layers), [(r, base + number) for r, number in self.products.ratios])
+                             len(self.layers), self.products.ratios(), self.overflow_at + self._n)
         got = [t for t in (judge(self._measured, self.overflow_at), layers) if t is not None]
         return (got[0] if len(got) == 1 else worst(torch.stack(got))) if got else None
 

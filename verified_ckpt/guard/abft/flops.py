@@ -10,13 +10,18 @@ attention's formulas (its arguments lead with the same tensors).
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["FlopCount"]
+__all__ = ["FlopCount", "quiet", "uncounted"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 _aten = torch.ops.aten
 _FORMULAS: dict[Any, Any] = {
@@ -28,7 +33,10 @@ _FORMULAS: dict[Any, Any] = {
 
 
 class FlopCount(TorchDispatchMode):
-    """Sums the FLOPs of the ops that run inside it (``total``); changes nothing they compute."""
+    """Sums the FLOPs of the ops that run inside it (``total``), except the guard's own (:func:`quiet`: its checks'
+    products, in the backward's hooks, are not the model's backward); changes nothing they compute."""
+
+    quiet = 0  # how deep this thread is inside the guard's own work
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -38,6 +46,26 @@ class FlopCount(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = _FORMULAS.get(func._overloadpacket)
-        if formula is not None:
+        if formula is not None and not FlopCount.quiet:
             self.total += int(formula(*args, **kwargs, out_val=out))
         return out
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """The guard's own work inside: not counted as the backward's FLOPs."""
+    FlopCount.quiet += 1
+    try:
+        yield
+    finally:
+        FlopCount.quiet -= 1
+
+
+def uncounted(fn: F) -> F:
+    """``fn`` run :func:`quiet`."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with quiet():
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]

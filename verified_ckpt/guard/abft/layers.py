@@ -81,22 +81,21 @@ class InputCheck:
 
 
 def worst_layer(inputs: list[InputCheck], forwards: tuple[torch.Tensor, tuple[int, ...]] | None, base: int,
-                n_layers: int, others: Sequence[tuple[torch.Tensor, int]] = ()) -> torch.Tensor | None:
-    """float64[2]: the worst of a step's input-gradient checks (``inputs``), forward-output checks (``forwards``:
-    each call's ratio, float64, and its layer's number) and other ratios with their codes (``others``: the
-    products', ``products.py``), and its code: ``base + layer``, or ``base + n_layers + layer`` for a forward; on
-    the device (no host sync). ``None`` when nothing was checked."""
-    if not inputs and forwards is None and not others:
+                n_layers: int, products: tuple[torch.Tensor, tuple[int, ...]] | None = None,
+                products_at: int = 0) -> torch.Tensor | None:
+    """float64[2]: the worst of a step's input-gradient checks (``inputs``), forward-output checks (``forwards``)
+    and attention's products (``products``: ``products.py``), and its code: ``base + layer`` for an input
+    gradient, ``base + n_layers + layer`` for a forward, ``products_at + number`` for a product; on the device (no
+    host sync). ``forwards`` and ``products``: each call's ratio, float64, and its layer's or product's number.
+    ``None`` when nothing was checked."""
+    parts, codes = ([input_ratios(inputs)], tuple(base + c.layer.number for c in inputs)) if inputs else ([], ())
+    for got, at in ((forwards, base + n_layers), (products, products_at)):
+        if got is not None:
+            parts.append(got[0])
+            codes += tuple(at + number for number in got[1])
+    if not parts:
         return None
-    parts = [input_ratios(inputs)] if inputs else []
-    if forwards is not None:
-        parts.append(forwards[0])
-    if others:
-        parts.append(torch.stack([r.reshape(()) for r, _ in others]).double())
     ratios = torch.cat(parts) if len(parts) > 1 else parts[0]
-    codes = (tuple(base + c.layer.number for c in inputs)
-             + (() if forwards is None else tuple(base + n_layers + number for number in forwards[1]))
-             + tuple(code for _, code in others))
     which = constant_on(codes, torch.float64, ratios.device)
     return worst(torch.stack([ratios, which]).T)
 

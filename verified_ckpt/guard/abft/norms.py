@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .sums import EPS32, Covered, row_norms, signed_weights, unit_roundoff
+from .rowstats import row_stats
+from .sums import EPS32, Covered, signed_weights, unit_roundoff
 
 __all__ = ["NORMS", "NormSpec", "Normalised", "computed_norm", "install", "norm_kind", "norm_rows"]
 
@@ -155,8 +157,14 @@ class Normalised:
 
     def kappa(self, n: int) -> torch.Tensor:
         """Per row of ``n``, the conditioning of ``X - μ``: ``1 + |μ| / σ`` (the largest over features for BatchNorm)."""
-        k = 1 + self.mean.abs() * self.rstd if self.mean is not None else torch.ones_like(self.rstd)
+        k = torch.addcmul(_one(self.rstd.device), self.mean.abs(), self.rstd) if self.mean is not None \
+            else torch.ones_like(self.rstd)
         return k.reshape(-1) if k.shape[0] == n else k.max().expand(n)
+
+
+@functools.lru_cache(maxsize=16)
+def _one(device: torch.device) -> torch.Tensor:
+    return torch.ones((), device=device)
 
 
 def norm_rows(mod: torch.nn.Module, spec: NormSpec, x: torch.Tensor, out: torch.Tensor | None = None) -> Normalised | None:
@@ -213,18 +221,21 @@ def record(gamma: Covered | None, beta: Covered | None, x: Normalised, dy: torch
     with torch.no_grad():
         d = dy.detach().float()
         rows = d.movedim(1, -1).reshape(-1, d.shape[1]) if x.channels_first else d.reshape(-1, d.shape[-1])
-        b = row_norms(rows)
         eps = (max(_RECOMPUTE_EPS, x.eps), unit_roundoff(dy.dtype))
         # The layer's own backward on a CPU sums a low-precision output gradient's terms in that precision (the
         # error of LayerNorm's γ gradient under bf16 autocast grows as √rows: measured, docs/GUARD.md); on a GPU it
         # accumulates in float32.
         acc = unit_roundoff(dy.dtype) if dy.device.type == "cpu" else EPS32
+        # One read each of dY and dY ⊙ X̂ for their products and row norms (unfloored: ``sums`` floors a step's)
         if beta is not None:
-            beta.add(None, None, torch.mv(rows, beta.v0), b, eps, acc)
+            y, b = row_stats(rows, beta.v0)
+            beta.add(None, None, y, b, eps, acc)
+        else:
+            b = torch.linalg.vector_norm(rows, dim=1)
         if gamma is not None:
             prod = rows * x.xhat()
-            spread = torch.sqrt(row_norms(prod).square() + (x.kappa(rows.shape[0]) * b).square())
-            gamma.add(None, None, torch.mv(prod, gamma.v0), spread, eps, acc)
+            got, pn = row_stats(prod, gamma.v0)
+            gamma.add(None, None, got, torch.hypot(pn, x.kappa(rows.shape[0]) * b), eps, acc)
 
 
 def hook(checks: Any, mod: torch.nn.Module, spec: NormSpec, gamma_of: Callable[[], Covered | None],
@@ -245,10 +256,10 @@ def hook(checks: Any, mod: torch.nn.Module, spec: NormSpec, gamma_of: Callable[[
         normalised = norm_rows(m, spec, x, out)
         if normalised is None:
             return
-        out.register_hook(checks.watch.timed("abft")(lambda dy: record(gamma, beta, normalised, dy)))
+        out.register_hook(checks.own(lambda dy: record(gamma, beta, normalised, dy)))
 
     # Timed as ABFT's: it recomputes the layer's normalised rows, work the estimate missed while it was untimed.
-    timed: Callable[[torch.nn.Module, Any, Any], None] = checks.watch.timed("abft")(forward)
+    timed: Callable[[torch.nn.Module, Any, Any], None] = checks.own(forward)
     return timed
 
 

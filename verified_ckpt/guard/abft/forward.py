@@ -3,13 +3,15 @@ against its input, row by row, in the forward hook.
 
 ``Y = X Wᵀ + b``, so for the layer's random vector ``r`` over its outputs ``Y_n · r = X_n · (Wᵀ r) + b · r``: one
 read of ``Y`` (``Y r`` and its row norms) per forward, against the GEMM itself; ``X (Wᵀ r)`` is taken in the read
-of ``X`` the weight check makes anyway (``rowstats``), and ``Wᵀ r`` once per step. A wrong
+of ``X`` the weight check makes anyway (``rowstats``), and ``Wᵀ r`` once per step (``weights.py``). A wrong
 output element moves its own row's product; the bound is that row's rounding:
 
-    bound_n = slack · [(2 ε_in + ε₃₂ √in) · ‖X_n‖ · max_i c_i + rms(r) · (ε_out + ε₃₂ (√out + 1)) · ‖Y_n‖]
+    bound_n = slack · [(2 ε_in + ε₃₂ √in) · ‖X_n‖ · max_j |r_j| · max_i ‖W_{:,i}‖ + rms(r) · (ε_out + ε₃₂ (√out + 1)) · ‖Y_n‖]
 
-with ``c_i = ‖W_{:,i} ⊙ r‖`` (the weight's columns as ``r`` weighs them: the products' rounding adds like a random
-walk), ``ε_in`` the GEMM's input rounding (bf16 under autocast) and ``ε_out`` its output's. The ratio of the worst
+where ``max_j |r_j| · max_i ‖W_{:,i}‖`` bounds the weight's columns as ``r`` weighs them (``‖W_{:,i} ⊙ r‖``: the
+products' rounding adds like a random walk; at most 2/rms(r) = 1.3x looser than their own largest, and the column
+norms also give ``‖W‖_F``, so one read of ``W`` serves both), ``ε_in`` the GEMM's input rounding (bf16 under
+autocast) and ``ε_out`` its output's. The ratio of the worst
 row joins the step's other ABFT ratios: a wrong forward is caught before the update, naming the layer.
 
 Not covered here: attention's matmuls inside ``F.scaled_dot_product_attention`` and elementwise ops (activations,
@@ -23,26 +25,11 @@ import math
 
 import torch
 
-from ...dtensors import local
 from .layers import Layer
 from .rowstats import row_stats
 from .sums import EPS32, RMS, floored, lengths_on, per_call, zero_on
 
-__all__ = ["Forwards", "prepare"]
-
-
-def prepare(layer: Layer, w: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Per step (the weights change between steps): ``Wᵀ r`` (written into ``out``: the row of the input's
-    vectors it is projected on), ``max_i c_i`` and ``b · r`` of ``layer``. ``w``, ``bias``: as this forward uses
-    them (FSDP2's unsharded ones, read in the pre-hook: FSDP2 may reshard them before the forward hook runs; a
-    tensor-parallel slice's local one), ``w`` float32, as the module stores it."""
-    if layer.r is None:
-        return
-    with torch.no_grad():
-        w = w.T if layer.kind == "Conv1D" else w  # (out, in)
-        layer.wr = torch.mv(w.T, layer.r, out=out)
-        layer.cmax = torch.sqrt(torch.mv(w.square().T, layer.r.square())).max()
-        layer.br = None if bias is None else torch.dot(local(bias).detach().float(), layer.r)
+__all__ = ["Forwards"]
 
 
 class Forwards:
@@ -75,7 +62,7 @@ class Forwards:
         device = calls[0].got.device
         lens = tuple(c.got.numel() for c in calls)
         k_out = tuple(self.slack * RMS * (c.eps[1] + EPS32 * (math.sqrt(c.layer.features[0]) + 1)) for c in calls)
-        k_in = tuple(self.slack * (2 * c.eps[0] + EPS32 * math.sqrt(c.layer.features[1])) for c in calls)
+        k_in = tuple(self.slack * c.layer.rmax * (2 * c.eps[0] + EPS32 * math.sqrt(c.layer.features[1])) for c in calls)
         zero = zero_on(device)
         with torch.no_grad():
             got, xwr = torch.cat([c.got for c in calls]), torch.cat([c.xwr for c in calls])

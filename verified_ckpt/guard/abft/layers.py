@@ -60,9 +60,11 @@ class Layer:
     # Per step (weights do not change within one): W contracted with s over its input features, and ‖W‖_F.
     ws: torch.Tensor | None = None
     wnorm: torch.Tensor | None = None
-    # Per step, for the forward check (``forward``): Wᵀ r, and the largest column norm of W as r weighs it.
+    # Per step, for the forward check (``forward``): Wᵀ r, and the largest column norm of W (``rmax``, the largest
+    # |r_j|, makes it a bound of the column norms as r weighs them).
     wr: torch.Tensor | None = None
     cmax: torch.Tensor | None = None
+    rmax: float = 0.0
     br: torch.Tensor | None = None  # forward check, per step: b · r (``None``: no bias)
     tag: int = -1
 

@@ -8,8 +8,8 @@ and runs once over every bucket, a fixed handful of ops per step instead of per 
 
 A bucket's projections are taken per group of like-shaped parameters: a DDP bucket lays each transformer block's
 parameters out in the same order, so like-shaped gradients lie evenly spaced in its buffer and one strided view
-reads them all (``bmm`` against the stacked vectors); elsewhere they are stacked first (a copy). Four ops a shape
-instead of two a parameter.
+reads them all (``bmm`` against the stacked vectors); elsewhere small ones are stacked first (a copy), and large
+ones keep their own two products. Four ops a shape instead of two a parameter.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .sums import EPS32, TINY, Covered, bound_coefficients, constant_on, norm, ratio_of
+from .sums import EPS32, TINY, Covered, bound_coefficients, constant_on, norm, ratio_of, rgs
+from .weights import GROUP_MAX
 
 __all__ = ["Measured", "judge", "projections"]
 
@@ -65,20 +66,25 @@ def projections(got: Sequence[tuple[Covered, torch.Tensor]]) -> tuple[list[int],
     for members in shapes.values():
         members.sort(key=lambda k: got[k][1].storage_offset())  # evenly spaced, ascending: one strided view
         gs = _gathered([got[k][1] for k in members])
+        if gs is None:  # large gradients of their own: a stacked copy would cost more than their own products
+            parts += [rgs(got[k][0], got[k][1]).view(1) for k in members]
+            order += members
+            continue
         v0 = _stacked(tuple(got[k][0].v0 for k in members))
         v1s = [got[k][0].v1 for k in members]
         if gs.dim() == 3 and all(v is not None for v in v1s):
+            # v0ᵀ G first, a row times each matrix (a matrix times a column is a CPU's slow batched orientation)
             v1 = _stacked(tuple(v for v in v1s if v is not None))
-            parts.append((torch.bmm(gs, v1.unsqueeze(2)).squeeze(2) * v0).sum(1))
+            parts.append((torch.bmm(v0.unsqueeze(1), gs).squeeze(1) * v1).sum(1))
         else:
             parts.append((gs.reshape(len(members), -1) * v0).sum(1))
         order += members
     return order, (torch.cat(parts) if len(parts) > 1 else parts[0]).double()
 
 
-def _gathered(gs: list[torch.Tensor]) -> torch.Tensor:
+def _gathered(gs: list[torch.Tensor]) -> torch.Tensor | None:
     """Like-shaped gradients as one ``[L, *shape]`` tensor: a strided view where they lie evenly spaced in one
-    buffer (ascending), else a stacked copy."""
+    buffer (ascending), else a stacked copy of small ones (``weights.GROUP_MAX``); ``None`` for large ones."""
     g0 = gs[0]
     if len(gs) == 1:
         return g0.unsqueeze(0)
@@ -88,7 +94,7 @@ def _gathered(gs: list[torch.Tensor]) -> torch.Tensor:
     if step >= g0.numel() and all(b - a == step for a, b in itertools.pairwise(offsets)) and all(
             g.is_contiguous() and g.untyped_storage().data_ptr() == storage for g in gs):
         return g0.as_strided((len(gs), *g0.shape), (step, *g0.stride()), offsets[0])
-    return torch.stack(gs)
+    return torch.stack(gs) if g0.numel() <= GROUP_MAX else None
 
 
 @functools.lru_cache(maxsize=1024)

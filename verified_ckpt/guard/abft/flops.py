@@ -11,17 +11,14 @@ attention's formulas (its arguments lead with the same tensors).
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["FlopCount", "quiet", "uncounted"]
-
-F = TypeVar("F", bound=Callable[..., Any])
+__all__ = ["FlopCount", "quiet"]
 
 _aten = torch.ops.aten
 _FORMULAS: dict[Any, Any] = {
@@ -60,12 +57,3 @@ def quiet() -> Iterator[None]:
     finally:
         FlopCount.quiet -= 1
 
-
-def uncounted(fn: F) -> F:
-    """``fn`` run :func:`quiet`."""
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with quiet():
-            return fn(*args, **kwargs)
-
-    return run  # type: ignore[return-value]

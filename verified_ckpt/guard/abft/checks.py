@@ -27,6 +27,7 @@ from .layers import (
     InputCheck,
     InputTap,
     Layer,
+    families,
     gradient_paths,
     layer_kind,
     worst_layer,
@@ -353,7 +354,7 @@ class GradientChecks:
     def _input_grad(self, check: InputCheck, g: torch.Tensor) -> None:
         """The layer's share of its input's gradient, row by row against ``dY (W s)`` (see the module doc)."""
         layer = check.layer
-        if self.paused or check.z is None or check.b is None or layer.s is None or layer.wnorm is None:
+        if self.paused or check.z is None or check.b is None or layer.s is None or layer.ws is None:
             return  # the output's gradient never came (the layer's output did not reach the loss)
         out_f, in_f = layer.features
         with torch.no_grad():
@@ -417,8 +418,9 @@ class GradientChecks:
         """float64[2]: this step's worst ABFT ratio and its code (:meth:`name_of`) over the gradients measured, the
         input gradients, the forward outputs and the products, on the device (no host sync); ``None`` when
         nothing was checked."""
-        layers = worst_layer(self._inputs, self._forwards.ratios() if self._forwards else None, self._n,
-                             len(self.layers), self.products.ratios(), self.overflow_at + self._n)
+        layers = worst_layer(families(self._inputs, self._forwards.ratios if self._forwards else None,
+                                      self.products.ratios(), self.weights.squares(), self._n, len(self.layers),
+                                      self.overflow_at + self._n))
         got = [t for t in (judge(self._measured, self.overflow_at), layers) if t is not None]
         return (got[0] if len(got) == 1 else worst(torch.stack(got))) if got else None
 

@@ -49,15 +49,16 @@ class Forwards:
         """One forward of ``layer`` whose output is ``y``; ``xwr``, ``a``: its input's rows times ``Wᵀ r`` and their
         norms (unclamped, as ``row_stats`` gives them). Nothing is recorded while the layer's vectors are not
         ready (no step has prepared them)."""
-        if layer.r is None or layer.wr is None or layer.cmax is None:
+        if layer.r is None or layer.wr is None:
             return
         with torch.no_grad():
             got, yn = row_stats(y.reshape(-1, y.shape[-1]), layer.r)  # no graph: under no_grad
-        self.calls.append(_Call(layer, got, xwr, yn, a, eps, layer.cmax, layer.br))
+        self.calls.append(_Call(layer, got, xwr, yn, a, eps, layer.br))
 
-    def ratios(self) -> tuple[torch.Tensor, tuple[int, ...]]:
+    def ratios(self, csq: torch.Tensor, at: dict[int, int]) -> tuple[torch.Tensor, tuple[int, ...]]:
         """float64 ``[calls]``: each call's worst row ``|Y_n·r - X_n·(Wᵀr) - b·r| / bound_n`` (module doc), on the
-        device, and the number of each call's layer."""
+        device, and the number of each call's layer. ``csq``, ``at``: the step's largest squared column norm of
+        each layer and each layer's position in it (``weights.Weights.squares``)."""
         calls = self.calls
         device = calls[0].got.device
         lens = tuple(c.got.numel() for c in calls)
@@ -67,9 +68,10 @@ class Forwards:
         with torch.no_grad():
             got, xwr = torch.cat([c.got for c in calls]), torch.cat([c.xwr for c in calls])
             yn, a = floored(torch.cat([c.yn for c in calls])), floored(torch.cat([c.a for c in calls]))
-            # Per call: the weight's column bound and b · r (0 where the layer has none), as rows
-            scalars = torch.stack([t for c in calls for t in (c.cmax, zero if c.br is None else c.br)])
-            per_row = scalars.view(-1, 2).repeat_interleave(lengths_on(lens, device), dim=0, output_size=got.numel())
+            # Per call: the largest column's norm and b · r (0 where the layer has none), as rows
+            cmax = csq.index_select(0, lengths_on(tuple(at[c.layer.number] for c in calls), device)).sqrt_()
+            scalars = torch.stack([cmax, torch.stack([zero if c.br is None else c.br for c in calls])], dim=1)
+            per_row = scalars.repeat_interleave(lengths_on(lens, device), dim=0, output_size=got.numel())
             bound = torch.addcmul(yn.mul_(per_call(k_out, lens, device)), a, per_row[:, 0] * per_call(k_in, lens, device))
             ratio = (got - xwr - per_row[:, 1]).abs_().div_(bound).nan_to_num_(nan=torch.inf)
             worst = torch.segment_reduce(ratio, "max", lengths=lengths_on(lens, device)).double()
@@ -79,7 +81,7 @@ class Forwards:
 @dataclasses.dataclass(frozen=True)
 class _Call:
     """One forward's rows: ``Y r`` and ``‖Y_n‖``, ``X (Wᵀ r)`` and ``‖X_n‖`` (norms unfloored), its roundings,
-    and its layer's column bound and ``b · r`` as this step prepared them."""
+    and its layer's ``b · r`` as this step prepared it."""
 
     layer: Layer
     got: torch.Tensor
@@ -87,5 +89,4 @@ class _Call:
     yn: torch.Tensor
     a: torch.Tensor
     eps: tuple[float, float]
-    cmax: torch.Tensor
     br: torch.Tensor | None

@@ -14,8 +14,8 @@ import torch
 from ..stats import worst
 from .sums import constant_on, floored, lengths_on
 
-__all__ = ["COMPILED", "OUTSIDE", "TP_UNCHECKED", "Coverage", "InputCheck", "InputTap", "Layer", "gradient_paths", "input_ratios",
-           "layer_kind", "worst_layer"]
+__all__ = ["COMPILED", "OUTSIDE", "TP_UNCHECKED", "Coverage", "InputCheck", "InputTap", "Layer", "Ratios", "families",
+           "gradient_paths", "input_ratios", "layer_kind", "worst_layer"]
 
 OUTSIDE = "used outside the modules that cover it (a weight tied functionally, F.linear(x, w)?)"
 COMPILED = "inside a torch.compile'd module, where ABFT's hooks cannot run"
@@ -57,13 +57,12 @@ class Layer:
     tp: bool = False  # a tensor-parallel slice: its weight gradient is checked, nothing else (``abft/sharded.py``)
     r: torch.Tensor | None = None  # over the output features
     s: torch.Tensor | None = None  # over the input features
-    # Per step (weights do not change within one): W contracted with s over its input features, and ‖W‖_F.
+    # Per step (weights do not change within one): W contracted with s over its input features (its norms:
+    # ``weights.Weights.squares``).
     ws: torch.Tensor | None = None
-    wnorm: torch.Tensor | None = None
-    # Per step, for the forward check (``forward``): Wᵀ r, and the largest column norm of W (``rmax``, the largest
-    # |r_j|, makes it a bound of the column norms as r weighs them).
+    # Per step, for the forward check (``forward``): Wᵀ r (``rmax``, the largest |r_j|, times the largest column
+    # norm of W bounds the column norms as r weighs them).
     wr: torch.Tensor | None = None
-    cmax: torch.Tensor | None = None
     rmax: float = 0.0
     br: torch.Tensor | None = None  # forward check, per step: b · r (``None``: no bias)
     tag: int = -1
@@ -82,27 +81,39 @@ class InputCheck:
     coef: float = 0.0
 
 
-def worst_layer(inputs: list[InputCheck], forwards: tuple[torch.Tensor, tuple[int, ...]] | None, base: int,
-                n_layers: int, products: tuple[torch.Tensor, tuple[int, ...]] | None = None,
-                products_at: int = 0) -> torch.Tensor | None:
-    """float64[2]: the worst of a step's input-gradient checks (``inputs``), forward-output checks (``forwards``)
-    and attention's products (``products``: ``products.py``), and its code: ``base + layer`` for an input
-    gradient, ``base + n_layers + layer`` for a forward, ``products_at + number`` for a product; on the device (no
-    host sync). ``forwards`` and ``products``: each call's ratio, float64, and its layer's or product's number.
-    ``None`` when nothing was checked."""
-    parts, codes = ([input_ratios(inputs)], tuple(base + c.layer.number for c in inputs)) if inputs else ([], ())
-    for got, at in ((forwards, base + n_layers), (products, products_at)):
-        if got is not None:
-            parts.append(got[0])
-            codes += tuple(at + number for number in got[1])
-    if not parts:
+Ratios = tuple[torch.Tensor, tuple[int, ...]]  # a kind of check's ratios (float64, one a check) and their numbers
+
+
+def families(inputs: list[InputCheck], forwards: Callable[[torch.Tensor, dict[int, int]], Ratios] | None,
+             products: Ratios | None, squares: tuple[torch.Tensor, torch.Tensor, dict[int, int]] | None, base: int,
+             n_layers: int, products_at: int) -> list[Ratios]:
+    """The step's per-layer checks, each kind's ratios and codes (``worst_layer``): the input gradients'
+    (``base + layer``), the forward outputs' (``base + n_layers + layer``: ``forwards(csq, at)`` gives them by
+    layer number, ``forward.Forwards.ratios``), attention's products' (``products_at + number``). ``squares``: the
+    step's weight norms (``weights.Weights.squares``)."""
+    got = []
+    if inputs and squares is not None:
+        got.append((input_ratios(inputs, squares[0], squares[2]), tuple(base + c.layer.number for c in inputs)))
+    if forwards is not None and squares is not None:
+        ratios, numbers = forwards(squares[1], squares[2])
+        got.append((ratios, tuple(base + n_layers + n for n in numbers)))
+    if products is not None:
+        got.append((products[0], tuple(products_at + n for n in products[1])))
+    return got
+
+
+def worst_layer(families: Sequence[tuple[torch.Tensor, tuple[int, ...]]]) -> torch.Tensor | None:
+    """float64[2]: the worst of a step's per-layer checks and its code, on the device (no host sync); ``None`` when
+    nothing was checked. ``families``: each kind of check's ratios (float64, one per check) and their codes (the
+    input-gradient checks', ``input_ratios``; the forward outputs'; attention's products')."""
+    if not families:
         return None
-    ratios = torch.cat(parts) if len(parts) > 1 else parts[0]
-    which = constant_on(codes, torch.float64, ratios.device)
+    ratios = torch.cat([f[0] for f in families]) if len(families) > 1 else families[0][0]
+    which = constant_on(tuple(c for f in families for c in f[1]), torch.float64, ratios.device)
     return worst(torch.stack([ratios, which]).T)
 
 
-def input_ratios(checks: list[InputCheck]) -> torch.Tensor:
+def input_ratios(checks: list[InputCheck], wsq: torch.Tensor, at: dict[int, int]) -> torch.Tensor:
     """The worst row's |dX_n·s - dY_n·(W s)| / bound_n of each of ``checks`` (filled), float64 on the device.
 
     The per-row work of every layer's check in one handful of ops for the whole step: the per-layer ops cost more
@@ -110,7 +121,7 @@ def input_ratios(checks: list[InputCheck]) -> torch.Tensor:
     u = torch.cat([c.u for c in checks if c.u is not None])
     z = torch.cat([c.z for c in checks if c.z is not None])
     b = floored(torch.cat([c.b for c in checks if c.b is not None]))
-    wnorm = torch.stack([c.layer.wnorm for c in checks if c.layer.wnorm is not None])
+    wnorm = wsq.index_select(0, lengths_on(tuple(at[c.layer.number] for c in checks), wsq.device)).sqrt_()
     lens = lengths_on(tuple(c.u.numel() for c in checks if c.u is not None), u.device)
     scale = wnorm * constant_on(tuple(c.coef for c in checks), torch.float32, u.device)
     bound = b * scale.repeat_interleave(lens, output_size=u.numel()) + 1e-30

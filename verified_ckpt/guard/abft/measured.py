@@ -8,21 +8,20 @@ and runs once over every bucket, a fixed handful of ops per step instead of per 
 
 A bucket's projections are taken per group of like-shaped parameters: a DDP bucket lays each transformer block's
 parameters out in the same order, so like-shaped gradients lie evenly spaced in its buffer and one strided view
-reads them all (``bmm`` against the stacked vectors); elsewhere small ones are stacked first (a copy), and large
-ones keep their own two products. Four ops a shape instead of two a parameter.
+reads them all (``bmm`` against the stacked vectors); a gradient in no such run keeps its own two products.
+Vector parameters (biases, normalisation layers' scale and shift) are joined, a small copy, and summed in one
+segmented sum. Three ops a run and three for every vector instead of two a parameter.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Sequence
 
 import torch
 
-from .sums import EPS32, TINY, Covered, bound_coefficients, constant_on, norm, ratio_of, rgs
-from .weights import GROUP_MAX
+from .sums import EPS32, TINY, Covered, bound_coefficients, constant_on, lengths_on, norm, ratio_of, rgs
 
 __all__ = ["Measured", "judge", "projections"]
 
@@ -59,42 +58,61 @@ def projections(got: Sequence[tuple[Covered, torch.Tensor]]) -> tuple[list[int],
     """``v0ᵀ G v1`` (``v0ᵀ g`` for a vector) of each float32 gradient in ``got``, float64, in the order returned
     (indices into ``got``): one group per shape (module doc)."""
     shapes: dict[tuple[int, ...], list[int]] = {}
-    for k, (_, g) in enumerate(got):
-        shapes.setdefault(tuple(g.shape), []).append(k)
-    order: list[int] = []
-    parts = []
-    for members in shapes.values():
-        members.sort(key=lambda k: got[k][1].storage_offset())  # evenly spaced, ascending: one strided view
-        gs = _gathered([got[k][1] for k in members])
-        if gs is None:  # large gradients of their own: a stacked copy would cost more than their own products
-            parts += [rgs(got[k][0], got[k][1]).view(1) for k in members]
-            order += members
-            continue
-        v0 = _stacked(tuple(got[k][0].v0 for k in members))
-        v1s = [got[k][0].v1 for k in members]
-        if gs.dim() == 3 and all(v is not None for v in v1s):
-            # v0ᵀ G first, a row times each matrix (a matrix times a column is a CPU's slow batched orientation)
-            v1 = _stacked(tuple(v for v in v1s if v is not None))
-            parts.append((torch.bmm(v0.unsqueeze(1), gs).squeeze(1) * v1).sum(1))
+    vectors = []  # biases and normalisation layers' parameters: joined (small), one segmented sum for all
+    for k, (c, g) in enumerate(got):
+        if c.v1 is None:
+            vectors.append(k)
         else:
-            parts.append((gs.reshape(len(members), -1) * v0).sum(1))
-        order += members
+            shapes.setdefault(tuple(g.shape), []).append(k)
+    order: list[int] = []
+    parts: list[torch.Tensor] = []
+    if vectors:
+        lengths = tuple(got[k][1].numel() for k in vectors)
+        v0 = _joined(tuple(got[k][0].v0 for k in vectors))
+        joined = torch.cat([got[k][1].reshape(-1) for k in vectors]) if len(vectors) > 1 else got[vectors[0]][1].reshape(-1)
+        parts.append(torch.segment_reduce(joined * v0, "sum", lengths=lengths_on(lengths, v0.device)))
+        order += vectors
+    for like in shapes.values():
+        for members in _runs(sorted(like, key=lambda k: got[k][1].storage_offset()), [g for _, g in got]):
+            order += members
+            if len(members) == 1:  # alone: its own two products
+                parts.append(rgs(got[members[0]][0], got[members[0]][1]).view(1))
+                continue
+            g0 = got[members[0]][1]
+            step = got[members[1]][1].storage_offset() - g0.storage_offset()
+            gs = g0.as_strided((len(members), *g0.shape), (step, *g0.stride()), g0.storage_offset())
+            v0 = _stacked(tuple(got[k][0].v0 for k in members))
+            v1s = [got[k][0].v1 for k in members]
+            if gs.dim() == 3 and all(v is not None for v in v1s):
+                # v0ᵀ G first, a row times each matrix (a matrix times a column is a CPU's slow batched orientation)
+                v1 = _stacked(tuple(v for v in v1s if v is not None))
+                parts.append((torch.bmm(v0.unsqueeze(1), gs).squeeze(1) * v1).sum(1))
+            else:
+                parts.append((gs.reshape(len(members), -1) * v0).sum(1))
     return order, (torch.cat(parts) if len(parts) > 1 else parts[0]).double()
 
 
-def _gathered(gs: list[torch.Tensor]) -> torch.Tensor | None:
-    """Like-shaped gradients as one ``[L, *shape]`` tensor: a strided view where they lie evenly spaced in one
-    buffer (ascending), else a stacked copy of small ones (``weights.GROUP_MAX``); ``None`` for large ones."""
-    g0 = gs[0]
-    if len(gs) == 1:
-        return g0.unsqueeze(0)
-    offsets = [g.storage_offset() for g in gs]
-    step = offsets[1] - offsets[0]
-    storage = g0.untyped_storage().data_ptr()
-    if step >= g0.numel() and all(b - a == step for a, b in itertools.pairwise(offsets)) and all(
-            g.is_contiguous() and g.untyped_storage().data_ptr() == storage for g in gs):
-        return g0.as_strided((len(gs), *g0.shape), (step, *g0.stride()), offsets[0])
-    return torch.stack(gs) if g0.numel() <= GROUP_MAX else None
+def _runs(members: list[int], grads: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Like-shaped gradients (by ascending offset) split into runs that one strided view reads: contiguous, in one
+    buffer, evenly spaced and not overlapping (a DDP bucket lays each block's parameters out alike)."""
+    runs: list[list[int]] = []
+    for k in members:
+        g, run = grads[k], runs[-1] if runs else None
+        if run is not None and g.is_contiguous() and grads[run[0]].is_contiguous() \
+                and g.untyped_storage().data_ptr() == grads[run[0]].untyped_storage().data_ptr():
+            step = g.storage_offset() - grads[run[-1]].storage_offset()
+            first = grads[run[1]].storage_offset() - grads[run[0]].storage_offset() if len(run) > 1 else step
+            if step >= g.numel() and step == first:
+                run.append(k)
+                continue
+        runs.append([k])
+    return runs
+
+
+@functools.lru_cache(maxsize=1024)
+def _joined(vectors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A bucket's vectors one after another, made once per bucket (a parameter's vectors never change)."""
+    return torch.cat(vectors)
 
 
 @functools.lru_cache(maxsize=1024)

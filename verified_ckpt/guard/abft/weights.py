@@ -1,5 +1,7 @@
-"""What each covered layer's checks need of its weight, once per step: ``W s`` (the input-gradient check), ``‖W‖``
-(its bound), and with the forward check ``Wᵀ r``, the weight's column bound ``max_i ‖W_{:,i} ⊙ r‖`` and ``b · r``.
+"""What each covered layer's checks need of its weight, once per step: ``W s`` (the input-gradient check), ``‖W‖_F``
+(its bound), and with the forward check ``Wᵀ r``, the largest column's ``max_i ‖W_{:,i}‖`` and ``b · r``. The two
+norms come from each layer's columns' squared norms, reduced for every layer of the step at once at its end
+(``Weights.squares``).
 
 Where the weights stay put through a step (DDP's replicas, a single process), every layer's are taken together at
 the step's first covered forward, a dozen ops per group of like-shaped weights (a transformer's blocks share a
@@ -24,7 +26,7 @@ import torch
 
 from ...dtensors import is_dtensor, local
 from .layers import Layer
-from .sums import floored
+from .sums import lengths_on
 
 __all__ = ["LayerRows", "Weights", "prepare_one"]
 
@@ -49,21 +51,19 @@ def own_rows(layer: Layer) -> LayerRows:
     return LayerRows(layer.s, layer.r, x, dy)
 
 
-def prepare_one(layer: Layer, rows: LayerRows, w: torch.Tensor, bias: torch.Tensor | None, forward: bool) -> None:
-    """One layer's per-step values from the weight (and bias) its forward uses, float32, as the module stores it."""
+def prepare_one(layer: Layer, rows: LayerRows, w: torch.Tensor, bias: torch.Tensor | None,
+                forward: bool) -> torch.Tensor:
+    """One layer's per-step values from the weight (and bias) its forward uses, float32, as the module stores it;
+    returns its columns' squared norms (``Weights.squares``)."""
     assert layer.s is not None and layer.r is not None
     with torch.no_grad():
         wo = w.T if layer.kind == "Conv1D" else w  # (out, in)
         layer.ws = torch.mv(wo, layer.s, out=rows.dy[0])
-        if not forward:
-            layer.wnorm = floored(torch.linalg.vector_norm(w))  # float32, as the products it bounds
-            return
-        layer.wr = torch.mv(wo.T, layer.r, out=rows.x[1])
-        # The columns' squared norms give both the forward bound's largest column and ‖W‖_F: one more read of W
-        # (as W² summed over rows: a CPU's norm over dimension 0 is a strided kernel, 4x slower)
-        cols = wo.square().sum(0)
-        layer.cmax, layer.wnorm = cols.max().sqrt_(), floored(cols.sum().sqrt_())
-        layer.br = None if bias is None else torch.dot(local(bias).detach().float(), layer.r)
+        if forward:
+            layer.wr = torch.mv(wo.T, layer.r, out=rows.x[1])
+            layer.br = None if bias is None else torch.dot(local(bias).detach().float(), layer.r)
+        # W² summed over rows (a CPU's norm over dimension 0 is a strided kernel, 4x to 40x slower)
+        return wo.square().sum(0)
 
 
 class _Group:
@@ -76,43 +76,43 @@ class _Group:
         n = len(layers)
         self.x = torch.stack((s, torch.zeros_like(s)))  # [2, L, in]: s, then Wᵀ r
         self.dy = torch.stack((torch.zeros_like(r), r))  # [2, L, out]: W s, then r
-        self.wnorm = torch.empty(n, device=s.device)
-        self.cmax = torch.empty(n, device=s.device)
+        w0 = layers[0].weight
+        self.w = torch.empty((n, *w0.shape), device=w0.device)  # the stacked weights, kept: a fresh copy page-faults
         self.br = torch.empty(n, device=s.device)
         self.rows = [LayerRows(la.s, la.r, self.x[:, k], self.dy[:, k])  # type: ignore[arg-type]
                      for k, la in enumerate(layers)]
         for k, la in enumerate(layers):
-            la.ws, la.wnorm = self.dy[0, k], self.wnorm[k]
+            la.ws = self.dy[0, k]
             la.rmax = float(r[k].abs().max())
             if forward:
-                la.wr, la.cmax = self.x[1, k], self.cmax[k]
+                la.wr = self.x[1, k]
                 la.br = None if la.bias is None else self.br[k]
 
-    def prepare(self) -> None:
+    def prepare(self) -> torch.Tensor:
+        """This step's values of every layer of the group; returns their columns' squared norms, ``[L, in]``."""
         kind = self.x.device.type
         # bmm under autocast would take bf16 inputs (and refuse float32 ``out``); the context only where one is on
         with torch.no_grad(), torch.autocast(kind, enabled=False) if torch.is_autocast_enabled(kind) else nullcontext():
-            w = torch.stack([la.weight.detach() for la in self.layers])
-            w = w if w.dtype == torch.float32 else w.float()
+            ws = [la.weight.detach() for la in self.layers]
+            w = torch.stack(ws, out=self.w) if ws[0].dtype == torch.float32 else self.w.copy_(torch.stack(ws))
             wo = w.transpose(1, 2) if self.layers[0].kind == "Conv1D" else w  # [L, out, in]
             # W s as the row sᵀ Wᵀ (a matrix times a column is the slow orientation of a CPU's batched product)
             torch.bmm(self.x[0].unsqueeze(1), wo.mT, out=self.dy[0].unsqueeze(1))
+            if self.forward:
+                torch.bmm(self.dy[1].unsqueeze(1), wo, out=self.x[1].unsqueeze(1))
+            cols = wo.square_().sum(1)  # [L, in]: each layer's columns' squared norms (the copy is ours to square)
             if not self.forward:
-                floored(torch.linalg.vector_norm(w.view(w.shape[0], -1), dim=1, out=self.wnorm))
-                return
-            torch.bmm(self.dy[1].unsqueeze(1), wo, out=self.x[1].unsqueeze(1))
-            cols = wo.square().sum(1)  # [L, in]: each layer's columns' squared norms
-            torch.amax(cols, dim=1, out=self.cmax).sqrt_()
-            floored(torch.sum(cols, dim=1, out=self.wnorm).sqrt_())
+                return cols
             if self.layers[0].bias is not None:
                 b = torch.stack([la.bias.detach() for la in self.layers if la.bias is not None])
                 torch.sum(b.float() * self.dy[1], dim=1, out=self.br)
+            return cols
 
 
-# Weights up to this many elements are grouped: below it a layer's handful of dispatches cost more than the copy
-# its group's stack makes of it (64K float32 elements: a 256 x 256 weight's stack, 50 µs, against 5 per-layer ops
-# at 5-10 µs each on this project's CPU); above it the copy costs more than the dispatches it saves (a 1024 x 256
-# weight's stack, 95 µs a layer, against its own ops' 40 µs of dispatch).
+# Weights up to this many elements are grouped (their stacked copy is kept: a group holds its layers' weights once
+# more). Measured on this project's CPU (``tools/bench/bench_weights.py``): grouped, 4 layers of 64 x 64 take half
+# the time they take one by one (dispatches), 4 of 256 x 256 about 1.2x (the copy's bytes), and 1024 x 256 ones
+# 2-3x; past it a model's large weights held twice would cost memory too.
 GROUP_MAX = 1 << 16
 
 
@@ -125,6 +125,11 @@ class Weights:
         self.forward = forward
         self._own: dict[int, LayerRows] = {}  # the ungrouped layers' rows, by layer number
         self._tag = -1  # the step whose grouped values were taken
+        # This step's columns' squared norms (``[L, in]`` of a group, ``[in]`` of a layer) and their layers; reduced
+        # once at the step's end (``squares``), not per layer: ‖W‖_F² and the largest column of every layer in two ops
+        self._cols: list[tuple[torch.Tensor, list[Layer]]] = []
+        self._cols_tag = -1
+        self._squares: tuple[torch.Tensor, torch.Tensor, dict[int, int]] | None = None
         groups: dict[tuple[object, ...], list[Layer]] = {}
         for la in layers if group else ():
             w = la.weight
@@ -139,17 +144,31 @@ class Weights:
     def prepare(self, layer: Layer, tag: int) -> None:
         """Step ``tag``'s values of ``layer``'s weight: every group's at once (the first grouped layer of the step),
         or its own from the weight its forward uses."""
+        if self._cols_tag != tag:
+            self._cols, self._cols_tag, self._squares = [], tag, None
         if layer.number in self._grouped:
             if self._tag != tag:
-                for g in self.groups:
-                    g.prepare()
+                self._cols += [(g.prepare(), g.layers) for g in self.groups]
                 for la in self.layers:
                     la.tag = tag
                 self._tag = tag
             return
         w = (layer.weight if layer.live is None else layer.live).detach().float()
-        prepare_one(layer, self.rows(layer), w, layer.bias if layer.live_bias is None else layer.live_bias, self.forward)
+        bias = layer.bias if layer.live_bias is None else layer.live_bias
+        self._cols.append((prepare_one(layer, self.rows(layer), w, bias, self.forward), [layer]))
         layer.tag = tag
+
+    def squares(self) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]] | None:
+        """This step's ``‖W‖_F²`` and largest squared column norm of every layer prepared, and each one's position
+        in them by layer number: two segmented reductions over every layer's columns (``None``: none prepared)."""
+        if self._squares is None and self._cols:
+            layers = [la for _, ls in self._cols for la in ls]
+            joined = torch.cat([c.reshape(-1) for c, _ in self._cols]) if len(self._cols) > 1 \
+                else self._cols[0][0].reshape(-1)
+            lengths = lengths_on(tuple(la.features[1] for la in layers), joined.device)
+            self._squares = (torch.segment_reduce(joined, "sum", lengths=lengths),
+                             torch.segment_reduce(joined, "max", lengths=lengths), {la.number: k for k, la in enumerate(layers)})
+        return self._squares
 
     def rows(self, layer: Layer) -> LayerRows:
         """The rows ``layer``'s tensors are projected on: its group's, or its own, made again when its vectors

@@ -14,13 +14,20 @@ for the plain step and the guarded one; the overhead is their ratio. ``h`` defau
 host 2.78 times a training op, from the guarded step there), ``B`` to 4.8 TB/s and
 ``F`` to 40 % of the H200's 990 dense bf16 TFLOP/s (fp32 matmuls run as TF32 at half that: pass ``--flops``).
 
+``--one-read`` counts each ``row_stats`` call as what the Triton kernel does on CUDA (``guard/abft/rowstats.py``):
+one op that reads its tensor once in its own dtype and writes its projections and norms, where this CPU's torch
+path takes a product and a norm (two reads, and a float32 copy of a bf16 tensor). ``--bf16`` runs the steps under
+bf16 autocast, as a GPU run would train.
+
     .venv/bin/python tools/bench/abft_cost_model.py --d 1024 --layers 12 --batch 8 --context 64 --vocab 8192
     .venv/bin/python tools/bench/abft_cost_model.py --no-products   # as the H200 run c measured it
+    .venv/bin/python tools/bench/abft_cost_model.py --d 4096 --layers 1 --batch 4 --context 512 --one-read
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -67,6 +74,35 @@ class Counts(TorchDispatchMode):
         return out
 
 
+@contextlib.contextmanager
+def one_read(counts: Counts) -> Any:
+    """Inside: each ``row_stats`` call counted as one op reading its tensor once (the Triton kernel's), computed
+    outside the count by the torch path."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from verified_ckpt.guard.abft import checks, forward, norms, rowstats
+
+    def kernel(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with _disable_current_modes():
+            proj, norm = rowstats.torch_row_stats(a, vecs)
+        counts.ops += 1
+        moved = a.numel() * a.element_size() + vecs.nbytes + proj.nbytes + norm.nbytes
+        counts.bytes += moved
+        row = counts.by_op.setdefault("row_stats (one read)", [0, 0])
+        row[0] += 1
+        row[1] += moved
+        return proj, norm
+
+    saved = [(m, m.row_stats) for m in (checks, forward, norms)]
+    for m, _ in saved:
+        m.row_stats = kernel  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for m, fn in saved:
+            m.row_stats = fn  # type: ignore[attr-defined]
+
+
 def _tensors(x: Any) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
@@ -77,8 +113,8 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return []
 
 
-def counted(run: Any) -> tuple[dict[str, float], dict[str, list[int]]]:
-    with FlopCounterMode(display=False) as flops, Counts() as c:
+def counted(run: Any, single_read: bool = False) -> tuple[dict[str, float], dict[str, list[int]]]:
+    with FlopCounterMode(display=False) as flops, Counts() as c, one_read(c) if single_read else contextlib.nullcontext():
         run()
     return {"ops": c.ops, "bytes": c.bytes, "flops": flops.get_total_flops()}, c.by_op
 
@@ -119,6 +155,8 @@ def main() -> None:
                     "checks' alike (default: the H200 runs', training 11.9 us, the checks' 2.78 times that)")
     ap.add_argument("--no-products", action="store_true", help="without attention's product checks (as the H200 "
                     "runs measured)")
+    ap.add_argument("--one-read", action="store_true", help="count row_stats as the Triton kernel's one read")
+    ap.add_argument("--bf16", action="store_true", help="the steps under bf16 autocast")
     args = ap.parse_args()
     import models
 
@@ -129,15 +167,20 @@ def main() -> None:
         return models.TinyGPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(args.d // 64, 1),
                               context=args.context)
 
+    def loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            return models.lm_loss(model, ids).float()
+
     plain, guarded = build(), build()
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain, guarded)]
-    guard = SDCGuard(guarded, opts[1], models.lm_loss, GuardConfig(audit_every=None, consensus_every=10**9))
+    guard = SDCGuard(guarded, opts[1], loss, GuardConfig(audit_every=None, consensus_every=10**9,
+                                                         mode="tolerance" if args.bf16 else "exact"))
     if args.no_products:
         guard.abft.products.on = lambda: False
     batch = torch.randint(0, args.vocab, (args.batch, args.context + 1))
 
     def plain_step() -> None:
-        models.lm_loss(plain, batch).backward()
+        loss(plain, batch).backward()
         opts[0].step()
         opts[0].zero_grad()
 
@@ -148,13 +191,14 @@ def main() -> None:
 
     plain_step()
     guarded_step(0)  # the first step probes coverage: count a steady one
-    (p, p_ops), (g, g_ops) = counted(plain_step), counted(lambda: guarded_step(1))
+    (p, p_ops), (g, g_ops) = counted(plain_step), counted(lambda: guarded_step(1), args.one_read)
     added_by_op = {k: [n - p_ops.get(k, [0, 0])[0], b - p_ops.get(k, [0, 0])[1]] for k, (n, b) in g_ops.items()}
     top = sorted(added_by_op.items(), key=lambda kv: -kv[1][1])[:12]
     pred = predict(p, g, args.bandwidth, args.flops, args.host_per_op)
     print(json.dumps({
         "model": {"d": args.d, "layers": args.layers, "batch": args.batch, "context": args.context,
-                  "vocab": args.vocab, "params": sum(x.numel() for x in plain.parameters())},
+                  "vocab": args.vocab, "params": sum(x.numel() for x in plain.parameters()), "bf16": args.bf16,
+                  "row_stats": "one read (the Triton kernel's)" if args.one_read else "this CPU's torch path"},
         "plain": p, "guarded": g, "added": {k: g[k] - p[k] for k in p}, **pred,
         "added_by_op (count, bytes)": dict(top)}, indent=1))
 

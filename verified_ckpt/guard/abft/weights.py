@@ -100,13 +100,10 @@ class _Group:
             torch.bmm(self.x[0].unsqueeze(1), wo.mT, out=self.dy[0].unsqueeze(1))
             if self.forward:
                 torch.bmm(self.dy[1].unsqueeze(1), wo, out=self.x[1].unsqueeze(1))
-            cols = wo.square_().sum(1)  # [L, in]: each layer's columns' squared norms (the copy is ours to square)
-            if not self.forward:
-                return cols
-            if self.layers[0].bias is not None:
+            if self.forward and self.layers[0].bias is not None:
                 b = torch.stack([la.bias.detach() for la in self.layers if la.bias is not None])
                 torch.sum(b.float() * self.dy[1], dim=1, out=self.br)
-            return cols
+            return wo.square_().sum(1)  # [L, in]: each layer's columns' squared norms (the copy is ours to square)
 
 
 # Weights up to this many elements are grouped (their stacked copy is kept: a group holds its layers' weights once
@@ -146,7 +143,8 @@ class Weights:
         """Step ``tag``'s values of ``layer``'s weight: every group's at once (the first grouped layer of the step),
         or its own from the weight its forward uses."""
         if self._cols_tag != tag:
-            self._cols, self._cols_tag, self._squares = [], tag, None
+            self._cols, self._cols_tag = [], tag
+        self._squares = None  # taken again if asked for: a layer prepared after them (a later microbatch's stage)
         if layer.number in self._grouped:
             if self._tag != tag:
                 self._cols += [(g.prepare(), g.layers) for g in self.groups]

@@ -69,7 +69,7 @@ class GradientChecks:
         exclude: ``fnmatch`` patterns of parameter names to leave out.
     """
 
-    group_weights = True  # whether layers' weights stay put through a step (``weights.WeightGroups``)
+    group_weights = True  # whether layers' weights stay put through a step (``weights.Weights``)
 
     def __init__(self, module: torch.nn.Module, params: Sequence[torch.Tensor], seed: int, slack: float,
                  exclude: Sequence[str] = (), compiled: bool = False, watch: Stopwatch | None = None,

@@ -30,15 +30,12 @@ dataloader stall) is clipped, so one slow step does not starve the checks for th
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
 
 __all__ = ["BUDGET", "MAX_ABFT_GAP", "MAX_AUDIT_GAP", "MAX_CONSENSUS_GAP", "Budget", "Costs", "Plan", "Rates", "Stopwatch"]
 
-F = TypeVar("F", bound=Callable[..., Any])
 
 BUDGET = "budget"  # the configuration's value for "as often as the budget allows"
 MAX_CONSENSUS_GAP = 100
@@ -151,19 +148,6 @@ class Stopwatch:
         """The step's first microbatch begins."""
         if self._mark is None:
             self._mark = time.perf_counter()
-
-    def timed(self, part: str) -> Callable[[F], F]:
-        """Decorate a hook so that its time counts to ``part`` (``"floor"`` or ``"abft"``)."""
-        def wrap(fn: F) -> F:
-            @functools.wraps(fn)
-            def run(*args: Any, **kwargs: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    setattr(self, part, getattr(self, part) + time.perf_counter() - t0)
-            return run  # type: ignore[return-value]
-        return wrap
 
     def take(self) -> Costs:
         """This rank's figures for the step, and start counting again (called at each step's gather)."""

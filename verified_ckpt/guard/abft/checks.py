@@ -17,7 +17,7 @@ from ...dtensors import local
 from ..budget import Stopwatch
 from ..stats import worst
 from . import norms
-from .flops import FlopCount, quiet
+from .flops import QUIET, FlopCount
 from .forward import Forwards
 from .layers import (
     COMPILED,
@@ -48,11 +48,10 @@ def _own(watch: Stopwatch, fn: Callable[..., Any]) -> Callable[..., Any]:
     denominator). One plain closure: the hooks wrap a callback per forward, and ``functools.wraps`` cost more."""
     def run(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
-        FlopCount.quiet += 1
         try:
-            return fn(*args, **kwargs)
+            with QUIET:
+                return fn(*args, **kwargs)
         finally:
-            FlopCount.quiet -= 1
             watch.abft += time.perf_counter() - t0
 
     return run
@@ -411,8 +410,8 @@ class GradientChecks:
             # every microbatch so far, which is what the step's records are compared with at its end.
             again = {id(c) for c, _ in got}
             self._measured = [m for m in self._measured if id(m.covered[0]) not in again]
-            with torch.no_grad(), quiet():
-                self._measured.append(Measured.of_bucket(got, sumsq, self.slack))
+            with torch.no_grad(), QUIET:
+                self._measured.append(Measured.of(got, sumsq, self.slack))
 
     def worst(self) -> torch.Tensor | None:
         """float64[2]: this step's worst ABFT ratio and its code (:meth:`name_of`) over the gradients measured, the

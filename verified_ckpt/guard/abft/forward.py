@@ -27,7 +27,7 @@ import torch
 
 from .layers import Layer
 from .rowstats import row_stats
-from .sums import EPS32, RMS, floored, lengths_on, per_call, zero_on
+from .sums import EPS32, RMS, floored, lengths_on, per_call, scalar_on, worst_rows
 
 __all__ = ["Forwards"]
 
@@ -47,7 +47,7 @@ class Forwards:
 
     def add(self, layer: Layer, y: torch.Tensor, xwr: torch.Tensor, a: torch.Tensor, eps: tuple[float, float]) -> None:
         """One forward of ``layer`` whose output is ``y``; ``xwr``, ``a``: its input's rows times ``Wᵀ r`` and their
-        norms (unclamped, as ``row_stats`` gives them). Nothing is recorded while the layer's vectors are not
+        norms (unfloored, as ``row_stats`` gives them). Nothing is recorded while the layer's vectors are not
         ready (no step has prepared them)."""
         if layer.r is None or layer.wr is None:
             return
@@ -64,7 +64,7 @@ class Forwards:
         lens = tuple(c.got.numel() for c in calls)
         k_out = tuple(self.slack * RMS * (c.eps[1] + EPS32 * (math.sqrt(c.layer.features[0]) + 1)) for c in calls)
         k_in = tuple(self.slack * c.layer.rmax * (2 * c.eps[0] + EPS32 * math.sqrt(c.layer.features[1])) for c in calls)
-        zero = zero_on(device)
+        zero = scalar_on(0.0, device)
         with torch.no_grad():
             got, xwr = torch.cat([c.got for c in calls]), torch.cat([c.xwr for c in calls])
             yn, a = floored(torch.cat([c.yn for c in calls])), floored(torch.cat([c.a for c in calls]))
@@ -73,8 +73,7 @@ class Forwards:
             scalars = torch.stack([cmax, torch.stack([zero if c.br is None else c.br for c in calls])], dim=1)
             per_row = scalars.repeat_interleave(lengths_on(lens, device), dim=0, output_size=got.numel())
             bound = torch.addcmul(yn.mul_(per_call(k_out, lens, device)), a, per_row[:, 0] * per_call(k_in, lens, device))
-            ratio = (got - xwr - per_row[:, 1]).abs_().div_(bound).nan_to_num_(nan=torch.inf)
-            worst = torch.segment_reduce(ratio, "max", lengths=lengths_on(lens, device)).double()
+            worst = worst_rows(got - xwr - per_row[:, 1], bound, lens)
         return worst, tuple(c.layer.number for c in calls)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..stats import worst
-from .sums import constant_on, floored, lengths_on
+from .sums import constant_on, floored, lengths_on, worst_rows
 
 __all__ = ["COMPILED", "OUTSIDE", "TP_UNCHECKED", "Coverage", "InputCheck", "InputTap", "Layer", "Ratios", "families",
            "gradient_paths", "input_ratios", "layer_kind", "worst_layer"]
@@ -102,7 +102,7 @@ def families(inputs: list[InputCheck], forwards: Callable[[torch.Tensor, dict[in
     return got
 
 
-def worst_layer(families: Sequence[tuple[torch.Tensor, tuple[int, ...]]]) -> torch.Tensor | None:
+def worst_layer(families: Sequence[Ratios]) -> torch.Tensor | None:
     """float64[2]: the worst of a step's per-layer checks and its code, on the device (no host sync); ``None`` when
     nothing was checked. ``families``: each kind of check's ratios (float64, one per check) and their codes (the
     input-gradient checks', ``input_ratios``; the forward outputs'; attention's products')."""
@@ -122,11 +122,11 @@ def input_ratios(checks: list[InputCheck], wsq: torch.Tensor, at: dict[int, int]
     z = torch.cat([c.z for c in checks if c.z is not None])
     b = floored(torch.cat([c.b for c in checks if c.b is not None]))
     wnorm = wsq.index_select(0, lengths_on(tuple(at[c.layer.number] for c in checks), wsq.device)).sqrt_()
-    lens = lengths_on(tuple(c.u.numel() for c in checks if c.u is not None), u.device)
+    lengths = tuple(c.u.numel() for c in checks if c.u is not None)
+    lens = lengths_on(lengths, u.device)
     scale = wnorm * constant_on(tuple(c.coef for c in checks), torch.float32, u.device)
     bound = b * scale.repeat_interleave(lens, output_size=u.numel()) + 1e-30
-    ratio = ((u - z).abs() / bound).nan_to_num(nan=torch.inf)
-    return torch.segment_reduce(ratio, "max", lengths=lens).double()
+    return worst_rows(u - z, bound, lengths)
 
 
 class InputTap(torch.autograd.Function):

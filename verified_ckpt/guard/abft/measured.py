@@ -1,7 +1,7 @@
 """Gradients measured where they were whole, judged once per step.
 
 A gradient is measured where this rank holds it whole and as it computed it: a DDP bucket before its all-reduce
-(``Measured.of_bucket``), an FSDP2 unsharded gradient before its reduce-scatter (``sharded.py``). What the check
+(``Measured.of``), an FSDP2 unsharded gradient before its reduce-scatter (``sharded.py``). What the check
 needs of it is its projection ``v0ᵀ G v1`` and, where the bucket's norm does not bound it, its norm; the comparison
 with what the hooks recorded (``sums.ratio_of``: the expected values, spreads and bounds) waits for the step's end
 and runs once over every bucket, a fixed handful of ops per step instead of per bucket.
@@ -37,11 +37,11 @@ class Measured:
     coefficients: list[tuple[float, float, float]]
 
     @staticmethod
-    def of_bucket(got: list[tuple[Covered, torch.Tensor]], sumsq: torch.Tensor | None, slack: float) -> Measured:
-        """One bucket's covered gradients (``got``). ``sumsq``: the squared norm of all the bucket's gradients
-        together (the tap has it already); its root bounds every gradient's own norm, which saves a pass over
-        each. Without it, or where a gradient was rounded to bf16 (autocast: its own norm matters to the bound and
-        a pass over it buys the detection back), each gradient's norm is computed."""
+    def of(got: list[tuple[Covered, torch.Tensor]], sumsq: torch.Tensor | None, slack: float) -> Measured:
+        """Covered gradients measured together (``got``: a bucket's, or one FSDP2 gradient). ``sumsq``: the squared
+        norm of all the bucket's gradients together (the tap has it already); its root bounds every gradient's own
+        norm, which saves a pass over each. Without it, or where a gradient was rounded to bf16 (autocast: its own
+        norm matters to the bound and a pass over it buys the detection back), each gradient's norm is computed."""
         got = [(c, g if g.dtype == torch.float32 else g.float()) for c, g in got]
         order, actual = projections(got)
         covered = [got[k][0] for k in order]

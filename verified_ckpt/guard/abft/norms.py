@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .rowstats import row_stats
-from .sums import EPS32, Covered, signed_weights, unit_roundoff
+from .sums import EPS32, Covered, scalar_on, signed_weights, unit_roundoff
 
 __all__ = ["NORMS", "NormSpec", "Normalised", "computed_norm", "install", "norm_kind", "norm_rows"]
 
@@ -157,14 +156,9 @@ class Normalised:
 
     def kappa(self, n: int) -> torch.Tensor:
         """Per row of ``n``, the conditioning of ``X - μ``: ``1 + |μ| / σ`` (the largest over features for BatchNorm)."""
-        k = torch.addcmul(_one(self.rstd.device), self.mean.abs(), self.rstd) if self.mean is not None \
+        k = torch.addcmul(scalar_on(1.0, self.rstd.device), self.mean.abs(), self.rstd) if self.mean is not None \
             else torch.ones_like(self.rstd)
         return k.reshape(-1) if k.shape[0] == n else k.max().expand(n)
-
-
-@functools.lru_cache(maxsize=16)
-def _one(device: torch.device) -> torch.Tensor:
-    return torch.ones((), device=device)
 
 
 def norm_rows(mod: torch.nn.Module, spec: NormSpec, x: torch.Tensor, out: torch.Tensor | None = None) -> Normalised | None:

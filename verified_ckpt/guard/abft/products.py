@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 from ...dtensors import is_dtensor
-from .sums import EPS32, RMS, floored, lengths_on, matmul_eps, per_call, signed_weights, unit_roundoff
+from .sums import EPS32, RMS, floored, matmul_eps, per_call, signed_weights, unit_roundoff, worst_rows
 
 __all__ = ["ProductChecks"]
 
@@ -187,8 +187,7 @@ class ProductChecks(TorchFunctionMode):
             diff = torch.cat([c[0].reshape(-1) for c in self.calls])
             bound = floored(torch.cat([c[1].reshape(-1) for c in self.calls])).mul_(
                 per_call(tuple(c[2] for c in self.calls), lens, device))
-            ratio = diff.abs_().div_(bound).nan_to_num_(nan=torch.inf)
-            worst = torch.segment_reduce(ratio, "max", lengths=lengths_on(lens, device)).double()
+            worst = worst_rows(diff, bound, lens)
         return worst, tuple(c[3] for c in self.calls)
 
     def _attention(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:

@@ -34,7 +34,7 @@ from ..tp import gradient_problem, linear_problem, loss_parallel_active, loss_pr
 from .checks import GradientChecks
 from .layers import OUTSIDE, Layer, gradient_paths
 from .measured import Measured
-from .sums import bound_coefficients, norm, rgs, signed_weights
+from .sums import rgs, signed_weights
 
 __all__ = ["TP_BIAS", "TP_SHARDED", "ShardedGradientChecks"]
 
@@ -185,13 +185,11 @@ class ShardedGradientChecks(GradientChecks):
                     self.problems.append(problem)
                 c.entries, c.rows, c.base, c.base_spread = [], 0, None, None
                 return
-        g = local(live.grad).detach()
-        g = g if g.dtype == torch.float32 else g.float()
         with torch.no_grad():
-            # What the check needs of the gradient (its checksum and norm: two passes), and of the records (moved
-            # to a copy: the next microbatch records afresh).
-            self._measured.append(Measured([dataclasses.replace(c, entries=list(c.entries))], rgs(c, g).double().view(1),
-                                           norm(g).view(1), [bound_coefficients(c, g.shape, self.slack)]))
+            # What the check needs of the gradient (its checksum and its own norm: two passes), and of the records
+            # (moved to a copy: the next microbatch records afresh).
+            self._measured.append(Measured.of([(dataclasses.replace(c, entries=list(c.entries)),
+                                                local(live.grad).detach())], None, self.slack))
         c.entries, c.rows, c.base, c.base_spread = [], 0, None, None
 
     def outside_uses(self, loss: torch.Tensor | Sequence[torch.Tensor]) -> list[bool]:

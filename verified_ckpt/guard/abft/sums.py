@@ -26,12 +26,11 @@ __all__ = [
     "per_call",
     "ratio_of",
     "rgs",
-    "row_norms",
+    "scalar_on",
     "signed_weights",
     "sums",
     "unit_roundoff",
-    "worst_ratio",
-    "zero_on",
+    "worst_rows",
 ]
 
 RMS = math.sqrt(7 / 3)  # rms of a weight drawn from ±[1, 2]
@@ -41,10 +40,13 @@ MAX_ENTRIES = 8
 EPS32 = 2.0**-24
 _SQRT3 = math.sqrt(3)
 TINY = 1.1e-19  # √(smallest normal float32): below it a float32 square underflows
-# The floor of every row norm a bound is built on (``floored``): ``TINY`` times the root of the widest row any
-# layer has (2²⁰ features), so no row's norm is 0 where its float32 squares underflowed (``row_norms``). One
-# floor for every width, so that the norms of a whole step are floored in one op after they are joined; it is
-# above what a narrower row needs, which only loosens the bound of rows whose values are all below 1e-16.
+# The floor of every row norm a bound is built on (``floored``). float32 squares of elements below ``TINY``
+# underflow, so a row of tiny but nonzero values (the logits' gradient at positions the loss barely sees, say) has
+# a computed norm of 0 while its products are not 0: a bound built on it would be 0 and the row's rounding an
+# alarm. Such a row's norm is at most ``TINY`` times the root of its width; the floor takes the widest row any layer
+# has (2²⁰ features), one floor for every width, so that the norms of a whole step are floored in one op after
+# they are joined. It is above what a narrower row needs, which only loosens the bound of rows whose values are all
+# below 1e-16 (a fault that small does no harm).
 NORM_FLOOR = TINY * 2.0**10
 MATMUL_EPS = {"highest": 2.0**-24, "high": 2.0**-11, "medium": 2.0**-8}  # float32 matmuls on CUDA: full, TF32, bf16
 
@@ -111,20 +113,9 @@ def norm(g: torch.Tensor) -> torch.Tensor:
     return norm.to(torch.float64)
 
 
-def row_norms(x: torch.Tensor) -> torch.Tensor:
-    """``‖x_n‖`` of each row of a 2-D float32 ``x``, never below what a float32 sum of squares can represent.
-
-    float32 squares of elements below about 1e-19 underflow, so a row of tiny but nonzero values (the logits'
-    gradient at positions the loss barely sees, say) has a computed norm of 0 while its products are not 0: a
-    bound built on it would be 0 and the row's rounding an alarm. Such a row's norm is at most ``TINY·√width``;
-    bounding by that is exact enough (a fault that small does no harm) and costs one op on a vector."""
-    got: torch.Tensor = torch.linalg.vector_norm(x, dim=1).clamp_min_(TINY * math.sqrt(max(x.shape[1], 1)))
-    return got
-
-
 def floored(norms: torch.Tensor) -> torch.Tensor:
     """Row norms (a step's, joined: ``rowstats.row_stats`` gives them unfloored) floored in place at
-    ``NORM_FLOOR`` (``row_norms`` says why); a NaN stays NaN."""
+    ``NORM_FLOOR`` (its comment says why); a NaN stays NaN."""
     return norms.clamp_min_(NORM_FLOOR)
 
 
@@ -189,9 +180,17 @@ def per_call(values: tuple[float, ...], lengths: tuple[int, ...], device: torch.
 
 
 @functools.lru_cache(maxsize=16)
-def zero_on(device: torch.device) -> torch.Tensor:
-    """A float32 0-d zero on ``device``, made once: what stands for a term a layer lacks (its bias) in a stack."""
-    return torch.zeros((), device=device)
+def scalar_on(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 0-d ``value`` on ``device``, made once, never written to: a term a layer lacks (its bias: 0) in a
+    stack, a constant an op takes as a tensor."""
+    return torch.full((), value, device=device)
+
+
+def worst_rows(diff: torch.Tensor, bound: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    """float64 ``[checks]``: each check's worst row ``|diff| / bound`` over the rows of a step's checks joined
+    (``lengths`` rows each; a NaN reads as infinite: it is an alarm). ``diff`` is taken in place."""
+    ratio = diff.abs_().div_(bound).nan_to_num_(nan=torch.inf)
+    return torch.segment_reduce(ratio, "max", lengths=lengths_on(lengths, diff.device)).double()
 
 
 def lengths_on(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -206,31 +205,11 @@ def coefficients_on(coefs: tuple[tuple[float, float, float], ...], device: torch
     return torch.tensor(coefs, dtype=torch.float64, device=device).T.contiguous()
 
 
-def worst_ratio(got: list[tuple[Covered, torch.Tensor]], sumsq: torch.Tensor | None, slack: float,
-                overflow_at: int) -> torch.Tensor:
-    """float64[2]: the worst ratio |actual - expected| / bound over ``got`` (covered parameters and their gradients)
-    and that parameter's index, on the device (no host sync).
-
-    One pass over each covered gradient (its ``v0ᵀ G v1``); the expected values and spreads of all of them, over
-    every microbatch, in a fixed handful of ops (``sums``). ``sumsq``: the squared norm of all the gradients
-    together (the tap has it already). Its root bounds every gradient's own norm in the bound, which saves a
-    pass over each gradient; without it (or where gradients were rounded to bf16), each gradient's norm is computed.
-    """
-    got = sorted(got, key=lambda cg: cg[0].v1 is None)  # weights first, then biases: the order ``sums`` returns
-    actual = torch.stack([rgs(c, g if g.dtype == torch.float32 else g.float()) for c, g in got]).double()
-    # The bucket's norm bounds each gradient's own; where a gradient was rounded to bf16 (autocast) its own norm
-    # matters to the bound, and a pass over each such gradient buys the detection back.
-    low = any(c.eps_out > EPS32 for c, _ in got)
-    norms = sumsq.to(torch.float64).sqrt().clamp_min(TINY) if sumsq is not None and not low else \
-        torch.stack([norm(g.float()) for _, g in got])
-    return ratio_of([c for c, _ in got], actual, norms, [bound_coefficients(c, g.shape, slack) for c, g in got],
-                    overflow_at)
-
-
 def ratio_of(covered: list[Covered], actual: torch.Tensor, norms: torch.Tensor,
              coefficients: Sequence[tuple[float, float, float]], overflow_at: int) -> torch.Tensor:
-    """:func:`worst_ratio` from each gradient's measured ``v0ᵀ G v1`` (``actual``, float64) and norm, taken where the
-    gradient was whole (weights first, as ``covered``); the expected values and spreads of all at once.
+    """float64[2]: the worst ratio |actual - expected| / bound over ``covered`` and its code, on the device (no host
+    sync), from each gradient's measured ``v0ᵀ G v1`` (``actual``, float64) and norm, taken where the gradient was
+    whole (weights first, as ``covered``: ``measured.py``); the expected values and spreads of all at once.
 
     The code names the parameter (its index), or, where the picked bound overflowed because the product's own
     operands did (a row of the layer's input or of its output's gradient past ``1.8e19``, whose square float32

@@ -56,7 +56,7 @@ class Measured:
 
 def projections(got: Sequence[tuple[Covered, torch.Tensor]]) -> tuple[list[int], torch.Tensor]:
     """``v0ᵀ G v1`` (``v0ᵀ g`` for a vector) of each float32 gradient in ``got``, float64, in the order returned
-    (indices into ``got``): one group per shape (module doc)."""
+    (indices into ``got``: matrices, then vectors): one group per run of like-shaped matrices (module doc)."""
     shapes: dict[tuple[int, ...], list[int]] = {}
     vectors = []  # biases and normalisation layers' parameters: joined (small), one segmented sum for all
     for k, (c, g) in enumerate(got):
@@ -66,12 +66,6 @@ def projections(got: Sequence[tuple[Covered, torch.Tensor]]) -> tuple[list[int],
             shapes.setdefault(tuple(g.shape), []).append(k)
     order: list[int] = []
     parts: list[torch.Tensor] = []
-    if vectors:
-        lengths = tuple(got[k][1].numel() for k in vectors)
-        v0 = _joined(tuple(got[k][0].v0 for k in vectors))
-        joined = torch.cat([got[k][1].reshape(-1) for k in vectors]) if len(vectors) > 1 else got[vectors[0]][1].reshape(-1)
-        parts.append(torch.segment_reduce(joined * v0, "sum", lengths=lengths_on(lengths, v0.device)))
-        order += vectors
     for like in shapes.values():
         for members in _runs(sorted(like, key=lambda k: got[k][1].storage_offset()), [g for _, g in got]):
             order += members
@@ -89,6 +83,12 @@ def projections(got: Sequence[tuple[Covered, torch.Tensor]]) -> tuple[list[int],
                 parts.append((torch.bmm(v0.unsqueeze(1), gs).squeeze(1) * v1).sum(1))
             else:
                 parts.append((gs.reshape(len(members), -1) * v0).sum(1))
+    if vectors:  # last: ``sums.ratio_of`` takes weights first, and one bucket's order then needs no permutation
+        lengths = tuple(got[k][1].numel() for k in vectors)
+        v0 = _joined(tuple(got[k][0].v0 for k in vectors))
+        joined = torch.cat([got[k][1].reshape(-1) for k in vectors]) if len(vectors) > 1 else got[vectors[0]][1].reshape(-1)
+        parts.append(torch.segment_reduce(joined * v0, "sum", lengths=lengths_on(lengths, v0.device)))
+        order += vectors
     return order, (torch.cat(parts) if len(parts) > 1 else parts[0]).double()
 
 

@@ -391,3 +391,32 @@ def test_a_library_norm_fully_shard_ed_on_its_own_is_recognised_and_guarded():
 
     for r in run_ranks(_sharded_llama, 2, timeout=110):
         assert r == {"spec": "LlamaRMSNorm (RMSNorm)", "covered": 5, "incidents": 0}, r
+
+
+@pytest.mark.timeout(120)
+def test_an_exponent_flip_at_the_defaults_is_caught_at_its_step():
+    # The scenario above as users run it: NaN/Inf and the checksum on too (here one rank: whichever check sees the
+    # flip first, the step's update is withheld at step 3).
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = SDCGuard(model, opt, lm_loss, GuardConfig())
+    before = {}
+
+    def flip(g: torch.Tensor) -> torch.Tensor:
+        if guard.current_step != 3:
+            return g
+        g = g.clone()
+        g.view(-1).view(torch.int32)[1] ^= 1 << 30
+        return g
+
+    dict(model.named_parameters())["blocks.0.attn.qkv.weight"].register_hook(flip)
+    with pytest.raises(SilentCorruptionDetected) as got:
+        for step in range(1, 4):
+            guard.backward(gpt_batch(step), step=step)
+            if step == 3:
+                before = {k: v.clone() for k, v in model.state_dict().items()}
+            guard.step()
+            opt.zero_grad(set_to_none=True)
+    assert got.value.detected_step == 3 and got.value.ranks == [0], got.value
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the update withheld

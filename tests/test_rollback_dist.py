@@ -67,10 +67,12 @@ def test_manual_flag_rollback_new_lineage_and_suspect_old_one(tmp_path):
     assert infos[3].manifest.resumed_from == infos[0].id
 
 
-def guarded_save(rank: int, world: int, run: str, spec: str) -> dict:
+def guarded_save(rank: int, world: int, run: str, spec: str, defaults: bool = False) -> dict:
     model = DDP(ddp_train.build_model(0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    guard = SDCGuard(model, opt, ddp_train.loss_fn, GuardConfig(audit_every=None, consensus_every=1000, faults=(spec,)))
+    # Scheduled audits and consensus off: the at-rest chain alone judges the save (``defaults``: as users run it)
+    cfg = GuardConfig(faults=(spec,)) if defaults else GuardConfig(audit_every=None, consensus_every=1000, faults=(spec,))
+    guard = SDCGuard(model, opt, ddp_train.loss_fn, cfg)
     mgr = CheckpointManager(run, guard=guard)
     state = {"model": model.module, "optim": opt}
     for step in range(1, 9):
@@ -85,15 +87,18 @@ def guarded_save(rank: int, world: int, run: str, spec: str) -> dict:
     return {"raised": None}
 
 
-def test_a_save_whose_checks_fail_is_never_restorable(tmp_path):
-    # Rank 2's weight flipped after step 8's update, right before its save: the save's at-rest chain names it.
+@pytest.mark.parametrize("defaults", [False, True], ids=["chain alone", "defaults"])
+def test_a_save_whose_checks_fail_is_never_restorable(tmp_path, defaults):
+    # Rank 2's weight flipped after step 8's update, right before its save: the save's at-rest chain names it; at
+    # the defaults the audit the save runs (none covered step 8) names it first.
     run = str(tmp_path / "run")
-    got = run_ranks(guarded_save, 3, run, "weights:2:8:bitflip=3")
-    assert got[0] == {"raised": "chain", "ranks": [2], "step": 8}
+    got = run_ranks(guarded_save, 3, run, "weights:2:8:bitflip=3", defaults)
+    kind = "audit" if defaults else "chain"
+    assert got[0] == {"raised": kind, "ranks": [2], "step": 8}
     mgr = CheckpointManager(run)
     assert [(i.step, i.status) for i in mgr.list()] == [(4, Status.RESTORABLE)]
     [inc] = mgr.incidents()
-    assert (inc.kind, inc.ranks, inc.first_suspect_step) == ("chain", [2], 5)
+    assert (inc.kind, inc.ranks, inc.first_suspect_step) == (kind, [2], 5)
     assert not any(name.startswith("step-0000000008") and os.path.exists(os.path.join(run, "checkpoints", name, "manifest.json"))
                    for name in os.listdir(os.path.join(run, "checkpoints")))
 

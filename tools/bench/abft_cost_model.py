@@ -22,6 +22,11 @@ bf16 autocast, as a GPU run would train.
     .venv/bin/python tools/bench/abft_cost_model.py --d 1024 --layers 12 --batch 8 --context 64 --vocab 8192
     .venv/bin/python tools/bench/abft_cost_model.py --no-products   # as the H200 run c measured it
     .venv/bin/python tools/bench/abft_cost_model.py --d 4096 --layers 1 --batch 4 --context 512 --one-read
+    .venv/bin/python tools/bench/abft_cost_model.py --model llama --d 4096 --layers 1 --batch 4 --context 512 --one-read --bf16
+
+``--model llama`` counts Hugging Face's Llama (fused attention, separate projections: the shape trained at d=4096)
+where the default TinyGPT computes attention eagerly, so that its scores and probabilities, ``t`` values a head per
+token, are read again by the product checks.
 """
 
 from __future__ import annotations
@@ -157,6 +162,10 @@ def main() -> None:
                     "runs measured)")
     ap.add_argument("--one-read", action="store_true", help="count row_stats as the Triton kernel's one read")
     ap.add_argument("--bf16", action="store_true", help="the steps under bf16 autocast")
+    ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                    help="TinyGPT (eager attention: its scores and probabilities materialised and checked as products) "
+                         "or Hugging Face's Llama at its defaults (fused attention, grouped-query heads of 128, "
+                         "separate q/k/v and gate/up projections, intermediate 3.5 d: Llama 3's shape at d=4096)")
     args = ap.parse_args()
     import models
 
@@ -164,11 +173,21 @@ def main() -> None:
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
+        if args.model == "llama":
+            import transformers as tf
+
+            heads = max(args.d // 128, 1)
+            return tf.LlamaForCausalLM(tf.LlamaConfig(  # type: ignore[no-any-return]
+                vocab_size=args.vocab, hidden_size=args.d, intermediate_size=7 * args.d // 2,
+                num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1),
+                max_position_embeddings=args.context + 1))
         return models.TinyGPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(args.d // 64, 1),
                               context=args.context)
 
     def loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            if args.model == "llama":
+                return model(input_ids=ids, labels=ids).loss.float()  # type: ignore[no-any-return]
             return models.lm_loss(model, ids).float()
 
     plain, guarded = build(), build()
@@ -196,7 +215,7 @@ def main() -> None:
     top = sorted(added_by_op.items(), key=lambda kv: -kv[1][1])[:12]
     pred = predict(p, g, args.bandwidth, args.flops, args.host_per_op)
     print(json.dumps({
-        "model": {"d": args.d, "layers": args.layers, "batch": args.batch, "context": args.context,
+        "model": {"kind": args.model, "d": args.d, "layers": args.layers, "batch": args.batch, "context": args.context,
                   "vocab": args.vocab, "params": sum(x.numel() for x in plain.parameters()), "bf16": args.bf16,
                   "row_stats": "one read (the Triton kernel's)" if args.one_read else "this CPU's torch path"},
         "plain": p, "guarded": g, "added": {k: g[k] - p[k] for k in p}, **pred,

@@ -25,7 +25,6 @@ from .layers import (
     TP_UNCHECKED,
     Coverage,
     InputCheck,
-    InputTap,
     Layer,
     families,
     gradient_paths,
@@ -291,7 +290,11 @@ class GradientChecks:
         if not x.requires_grad:  # a first layer's input (the data): no input gradient, but its forward is checked
             return None
         check = self._open[id(mod)] = InputCheck(layer)
-        tapped: torch.Tensor = InputTap.apply(x, check, self._input_grad)  # type: ignore[no-untyped-call]
+        # The layer takes a view of its input of its own: the view's gradient is this layer's share of the input's
+        # (the input may feed other layers too; their shares reach it through their own views or uses). A view and
+        # a tensor hook are autograd's own C++ nodes: an autograd.Function there cost 2.5x their time per layer.
+        tapped = x.view_as(x)
+        tapped.register_hook(functools.partial(self._input_grad, check))
         return (tapped, *args[1:])
 
     def _linear_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:

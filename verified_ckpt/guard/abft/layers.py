@@ -1,4 +1,4 @@
-"""What ABFT covers: the layer kinds it checks, one covering module's vectors, the input-gradient tap, the graph
+"""What ABFT covers: the layer kinds it checks, one covering module's vectors, the input-gradient check's record, the graph
 walk that finds parameters used outside their covering modules, and the coverage report."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from ..stats import worst
 from .sums import constant_on, floored, lengths_on, worst_rows
 
-__all__ = ["COMPILED", "OUTSIDE", "TP_UNCHECKED", "Coverage", "InputCheck", "InputTap", "Layer", "Ratios", "families",
+__all__ = ["COMPILED", "OUTSIDE", "TP_UNCHECKED", "Coverage", "InputCheck", "Layer", "Ratios", "families",
            "gradient_paths", "input_ratios", "layer_kind", "worst_layer"]
 
 OUTSIDE = "used outside the modules that cover it (a weight tied functionally, F.linear(x, w)?)"
@@ -127,21 +127,6 @@ def input_ratios(checks: list[InputCheck], wsq: torch.Tensor, at: dict[int, int]
     scale = wnorm * constant_on(tuple(c.coef for c in checks), torch.float32, u.device)
     bound = b * scale.repeat_interleave(lens, output_size=u.numel()) + 1e-30
     return worst_rows(u - z, bound, lengths)
-
-
-class InputTap(torch.autograd.Function):
-    """Identity in front of a covered layer: its backward sees that layer's own share of the input's gradient
-    (the input may feed other layers too; their shares reach the input through their own nodes)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, check: InputCheck, sink: Callable[[InputCheck, torch.Tensor], None]) -> Any:
-        ctx.check, ctx.sink = check, sink
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        ctx.sink(ctx.check, g)
-        return g, None, None
 
 
 @dataclasses.dataclass(frozen=True)

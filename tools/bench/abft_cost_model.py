@@ -14,7 +14,7 @@ for the plain step and the guarded one; the overhead is their ratio. ``h`` defau
 host 2.78 times a training op, from the guarded step there), ``B`` to 4.8 TB/s and
 ``F`` to 40 % of the H200's 990 dense bf16 TFLOP/s (fp32 matmuls run as TF32 at half that: pass ``--flops``).
 
-``--one-read`` counts each ``row_stats`` call as what the Triton kernel does on CUDA (``guard/abft/rowstats.py``):
+``--one-read`` counts each ``row_stats`` and ``project`` call as what the Triton kernel does on CUDA (``guard/abft/rowstats.py``):
 one op that reads its tensor once in its own dtype and writes its projections and norms, where this CPU's torch
 path takes a product and a norm (two reads, and a float32 copy of a bf16 tensor). ``--bf16`` runs the steps under
 bf16 autocast, as a GPU run would train.
@@ -98,14 +98,20 @@ def one_read(counts: Counts) -> Any:
         row[1] += moved
         return proj, norm
 
+    def projected(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return kernel(a, v)[0]  # the same kernel, its norms dropped (``rowstats.project``)
+
     saved = [(m, m.row_stats) for m in (checks, forward, norms)]
+    saved_project = rowstats.project
     for m, _ in saved:
         m.row_stats = kernel  # type: ignore[attr-defined]
+    checks.project = projected  # type: ignore[attr-defined]  # the name the input-gradient check calls
     try:
         yield
     finally:
         for m, fn in saved:
             m.row_stats = fn  # type: ignore[attr-defined]
+        checks.project = saved_project  # type: ignore[attr-defined]
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -177,17 +183,19 @@ def main() -> None:
             import transformers as tf
 
             heads = max(args.d // 128, 1)
-            return tf.LlamaForCausalLM(tf.LlamaConfig(  # type: ignore[no-any-return]
+            llama: torch.nn.Module = tf.LlamaForCausalLM(tf.LlamaConfig(
                 vocab_size=args.vocab, hidden_size=args.d, intermediate_size=7 * args.d // 2,
                 num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1),
                 max_position_embeddings=args.context + 1))
+            return llama
         return models.TinyGPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(args.d // 64, 1),
                               context=args.context)
 
     def loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             if args.model == "llama":
-                return model(input_ids=ids, labels=ids).loss.float()  # type: ignore[no-any-return]
+                got: torch.Tensor = model(input_ids=ids, labels=ids).loss.float()
+                return got
             return models.lm_loss(model, ids).float()
 
     plain, guarded = build(), build()

@@ -34,7 +34,7 @@ from .layers import (
 from .measured import Measured, judge
 from .norms import norm_kind
 from .products import ProductChecks
-from .rowstats import row_stats
+from .rowstats import project, row_stats
 from .sums import EPS32, RMS, Covered, matmul_eps, rgs, signed_weights, unit_roundoff
 from .verdict import code_name
 from .weights import Weights
@@ -360,8 +360,7 @@ class GradientChecks:
             return  # the output's gradient never came (the layer's output did not reach the loss)
         out_f, in_f = layer.features
         with torch.no_grad():
-            g2 = g.reshape(-1, g.shape[-1])
-            u = torch.mv(g2 if g2.dtype == torch.float32 else g2.float(), layer.s)
+            u = project(g.reshape(-1, g.shape[-1]), layer.s)
             # W rounded to the GEMM's dtype, dX rounded to its own, float32 accumulation and projections.
             eps_in, eps_out = check.eps[0], max(check.eps[1], unit_roundoff(g.dtype))
             check.u = u

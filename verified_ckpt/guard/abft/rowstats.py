@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_VECTORS", "row_stats", "torch_row_stats", "triton_row_stats"]
+__all__ = ["MAX_VECTORS", "project", "row_stats", "torch_row_stats", "triton_row_stats"]
 
 MAX_VECTORS = 4  # the most projections one read returns (the kernel keeps one float32 column per vector)
 _BLOCK_N, _BLOCK_D = 16, 128  # rows by columns per tile: 2048 float32 per program, with room for the products
@@ -57,6 +57,15 @@ def row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.
     if a.is_cuda and _triton() is not None:
         return triton_row_stats(a, vecs)
     return torch_row_stats(a, vecs)
+
+
+def project(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``a.float() @ v`` (float32 ``[n]``) of a 2-D ``a`` and a float32 ``v[d]``, where no row norm is wanted (the
+    input-gradient check's ``dX s``): on CUDA the kernel's one read of ``a`` in its own dtype (its norms, taken in
+    registers, are dropped: a bf16 ``dX`` is not copied to float32 first), elsewhere ``mv`` alone."""
+    if a.is_cuda and _triton() is not None:
+        return triton_row_stats(a, v)[0]
+    return torch.mv(a if a.dtype == torch.float32 else a.float(), v)
 
 
 def torch_row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

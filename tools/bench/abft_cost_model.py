@@ -16,7 +16,9 @@ host 2.78 times a training op, from the guarded step there), ``B`` to 4.8 TB/s a
 
 ``--one-read`` counts each ``row_stats`` and ``project`` call as what the Triton kernel does on CUDA (``guard/abft/rowstats.py``):
 one op that reads its tensor once in its own dtype and writes its projections and norms, where this CPU's torch
-path takes a product and a norm (two reads, and a float32 copy of a bf16 tensor). ``--bf16`` runs the steps under
+path takes a product and a norm (two reads, and a float32 copy of a bf16 tensor); and each weight's column norms as
+the GPU takes them (``weights.column_squares``: one read of ``W``, where the CPU writes ``W²`` and reads it again).
+``--bf16`` runs the steps under
 bf16 autocast, as a GPU run would train.
 
     .venv/bin/python tools/bench/abft_cost_model.py --d 1024 --layers 12 --batch 8 --context 64 --vocab 8192
@@ -85,7 +87,7 @@ def one_read(counts: Counts) -> Any:
     outside the count by the torch path."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from verified_ckpt.guard.abft import checks, forward, norms, rowstats
+    from verified_ckpt.guard.abft import checks, forward, norms, rowstats, weights
 
     def kernel(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with _disable_current_modes():
@@ -101,7 +103,13 @@ def one_read(counts: Counts) -> Any:
     def projected(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel(a, v)[0]  # the same kernel, its norms dropped (``rowstats.project``)
 
+    def columns(wo: torch.Tensor) -> torch.Tensor:  # the GPU's choice (``weights.column_squares``): one read of W
+        norms_of: torch.Tensor = torch.linalg.vector_norm(wo, dim=0)
+        return norms_of.square_()
+
     saved = [(m, m.row_stats) for m in (checks, forward, norms)]
+    saved_columns = weights.column_squares
+    weights.column_squares = columns
     saved_project = rowstats.project
     for m, _ in saved:
         m.row_stats = kernel  # type: ignore[attr-defined]
@@ -112,6 +120,7 @@ def one_read(counts: Counts) -> Any:
         for m, fn in saved:
             m.row_stats = fn  # type: ignore[attr-defined]
         checks.project = saved_project  # type: ignore[attr-defined]
+        weights.column_squares = saved_columns
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:

@@ -5,8 +5,8 @@ replica needs. Where every rank holds the whole state, every replica updates the
 inputs (the consensus checks that they stay the same bytes), so the peers' own updates already are the
 recomputation and nothing needs shipping: each rank fingerprints this turn's slice of what its update wrote, the
 fingerprints travel in the next step's gathered row, and a strict majority names the replicas that differ (with
-two replicas nobody is named). The slices rotate as ``oracle``'s do; the cost is one fingerprint pass over an
-eighth of the state per step.
+two replicas nobody is named). The slices rotate as ``oracle``'s do (one of ``slices`` windows over every parameter
+laid end to end); the cost is one fingerprint pass over an eighth of the state per step.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..history import NO_RANK, Event
 from ..lanes import lanes_on
 from .consensus import combined
 from .oracle import elementwise_state
-from .recompute import piece
+from .recompute import turn_pieces
 from .stats import Verdict, host_row
 
 __all__ = ["ReplicaOracle"]
@@ -63,15 +63,17 @@ class ReplicaOracle:
         """``float64[5]``: the elements in this turn's slice, and its lanes (parameters, their state) in halves."""
         after: list[torch.Tensor] = []
         checked = 0
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None or p.numel() == 0:
-                    continue
-                lo, hi = piece(p.numel(), self.slices, self.turn)
-                checked += hi - lo
-                after.append(p.detach().reshape(-1)[lo:hi])
-                after += [v.reshape(-1)[lo:hi] if elementwise_state(v, p) else v
-                          for _, v in sorted(self.optimizer.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]
+                  if p.grad is not None and p.numel()]
+        # This turn's window over every parameter laid end to end (``turn_pieces``, as ``oracle``'s): a few whole
+        # tensors and parts of two, where a piece of every tensor cost per-tensor Python and ops (on a small model
+        # with many tensors, about a twentieth of a step, twice a step)
+        for i, lo, hi in turn_pieces(tuple(p.numel() for p in params), self.slices, self.turn):
+            p = params[i]
+            checked += hi - lo
+            after.append(p.detach().reshape(-1)[lo:hi])
+            after += [v.reshape(-1)[lo:hi] if elementwise_state(v, p) else v
+                      for _, v in sorted(self.optimizer.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
         lanes = combined(lanes_on(after, self.device)) if after else torch.zeros(2, dtype=torch.int64,
                                                                                  device=self.device)
         halves = torch.stack([lanes >> 32, lanes & 0xFFFFFFFF], 1).reshape(-1).to(torch.float64)  # exact in float64

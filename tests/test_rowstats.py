@@ -1,6 +1,7 @@
 """One read of a tensor for its ABFT row statistics (``guard/abft/rowstats.py``): the torch path gives what the
-separate ops it replaced gave, and the Triton kernel (run here by Triton's interpreter on CPU tensors) gives the
-torch path's results within float32 rounding, sees a ×10 element, and reads nothing past the tensor's edges.
+separate ops it replaced gave, and the Triton kernels (run here by Triton's interpreter on CPU tensors) give the
+torch path's results within float32 rounding, see a ×10 element, and read nothing past the tensors' edges: the
+row statistics of one tensor, and a normalisation layer's of its output's gradient and its input together.
 
 The kernel runs in one child process with ``TRITON_INTERPRET=1``: ``triton.jit`` reads the variable when it
 defines the kernel, and a kernel this process defined first (on a GPU, by an earlier test) would stay compiled.
@@ -21,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from verified_ckpt.guard.abft.rowstats import row_stats, torch_row_stats
+from verified_ckpt.guard.abft.rowstats import row_stats, torch_norm_stats, torch_row_stats
 from verified_ckpt.guard.abft.sums import EPS32
 
 pytestmark = pytest.mark.timeout(60)
@@ -110,11 +111,66 @@ def interpreted() -> dict[str, object]:
             "nan_alone": int(nan_norms.isnan().sum()) + int(nan_proj.isnan().sum())}
 
 
+def norm_inputs(n: int, d: int, dtype: str, layout: str, layer: bool, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """A normalisation layer's gradient rows (``inputs``' layouts: NaN beyond their edges), its float32 input rows,
+    per-row mean (LayerNorm; an RMSNorm has none) and reciprocal spread, and its scale's and shift's vectors."""
+    dy, vecs = inputs(n, d, 2, dtype, layout, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    x = torch.randn(n, d, generator=g) * 3 + 0.5
+    mean = x.mean(1, keepdim=True) if layer else None
+    centred = x - mean if mean is not None else x
+    rstd = torch.rsqrt(centred.square().mean(1, keepdim=True) + 1e-5)
+    return dy, x, mean, rstd, vecs[0], vecs[1]
+
+
+def norm_errors(case: tuple[int, int, str, str, bool], got: tuple, want: tuple) -> list[float]:
+    """Each of the four outputs' largest |got - want| over its rounding bound: ``2 d u`` of a float32 sum of ``d``
+    terms (the shift's), plus a few roundings more where ``X̂`` and the product are formed (the scale's)."""
+    dy, x, mean, rstd, vg, vb = norm_inputs(*case)
+    d = dy.shape[1]
+    g = dy.double()
+    xhat = ((x.double() - (mean.double() if mean is not None else 0)) * rstd.double())
+    p = g * xhat
+    k = 2 * (d + 4) * EPS32
+    bounds = [(g.abs() @ vb.double().abs()) * k, g.norm(dim=1) * k, (p.abs() @ vg.double().abs()) * k, p.norm(dim=1) * k]
+    return [((a.double() - b.double()).abs() / (bound + 1e-30)).max().item() for a, b, bound in zip(got, want, bounds)]
+
+
+NORM_CASES = [(n, d, list(DTYPES)[i % 3], ("contiguous", "row-strided", "column-strided")[i % 3], i % 2 == 0)
+              for i, (n, d) in enumerate(SHAPES)]
+
+
+def interpreted_norms() -> dict[str, object]:
+    """The norm kernel against the torch path over every case (LayerNorm and RMSNorm, each output), with one
+    parameter alone, and one fault."""
+    from verified_ckpt.guard.abft.rowstats import triton_norm_stats
+
+    errors = []
+    for case in NORM_CASES:
+        args = norm_inputs(*case)
+        got, want = triton_norm_stats(*args), torch_norm_stats(*args)
+        errors.append([list(case), *norm_errors(case, got, want), all(bool(torch.isfinite(t).all()) for t in got)])
+    dy, x, mean, rstd, vg, vb = norm_inputs(37, 200, "float32", "contiguous", True, seed=3)
+    alone = [t is None for t in triton_norm_stats(dy, x, mean, rstd, vg, None)] + \
+        [t is None for t in triton_norm_stats(dy, x, mean, rstd, None, vb)]
+    # One ×10 element of the gradient at its row's largest product: the scale's row moves past its float32 rounding
+    before = triton_norm_stats(dy, x, None, rstd, vg, vb)
+    row = 7
+    col = int((dy[row] * x[row]).abs().argmax())
+    dy[row, col] *= 10
+    after = triton_norm_stats(dy, x, None, rstd, vg, vb)
+    moved = (after[2] - before[2]).abs()
+    bound = SLACK * 2 * 200 * EPS32 * before[3][row] * vg.abs().max()
+    return {"errors": errors, "alone": alone, "fault": (moved[row] / bound).item(),
+            "others": moved[torch.arange(37) != row].max().item()}
+
+
 @pytest.fixture(scope="module")
 def kernel() -> dict:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = "import json, test_rowstats; print(json.dumps(test_rowstats.interpreted()))"
+    child = ("import json, test_rowstats; print(json.dumps({**test_rowstats.interpreted(), "
+             "'norms': test_rowstats.interpreted_norms()}))")
     proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=50, env=env,
                           cwd=os.path.dirname(__file__), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -138,6 +194,21 @@ def test_the_kernel_sees_a_single_element_times_ten_and_only_in_its_row(kernel):
     assert kernel["fault"] > 1, kernel["fault"]
     assert kernel["others"] == 0  # rows are summed apart: one row's fault moves no other row's products
     assert kernel["nan"] and kernel["nan_alone"] == 3, kernel
+
+
+def test_the_norm_kernel_equals_the_torch_path_within_float32_rounding(kernel):
+    """A LayerNorm's and an RMSNorm's rows from one read of their gradient and input, every output within its
+    rounding of the torch path's; nothing read past a ragged edge (NaN there)."""
+    for case, *errors, finite in kernel["norms"]["errors"]:
+        assert max(errors) <= 1, (case, errors)
+        assert finite, case
+    # A layer with only a scale, or only a shift: the other's outputs are None
+    assert kernel["norms"]["alone"] == [True, False, False, False, False, False, True, True]
+
+
+def test_the_norm_kernel_sees_a_single_gradient_element_times_ten_in_its_row_only(kernel):
+    assert kernel["norms"]["fault"] > 1, kernel["norms"]
+    assert kernel["norms"]["others"] == 0
 
 
 @pytest.mark.parametrize("case", cases()[:8], ids=str)

@@ -14,7 +14,8 @@ for the plain step and the guarded one; the overhead is their ratio. ``h`` defau
 host 2.78 times a training op, from the guarded step there), ``B`` to 4.8 TB/s and
 ``F`` to 40 % of the H200's 990 dense bf16 TFLOP/s (fp32 matmuls run as TF32 at half that: pass ``--flops``).
 
-``--one-read`` counts each ``row_stats`` and ``project`` call as what the Triton kernel does on CUDA (``guard/abft/rowstats.py``):
+``--one-read`` counts each ``row_stats``, ``project`` and ``norm_stats`` call as what the Triton kernels do on CUDA
+(``guard/abft/rowstats.py``):
 one op that reads its tensor once in its own dtype and writes its projections and norms, where this CPU's torch
 path takes a product and a norm (two reads, and a float32 copy of a bf16 tensor); and each weight's column norms as
 the GPU takes them (``weights.column_squares``: one read of ``W``, where the CPU writes ``W²`` and reads it again).
@@ -100,6 +101,17 @@ def one_read(counts: Counts) -> Any:
         row[1] += moved
         return proj, norm
 
+    def norm_kernel(dy: torch.Tensor, x: torch.Tensor, *rest: Any) -> Any:
+        with _disable_current_modes():
+            got = rowstats.torch_norm_stats(dy, x, *rest)
+        counts.ops += 1  # the norm kernel's one read of dY and of X (``rowstats.norm_stats``)
+        moved = sum(t.numel() * t.element_size() for t in (dy, x, *rest, *got) if isinstance(t, torch.Tensor))
+        counts.bytes += moved
+        row = counts.by_op.setdefault("norm_stats (one read)", [0, 0])
+        row[0] += 1
+        row[1] += moved
+        return got
+
     def projected(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel(a, v)[0]  # the same kernel, its norms dropped (``rowstats.project``)
 
@@ -108,7 +120,8 @@ def one_read(counts: Counts) -> Any:
         return norms_of.square_()
 
     saved = [(m, m.row_stats) for m in (checks, forward, norms)]
-    saved_columns = weights.column_squares
+    saved_columns, saved_norms = weights.column_squares, rowstats.norm_stats
+    norms.norm_stats = norm_kernel  # type: ignore[attr-defined]  # the name the norms' hook calls
     weights.column_squares = columns
     saved_project = rowstats.project
     for m, _ in saved:
@@ -121,6 +134,7 @@ def one_read(counts: Counts) -> Any:
             m.row_stats = fn  # type: ignore[attr-defined]
         checks.project = saved_project  # type: ignore[attr-defined]
         weights.column_squares = saved_columns
+        norms.norm_stats = saved_norms  # type: ignore[attr-defined]
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:

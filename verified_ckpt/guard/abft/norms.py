@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .rowstats import row_stats
+from .rowstats import norm_stats, row_stats
 from .sums import EPS32, Covered, scalar_on, signed_weights, unit_roundoff
 
 __all__ = ["NORMS", "NormSpec", "Normalised", "computed_norm", "install", "norm_kind", "norm_rows"]
@@ -212,29 +212,24 @@ def _saved_stats(out: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, tor
 def record(gamma: Covered | None, beta: Covered | None, x: Normalised, dy: torch.Tensor) -> None:
     """The output's gradient has come: each parameter's per-row values and spreads (see the module doc)."""
     with torch.no_grad():
-        d = dy.detach().float()
-        rows = d.movedim(1, -1).reshape(-1, d.shape[1]) if x.channels_first else d.reshape(-1, d.shape[-1])
         eps = (max(_RECOMPUTE_EPS, x.eps), unit_roundoff(dy.dtype))
         # The layer's own backward on a CPU sums a low-precision output gradient's terms in that precision (the
         # error of LayerNorm's γ gradient under bf16 autocast grows as √rows: measured, docs/GUARD.md); on a GPU it
         # accumulates in float32.
         acc = unit_roundoff(dy.dtype) if dy.device.type == "cpu" else EPS32
-        # One read each of dY and dY ⊙ X̂ for their products and row norms (unfloored: ``sums`` floors a step's)
-        if beta is not None:
-            y, b = row_stats(rows, beta.v0)
+        if x.channels_first:  # BatchNorm: per-feature statistics, the features on dimension 1
+            d = dy.detach().float()
+            rows = d.movedim(1, -1).reshape(-1, d.shape[1])
+            y, b = row_stats(rows, beta.v0) if beta is not None else (None, torch.linalg.vector_norm(rows, dim=1))
+            got, pn = row_stats(rows * x.xhat(), gamma.v0) if gamma is not None else (None, None)
+        else:  # one read of dY and X for every row statistic (``rowstats.norm_stats``; unfloored: ``sums`` floors)
+            y, b, got, pn = norm_stats(dy.detach().reshape(-1, dy.shape[-1]), x.rows, x.mean, x.rstd,
+                                       None if gamma is None else gamma.v0, None if beta is None else beta.v0)
+        if beta is not None and y is not None:
             beta.add(None, None, y, b, eps, acc)
-        else:
-            b = torch.linalg.vector_norm(rows, dim=1)
-        if gamma is not None:
-            if x.mean is None and not x.channels_first:
-                # RMSNorm: X̂_n = rstd_n X_n, so the row's product and norm are rstd_n times dY_n ⊙ X_n's (X̂ is never
-                # written and read again: two passes of the rows fewer); kappa is 1
-                got, pn = row_stats(rows * x.rows, gamma.v0)
-                rstd = x.rstd.reshape(-1)
-                gamma.add(None, None, got.mul_(rstd), torch.hypot(pn.mul_(rstd), b), eps, acc)
-            else:
-                got, pn = row_stats(rows * x.xhat(), gamma.v0)
-                gamma.add(None, None, got, torch.hypot(pn, x.kappa(rows.shape[0]) * b), eps, acc)
+        if gamma is not None and got is not None and pn is not None:
+            spread = b if x.mean is None else x.kappa(b.shape[0]) * b  # an RMSNorm's kappa is 1
+            gamma.add(None, None, got, torch.hypot(pn, spread), eps, acc)
 
 
 def hook(checks: Any, mod: torch.nn.Module, spec: NormSpec, gamma_of: Callable[[], Covered | None],

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_VECTORS", "project", "row_stats", "torch_row_stats", "triton_row_stats"]
+__all__ = ["MAX_VECTORS", "NormRows", "norm_stats", "project", "row_stats", "torch_norm_stats", "torch_row_stats",
+           "triton_norm_stats", "triton_row_stats"]
 
 MAX_VECTORS = 4  # the most projections one read returns (the kernel keeps one float32 column per vector)
 _BLOCK_N, _BLOCK_D = 16, 128  # rows by columns per tile: 2048 float32 per program, with room for the products
@@ -66,6 +67,65 @@ def project(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if a.is_cuda and _triton() is not None:
         return triton_row_stats(a, v)[0]
     return torch.mv(a if a.dtype == torch.float32 else a.float(), v)
+
+
+# A normalisation layer's rows (``norm_stats``): dY·v_β, ‖dY‖, (dY ⊙ X̂)·v_γ, ‖dY ⊙ X̂‖ (None: no such parameter)
+NormRows = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor,
+               vg: torch.Tensor | None, vb: torch.Tensor | None) -> NormRows:
+    """A normalisation layer's per-row statistics (``norms.record``) from its output's gradient ``dy`` (2-D, any
+    float dtype) and its input rows ``x`` (float32, as the forward hook kept them), ``X̂_n = (x_n - mean_n) ·
+    rstd_n`` (``mean`` None: an RMSNorm; both ``[n]`` or ``[n, 1]``): ``dY_n · vb`` (its shift's rows, None without
+    ``vb``), ``‖dY_n‖``, ``(dY_n ⊙ X̂_n) · vg`` and ``‖dY_n ⊙ X̂_n‖`` (its scale's, None without ``vg``); norms
+    unfloored. On CUDA one kernel reads ``dy`` and ``x`` once each and forms ``X̂`` and the product in registers;
+    the torch path reads ``dy`` twice and writes the product."""
+    if dy.is_cuda and _triton() is not None:
+        return triton_norm_stats(dy, x, mean, rstd, vg, vb)
+    return torch_norm_stats(dy, x, mean, rstd, vg, vb)
+
+
+def torch_norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor,
+                     vg: torch.Tensor | None, vb: torch.Tensor | None) -> NormRows:
+    """:func:`norm_stats` in torch ops."""
+    d = dy if dy.dtype == torch.float32 else dy.float()
+    y = None
+    if vb is not None:
+        y, b = torch_row_stats(d, vb)
+    else:
+        b = torch.linalg.vector_norm(d, dim=1)
+    if vg is None:
+        return y, b, None, None
+    r = rstd.reshape(-1, 1)
+    if mean is None:
+        # RMSNorm: X̂_n = rstd_n X_n, so the row's product and norm are rstd_n times dY_n ⊙ X_n's (X̂ is never
+        # written and read again: two passes of the rows fewer)
+        got, pn = torch_row_stats(d * x, vg)
+        return y, b, got.mul_(r[:, 0]), pn.mul_(r[:, 0])
+    got, pn = torch_row_stats(d * ((x - mean.reshape(-1, 1)) * r), vg)
+    return y, b, got, pn
+
+
+def triton_norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor,
+                      vg: torch.Tensor | None, vb: torch.Tensor | None) -> NormRows:
+    """:func:`norm_stats` by one Triton kernel (on CUDA; on CPU tensors too under ``TRITON_INTERPRET=1``)."""
+    n, d = dy.shape
+    if x.shape != dy.shape:
+        raise ValueError(f"norm_stats takes a layer's gradient and input rows of one shape, got {tuple(dy.shape)} "
+                         f"and {tuple(x.shape)}")
+    out = torch.empty((4, n), dtype=torch.float32, device=dy.device)
+    if n:
+        r = rstd.reshape(-1).float().contiguous()
+        m = r if mean is None else mean.reshape(-1).float().contiguous()  # not read without a mean
+        zero = r[:1]  # a vector's stand-in where there is none (never read: the flags compile its use out)
+        with torch.cuda.device(dy.device) if dy.is_cuda else contextlib.nullcontext():
+            _norm_kernel()[(-(-n // _BLOCK_N),)](
+                dy, x, m, r, zero if vg is None else vg.float().contiguous(), zero if vb is None else vb.float().contiguous(),
+                out, n, d, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), HAS_MEAN=mean is not None,
+                HAS_G=vg is not None, HAS_B=vb is not None, BLOCK_N=_BLOCK_N, BLOCK_D=min(_BLOCK_D, _pow2(d)))
+    return (out[0] if vb is not None else None, out[1], out[2] if vg is not None else None,
+            out[3] if vg is not None else None)
 
 
 def torch_row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,3 +204,47 @@ def _kernel() -> Any:
         tl.store(p_ptr + cs[None, :].to(tl.int64) * n + rows[:, None], acc, mask=in_rows[:, None] & (cs[None, :] < C))
 
     return row_stats_kernel
+
+
+@functools.cache
+def _norm_kernel() -> Any:
+    """:func:`triton_norm_stats`' kernel, defined on first use (as :func:`_kernel`)."""
+    triton = _triton()
+    if triton is None:
+        raise RuntimeError("norm_stats' kernel needs Triton: install it (`pip install triton`) or use torch_norm_stats")
+    import triton.language as tl
+
+    @triton.jit
+    def norm_stats_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, vg_ptr, vb_ptr, out_ptr,  # type: ignore[no-untyped-def]
+                          n, d, s_dy, s_dyd, s_x, s_xd, HAS_MEAN: tl.constexpr, HAS_G: tl.constexpr,
+                          HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_rows = rows < n
+        wide = rows.to(tl.int64)  # a tensor over 2³¹ elements is addressed in 64 bits
+        rs = tl.load(rstd_ptr + rows, mask=in_rows, other=0.0)
+        mu = tl.load(mean_ptr + rows, mask=in_rows, other=0.0) if HAS_MEAN else rs * 0.0
+        acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        sq_dy = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        sq_p = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in range(0, d, BLOCK_D):
+            ks = k + tl.arange(0, BLOCK_D)
+            in_cols = ks < d
+            tile = in_rows[:, None] & in_cols[None, :]
+            g = tl.load(dy_ptr + wide[:, None] * s_dy + ks[None, :].to(tl.int64) * s_dyd, mask=tile,
+                        other=0.0).to(tl.float32)
+            sq_dy += tl.sum(g * g, axis=1)
+            if HAS_B:
+                acc_b += tl.sum(g * tl.load(vb_ptr + ks, mask=in_cols, other=0.0)[None, :], axis=1)
+            if HAS_G:
+                xv = tl.load(x_ptr + wide[:, None] * s_x + ks[None, :].to(tl.int64) * s_xd, mask=tile,
+                             other=0.0).to(tl.float32)
+                p = g * ((xv - mu[:, None]) * rs[:, None])
+                acc_g += tl.sum(p * tl.load(vg_ptr + ks, mask=in_cols, other=0.0)[None, :], axis=1)
+                sq_p += tl.sum(p * p, axis=1)
+        tl.store(out_ptr + rows, acc_b, mask=in_rows)
+        tl.store(out_ptr + n + rows, tl.sqrt(sq_dy), mask=in_rows)  # a NaN stays NaN: an alarm
+        tl.store(out_ptr + 2 * n + rows, acc_g, mask=in_rows)
+        tl.store(out_ptr + 3 * n + rows, tl.sqrt(sq_p), mask=in_rows)
+
+    return norm_stats_kernel

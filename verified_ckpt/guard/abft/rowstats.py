@@ -222,7 +222,9 @@ def _norm_kernel() -> Any:
         in_rows = rows < n
         wide = rows.to(tl.int64)  # a tensor over 2³¹ elements is addressed in 64 bits
         rs = tl.load(rstd_ptr + rows, mask=in_rows, other=0.0)
-        mu = tl.load(mean_ptr + rows, mask=in_rows, other=0.0) if HAS_MEAN else rs * 0.0
+        mu = rs * 0.0  # an RMSNorm's rows are not centred
+        if HAS_MEAN:
+            mu = tl.load(mean_ptr + rows, mask=in_rows, other=0.0)
         acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
         sq_dy = tl.zeros((BLOCK_N,), dtype=tl.float32)

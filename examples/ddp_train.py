@@ -344,12 +344,15 @@ def launch(args: argparse.Namespace, train_fn: Train) -> int:
         dist.init_process_group("gloo")
         try:
             result = train_fn(dist.get_rank(), dist.get_world_size(), args)
+            code = exit_code(result)
+            if int(os.environ["RANK"]) == 0:
+                # Reported before the barrier: once another rank leaves with a failing code, torchrun stops the
+                # rest, and rank 0's report, written after, was sometimes lost
+                code = report(result, args.json)
+                sys.stdout.flush()
             dist.barrier()  # no rank tears its process group down while another still talks to it
         finally:
             dist.destroy_process_group()
-        code = exit_code(result)
-        if int(os.environ["RANK"]) == 0:
-            code = report(result, args.json)
         _exit_now(code)
     return report(run_spawned(args, train_fn), args.json)
 

@@ -37,7 +37,7 @@ def cases() -> list[tuple[int, int, int, str, str]]:
     """(n, d, c, dtype, layout): c = 0 stands for one vector given as 1-D."""
     out = []
     for i, (n, d) in enumerate(SHAPES):
-        for c in (0, 1, 2, 3):
+        for c in (0, 1, 2, 3, 6):  # 6: three layers that read one input (shared.py)
             dtype = list(DTYPES)[(i + c) % 3]
             layout = ("contiguous", "row-strided", "column-strided")[(i + c) % 3]
             out.append((n, d, c, dtype, layout))
@@ -133,7 +133,7 @@ def norm_errors(case: tuple[int, int, str, str, bool], got: tuple, want: tuple) 
     p = g * xhat
     k = 2 * (d + 4) * EPS32
     bounds = [(g.abs() @ vb.double().abs()) * k, g.norm(dim=1) * k, (p.abs() @ vg.double().abs()) * k, p.norm(dim=1) * k]
-    return [((a.double() - b.double()).abs() / (bound + 1e-30)).max().item() for a, b, bound in zip(got, want, bounds)]
+    return [((a.double() - b.double()).abs() / (bound + 1e-30)).max().item() for a, b, bound in zip(got, want, bounds, strict=True)]
 
 
 NORM_CASES = [(n, d, list(DTYPES)[i % 3], ("contiguous", "row-strided", "column-strided")[i % 3], i % 2 == 0)

@@ -35,6 +35,7 @@ from .measured import Measured, judge
 from .norms import norm_kind
 from .products import ProductChecks
 from .rowstats import project, row_stats
+from .shared import SharedInputs
 from .sums import EPS32, RMS, Covered, matmul_eps, rgs, signed_weights, unit_roundoff
 from .verdict import code_name
 from .weights import Weights
@@ -131,6 +132,7 @@ class GradientChecks:
         self._forwards = Forwards(slack)  # this step's forward-output checks
         self._measured: list[Measured] = []  # this step's gradients, measured where whole (``measured.py``)
         self._weights: Weights | None = None  # what each step's checks need of the weights
+        self._shared = SharedInputs(self.group_weights)  # layers that read one input: read once a step for all
         # Attention's products, at their step (``products.py``); not inside torch.compile'd code, which would trace
         # the mode into its graphs.
         self.products = ProductChecks(lambda: self.on, slack, seed, None if in_compiled else module, self.own)
@@ -323,7 +325,8 @@ class GradientChecks:
             # one is on). One read of the input: its products for the weight check and the forward check, and the
             # row norms both bound with.
             with torch.no_grad(), torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
-                xs, a = row_stats(x.reshape(-1, x.shape[-1]), rows.x if forward else layer.s)
+                xs, a = self._shared.rows(layer, x, rows.x if forward else layer.s, self._tag, probing,
+                                          lambda m: self.weights.input_rows(m, self._tag))
                 if forward:
                     xs, xwr = xs.unbind()
                     self._forwards.add(layer, out, xwr, a, (matmul_eps(x.device.type, cast), unit_roundoff(out.dtype)))

@@ -10,7 +10,7 @@ checks floor all of a step's at once after joining them (``sums.floored``: one o
 * On CUDA, where Triton imports: one kernel (:func:`triton_row_stats`) reads ``a`` once, in tiles of rows by
   columns, in its own dtype (bf16/fp16 are upcast in registers: no float32 copy of ``a``), accumulating the
   ``c`` products and the sum of squares in float32; the ragged edges are masked (nothing past a row's end or the
-  last row is read). The products are elementwise multiplies summed per row, not ``tl.dot``: ``c`` is at most 4,
+  last row is read). The products are elementwise multiplies summed per row, not ``tl.dot``: ``c`` is at most 8,
   under a tensor core's smallest tile, and the interpreter's bf16 ``tl.dot`` is wrong.
 * Elsewhere: one float32 copy where ``a`` is not float32, then ``mm(vecs, a32ᵀ)`` and the row norms (one vector:
   ``mv``). Measured on this project's 2-core CPU (torch 2.13, 2 threads, float32 ``a``, best of 9, µs for
@@ -45,13 +45,15 @@ import torch
 __all__ = ["MAX_VECTORS", "NormRows", "norm_stats", "project", "row_stats", "torch_norm_stats", "torch_row_stats",
            "triton_norm_stats", "triton_row_stats"]
 
-MAX_VECTORS = 4  # the most projections one read returns (the kernel keeps one float32 column per vector)
+# The most projections one read returns (the kernel keeps one float32 column per vector): a layer's two, or
+# those of up to four layers that read one input (``shared.py``: attention's q, k and v)
+MAX_VECTORS = 8
 _BLOCK_N, _BLOCK_D = 16, 128  # rows by columns per tile: 2048 float32 per program, with room for the products
 
 
 def row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(proj float32[c, n], norms float32[n])`` of a 2-D ``a`` (``n`` rows of ``d``, any float dtype, rows may
-    be strided) and float32 ``vecs[c, d]`` (c in 1..4, rows may be strided): ``proj[j] = a.float() @ vecs[j]``,
+    be strided) and float32 ``vecs[c, d]`` (c in 1..8, rows may be strided): ``proj[j] = a.float() @ vecs[j]``,
     ``norms`` the rows' norms, not floored (``sums.floored`` after the step's are joined); one vector ``vecs[d]``
     gives ``proj[n]``. One read of ``a``: a Triton kernel on
     CUDA, the torch ops elsewhere."""

@@ -178,6 +178,15 @@ class Weights:
                              torch.segment_reduce(joined, "max", lengths=lengths), {la.number: k for k, la in enumerate(layers)})
         return self._squares
 
+    def input_rows(self, layer: Layer, tag: int) -> torch.Tensor:
+        """``[c, in]``: the rows ``layer``'s input is projected on at step ``tag`` (``[s, Wᵀ r]`` with the forward
+        check, ``[s]`` without), its values prepared now where its forward has not come yet (a later member of a
+        group of layers that read one input, ``shared.py``)."""
+        if layer.tag != tag:
+            self.prepare(layer, tag)
+        rows = self.rows(layer)
+        return rows.x if self.forward and layer.wr is not None else rows.s[None]
+
     def rows(self, layer: Layer) -> LayerRows:
         """The rows ``layer``'s tensors are projected on: its group's, or its own, made again when its vectors
         change (a tensor-parallel slice's, at its first forward)."""

@@ -1,0 +1,161 @@
+"""Layers that read one input (attention's q, k and v; an MLP's gate and up) have it read once a step for all of
+them (``guard/abft/shared.py``): the groups are learnt at the first step, each member's rows equal its own read,
+an input written between its readers is read again, and the checks still pass clean steps and name the layer a
+fault is in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
+from verified_ckpt.guard.abft import shared
+from verified_ckpt.guard.abft.layers import Layer
+from verified_ckpt.guard.abft.rowstats import row_stats
+from verified_ckpt.guard.abft.shared import SharedInputs
+from verified_ckpt.guard.abft.sums import signed_weights
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Block(torch.nn.Module):
+    """q, k and v of one normalised input (k and v narrower, as grouped-query attention's), gate and up of
+    another, and layers that read inputs of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(16), torch.nn.LayerNorm(16)
+        self.q, self.k, self.v = torch.nn.Linear(16, 16), torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+        self.o = torch.nn.Linear(32, 16)
+        self.gate, self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        h = self.norm1(x)
+        x = x + self.o(torch.cat([self.q(h), self.k(h), self.v(h)], -1))
+        h = self.norm2(x)
+        return self.head(x + self.down(F.silu(self.gate(h)) * self.up(h)))
+
+
+def loss_fn(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+
+
+def train(model: torch.nn.Module, steps: int, **cfg: object) -> tuple[SDCGuard, SilentCorruptionDetected | None]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = SDCGuard(model, opt, loss_fn, GuardConfig(**cfg))  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, steps + 1):
+        guard.backward(torch.randint(0, 32, (4, 9), generator=g), step=step)
+        try:
+            guard.step()
+        except SilentCorruptionDetected as e:
+            return guard, e
+        opt.zero_grad()
+    return guard, None
+
+
+def test_the_groups_are_learnt_at_the_first_step_and_each_input_is_read_once_after(monkeypatch):
+    reads = []
+    monkeypatch.setattr(shared, "row_stats", lambda a, v: reads.append(v.shape) or row_stats(a, v))
+    torch.manual_seed(0)
+    guard, incident = train(Block(), 3)
+    assert incident is None and guard.checks["abft"].passed == 3
+    assert len(reads) == 8 + 2 * 5
+    assert all(v[0] <= 2 for v in reads[:8])  # the first step: every covered Linear reads its own input
+    groups = {tuple(la.name for la in g) for g in guard.abft._shared.groups.values()}
+    assert groups == {("q", "k", "v"), ("gate", "up")}
+    # Later steps: q, k and v in one read of 6 vectors (each its s and Wᵀ r), gate and up in one of 4
+    each_step = [torch.Size([6, 16]), torch.Size([4, 16])] + [torch.Size([2, n]) for n in (32, 32, 16)]
+    assert sorted(reads[8:]) == sorted(each_step * 2)
+
+
+def members(n: int) -> list[Layer]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for k in range(n):
+        la = Layer(f"l{k}", k, "Linear", torch.randn(8, 16, generator=g), None, (8, 16))
+        la.r, la.s = signed_weights(8, g, la.weight.device), signed_weights(16, g, la.weight.device)
+        out.append(la)
+    return out
+
+
+def vectors_of(la: Layer) -> torch.Tensor:
+    assert la.s is not None
+    return torch.stack([la.s, la.weight.T @ la.r]) if la.number % 2 else la.s[None]  # with and without the forward's
+
+
+def own(la: Layer) -> torch.Tensor:
+    v = vectors_of(la)
+    return v[0] if v.shape[0] == 1 else v
+
+
+def test_each_members_rows_equal_its_own_read_and_a_written_input_is_read_again():
+    layers = members(3)
+    s = SharedInputs(on=True)
+    x = torch.randn(5, 7, 16)
+    for la in layers:  # the first step
+        s.rows(la, x, own(la), 0, True, vectors_of)
+    for la in layers:  # a later step (the groups made at its first call): the first member's call reads for all
+        got, norms = s.rows(la, x, own(la), 1, False, vectors_of)
+        want, want_norms = row_stats(x.reshape(-1, 16), own(la))
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(norms, want_norms)
+    assert {n: [m.number for m in g] for n, g in s.groups.items()} == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
+    # The input written after the first member read it: the others read it again, not the stale rows
+    s.rows(layers[0], x, own(layers[0]), 2, False, vectors_of)
+    x.mul_(2)
+    got, norms = s.rows(layers[1], x, own(layers[1]), 2, False, vectors_of)
+    torch.testing.assert_close(got, row_stats(x.reshape(-1, 16), own(layers[1]))[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(norms, row_stats(x.reshape(-1, 16), own(layers[1]))[1])
+
+
+def test_layers_that_read_different_inputs_at_the_first_step_form_no_group():
+    layers = members(3)
+    s = SharedInputs(on=True)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    s.rows(layers[0], x, own(layers[0]), 0, True, vectors_of)
+    s.rows(layers[1], x, own(layers[1]), 0, True, vectors_of)
+    s.rows(layers[0], y, own(layers[0]), 0, True, vectors_of)  # read again, with other company
+    s.rows(layers[2], y, own(layers[2]), 0, True, vectors_of)
+    s.rows(layers[2], x, own(layers[2]), 1, False, vectors_of)
+    assert s.groups == {}
+    sharded = SharedInputs(on=False)  # weights that exist only in their forward: no group
+    for la in layers:
+        sharded.rows(la, x, own(la), 0, True, vectors_of)
+    sharded.rows(layers[0], x, own(layers[0]), 1, False, vectors_of)
+    assert sharded.groups == {}
+
+
+@pytest.mark.parametrize("layer", ["k", "up"])
+def test_a_wrong_output_of_a_group_member_is_caught_at_its_step_naming_it(layer):
+    torch.manual_seed(0)
+    model = Block()
+
+    def wrong(_mod: torch.nn.Module, _args: object, out: torch.Tensor) -> torch.Tensor:
+        if train_step[0] == 4:
+            out = out.clone()
+            out[1, 2, 3] = out[1, 2, 3] * 10 + 1
+        return out
+
+    train_step = [0]
+    getattr(model, layer).register_forward_hook(wrong)  # before the guard's: a fault inside the layer
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = SDCGuard(model, opt, loss_fn, GuardConfig())
+    g = torch.Generator().manual_seed(0)
+    caught = None
+    for step in range(1, 7):
+        train_step[0] = step
+        guard.backward(torch.randint(0, 32, (4, 9), generator=g), step=step)
+        try:
+            guard.step()
+        except SilentCorruptionDetected as e:
+            caught = e
+            break
+        opt.zero_grad()
+    assert caught is not None and caught.detected_step == 4
+    assert f"forward output of {layer} " in caught.detail, caught.detail

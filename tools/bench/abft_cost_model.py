@@ -88,7 +88,7 @@ def one_read(counts: Counts) -> Any:
     outside the count by the torch path."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from verified_ckpt.guard.abft import checks, forward, norms, rowstats, weights
+    from verified_ckpt.guard.abft import checks, forward, norms, rowstats, shared, weights
 
     def kernel(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with _disable_current_modes():
@@ -119,7 +119,7 @@ def one_read(counts: Counts) -> Any:
         norms_of: torch.Tensor = torch.linalg.vector_norm(wo, dim=0)
         return norms_of.square_()
 
-    saved = [(m, m.row_stats) for m in (checks, forward, norms)]
+    saved = [(m, m.row_stats) for m in (checks, forward, norms, shared)]
     saved_columns, saved_norms = weights.column_squares, rowstats.norm_stats
     norms.norm_stats = norm_kernel  # type: ignore[attr-defined]  # the name the norms' hook calls
     weights.column_squares = columns

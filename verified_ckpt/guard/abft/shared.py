@@ -67,19 +67,18 @@ class SharedInputs:
         from its group's read of ``x`` where it has one (made now if it is the first of its group to come;
         ``vectors(member)``: a member's rows, ``[c, in]``, its values for this step prepared). ``probing``: the
         first step, whose inputs are noted."""
-        x2 = x.reshape(-1, x.shape[-1])
         if probing:
             self._seen.setdefault(key_of(x, 0), []).append(layer)
-            return row_stats(x2, vecs)
+            return row_stats(x.reshape(-1, x.shape[-1]), vecs)
         if self._seen:
             self._end_probe()
         group = self.groups.get(layer.number)
         if group is None:
-            return row_stats(x2, vecs)
+            return row_stats(x.reshape(-1, x.shape[-1]), vecs)
         key = key_of(x, step)
         read = self._read
-        if read is None or read[0] != key or layer.number not in read[1]:
-            read = self._read = self._read_for(key, x2, group, layer, vecs, vectors)
+        if read is None or read[0] != key or layer.number not in read[1]:  # (a reshape that copies: only here)
+            read = self._read = self._read_for(key, x.reshape(-1, x.shape[-1]), group, layer, vecs, vectors)
         got = read[1].pop(layer.number)
         if not read[1]:
             self._read = None  # every member has its rows

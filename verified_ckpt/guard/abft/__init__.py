@@ -20,8 +20,8 @@ with input ``X`` (N x in) and output gradient ``dY`` (N x out) computes two grad
   bounds the size of the summed terms), the second that of ``G s`` and of a low-precision gradient.
 * the input gradient ``dX = dY W``, which flows on to every layer below: a wrong value there would reach
   their weight gradients through ``dY`` consistently, so their own checks could not see it. Row by row,
-  ``dX_n · s = dY_n · (W s)``: ``dX s`` in a hook on this layer's own share of its input's gradient (an
-  identity node put in front of the layer), ``dY (W s)`` beside ``dY r``, and ``W s`` once per step. Each
+  ``dX_n · s = dY_n · (W s)``: ``dX s`` in a hook on this layer's own share of its input's gradient (a view of
+  the input made for the layer alone), ``dY (W s)`` beside ``dY r``, and ``W s`` once per step. Each
   row must match within ``slack · ε · rms(s) · (√out + √in + 2) · ‖W‖_F · ‖dY_n‖``; rows are compared one by
   one, so a wrong element stands out of its own row, not of the sum of all rows.
 
@@ -35,8 +35,9 @@ Normalisation layers are checked by ``norms``, attention's forward products by `
 ``layers`` (what is covered, the coverage report), ``sums`` (the arithmetic and bounds), ``verdict`` (every rank's
 worst ratio judged), ``flops`` (the backward's FLOPs, for coverage), ``rowstats`` (one read of each tensor a hook
 checks for all its products and row norms: a Triton kernel on CUDA), ``weights`` (what the checks need of each
-weight, once a step, per group of like-shaped layers), ``measured`` (gradients measured where whole, judged once
-at the step's end over every bucket). The hooks record; the checks run batched per step. Not covered:
+weight, once a step, per group of like-shaped layers), ``shared`` (one read of an input several layers take:
+attention's q, k and v), ``measured`` (gradients measured where whole, judged once at the step's end over every
+bucket). The hooks record; the checks run batched per step. Not covered:
 elementwise layers, convolutions, and any parameter of another module type. Coverage is reported at the first
 step as a share of parameters and of backward FLOPs.
 """

@@ -159,3 +159,27 @@ def test_a_wrong_output_of_a_group_member_is_caught_at_its_step_naming_it(layer)
         opt.zero_grad()
     assert caught is not None and caught.detected_step == 4
     assert f"forward output of {layer} " in caught.detail, caught.detail
+
+
+def test_the_same_memory_under_another_tensor_is_another_input():
+    """Layers are grouped by the input object, not its memory alone: under autocast a float32 input can be freed
+    once its reader has cast it, and the next layer's input then take its memory, with the same shape, strides,
+    dtype and version (a false alarm in GPT-2's MLP under bf16 before this was held). ``x.detach()`` stands in:
+    another tensor object over the same bytes and layout."""
+    layers = members(2)
+    s = SharedInputs(on=True)
+    x = torch.randn(4, 16)
+    s.rows(layers[0], x, own(layers[0]), 0, True, vectors_of)
+    s.rows(layers[1], x.detach(), own(layers[1]), 0, True, vectors_of)
+    s.rows(layers[0], x, own(layers[0]), 1, False, vectors_of)
+    assert s.groups == {}
+    # At a later step a member's rows come from its group's read only for that same input object
+    s = SharedInputs(on=True)
+    for step in (0, 1):
+        for la in layers:
+            got, _ = s.rows(la, x, own(la), step, step == 0, vectors_of)
+    assert set(s.groups) == {0, 1}
+    s.rows(layers[0], x, own(layers[0]), 2, False, vectors_of)
+    other = x.detach().clone().mul_(3)  # another input, read after the group's read of x
+    got, norms = s.rows(layers[1], other, own(layers[1]), 2, False, vectors_of)
+    torch.testing.assert_close(got, row_stats(other, own(layers[1]))[0], rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
+from test_abft import run
 from verified_ckpt.guard.abft import shared
 from verified_ckpt.guard.abft.layers import Layer
 from verified_ckpt.guard.abft.rowstats import row_stats
@@ -25,12 +25,12 @@ class Block(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.emb = torch.nn.Embedding(32, 16)
+        self.emb = torch.nn.Embedding(64, 16)
         self.norm1, self.norm2 = torch.nn.LayerNorm(16), torch.nn.LayerNorm(16)
         self.q, self.k, self.v = torch.nn.Linear(16, 16), torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
         self.o = torch.nn.Linear(32, 16)
         self.gate, self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
-        self.head = torch.nn.Linear(16, 32)
+        self.head = torch.nn.Linear(16, 64)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
@@ -44,25 +44,11 @@ def loss_fn(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
 
 
-def train(model: torch.nn.Module, steps: int, **cfg: object) -> tuple[SDCGuard, SilentCorruptionDetected | None]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = SDCGuard(model, opt, loss_fn, GuardConfig(**cfg))  # type: ignore[arg-type]
-    g = torch.Generator().manual_seed(0)
-    for step in range(1, steps + 1):
-        guard.backward(torch.randint(0, 32, (4, 9), generator=g), step=step)
-        try:
-            guard.step()
-        except SilentCorruptionDetected as e:
-            return guard, e
-        opt.zero_grad()
-    return guard, None
-
-
 def test_the_groups_are_learnt_at_the_first_step_and_each_input_is_read_once_after(monkeypatch):
     reads = []
     monkeypatch.setattr(shared, "row_stats", lambda a, v: reads.append(v.shape) or row_stats(a, v))
     torch.manual_seed(0)
-    guard, incident = train(Block(), 3)
+    guard, incident = run(Block(), loss_fn, 3)
     assert incident is None and guard.checks["abft"].passed == 3
     assert len(reads) == 8 + 2 * 5
     assert all(v[0] <= 2 for v in reads[:8])  # the first step: every covered Linear reads its own input
@@ -135,28 +121,17 @@ def test_layers_that_read_different_inputs_at_the_first_step_form_no_group():
 def test_a_wrong_output_of_a_group_member_is_caught_at_its_step_naming_it(layer):
     torch.manual_seed(0)
     model = Block()
+    calls = [0]  # the layer's forwards: one a step
 
     def wrong(_mod: torch.nn.Module, _args: object, out: torch.Tensor) -> torch.Tensor:
-        if train_step[0] == 4:
+        calls[0] += 1
+        if calls[0] == 4:
             out = out.clone()
             out[1, 2, 3] = out[1, 2, 3] * 10 + 1
         return out
 
-    train_step = [0]
     getattr(model, layer).register_forward_hook(wrong)  # before the guard's: a fault inside the layer
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = SDCGuard(model, opt, loss_fn, GuardConfig())
-    g = torch.Generator().manual_seed(0)
-    caught = None
-    for step in range(1, 7):
-        train_step[0] = step
-        guard.backward(torch.randint(0, 32, (4, 9), generator=g), step=step)
-        try:
-            guard.step()
-        except SilentCorruptionDetected as e:
-            caught = e
-            break
-        opt.zero_grad()
+    _, caught = run(model, loss_fn, 6)
     assert caught is not None and caught.detected_step == 4
     assert f"forward output of {layer} " in caught.detail, caught.detail
 

@@ -84,32 +84,33 @@ class Counts(TorchDispatchMode):
 
 @contextlib.contextmanager
 def one_read(counts: Counts) -> Any:
-    """Inside: each ``row_stats`` call counted as one op reading its tensor once (the Triton kernel's), computed
-    outside the count by the torch path."""
+    """Inside: each ``row_stats``, ``project`` and ``norm_stats`` call counted as one op reading each of its tensors
+    once (the Triton kernels'), computed outside the count by the torch path; a weight's column norms as the GPU
+    takes them."""
+    from unittest import mock
+
     from torch.utils._python_dispatch import _disable_current_modes
 
     from verified_ckpt.guard.abft import checks, forward, norms, rowstats, shared, weights
 
+    def counted_as(label: str, *tensors: Any) -> None:
+        moved = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        counts.ops += 1
+        counts.bytes += moved
+        row = counts.by_op.setdefault(label, [0, 0])
+        row[0] += 1
+        row[1] += moved
+
     def kernel(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with _disable_current_modes():
             proj, norm = rowstats.torch_row_stats(a, vecs)
-        counts.ops += 1
-        moved = a.numel() * a.element_size() + vecs.nbytes + proj.nbytes + norm.nbytes
-        counts.bytes += moved
-        row = counts.by_op.setdefault("row_stats (one read)", [0, 0])
-        row[0] += 1
-        row[1] += moved
+        counted_as("row_stats (one read)", a, vecs, proj, norm)
         return proj, norm
 
     def norm_kernel(dy: torch.Tensor, x: torch.Tensor, *rest: Any) -> Any:
         with _disable_current_modes():
             got = rowstats.torch_norm_stats(dy, x, *rest)
-        counts.ops += 1  # the norm kernel's one read of dY and of X (``rowstats.norm_stats``)
-        moved = sum(t.numel() * t.element_size() for t in (dy, x, *rest, *got) if isinstance(t, torch.Tensor))
-        counts.bytes += moved
-        row = counts.by_op.setdefault("norm_stats (one read)", [0, 0])
-        row[0] += 1
-        row[1] += moved
+        counted_as("norm_stats (one read)", dy, x, *rest, *got)  # one read of dY and of X
         return got
 
     def projected(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -119,22 +120,13 @@ def one_read(counts: Counts) -> Any:
         norms_of: torch.Tensor = torch.linalg.vector_norm(wo, dim=0)
         return norms_of.square_()
 
-    saved = [(m, m.row_stats) for m in (checks, forward, norms, shared)]
-    saved_columns, saved_norms = weights.column_squares, rowstats.norm_stats
-    norms.norm_stats = norm_kernel  # type: ignore[attr-defined]  # the name the norms' hook calls
-    weights.column_squares = columns
-    saved_project = rowstats.project
-    for m, _ in saved:
-        m.row_stats = kernel  # type: ignore[attr-defined]
-    checks.project = projected  # type: ignore[attr-defined]  # the name the input-gradient check calls
-    try:
+    # Each name where the module that calls it looks it up
+    patches: list[tuple[Any, str, Any]] = [(m, "row_stats", kernel) for m in (checks, forward, norms, shared)]
+    patches += [(checks, "project", projected), (norms, "norm_stats", norm_kernel), (weights, "column_squares", columns)]
+    with contextlib.ExitStack() as stack:
+        for module, name, fn in patches:
+            stack.enter_context(mock.patch.object(module, name, fn))
         yield
-    finally:
-        for m, fn in saved:
-            m.row_stats = fn  # type: ignore[attr-defined]
-        checks.project = saved_project  # type: ignore[attr-defined]
-        weights.column_squares = saved_columns
-        norms.norm_stats = saved_norms  # type: ignore[attr-defined]
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:

@@ -176,12 +176,18 @@ def _triton() -> Any:
     return triton
 
 
+def _needed(name: str) -> Any:
+    """``triton`` for ``name``'s kernel, or a one-line error naming the torch path."""
+    triton = _triton()
+    if triton is None:
+        raise RuntimeError(f"{name}' kernel needs Triton: install it (`pip install triton`) or use torch_{name}")
+    return triton
+
+
 @functools.cache
 def _kernel() -> Any:
     """The kernel, defined on first use: ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates."""
-    triton = _triton()
-    if triton is None:
-        raise RuntimeError("row_stats' kernel needs Triton: install it (`pip install triton`) or use torch_row_stats")
+    triton = _needed("row_stats")
     import triton.language as tl
 
     @triton.jit
@@ -211,9 +217,7 @@ def _kernel() -> Any:
 @functools.cache
 def _norm_kernel() -> Any:
     """:func:`triton_norm_stats`' kernel, defined on first use (as :func:`_kernel`)."""
-    triton = _triton()
-    if triton is None:
-        raise RuntimeError("norm_stats' kernel needs Triton: install it (`pip install triton`) or use torch_norm_stats")
+    triton = _needed("norm_stats")
     import triton.language as tl
 
     @triton.jit

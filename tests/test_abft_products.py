@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from forward_campaign import Times10
 from models import TinyGPT, lm_loss
 from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
+from verified_ckpt.guard.abft.rowstats import rows_of
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -106,23 +108,27 @@ def test_a_transient_in_an_attention_product_is_caught_at_its_step_naming_the_mo
     assert changed >= 6 and caught >= 0.95 * changed, (caught, changed)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_the_checks_leave_training_bit_for_bit_as_it_was_with_dropout_inside_the_fused_attention(kind):
+@pytest.mark.parametrize(("kind", "bf16"), [("gpt2", False), ("llama", False), ("llama", True)],
+                         ids=["gpt2", "llama", "llama-bf16"])
+def test_the_checks_leave_training_bit_for_bit_as_it_was_with_dropout_inside_the_fused_attention(kind, bf16):
     """GPT-2's attention draws its dropout mask inside ``scaled_dot_product_attention``: the check's second call
     replays the random state, and leaves it where the first call left it, so the weights equal a plain loop's.
     Llama's too, from the first step on: the coverage's FLOP count at that step must not change how the backward
-    computes (torch's ``FlopCounterMode`` ran the fused attention's backward as its decomposition)."""
+    computes (torch's ``FlopCounterMode`` ran the fused attention's backward as its decomposition). Under bf16
+    autocast the check casts the call's float32 ``q`` and ``k`` itself, as autocast would have: nothing moves."""
     def plain(steps: int) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = hf(kind)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for step in range(1, steps + 1):
-            hf_loss(model, torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                got = hf_loss(model, torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step)))
+            got.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         return [p.detach().clone() for p in model.parameters()]
 
-    guard, model, e, _ = run(kind, 4)
+    guard, model, e, _ = run(kind, 4, bf16=bf16)
     assert e is None and guard.abft.products.names
     assert all(torch.equal(a, b) for a, b in zip(plain(4), model.parameters(), strict=True))
 
@@ -191,3 +197,56 @@ def test_after_the_first_step_the_mode_is_held_only_inside_the_modules_that_ran_
     plain.backward(torch.randn(4, 8), step=1)
     plain.step()
     assert holders(mlp) == [] and plain.abft.products.names == []
+
+
+def test_rows_of_flattens_attention_layouts_without_a_copy_and_puts_each_row_back():
+    """``[b, h, t, d]`` as a transposed view of ``[b, t, h, d]`` (attention's q, k, v and output), rows evenly
+    spaced with a gap, and a layout no view can flatten (copied): each row's result lands where it belongs."""
+    base = torch.randn(2, 5, 3, 4)
+    cases = [(base.transpose(1, 2), True), (torch.randn(2, 3, 5, 6)[..., :4], True),
+             (torch.randn(3, 4, 5)[:, :2], False), (torch.randn(4, 1, 3).expand(4, 2, 3).transpose(0, 1), False)]
+    for t, in_place in cases:
+        rows, back = rows_of(t)
+        assert rows.shape == (t[..., 0].numel(), t.shape[-1])
+        assert (rows.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()) == in_place
+        assert torch.equal(back(rows.sum(1)), t.sum(-1))
+
+
+def test_under_autocast_the_attention_check_casts_nothing_again_and_copies_no_float32_output():
+    """The check's second call takes the tensors the first call was given, cast once (by the check, as autocast
+    would); the output is projected where it lies (a transposed view: no float32 copy and then a contiguous one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from verified_ckpt.guard.abft.products import ProductChecks
+
+    class Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, torch.dtype, torch.dtype, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.clone, torch.ops.aten.copy_):
+                self.seen.append((func.overloadpacket.__name__, args[0].dtype, out.dtype, out.numel()))
+            return out
+
+    torch.manual_seed(0)
+    b, h, t, d = 2, 4, 16, 8
+    q, k = (torch.randn(b, h, t, d, requires_grad=True) for _ in range(2))  # float32, as a rotary embedding leaves them
+    v = torch.randn(b, t, h, d, dtype=torch.bfloat16).transpose(1, 2)  # bf16, a transposed view as Llama's
+    checks = ProductChecks(lambda: True, slack=4.0, seed=0, module=None)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Copies() as plain:
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Copies() as guarded, checks:
+        got = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(got, want) and len(checks.calls) == 1
+    worst, _ = checks.ratios()
+    assert 0 <= float(worst.max()) < 1
+    n = b * h * t * d
+    casts = [c for c in guarded.seen if c[:3] == ("_to_copy", torch.float32, torch.bfloat16) and c[3] == n]
+    assert len(casts) == 2 == len([c for c in plain.seen if c[:3] == ("_to_copy", torch.float32, torch.bfloat16)])
+    full = [c for c in guarded.seen if c[3] == n and c not in casts]
+    # what is left at q's size: the CPU path's float32 reads of q, k, v and the output (one each: the Triton
+    # kernel's one read on CUDA), V r repeated over the values' width for the second call
+    assert sorted(full) == sorted([("_to_copy", torch.bfloat16, torch.float32, n)] * 4
+                                  + [("clone", torch.bfloat16, torch.bfloat16, n)]), full

@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from verified_ckpt.guard.abft.rowstats import row_stats, torch_norm_stats, torch_row_stats
+from verified_ckpt.guard.abft.rowstats import norm_stats, row_stats, torch_norm_stats, torch_row_stats
 from verified_ckpt.guard.abft.sums import EPS32
 
 pytestmark = pytest.mark.timeout(60)
@@ -161,8 +161,12 @@ def interpreted_norms() -> dict[str, object]:
     after = triton_norm_stats(dy, x, None, rstd, vg, vb)
     moved = (after[2] - before[2]).abs()
     bound = SLACK * 2 * 200 * EPS32 * before[3][row] * vg.abs().max()
+    # An RMSNorm's rstd taken in the same read of x (none given) against the torch path given it
+    taken = [[list(case), *norm_errors(case, triton_norm_stats(dy, x, None, None, vg, vb, 1e-5),
+                                       torch_norm_stats(dy, x, None, r, vg, vb))]
+             for case in NORM_CASES if not case[4] for dy, x, _, r, vg, vb in [norm_inputs(*case)]]
     return {"errors": errors, "alone": alone, "fault": (moved[row] / bound).item(),
-            "others": moved[torch.arange(37) != row].max().item()}
+            "others": moved[torch.arange(37) != row].max().item(), "taken": taken}
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +208,21 @@ def test_the_norm_kernel_equals_the_torch_path_within_float32_rounding(kernel):
         assert finite, case
     # A layer with only a scale, or only a shift: the other's outputs are None
     assert kernel["norms"]["alone"] == [True, False, False, False, False, False, True, True]
+
+
+def test_an_rmsnorms_rstd_is_taken_in_the_same_read_of_its_rows_as_the_forward_took_it(kernel):
+    """The forward no longer reads an RMSNorm's input for its mean square: the kernel takes it from the read of
+    ``x`` the scale's rows make, the torch path from the rows' norms, both within rounding of the given rstd."""
+    assert kernel["norms"]["taken"], kernel["norms"]
+    for case, *errors in kernel["norms"]["taken"]:
+        assert max(errors) <= 1, (case, errors)
+    for case in [c for c in NORM_CASES if not c[4]]:
+        dy, x, _, rstd, vg, vb = norm_inputs(*case)
+        errors = norm_errors(case, torch_norm_stats(dy, x, None, None, vg, vb, 1e-5),
+                             torch_norm_stats(dy, x, None, rstd, vg, vb))
+        assert max(errors) <= 1, (case, errors)
+    with pytest.raises(ValueError, match="only an RMSNorm's"):
+        norm_stats(*norm_inputs(8, 16, "float32", "contiguous", True)[:2], torch.zeros(8), None, None, None)
 
 
 def test_the_norm_kernel_sees_a_single_gradient_element_times_ten_in_its_row_only(kernel):

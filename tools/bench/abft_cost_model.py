@@ -3,7 +3,8 @@
 One plain training step and one guarded step (the default per-step checks: NaN/Inf, ABFT with attention's products;
 consensus and audits off) of TinyGPT run under a ``TorchDispatchMode`` that counts every aten op that is not a view
 (each is at least one kernel launch on a GPU), the bytes each reads and writes (its tensor arguments and results:
-what it moves through memory at most once each), and the matmul FLOPs (``FlopCounterMode``). The counts do not
+what it moves through memory at most once each), and the matmul FLOPs (``FlopCounterMode``; the CPU's fused attention
+by torch's formulas for the CUDA kernels, causal masks not discounted, as torch does not). The counts do not
 depend on the device. The prediction for a device of bandwidth ``B``, matmul throughput ``F`` and host time per
 op ``h`` (the launch and the Python around it) is the slower of the host and the device:
 
@@ -14,7 +15,7 @@ for the plain step and the guarded one; the overhead is their ratio. ``h`` defau
 host 2.78 times a training op, from the guarded step there), ``B`` to 4.8 TB/s and
 ``F`` to 40 % of the H200's 990 dense bf16 TFLOP/s (fp32 matmuls run as TF32 at half that: pass ``--flops``).
 
-``--one-read`` counts each ``row_stats``, ``project`` and ``norm_stats`` call as what the Triton kernels do on CUDA
+``--one-read`` counts each ``row_stats``, ``project``, ``row_norms`` and ``norm_stats`` call as what the Triton kernels do on CUDA
 (``guard/abft/rowstats.py``):
 one op that reads its tensor once in its own dtype and writes its projections and norms, where this CPU's torch
 path takes a product and a norm (two reads, and a float32 copy of a bf16 tensor); and each weight's column norms as
@@ -43,6 +44,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -91,7 +93,7 @@ def one_read(counts: Counts) -> Any:
 
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from verified_ckpt.guard.abft import checks, forward, norms, rowstats, shared, weights
+    from verified_ckpt.guard.abft import checks, forward, norms, products, rowstats, shared, weights
 
     def counted_as(label: str, *tensors: Any) -> None:
         moved = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
@@ -116,13 +118,17 @@ def one_read(counts: Counts) -> Any:
     def projected(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel(a, v)[0]  # the same kernel, its norms dropped (``rowstats.project``)
 
+    def normed(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return kernel(a, v)[1]  # the same kernel, its projection dropped (``rowstats.row_norms``)
+
     def columns(wo: torch.Tensor) -> torch.Tensor:  # the GPU's choice (``weights.column_squares``): one read of W
         norms_of: torch.Tensor = torch.linalg.vector_norm(wo, dim=0)
         return norms_of.square_()
 
     # Each name where the module that calls it looks it up
     patches: list[tuple[Any, str, Any]] = [(m, "row_stats", kernel) for m in (checks, forward, norms, shared)]
-    patches += [(checks, "project", projected), (norms, "norm_stats", norm_kernel), (weights, "column_squares", columns)]
+    patches += [(checks, "project", projected), (norms, "norm_stats", norm_kernel), (weights, "column_squares", columns),
+                (products, "project", projected), (products, "row_norms", normed)]
     with contextlib.ExitStack() as stack:
         for module, name, fn in patches:
             stack.enter_context(mock.patch.object(module, name, fn))
@@ -139,10 +145,18 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return []
 
 
+# The CPU's fused attention, which torch's FLOP counter does not know (it counts the CUDA kernels' calls): counted
+# by the same formulas, so that attention's FLOPs, and the product check's second call, weigh in the prediction
+_CPU_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop.__wrapped__,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.sdpa_backward_flop.__wrapped__}
+
+
 def counted(run: Any, single_read: bool = False) -> tuple[dict[str, float], dict[str, list[int]]]:
-    with FlopCounterMode(display=False) as flops, Counts() as c, one_read(c) if single_read else contextlib.nullcontext():
+    with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as flops, Counts() as c, one_read(c) if single_read else contextlib.nullcontext():
         run()
-    return {"ops": c.ops, "bytes": c.bytes, "flops": flops.get_total_flops()}, c.by_op
+    attention = sum(n for op, n in flops.get_flop_counts().get("Global", {}).items() if op in _CPU_ATTENTION)
+    # attention's share apart: it grows with the context and the width, the GEMMs' with the width squared
+    return {"ops": c.ops, "bytes": c.bytes, "flops": flops.get_total_flops(), "attention_flops": attention}, c.by_op
 
 
 def predict(p: dict[str, float], g: dict[str, float], bandwidth: float = 4.8e12, flops: float = 0.4 * 990e12,

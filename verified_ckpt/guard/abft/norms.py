@@ -147,17 +147,21 @@ class Normalised:
 
     rows: torch.Tensor  # float32
     mean: torch.Tensor | None  # per row (LayerNorm), per feature (BatchNorm), or None (RMSNorm)
-    rstd: torch.Tensor
+    rstd: torch.Tensor | None  # None: an RMSNorm's, taken with ``norm_eps`` where the backward reads the rows
     channels_first: bool  # BatchNorm: features are dimension 1 of the layer's tensors
     eps: float  # X̂'s rounding as the layer computed it: its input's precision (bf16 under CPU autocast)
+    norm_eps: float = 0.0  # the layer's own eps, under the mean square (an RMSNorm's rstd, taken in the backward)
 
     def xhat(self) -> torch.Tensor:
+        """``X̂`` of a layer whose statistics the forward took (a BatchNorm's: the hook reads it)."""
+        assert self.rstd is not None, "an RMSNorm's X̂ is formed inside rowstats.norm_stats"
         return self.rows * self.rstd if self.mean is None else (self.rows - self.mean) * self.rstd
 
     def kappa(self, n: int) -> torch.Tensor:
-        """Per row of ``n``, the conditioning of ``X - μ``: ``1 + |μ| / σ`` (the largest over features for BatchNorm)."""
-        k = torch.addcmul(scalar_on(1.0, self.rstd.device), self.mean.abs(), self.rstd) if self.mean is not None \
-            else torch.ones_like(self.rstd)
+        """Per row of ``n``, the conditioning of ``X - μ``: ``1 + |μ| / σ`` (the largest over features for BatchNorm;
+        only asked of a layer with a mean)."""
+        assert self.mean is not None and self.rstd is not None, "an RMSNorm's rows are not centred: kappa is 1"
+        k = torch.addcmul(scalar_on(1.0, self.rstd.device), self.mean.abs(), self.rstd)
         return k.reshape(-1) if k.shape[0] == n else k.max().expand(n)
 
 
@@ -180,9 +184,10 @@ def norm_rows(mod: torch.nn.Module, spec: NormSpec, x: torch.Tensor, out: torch.
             elif kind == "LayerNorm":  # two passes: var_mean's one-pass kernel is slower here (1.1 against 0.8 ms)
                 mean = rows.mean(dim=1, keepdim=True)
                 rstd = torch.rsqrt((rows - mean).square().mean(dim=1, keepdim=True) + eps)
-            else:  # the mean square from the rows' norms: one read, where squaring first wrote the rows again
-                norm, mean = torch.linalg.vector_norm(rows, dim=1, keepdim=True), None
-                rstd = torch.addcmul(scalar_on(eps, norm.device), norm, norm, value=1 / rows.shape[1]).rsqrt_()
+            else:  # an RMSNorm: its mean square is taken in the backward, from the read of the rows it makes anyway
+                mean, rstd = None, None
+            if rstd is None:
+                return Normalised(rows, None, None, False, _rounding(x), eps)
         else:
             if xf.dim() < 2:
                 return None
@@ -194,7 +199,11 @@ def norm_rows(mod: torch.nn.Module, spec: NormSpec, x: torch.Tensor, out: torch.
                 running_mean, running_var = getattr(mod, "running_mean"), getattr(mod, "running_var")  # noqa: B009
                 mean, var = running_mean.view(1, -1).float(), running_var.view(1, -1).float()
             rstd = torch.rsqrt(var + (1e-5 if spec.eps is None else spec.eps))
-    return Normalised(rows, mean, rstd, kind == "BatchNorm", unit_roundoff(x.dtype) if x.dtype.is_floating_point else EPS32)
+    return Normalised(rows, mean, rstd, kind == "BatchNorm", _rounding(x))
+
+
+def _rounding(x: torch.Tensor) -> float:
+    return unit_roundoff(x.dtype) if x.dtype.is_floating_point else EPS32
 
 
 def _saved_stats(out: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -224,7 +233,8 @@ def record(gamma: Covered | None, beta: Covered | None, x: Normalised, dy: torch
             got, pn = row_stats(rows * x.xhat(), gamma.v0) if gamma is not None else (None, None)
         else:  # one read of dY and X for every row statistic (``rowstats.norm_stats``; unfloored: ``sums`` floors)
             y, b, got, pn = norm_stats(dy.detach().reshape(-1, dy.shape[-1]), x.rows, x.mean, x.rstd,
-                                       None if gamma is None else gamma.v0, None if beta is None else beta.v0)
+                                       None if gamma is None else gamma.v0, None if beta is None else beta.v0,
+                                       x.norm_eps)
         if beta is not None and y is not None:
             beta.add(None, None, y, b, eps, acc)
         if gamma is not None and got is not None and pn is not None:

@@ -41,12 +41,14 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 from ...dtensors import is_dtensor
+from .rowstats import project, row_norms, rows_of
 from .sums import EPS32, RMS, floored, matmul_eps, per_call, signed_weights, unit_roundoff, worst_rows
 
 __all__ = ["ProductChecks"]
 
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _SDPA = F.scaled_dot_product_attention
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
 class ProductChecks(TorchFunctionMode):
@@ -191,12 +193,13 @@ class ProductChecks(TorchFunctionMode):
         return worst, tuple(c[3] for c in self.calls)
 
     def _attention(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-        given = dict(zip(names, args, strict=False)) | kwargs
+        given = dict(zip(_SDPA_ARGS, args, strict=False)) | kwargs
         q, k, v = given.get("query"), given.get("key"), given.get("value")
         if not self._checked(q, k, v):
             return func(*args, **kwargs)
         assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        args, kwargs = _cast_as_autocast(args, kwargs, q.device.type)
+        given = dict(zip(_SDPA_ARGS, args, strict=False)) | kwargs
         dropout = float(given.get("dropout_p") or 0.0) > 0
         before = _rng_state(q.device) if dropout else None
         out = func(*args, **kwargs)
@@ -210,7 +213,8 @@ class ProductChecks(TorchFunctionMode):
         dropout = before is not None
         with torch.no_grad():
             r = self._vector(v.shape[-1], v.device)
-            vr = torch.matmul(v.detach().float(), r).unsqueeze(-1).to(v.dtype)  # V r, in the values' dtype
+            rows, back = rows_of(v.detach())
+            vr = back(project(rows, r)).unsqueeze(-1).to(v.dtype)  # V r, one read of V, in the values' dtype
             # The same shapes as the first call (V r repeated over the value width), so that the same kernel runs:
             # a one-column value falls off the fused kernels onto the slow reference path (2x the call on a CPU,
             # 7x in bf16), and with dropout the same kernel draws the same mask from the same random state (the
@@ -222,7 +226,8 @@ class ProductChecks(TorchFunctionMode):
             ref = func(**again)[..., 0]
             if after is not None:
                 _set_rng_state(q.device, after)
-            return _attention_rows(q, k, out, ref, vr, r, given.get("scale"), self.slack)
+            return _attention_rows(q, k, out, ref, vr, r, self._vector(q.shape[-1], q.device), given.get("scale"),
+                                   self.slack)
 
 
 def _product_rows(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, r: torch.Tensor,
@@ -244,13 +249,17 @@ def _product_rows(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, r: torch.Te
 
 
 def _attention_rows(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, ref: torch.Tensor, vr: torch.Tensor,
-                    r: torch.Tensor, scale: Any, slack: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One fused attention's rows (module doc): ``O_i r - (P (V r))_i`` and its bound (coefficient 1)."""
+                    r: torch.Tensor, rq: torch.Tensor, scale: Any, slack: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One fused attention's rows (module doc): ``O_i r - (P (V r))_i`` and its bound (coefficient 1). ``O``, ``q``
+    and ``k`` are each read once, in their own layout and dtype (``rows_of``; ``rq``: a vector of ``q``'s width
+    that the norms' kernel takes)."""
     with torch.autocast(out.device.type, enabled=False):
-        got = torch.matmul(out.detach().float(), r)
+        rows, back = rows_of(out.detach())
+        got = back(project(rows, r))
         s = float(scale) if scale is not None else 1 / math.sqrt(q.shape[-1])
-        qn = torch.linalg.vector_norm(q.detach().float(), dim=-1)
-        kmax = torch.linalg.vector_norm(k.detach().float(), dim=-1).max()  # any head: grouped-query heads too
+        rows, back = rows_of(q.detach())
+        qn = back(row_norms(rows, rq))
+        kmax = row_norms(rows_of(k.detach())[0], rq).max()  # any head: grouped-query heads too
         eps_in = max(unit_roundoff(q.dtype), unit_roundoff(out.dtype))
         t, dv = k.shape[-2], out.shape[-1]
         vmax = vr.detach().float().abs().max()  # over every head: grouped-query attention has fewer value heads
@@ -259,6 +268,23 @@ def _attention_rows(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, ref: to
                               vmax * kmax, value=slack * 2 * s * eps_in)
         bound.add_(vmax * (slack * (4 * eps_in + EPS32 * (math.sqrt(t) + math.sqrt(dv) + 2))))
         return got - ref.float(), bound, 1.0
+
+
+def _cast_as_autocast(args: Any, kwargs: dict[str, Any], device: str) -> tuple[Any, dict[str, Any]]:
+    """The call's ``query``, ``key`` and ``value`` cast where autocast would cast them (to its dtype, as its own
+    cast does: the same values and the same backward), so that the check's second call takes the cast tensors
+    too: under autocast the second call would cast ``q`` and ``k`` again (a rotary embedding leaves them float32
+    in Hugging Face's Llama), 6 bytes moved an element of each."""
+    if not torch.is_autocast_enabled(device):
+        return args, kwargs
+    low = torch.get_autocast_dtype(device)
+    args, kwargs = list(args), dict(kwargs)
+    for i, name in enumerate(_SDPA_ARGS[:3]):
+        held, at = (args, i) if i < len(args) else (kwargs, name)
+        t = held[at]  # type: ignore[index]
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != low:
+            held[at] = t.to(low)  # type: ignore[index]
+    return tuple(args), kwargs
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:

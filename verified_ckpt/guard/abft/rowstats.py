@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["MAX_VECTORS", "NormRows", "norm_stats", "project", "row_stats", "torch_norm_stats", "torch_row_stats",
-           "triton_norm_stats", "triton_row_stats"]
+__all__ = ["MAX_VECTORS", "NormRows", "norm_stats", "project", "row_norms", "row_stats", "rows_of", "torch_norm_stats",
+           "torch_row_stats", "triton_norm_stats", "triton_row_stats"]
 
 # The most projections one read returns (the kernel keeps one float32 column per vector): a layer's two, or
 # those of up to four layers that read one input (``shared.py``: attention's q, k and v)
@@ -71,25 +72,57 @@ def project(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.mv(a if a.dtype == torch.float32 else a.float(), v)
 
 
+def row_norms(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float32 ``‖a_n‖`` of a 2-D ``a`` (``v``: any float32 vector of its width), where no projection is wanted
+    (attention's ``q`` and ``k``): on CUDA the kernel's one read in ``a``'s own dtype (its projection on ``v``,
+    taken in registers, is dropped), elsewhere the norm alone."""
+    if a.is_cuda and _triton() is not None:
+        return triton_row_stats(a, v)[1]
+    norms: torch.Tensor = torch.linalg.vector_norm(a if a.dtype == torch.float32 else a.float(), dim=1)
+    return norms
+
+
+def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """``t``'s rows (over its last dimension) as a 2-D tensor, and what puts a per-row result ``[n]`` back in
+    ``t``'s leading shape (a view). The rows are a view, not a copy, wherever the leading dimensions, taken in
+    the order of their strides, lie evenly in memory: attention's ``[b, h, t, d]`` tensors are mostly transposed
+    views of ``[b, t, h, d]``, which flattening in their logical order copies (a float32 copy of a bf16 output
+    and then a second one, 18 bytes moved an element, where the rows' one read is 2)."""
+    strides = t.stride()
+    lead = sorted(range(t.dim() - 1), key=lambda i: -strides[i])
+    laid = t.permute(*lead, t.dim() - 1)
+    try:
+        rows = laid.view(-1, t.shape[-1])
+    except RuntimeError:  # not evenly laid out: one copy
+        rows = laid.reshape(-1, t.shape[-1])
+    inverse = sorted(range(len(lead)), key=lambda i: lead[i])
+    shape = laid.shape[:-1]
+    return rows, lambda per_row: per_row.view(shape).permute(*inverse)
+
+
 # A normalisation layer's rows (``norm_stats``): dY·v_β, ‖dY‖, (dY ⊙ X̂)·v_γ, ‖dY ⊙ X̂‖ (None: no such parameter)
 NormRows = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
-def norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor,
-               vg: torch.Tensor | None, vb: torch.Tensor | None) -> NormRows:
+def norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor | None,
+               vg: torch.Tensor | None, vb: torch.Tensor | None, eps: float = 0.0) -> NormRows:
     """A normalisation layer's per-row statistics (``norms.record``) from its output's gradient ``dy`` (2-D, any
     float dtype) and its input rows ``x`` (float32, as the forward hook kept them), ``X̂_n = (x_n - mean_n) ·
     rstd_n`` (``mean`` None: an RMSNorm; both ``[n]`` or ``[n, 1]``): ``dY_n · vb`` (its shift's rows, None without
     ``vb``), ``‖dY_n‖``, ``(dY_n ⊙ X̂_n) · vg`` and ``‖dY_n ⊙ X̂_n‖`` (its scale's, None without ``vg``); norms
-    unfloored. On CUDA one kernel reads ``dy`` and ``x`` once each and forms ``X̂`` and the product in registers;
-    the torch path reads ``dy`` twice and writes the product."""
+    unfloored. ``rstd`` None (an RMSNorm's, ``mean`` None too): ``(‖x_n‖² / d + eps)^-½``, taken here from the
+    read of ``x`` the scale's rows make anyway, so that the forward need not read ``x`` for it. On CUDA one kernel
+    reads ``dy`` and ``x`` once each and forms ``X̂`` and the product in registers; the torch path reads ``dy``
+    twice and writes the product."""
+    if rstd is None and mean is not None:
+        raise ValueError("norm_stats takes a LayerNorm's rows with their rstd: only an RMSNorm's is taken here")
     if dy.is_cuda and _triton() is not None:
-        return triton_norm_stats(dy, x, mean, rstd, vg, vb)
-    return torch_norm_stats(dy, x, mean, rstd, vg, vb)
+        return triton_norm_stats(dy, x, mean, rstd, vg, vb, eps)
+    return torch_norm_stats(dy, x, mean, rstd, vg, vb, eps)
 
 
-def torch_norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor,
-                     vg: torch.Tensor | None, vb: torch.Tensor | None) -> NormRows:
+def torch_norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor | None,
+                     vg: torch.Tensor | None, vb: torch.Tensor | None, eps: float = 0.0) -> NormRows:
     """:func:`norm_stats` in torch ops."""
     d = dy if dy.dtype == torch.float32 else dy.float()
     y = None
@@ -99,6 +132,9 @@ def torch_norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | Non
         b = torch.linalg.vector_norm(d, dim=1)
     if vg is None:
         return y, b, None, None
+    if rstd is None:  # the mean square from the rows' norms: one read, where squaring first wrote the rows again
+        norm = torch.linalg.vector_norm(x, dim=1)
+        rstd = torch.addcmul(torch.full_like(norm, eps), norm, norm, value=1 / x.shape[1]).rsqrt_()
     r = rstd.reshape(-1, 1)
     if mean is None:
         # RMSNorm: X̂_n = rstd_n X_n, so the row's product and norm are rstd_n times dY_n ⊙ X_n's (X̂ is never
@@ -109,8 +145,8 @@ def torch_norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | Non
     return y, b, got, pn
 
 
-def triton_norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor,
-                      vg: torch.Tensor | None, vb: torch.Tensor | None) -> NormRows:
+def triton_norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor | None,
+                      vg: torch.Tensor | None, vb: torch.Tensor | None, eps: float = 0.0) -> NormRows:
     """:func:`norm_stats` by one Triton kernel (on CUDA; on CPU tensors too under ``TRITON_INTERPRET=1``)."""
     n, d = dy.shape
     if x.shape != dy.shape:
@@ -118,14 +154,15 @@ def triton_norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | No
                          f"and {tuple(x.shape)}")
     out = torch.empty((4, n), dtype=torch.float32, device=dy.device)
     if n:
-        r = rstd.reshape(-1).float().contiguous()
+        zero = out[0, :1]  # a vector's stand-in where there is none (never read: the flags compile its use out)
+        r = zero if rstd is None else rstd.reshape(-1).float().contiguous()  # not read without: taken from x
         m = r if mean is None else mean.reshape(-1).float().contiguous()  # not read without a mean
-        zero = r[:1]  # a vector's stand-in where there is none (never read: the flags compile its use out)
         with torch.cuda.device(dy.device) if dy.is_cuda else contextlib.nullcontext():
             _norm_kernel()[(-(-n // _BLOCK_N),)](
                 dy, x, m, r, zero if vg is None else vg.float().contiguous(), zero if vb is None else vb.float().contiguous(),
-                out, n, d, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), HAS_MEAN=mean is not None,
-                HAS_G=vg is not None, HAS_B=vb is not None, BLOCK_N=_BLOCK_N, BLOCK_D=min(_BLOCK_D, _pow2(d)))
+                out, n, d, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), float(eps), HAS_MEAN=mean is not None,
+                HAS_RSTD=rstd is not None, HAS_G=vg is not None, HAS_B=vb is not None, BLOCK_N=_BLOCK_N,
+                BLOCK_D=min(_BLOCK_D, _pow2(d)))
     return (out[0] if vb is not None else None, out[1], out[2] if vg is not None else None,
             out[3] if vg is not None else None)
 
@@ -222,12 +259,14 @@ def _norm_kernel() -> Any:
 
     @triton.jit
     def norm_stats_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, vg_ptr, vb_ptr, out_ptr,  # type: ignore[no-untyped-def]
-                          n, d, s_dy, s_dyd, s_x, s_xd, HAS_MEAN: tl.constexpr, HAS_G: tl.constexpr,
-                          HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                          n, d, s_dy, s_dyd, s_x, s_xd, eps, HAS_MEAN: tl.constexpr, HAS_RSTD: tl.constexpr,
+                          HAS_G: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_rows = rows < n
         wide = rows.to(tl.int64)  # a tensor over 2³¹ elements is addressed in 64 bits
-        rs = tl.load(rstd_ptr + rows, mask=in_rows, other=0.0)
+        rs = tl.full((BLOCK_N,), 1.0, tl.float32)  # without a given rstd (an RMSNorm's): applied after the loop
+        if HAS_RSTD:
+            rs = tl.load(rstd_ptr + rows, mask=in_rows, other=0.0)
         mu = rs * 0.0  # an RMSNorm's rows are not centred
         if HAS_MEAN:
             mu = tl.load(mean_ptr + rows, mask=in_rows, other=0.0)
@@ -235,6 +274,7 @@ def _norm_kernel() -> Any:
         acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
         sq_dy = tl.zeros((BLOCK_N,), dtype=tl.float32)
         sq_p = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        sq_x = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k in range(0, d, BLOCK_D):
             ks = k + tl.arange(0, BLOCK_D)
             in_cols = ks < d
@@ -247,12 +287,19 @@ def _norm_kernel() -> Any:
             if HAS_G:
                 xv = tl.load(x_ptr + wide[:, None] * s_x + ks[None, :].to(tl.int64) * s_xd, mask=tile,
                              other=0.0).to(tl.float32)
+                if not HAS_RSTD:
+                    sq_x += tl.sum(xv * xv, axis=1)
                 p = g * ((xv - mu[:, None]) * rs[:, None])
                 acc_g += tl.sum(p * tl.load(vg_ptr + ks, mask=in_cols, other=0.0)[None, :], axis=1)
                 sq_p += tl.sum(p * p, axis=1)
+        sq_p = tl.sqrt(sq_p)
+        if not HAS_RSTD:  # X̂_n = rstd_n X_n: the row's product and norm are rstd_n times dY_n ⊙ X_n's
+            rs = 1.0 / tl.sqrt(sq_x / d + eps)
+            acc_g = acc_g * rs
+            sq_p = sq_p * rs
         tl.store(out_ptr + rows, acc_b, mask=in_rows)
         tl.store(out_ptr + n + rows, tl.sqrt(sq_dy), mask=in_rows)  # a NaN stays NaN: an alarm
         tl.store(out_ptr + 2 * n + rows, acc_g, mask=in_rows)
-        tl.store(out_ptr + 3 * n + rows, tl.sqrt(sq_p), mask=in_rows)
+        tl.store(out_ptr + 3 * n + rows, sq_p, mask=in_rows)
 
     return norm_stats_kernel

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import fnmatch
 import functools
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from .norms import norm_kind
 from .products import ProductChecks
 from .rowstats import project, row_stats
 from .shared import SharedInputs
-from .sums import EPS32, Covered, matmul_eps, rgs, signed_weights, unit_roundoff
+from .sums import EPS32, RMS, Covered, matmul_eps, rgs, signed_weights, unit_roundoff
 from .verdict import code_name
 from .weights import Weights
 
@@ -85,7 +86,6 @@ class GradientChecks:
         self.left_out: list[tuple[str, str]] = []
         self._n = len(params)
         self._sizes = {id(p): p.numel() for p in params}
-        self._input_vectors: dict[tuple[int, torch.device], torch.Tensor] = {}  # ``s`` by input width (``_cover``)
         index = {id(p): i for i, p in enumerate(params)}
         names = {id(p): n for n, p in module.named_parameters()}
         g = torch.Generator().manual_seed(seed + 7919)
@@ -148,7 +148,7 @@ class GradientChecks:
         layer = self.layers[id(mod)] = Layer(name, len(self.layers), kind, w, b, feats)
         if id(w) not in index:
             return layer
-        cw = self._cover(w, names, index, g, inputs=0 if kind == "Conv1D" else 1 if kind == "Linear" else None)
+        cw = self._cover(w, names, index, g)
         # The layer's vectors over its output and input features, from the weight's per-dimension ones.
         layer.r, layer.s = (cw.v1, cw.v0) if kind == "Conv1D" else (cw.v0, cw.v1)
         if b is not None and layer.r is not None and id(b) in index and id(b) not in self.covered:
@@ -160,16 +160,11 @@ class GradientChecks:
             mod.register_forward_hook(self._linear_forward)
         return layer
 
-    def _cover(self, p: torch.Tensor, names: dict[int, str], index: dict[int, int], g: torch.Generator,
-               inputs: int | None = None) -> Covered:
+    def _cover(self, p: torch.Tensor, names: dict[int, str], index: dict[int, int], g: torch.Generator) -> Covered:
         c = self.covered.get(id(p))
         if c is None:  # a tied weight keeps the vectors it was first given
-            v = [signed_weights(p.shape[0], g, p.device), signed_weights(p.shape[1], g, p.device)]
-            # Over the input features (dimension ``inputs``) one vector for every layer of that width, so that layers
-            # reading one input check their input gradients summed (``shared.py``); drawn all the same
-            if inputs is not None:
-                v[inputs] = self._input_vectors.setdefault((p.shape[inputs], p.device), v[inputs])
-            c = self.covered[id(p)] = Covered(names.get(id(p), "?"), index[id(p)], v[0], v[1])
+            c = self.covered[id(p)] = Covered(names.get(id(p), "?"), index[id(p)], signed_weights(p.shape[0], g, p.device),
+                                               signed_weights(p.shape[1], g, p.device))
         return c
 
     @property
@@ -297,16 +292,11 @@ class GradientChecks:
         if not x.requires_grad:  # a first layer's input (the data): no input gradient, but its forward is checked
             return None
         check = self._open[id(mod)] = InputCheck(layer)
-        joined = None if self.probing else self._shared.join(check, x, self._tag)
-        if joined is not None:  # a layer of its group took a view of this input: its share is summed there
-            return (joined, *args[1:])
         # The layer takes a view of its input of its own: the view's gradient is this layer's share of the input's
-        # and its group's, which take the same view (``shared.py``; other uses reach the input apart). A view and a
-        # tensor hook are autograd's own C++ nodes: an autograd.Function there cost 2.5x their time per layer.
+        # (the input may feed other layers too; their shares reach it through their own views or uses). A view and
+        # a tensor hook are autograd's own C++ nodes: an autograd.Function there cost 2.5x their time per layer.
         tapped = x.view_as(x)
         tapped.register_hook(functools.partial(self._input_grad, check))
-        if not self.probing:
-            self._shared.tapped(check, x, tapped, self._tag)
         return (tapped, *args[1:])
 
     def _linear_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
@@ -368,13 +358,17 @@ class GradientChecks:
 
     def _input_grad(self, check: InputCheck, g: torch.Tensor) -> None:
         """The layer's share of its input's gradient, row by row against ``dY (W s)`` (see the module doc)."""
-        parts = check.parts()  # the layers whose share this gradient sums (those whose output's gradient came)
-        s = check.layer.s
-        if self.paused or not parts or s is None or any(m.layer.ws is None for m in parts):
+        layer = check.layer
+        if self.paused or check.z is None or check.b is None or layer.s is None or layer.ws is None:
             return  # the output's gradient never came (the layer's output did not reach the loss)
+        out_f, in_f = layer.features
         with torch.no_grad():
-            if check.fill(project(g.reshape(-1, g.shape[-1]), s), g.dtype, self.slack):
-                self._inputs.append(check)  # checked with every other layer's at the step's end (``worst``)
+            u = project(g.reshape(-1, g.shape[-1]), layer.s)
+            # W rounded to the GEMM's dtype, dX rounded to its own, float32 accumulation and projections.
+            eps_in, eps_out = check.eps[0], max(check.eps[1], unit_roundoff(g.dtype))
+            check.u = u
+            check.coef = self.slack * RMS * (eps_in + eps_out + EPS32 * (math.sqrt(out_f) + math.sqrt(in_f) + 2))
+            self._inputs.append(check)  # checked with every other layer's at the step's end (``worst``)
 
     def _embedding_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
         layer = self.layers.get(id(mod))

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,7 +12,7 @@ from typing import Any
 import torch
 
 from ..stats import worst
-from .sums import EPS32, RMS, constant_on, floored, lengths_on, unit_roundoff, worst_rows
+from .sums import constant_on, floored, lengths_on, worst_rows
 
 __all__ = ["COMPILED", "OUTSIDE", "TP_UNCHECKED", "Coverage", "InputCheck", "Layer", "Ratios", "families",
            "gradient_paths", "input_ratios", "layer_kind", "worst_layer"]
@@ -68,9 +66,6 @@ class Layer:
     rmax: float = 0.0
     br: torch.Tensor | None = None  # forward check, per step: b · r (``None``: no bias)
     tag: int = -1
-    # The layers that read one input with this one (``shared.py``, its group's names in call order; ``()``: none):
-    # their input gradients are checked summed, where the input's gradient sums them
-    input_group: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -84,27 +79,6 @@ class InputCheck:
     # Filled by the input's gradient: dX_n · s per row, and the bound's coefficient on ‖W‖ ‖dY_n‖
     u: torch.Tensor | None = None
     coef: float = 0.0
-    # The later layers of this one's group that took the same view of the input (``shared.py``): ``u`` is then the
-    # summed gradient's, checked against the sum of their ``z`` and within the sum of their bounds
-    joined: list[InputCheck] = dataclasses.field(default_factory=list)
-
-    def parts(self) -> list[InputCheck]:
-        """The checks whose ``z`` this one's ``u`` sums: itself and the layers that joined it, those whose output's
-        gradient came (one that never reached the loss added nothing to the input's gradient)."""
-        return [c for c in (self, *self.joined) if c.z is not None and c.b is not None]
-
-    def fill(self, u: torch.Tensor, dtype: torch.dtype, slack: float) -> bool:
-        """Filled from the input's gradient (of ``dtype``), projected: ``u``, and each part's bound coefficient;
-        ``False`` where a part's rows are not the input's (no check rather than one that cannot explain them)."""
-        for m in self.parts():
-            if m.z is None or m.z.numel() != u.numel():
-                return False
-            out_f, in_f = m.layer.features
-            # W rounded to the GEMM's dtype, dX rounded to its own, float32 accumulation and projections.
-            eps_in, eps_out = m.eps[0], max(m.eps[1], unit_roundoff(dtype))
-            m.coef = slack * RMS * (eps_in + eps_out + EPS32 * (math.sqrt(out_f) + math.sqrt(in_f) + 2))
-        self.u = u
-        return True
 
 
 Ratios = tuple[torch.Tensor, tuple[int, ...]]  # a kind of check's ratios (float64, one a check) and their numbers
@@ -140,35 +114,19 @@ def worst_layer(families: Sequence[Ratios]) -> torch.Tensor | None:
 
 
 def input_ratios(checks: list[InputCheck], wsq: torch.Tensor, at: dict[int, int]) -> torch.Tensor:
-    """The worst row's |dX_n·s - Σ dY_n·(W s)| / bound_n of each of ``checks`` (filled; the sum over the layers
-    that joined one, ``InputCheck.parts``, their bounds summed), float64 on the device.
+    """The worst row's |dX_n·s - dY_n·(W s)| / bound_n of each of ``checks`` (filled), float64 on the device.
 
     The per-row work of every layer's check in one handful of ops for the whole step: the per-layer ops cost more
     in dispatch than in arithmetic on small layers, where most of ABFT's overhead was."""
-    parts = [c.parts() for c in checks]
-    flat = [m for ms in parts for m in ms]
     u = torch.cat([c.u for c in checks if c.u is not None])
-    z = torch.cat([m.z for m in flat if m.z is not None])
-    b = floored(torch.cat([m.b for m in flat if m.b is not None]))
-    wnorm = wsq.index_select(0, lengths_on(tuple(at[m.layer.number] for m in flat), wsq.device)).sqrt_()
+    z = torch.cat([c.z for c in checks if c.z is not None])
+    b = floored(torch.cat([c.b for c in checks if c.b is not None]))
+    wnorm = wsq.index_select(0, lengths_on(tuple(at[c.layer.number] for c in checks), wsq.device)).sqrt_()
     lengths = tuple(c.u.numel() for c in checks if c.u is not None)
-    scale = wnorm * constant_on(tuple(m.coef for m in flat), torch.float32, u.device)
-    each = lengths_on(tuple(m.b.numel() for m in flat if m.b is not None), u.device)
-    bound = b * scale.repeat_interleave(each, output_size=z.numel())
-    if len(flat) > len(checks):  # layers that read one input: their rows summed onto their group's
-        onto = _summed_rows(lengths, tuple(len(ms) for ms in parts), u.device)
-        z = torch.zeros_like(u).index_add_(0, onto, z)
-        bound = torch.zeros_like(u).index_add_(0, onto, bound)
-    return worst_rows(u - z, bound.add_(1e-30), lengths)
-
-
-@functools.lru_cache(maxsize=64)
-def _summed_rows(lengths: tuple[int, ...], members: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """int64: for each row of each check's members (one after another), the check's row it sums onto; made once
-    per layout."""
-    at = [0, *itertools.accumulate(lengths)]
-    return torch.cat([torch.arange(at[k], at[k] + n).repeat(m) for k, (n, m) in enumerate(zip(lengths, members, strict=True))]
-                     ).to(device)
+    lens = lengths_on(lengths, u.device)
+    scale = wnorm * constant_on(tuple(c.coef for c in checks), torch.float32, u.device)
+    bound = b * scale.repeat_interleave(lens, output_size=u.numel()) + 1e-30
+    return worst_rows(u - z, bound, lengths)
 
 
 @dataclasses.dataclass(frozen=True)

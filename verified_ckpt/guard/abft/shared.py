@@ -10,13 +10,6 @@ later members' per-step values are prepared then), and each member's forward tak
 input is that same tensor, alive and unwritten; any other input is read on its own, as without a group. The
 read's results are kept until every member has taken its rows or the step ends; never the input itself.
 
-The input's gradient is read once too: the group's first member to come takes a view of its input (its
-input-gradient tap, ``checks.py``) and each later member given that same input takes the same view instead of one
-of its own, so that autograd sums the members' shares of the input's gradient there and one hook projects the sum:
-``(Σ_j dX_j) s`` against ``Σ_j dY_j (W_j s)`` within the sum of their bounds (every layer of one input width has
-one ``s``, ``checks.GradientChecks._cover``). A wrong share moves the sum as much as it moved its own; the check
-names the group.
-
 Only where the weights stay put through a step (``GradientChecks.group_weights``): a sharded forward's weight
 exists only in that forward (FSDP2's all-gathered one), so a later member's values cannot be taken early.
 """
@@ -29,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .layers import InputCheck, Layer
+from .layers import Layer
 from .rowstats import MAX_VECTORS, row_stats
 
 __all__ = ["SharedInputs"]
@@ -60,10 +53,6 @@ class SharedInputs:
         self._where: dict[tuple[Key, int], int] = {}  # (key, id of the input object) -> its place in ``_seen``
         # This step's read: its key, its input object (weakly), each member's rows, the norms
         self._read: tuple[Key, weakref.ref[torch.Tensor], dict[int, torch.Tensor], torch.Tensor] | None = None
-        # This step's tap of a group's input: its key, its input object (weakly), the view, the first member's check.
-        # The view is held: once its layer's call returns no Python object holds it (autograd keeps its data, not the
-        # object), and the later members must be given that object. Let go when every member has taken it.
-        self._tap: tuple[Key, weakref.ref[torch.Tensor], torch.Tensor, InputCheck] | None = None
 
     def _note(self, layer: Layer, x: torch.Tensor) -> None:
         """The first step: ``layer``'s forward read ``x`` (a new input where the object noted under its key has
@@ -92,34 +81,7 @@ class SharedInputs:
             if 1 < len(members) == len(set(members)) and 2 * len(members) <= MAX_VECTORS \
                     and all(seen_with[m] == sets for m in members):
                 self.groups[number] = tuple(layer_of[m] for m in members)
-                layer_of[number].input_group = tuple(layer_of[m].name for m in members)
         self._seen, self._where = [], {}
-
-    def tapped(self, check: InputCheck, x: torch.Tensor, view: torch.Tensor, step: int) -> None:
-        """``check``'s layer took ``view`` of its input ``x`` at step ``step`` (a step after the first): its group's
-        later members given ``x`` take it too (:meth:`join`)."""
-        if self._seen:
-            self._end_probe()
-        if check.layer.number in self.groups:
-            self._tap = (key_of(x, step), weakref.ref(root(x)), view, check)
-
-    def join(self, check: InputCheck, x: torch.Tensor, step: int) -> torch.Tensor | None:
-        """The view of ``x`` a member of ``check``'s layer's group took at this step (``check`` now joined to its
-        check), where ``x`` is that same input, alive and unwritten, and both layers project on one ``s``; else
-        ``None`` (the layer takes a view of its own)."""
-        if self._seen:
-            self._end_probe()
-        tap, layer = self._tap, check.layer
-        group = self.groups.get(layer.number)
-        if tap is None or group is None or tap[0] != key_of(x, step) or tap[1]() is not root(x):
-            return None
-        view, first = tap[2], tap[3]
-        if first.layer is layer or all(m is not first.layer for m in group) or first.layer.s is not layer.s:
-            return None
-        first.joined.append(check)
-        if len(first.joined) + 1 >= len(group):
-            self._tap = None  # every member has it
-        return view
 
     def rows(self, layer: Layer, x: torch.Tensor, vecs: torch.Tensor, step: int, probing: bool,
              vectors: Callable[[Layer], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,11 +34,7 @@ def code_name(index: int, n: int, layers: Sequence[Layer], covered: Sequence[Cov
         forward, number = code >= len(layers), code % max(len(layers), 1)
         layer = next((x for x in layers if x.number == number), None)
         what = "the forward output of" if forward else "the input gradient computed by"
-        if layer is None:
-            return f"check {index}"
-        others = [n for n in layer.input_group if n != layer.name] if not forward else []
-        with_ = f" (with {', '.join(others)}, which read its input: their input gradients are checked summed)" if others else ""
-        return f"{what} {layer.name or 'the model'}{with_}"
+        return f"{what} {layer.name or 'the model'}" if layer else f"check {index}"
     name = next((c.name for c in covered if c.index == index), f"parameter {index}")
     return f"the gradient of {name}"
 

@@ -69,6 +69,19 @@ def test_clean_configurations_pass_abft_with_tied_weights(case):
     assert cov.param_fraction > 0.95 and low < cov.flop_fraction < 1.0 and cov.linear_flop_fraction == 1.0
 
 
+def test_under_autocast_each_layers_input_gradient_is_read_in_the_gemms_dtype(monkeypatch):
+    """A float32 input is cast by the layer's pre-hook, as autocast would cast it: the tap then sees the GEMM's own
+    bf16 input gradient (half the bytes of the float32 cast of it that reaches the input), and the checks pass."""
+    from verified_ckpt.guard.abft import checks, rowstats
+
+    seen: list[torch.dtype] = []
+    monkeypatch.setattr(checks, "project", lambda a, v: seen.append(a.dtype) or rowstats.project(a, v))
+    torch.manual_seed(0)
+    guard, incident = run(TinyGPT(), bf16_loss, 4, mode="tolerance")
+    assert incident is None and guard.checks["abft"].passed == 4
+    assert seen and set(seen) == {torch.bfloat16}, seen
+
+
 @pytest.mark.parametrize("spec", ["grad:0:5:elem=10@100", "grad:0:5:bitflip=22@2000", "grad:0:5:bitflip=30@5000"])
 def test_a_wrong_gradient_is_caught_at_its_step_naming_the_layer(spec):
     torch.manual_seed(0)

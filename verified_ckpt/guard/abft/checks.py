@@ -127,7 +127,8 @@ class GradientChecks:
         self.linear_flop_fraction: float | None = None
         self._flops: dict[str, int] = collections.Counter()
         self._tag = 0
-        self._open: dict[int, InputCheck] = {}  # by id of the module: a forward between its two hooks
+        # By id of the module, a forward between its two hooks: its input-gradient check and its input as given
+        self._open: dict[int, tuple[InputCheck, torch.Tensor]] = {}
         self._inputs: list[InputCheck] = []  # this step's input-gradient checks, filled
         self._forwards = Forwards(slack)  # this step's forward-output checks
         self._measured: list[Measured] = []  # this step's gradients, measured where whole (``measured.py``)
@@ -291,7 +292,12 @@ class GradientChecks:
             self.weights.prepare(layer, self._tag)
         if not x.requires_grad:  # a first layer's input (the data): no input gradient, but its forward is checked
             return None
-        check = self._open[id(mod)] = InputCheck(layer)
+        check = InputCheck(layer)
+        self._open[id(mod)] = (check, x)
+        if torch.is_autocast_enabled(x.device.type) and x.dtype == torch.float32:
+            # Cast here as autocast would (the same values and backward): the tap then sees the GEMM's own input
+            # gradient in the GEMM's dtype, where after autocast's cast it is read as float32 (twice the bytes)
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         # The layer takes a view of its input of its own: the view's gradient is this layer's share of the input's
         # (the input may feed other layers too; their shares reach it through their own views or uses). A view and
         # a tensor hook are autograd's own C++ nodes: an autograd.Function there cost 2.5x their time per layer.
@@ -300,9 +306,8 @@ class GradientChecks:
         return (tapped, *args[1:])
 
     def _linear_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
-        check = self._open.pop(id(mod), None)
+        check, x = self._open.pop(id(mod), (None, args[0] if args else None))  # the input as given, not its tap
         layer = self.layers.get(id(mod))
-        x = args[0] if args else None
         if layer is None or not self._active(out) or not isinstance(x, torch.Tensor):
             return
         autocast = torch.is_autocast_enabled(x.device.type)

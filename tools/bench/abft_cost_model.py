@@ -21,7 +21,8 @@ one op that reads its tensor once in its own dtype and writes its projections an
 path takes a product and a norm (two reads, and a float32 copy of a bf16 tensor); and each weight's column norms as
 the GPU takes them (``weights.column_squares``: one read of ``W``, where the CPU writes ``W²`` and reads it again).
 ``--bf16`` runs the steps under
-bf16 autocast, as a GPU run would train.
+bf16 autocast, as a GPU run would train. The one-process guard copies the gradients into one buffer, which under
+DDP is the reducer's bucket, filled in a plain step too: that copy is counted in both steps (``as_ddp``).
 
     .venv/bin/python tools/bench/abft_cost_model.py --d 1024 --layers 12 --batch 8 --context 64 --vocab 8192
     .venv/bin/python tools/bench/abft_cost_model.py --no-products   # as the H200 run c measured it
@@ -64,6 +65,7 @@ class Counts(TorchDispatchMode):
         super().__init__()
         self.ops = 0
         self.bytes = 0
+        self.bucket = 0  # the gradients' copy into one buffer, which DDP's buckets make in a plain step too (``as_ddp``)
         self.by_op: dict[str, list[int]] = {}  # op -> [count, bytes]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -135,6 +137,29 @@ def one_read(counts: Counts) -> Any:
         yield
 
 
+@contextlib.contextmanager
+def as_ddp(counts: Counts) -> Any:
+    """Inside: the one-process guard's copy of the gradients into one buffer (``GradientTap._flat_of``) taken
+    outside the count and its bytes (a read and a write of every gradient) kept apart in ``counts.bucket``: under
+    DDP the reducer's bucket is that buffer, a copy the plain step makes too (``main`` adds it to both)."""
+    from unittest import mock
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from verified_ckpt.guard.tap import GradientTap
+
+    flat_of = GradientTap._flat_of
+
+    def counted_apart(tap: GradientTap, grads: list[torch.Tensor]) -> torch.Tensor:
+        with _disable_current_modes():
+            flat = flat_of(tap, grads)
+        counts.bucket += 2 * flat.numel() * flat.element_size()
+        return flat
+
+    with mock.patch.object(GradientTap, "_flat_of", counted_apart):
+        yield
+
+
 def _tensors(x: Any) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
@@ -152,11 +177,13 @@ _CPU_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: fl
 
 
 def counted(run: Any, single_read: bool = False) -> tuple[dict[str, float], dict[str, list[int]]]:
-    with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as flops, Counts() as c, one_read(c) if single_read else contextlib.nullcontext():
+    with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as flops, Counts() as c, as_ddp(c), \
+            one_read(c) if single_read else contextlib.nullcontext():
         run()
     attention = sum(n for op, n in flops.get_flop_counts().get("Global", {}).items() if op in _CPU_ATTENTION)
     # attention's share apart: it grows with the context and the width, the GEMMs' with the width squared
-    return {"ops": c.ops, "bytes": c.bytes, "flops": flops.get_total_flops(), "attention_flops": attention}, c.by_op
+    return {"ops": c.ops, "bytes": c.bytes, "flops": flops.get_total_flops(), "attention_flops": attention,
+            "bucket_bytes": c.bucket}, c.by_op
 
 
 def predict(p: dict[str, float], g: dict[str, float], bandwidth: float = 4.8e12, flops: float = 0.4 * 990e12,
@@ -248,6 +275,9 @@ def main() -> None:
     plain_step()
     guarded_step(0)  # the first step probes coverage: count a steady one
     (p, p_ops), (g, g_ops) = counted(plain_step), counted(lambda: guarded_step(1), args.one_read)
+    # As under DDP: the gradients' copy into buckets is the plain step's as much as the guarded one's
+    p = {**p, "bytes": p["bytes"] + g["bucket_bytes"], "bucket_bytes": g["bucket_bytes"]}
+    g = {**g, "bytes": g["bytes"] + g["bucket_bytes"]}
     added_by_op = {k: [n - p_ops.get(k, [0, 0])[0], b - p_ops.get(k, [0, 0])[1]] for k, (n, b) in g_ops.items()}
     top = sorted(added_by_op.items(), key=lambda kv: -kv[1][1])[:12]
     pred = predict(p, g, args.bandwidth, args.flops, args.host_per_op)

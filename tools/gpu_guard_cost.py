@@ -139,10 +139,9 @@ def _kept(part: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 def prediction(device: torch.device, plain: Callable[[], None], guarded: Callable[[], None],
                sum_gb_s: float | None) -> dict[str, Any]:
     """The cost model's overhead for the steps just measured, from one of each counted on this device."""
-    from abft_cost_model import counted, predict
+    from abft_cost_model import counted, predict, under_ddp
 
-    p, _ = counted(plain)
-    g, _ = counted(guarded)
+    p, g = under_ddp(counted(plain)[0], counted(guarded)[0])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     nominal = next((bw for key, bw in NOMINAL_BANDWIDTH.items() if key in name), 4.8e12)
     out = {"plain": p, "guarded": g, "nominal_bandwidth": nominal,

@@ -186,6 +186,13 @@ def counted(run: Any, single_read: bool = False) -> tuple[dict[str, float], dict
             "bucket_bytes": c.bucket}, c.by_op
 
 
+def under_ddp(p: dict[str, float], g: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """The plain and guarded counts as under DDP: the gradients' copy into buckets (``as_ddp``), the guarded step's,
+    is the plain step's as much."""
+    return ({**p, "bytes": p["bytes"] + g["bucket_bytes"], "bucket_bytes": g["bucket_bytes"]},
+            {**g, "bytes": g["bytes"] + g["bucket_bytes"]})
+
+
 def predict(p: dict[str, float], g: dict[str, float], bandwidth: float = 4.8e12, flops: float = 0.4 * 990e12,
             host_per_op: float | None = None) -> dict[str, Any]:
     """The plain step's and the guarded step's predicted times from their :func:`counted` figures, and the overhead
@@ -275,9 +282,7 @@ def main() -> None:
     plain_step()
     guarded_step(0)  # the first step probes coverage: count a steady one
     (p, p_ops), (g, g_ops) = counted(plain_step), counted(lambda: guarded_step(1), args.one_read)
-    # As under DDP: the gradients' copy into buckets is the plain step's as much as the guarded one's
-    p = {**p, "bytes": p["bytes"] + g["bucket_bytes"], "bucket_bytes": g["bucket_bytes"]}
-    g = {**g, "bytes": g["bytes"] + g["bucket_bytes"]}
+    p, g = under_ddp(p, g)
     added_by_op = {k: [n - p_ops.get(k, [0, 0])[0], b - p_ops.get(k, [0, 0])[1]] for k, (n, b) in g_ops.items()}
     top = sorted(added_by_op.items(), key=lambda kv: -kv[1][1])[:12]
     pred = predict(p, g, args.bandwidth, args.flops, args.host_per_op)

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from .sums import scalar_on
+
 __all__ = ["MAX_VECTORS", "NormRows", "norm_stats", "project", "row_norms", "row_stats", "rows_of", "torch_norm_stats",
            "torch_row_stats", "triton_norm_stats", "triton_row_stats"]
 
@@ -134,7 +136,7 @@ def torch_norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | Non
         return y, b, None, None
     if rstd is None:  # the mean square from the rows' norms: one read, where squaring first wrote the rows again
         norm = torch.linalg.vector_norm(x, dim=1)
-        rstd = torch.addcmul(torch.full_like(norm, eps), norm, norm, value=1 / x.shape[1]).rsqrt_()
+        rstd = torch.addcmul(scalar_on(eps, norm.device), norm, norm, value=1 / x.shape[1]).rsqrt_()
     r = rstd.reshape(-1, 1)
     if mean is None:
         # RMSNorm: X̂_n = rstd_n X_n, so the row's product and norm are rstd_n times dY_n ⊙ X_n's (X̂ is never

@@ -44,8 +44,8 @@ import sys
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -172,8 +172,10 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 
 # The CPU's fused attention, which torch's FLOP counter does not know (it counts the CUDA kernels' calls): counted
 # by the same formulas, so that attention's FLOPs, and the product check's second call, weigh in the prediction
-_CPU_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop.__wrapped__,
-                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.sdpa_backward_flop.__wrapped__}
+_CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop.__wrapped__,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.sdpa_backward_flop.__wrapped__,
+}
 
 
 def counted(run: Any, single_read: bool = False) -> tuple[dict[str, float], dict[str, list[int]]]:

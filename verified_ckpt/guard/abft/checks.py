@@ -33,7 +33,7 @@ from .layers import (
 )
 from .measured import Measured, judge
 from .norms import norm_kind
-from .products import ProductChecks
+from .products import ProductChecks, as_autocast
 from .rowstats import project, row_stats
 from .shared import SharedInputs
 from .sums import EPS32, RMS, Covered, matmul_eps, rgs, signed_weights, unit_roundoff
@@ -292,12 +292,10 @@ class GradientChecks:
             self.weights.prepare(layer, self._tag)
         if not x.requires_grad:  # a first layer's input (the data): no input gradient, but its forward is checked
             return None
-        check = InputCheck(layer)
-        self._open[id(mod)] = (check, x)
-        if torch.is_autocast_enabled(x.device.type) and x.dtype == torch.float32:
-            # Cast here as autocast would (the same values and backward): the tap then sees the GEMM's own input
-            # gradient in the GEMM's dtype, where after autocast's cast it is read as float32 (twice the bytes)
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        self._open[id(mod)] = (check := InputCheck(layer), x)
+        # Cast here as autocast would: the tap then sees the GEMM's own input gradient in the GEMM's dtype, where
+        # after autocast's cast it is read as float32 (twice the bytes)
+        x = as_autocast(x)
         # The layer takes a view of its input of its own: the view's gradient is this layer's share of the input's
         # (the input may feed other layers too; their shares reach it through their own views or uses). A view and
         # a tensor hook are autograd's own C++ nodes: an autograd.Function there cost 2.5x their time per layer.

@@ -44,7 +44,7 @@ from ...dtensors import is_dtensor
 from .rowstats import project, row_norms, rows_of
 from .sums import EPS32, RMS, floored, matmul_eps, per_call, signed_weights, unit_roundoff, worst_rows
 
-__all__ = ["ProductChecks"]
+__all__ = ["ProductChecks", "as_autocast"]
 
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _SDPA = F.scaled_dot_product_attention
@@ -198,7 +198,11 @@ class ProductChecks(TorchFunctionMode):
         if not self._checked(q, k, v):
             return func(*args, **kwargs)
         assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
-        args, kwargs = _cast_as_autocast(args, kwargs, q.device.type)
+        # q, k and v cast where autocast would cast them, so that the check's second call takes the cast tensors
+        # too: under autocast it would cast q and k again (a rotary embedding leaves them float32 in Hugging Face's
+        # Llama), 6 bytes moved an element of each
+        args = tuple(as_autocast(a) if i < 3 else a for i, a in enumerate(args))
+        kwargs = {k: as_autocast(v) if k in _SDPA_ARGS[:3] else v for k, v in kwargs.items()}
         given = dict(zip(_SDPA_ARGS, args, strict=False)) | kwargs
         dropout = float(given.get("dropout_p") or 0.0) > 0
         before = _rng_state(q.device) if dropout else None
@@ -270,21 +274,15 @@ def _attention_rows(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, ref: to
         return got - ref.float(), bound, 1.0
 
 
-def _cast_as_autocast(args: Any, kwargs: dict[str, Any], device: str) -> tuple[Any, dict[str, Any]]:
-    """The call's ``query``, ``key`` and ``value`` cast where autocast would cast them (to its dtype, as its own
-    cast does: the same values and the same backward), so that the check's second call takes the cast tensors
-    too: under autocast the second call would cast ``q`` and ``k`` again (a rotary embedding leaves them float32
-    in Hugging Face's Llama), 6 bytes moved an element of each."""
-    if not torch.is_autocast_enabled(device):
-        return args, kwargs
-    low = torch.get_autocast_dtype(device)
-    args, kwargs = list(args), dict(kwargs)
-    for i, name in enumerate(_SDPA_ARGS[:3]):
-        held, at = (args, i) if i < len(args) else (kwargs, name)
-        t = held[at]  # type: ignore[index]
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != low:
-            held[at] = t.to(low)  # type: ignore[index]
-    return tuple(args), kwargs
+def as_autocast(t: Any) -> Any:
+    """``t`` cast as autocast casts the floating inputs of its lower-precision ops (matmuls, linear, attention), to
+    its dtype, where it is on for ``t``'s device (float64 is left as it is); anything else as it is. The same
+    values and the same backward as autocast's own cast: a hook that casts first sees what the op computes with."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == torch.float64 \
+            or not torch.is_autocast_enabled(t.device.type):
+        return t
+    low = torch.get_autocast_dtype(t.device.type)
+    return t if t.dtype == low else t.to(low)
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:

@@ -7,7 +7,9 @@ of each fault class, each its own short job with a seeded owner rank, step (3-6)
 * ``norm``: one element of the owner's gradient of a normalisation layer's weight made 10x at the fault step
   (Llama's ``LlamaRMSNorm``, GPT-2's and BERT's ``LayerNorm``), through a hook on the parameter;
 * ``attention``: one element of one attention product's output made 10x at the fault step on the owner (a
-  ``TorchFunctionMode`` of this tool's own around the forward: the fused ``scaled_dot_product_attention``'s output).
+  ``TorchFunctionMode`` of this tool's own around the forward: the fused ``scaled_dot_product_attention``'s output);
+* ``input``: one element of one Linear-like layer's input gradient (its share of its input's, what its backward
+  GEMM returned) made 10x at the fault step on the owner, through a full backward hook on the layer.
 A trial counts where the fault changed a value (x10 of an exact zero changes nothing). It records whether it was
 caught at its step, by which check, and the ranks named. The faults are this tool's own hooks, never
 ``verified_ckpt.faults``.
@@ -38,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
 
 MODELS = ("llama", "gpt2", "bert")
-CLASSES = ("norm", "attention")
+CLASSES = ("norm", "attention", "input")
 WORLD = 3
 
 
@@ -83,6 +85,10 @@ def norm_weights(model: torch.nn.Module) -> list[str]:
     return [f"{n}.weight" for n, m in model.named_modules() if "Norm" in type(m).__name__ and hasattr(m, "weight")]
 
 
+def linears(model: torch.nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")]
+
+
 def job(rank: int, kind: str, steps: int, bf16: bool, fault: dict[str, Any] | None) -> dict[str, Any]:
     """One job of ``steps`` steps (the fault, if any, on its owner at its step); what it ended with."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -113,6 +119,20 @@ def job(rank: int, kind: str, steps: int, bf16: bool, fault: dict[str, Any] | No
             return g
 
         p.register_hook(hit)
+    if mine and fault["class"] == "input":
+        names = linears(model)
+        layer = dict(model.named_modules())[names[fault["which"] % len(names)]]
+
+        def wrong_share(_m: torch.nn.Module, grad_in: tuple[Any, ...], _grad_out: Any) -> tuple[Any, ...]:
+            if guard.current_step != fault["step"] or grad_in[0] is None:
+                return grad_in
+            g = grad_in[0].clone()
+            k = fault["element"] % g.numel()
+            changed[0] = bool(g.view(-1)[k] != 0)
+            g.view(-1)[k] *= 10
+            return (g, *grad_in[1:])
+
+        layer.register_full_backward_hook(wrong_share)
     for step in range(1, steps + 1):
         batch = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1000 * step + rank))
         try:

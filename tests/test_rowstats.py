@@ -169,12 +169,42 @@ def interpreted_norms() -> dict[str, object]:
             "others": moved[torch.arange(37) != row].max().item(), "taken": taken}
 
 
+def interpreted_weights() -> dict[str, object]:
+    """The weights' kernel (``triton_weight_stats``: ``W s``, ``Wᵀ r`` and the columns' squares in one read) against
+    float64 over every case's layout (NaN beyond the weight's edges: a read past them would show), and one fault."""
+    from verified_ckpt.guard.abft.rowstats import triton_weight_stats
+
+    errors = []
+    for n, d, c, dtype, layout in cases():
+        w, vecs = inputs(n, d, 1, dtype, layout)
+        s, r = vecs[0], torch.randn(n, generator=torch.Generator().manual_seed(n))
+        ws, wr = torch.empty(n), torch.empty(d)
+        squares = triton_weight_stats(w, s, r, ws, wr)
+        w64 = w.double()
+        k = 2 * (max(n, d) + 2) * EPS32  # a float32 sum's rounding, a few roundings more
+        pairs = [(ws, w64 @ s.double(), (w64.abs() @ s.double().abs()) * k),
+                 (wr, w64.T @ r.double(), (w64.abs().T @ r.double().abs()) * k),
+                 (squares, (w64 * w64).sum(0), (w64 * w64).sum(0) * k)]
+        errors.append([[n, d, dtype, layout], *[((a.double() - b).abs() / (bound + 1e-30)).max().item()
+                                                  for a, b, bound in pairs]])
+    # One x10 element: W s moves in its row only, Wᵀ r and the squares in its column only
+    w, vecs = inputs(37, 200, 1, "float32", "contiguous", seed=5)
+    s, r = vecs[0], torch.ones(37)
+    before = [torch.empty(37), torch.empty(200)]
+    sq0 = triton_weight_stats(w, s, r, *before)
+    w[7, 50] *= 10
+    after = [torch.empty(37), torch.empty(200)]
+    sq1 = triton_weight_stats(w, s, r, *after)
+    moved = [(a - b).abs() > 0 for a, b in ((after[0], before[0]), (after[1], before[1]), (sq1, sq0))]
+    return {"errors": errors, "moved": [m.nonzero().flatten().tolist() for m in moved]}
+
+
 @pytest.fixture(scope="module")
 def kernel() -> dict:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     child = ("import json, test_rowstats; print(json.dumps({**test_rowstats.interpreted(), "
-             "'norms': test_rowstats.interpreted_norms()}))")
+             "'norms': test_rowstats.interpreted_norms(), 'weights': test_rowstats.interpreted_weights()}))")
     proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=50, env=env,
                           cwd=os.path.dirname(__file__), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -223,6 +253,16 @@ def test_an_rmsnorms_rstd_is_taken_in_the_same_read_of_its_rows_as_the_forward_t
         assert max(errors) <= 1, (case, errors)
     with pytest.raises(ValueError, match="only an RMSNorm's"):
         norm_stats(*norm_inputs(8, 16, "float32", "contiguous", True)[:2], torch.zeros(8), None, None, None)
+
+
+def test_the_weights_kernel_takes_w_s_wt_r_and_the_column_squares_in_one_read_within_rounding(kernel):
+    """``weights.prepare_one``'s values on CUDA, one read of ``W`` in its own dtype (ragged, strided and transposed
+    layouts, bf16 and fp16 among them), each within a float32 sum's rounding of float64; a x10 element moves its
+    row's ``W s`` and its column's ``Wᵀ r`` and squares, nothing else."""
+    assert kernel["weights"]["errors"]
+    for case, *errors in kernel["weights"]["errors"]:
+        assert max(errors) <= 1, (case, errors)
+    assert kernel["weights"]["moved"] == [[7], [50], [50]]
 
 
 def test_the_norm_kernel_sees_a_single_gradient_element_times_ten_in_its_row_only(kernel):

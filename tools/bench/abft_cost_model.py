@@ -18,8 +18,9 @@ host 2.78 times a training op, from the guarded step there), ``B`` to 4.8 TB/s a
 ``--one-read`` counts each ``row_stats``, ``project``, ``row_norms`` and ``norm_stats`` call as what the Triton kernels do on CUDA
 (``guard/abft/rowstats.py``):
 one op that reads its tensor once in its own dtype and writes its projections and norms, where this CPU's torch
-path takes a product and a norm (two reads, and a float32 copy of a bf16 tensor); and each weight's column norms as
-the GPU takes them (``weights.column_squares``: one read of ``W``, where the CPU writes ``W²`` and reads it again).
+path takes a product and a norm (two reads, and a float32 copy of a bf16 tensor); and a weight's per-step values
+as the GPU takes them (``rowstats.triton_weight_stats``: ``W s``, ``Wᵀ r`` and the column norms in one read of
+``W``, where the CPU takes three float32 passes and writes ``W²``).
 ``--bf16`` runs the steps under
 bf16 autocast, as a GPU run would train. The one-process guard copies the gradients into one buffer, which under
 DDP is the reducer's bucket, filled in a plain step too: that copy is counted in both steps (``as_ddp``).
@@ -123,13 +124,20 @@ def one_read(counts: Counts) -> Any:
     def normed(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return kernel(a, v)[1]  # the same kernel, its projection dropped (``rowstats.row_norms``)
 
-    def columns(wo: torch.Tensor) -> torch.Tensor:  # the GPU's choice (``weights.column_squares``): one read of W
-        norms_of: torch.Tensor = torch.linalg.vector_norm(wo, dim=0)
-        return norms_of.square_()
+    def weight_kernel(wo: torch.Tensor, s: torch.Tensor, r: torch.Tensor, ws: torch.Tensor,
+                      wr: torch.Tensor) -> torch.Tensor:  # ``rowstats.triton_weight_stats``: one read of W
+        with _disable_current_modes():
+            w32 = wo.float()
+            torch.mv(w32, s, out=ws)
+            torch.mv(w32.T, r, out=wr)
+            squares = w32.square().sum(0)
+        counted_as("weight_stats (one read)", wo, s, r, ws, wr, squares)
+        return squares
 
     # Each name where the module that calls it looks it up
     patches: list[tuple[Any, str, Any]] = [(m, "row_stats", kernel) for m in (checks, forward, norms, shared)]
-    patches += [(checks, "project", projected), (norms, "norm_stats", norm_kernel), (weights, "column_squares", columns),
+    patches += [(checks, "project", projected), (norms, "norm_stats", norm_kernel),
+                (weights, "weight_kernel_for", lambda wo: True), (weights, "triton_weight_stats", weight_kernel),
                 (products, "project", projected), (products, "row_norms", normed)]
     with contextlib.ExitStack() as stack:
         for module, name, fn in patches:

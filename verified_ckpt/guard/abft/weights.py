@@ -26,6 +26,7 @@ import torch
 
 from ...dtensors import is_dtensor, local
 from .layers import Layer
+from .rowstats import triton_weight_stats, weight_kernel_for
 from .sums import lengths_on
 
 __all__ = ["LayerRows", "Weights", "column_squares", "prepare_one"]
@@ -53,16 +54,25 @@ def own_rows(layer: Layer) -> LayerRows:
 
 def prepare_one(layer: Layer, rows: LayerRows, w: torch.Tensor, bias: torch.Tensor | None,
                 forward: bool) -> torch.Tensor:
-    """One layer's per-step values from the weight (and bias) its forward uses, float32, as the module stores it;
-    returns its columns' squared norms (``Weights.squares``)."""
+    """One layer's per-step values from the weight (and bias) its forward uses, as the module stores it; returns its
+    columns' squared norms (``Weights.squares``). On CUDA one kernel reads ``W`` once for all of them
+    (``rowstats.triton_weight_stats``); elsewhere three float32 passes."""
     assert layer.s is not None and layer.r is not None
     with torch.no_grad():
         wo = w.T if layer.kind == "Conv1D" else w  # (out, in)
-        layer.ws = torch.mv(wo, layer.s, out=rows.dy[0])
+        if weight_kernel_for(wo):  # one read of W, in its own dtype, for all three
+            squares = triton_weight_stats(wo, layer.s, layer.r, rows.dy[0], rows.x[1])
+        else:
+            wo = wo.float()
+            torch.mv(wo, layer.s, out=rows.dy[0])
+            if forward:
+                torch.mv(wo.T, layer.r, out=rows.x[1])
+            squares = column_squares(wo)
+        layer.ws = rows.dy[0]
         if forward:
-            layer.wr = torch.mv(wo.T, layer.r, out=rows.x[1])
+            layer.wr = rows.x[1]
             layer.br = None if bias is None else torch.dot(local(bias).detach().float(), layer.r)
-        return column_squares(wo)
+        return squares
 
 
 def column_squares(wo: torch.Tensor) -> torch.Tensor:
@@ -161,7 +171,7 @@ class Weights:
                     la.tag = tag
                 self._tag = tag
             return
-        w = (layer.weight if layer.live is None else layer.live).detach().float()
+        w = (layer.weight if layer.live is None else layer.live).detach()  # float32 where no kernel reads it as it is
         bias = layer.bias if layer.live_bias is None else layer.live_bias
         self._cols.append((prepare_one(layer, self.rows(layer), w, bias, self.forward), [layer]))
         layer.tag = tag

@@ -202,7 +202,7 @@ class ProductChecks(TorchFunctionMode):
         # too: under autocast it would cast q and k again (a rotary embedding leaves them float32 in Hugging Face's
         # Llama), 6 bytes moved an element of each
         args = tuple(as_autocast(a) if i < 3 else a for i, a in enumerate(args))
-        kwargs = {k: as_autocast(v) if k in _SDPA_ARGS[:3] else v for k, v in kwargs.items()}
+        kwargs = {name: as_autocast(t) if name in _SDPA_ARGS[:3] else t for name, t in kwargs.items()}
         given = dict(zip(_SDPA_ARGS, args, strict=False)) | kwargs
         dropout = float(given.get("dropout_p") or 0.0) > 0
         before = _rng_state(q.device) if dropout else None

@@ -60,17 +60,18 @@ def prepare_one(layer: Layer, rows: LayerRows, w: torch.Tensor, bias: torch.Tens
     assert layer.s is not None and layer.r is not None
     with torch.no_grad():
         wo = w.T if layer.kind == "Conv1D" else w  # (out, in)
+        ws, wr = rows.dy[0], rows.x[1]  # views into the rows' buffers, taken once (each is a dispatch)
         if weight_kernel_for(wo):  # one read of W, in its own dtype, for all three
-            squares = triton_weight_stats(wo, layer.s, layer.r, rows.dy[0], rows.x[1])
+            squares = triton_weight_stats(wo, layer.s, layer.r, ws, wr)
         else:
             wo = wo.float()
-            torch.mv(wo, layer.s, out=rows.dy[0])
+            torch.mv(wo, layer.s, out=ws)
             if forward:
-                torch.mv(wo.T, layer.r, out=rows.x[1])
+                torch.mv(wo.T, layer.r, out=wr)
             squares = column_squares(wo)
-        layer.ws = rows.dy[0]
+        layer.ws = ws
         if forward:
-            layer.wr = rows.x[1]
+            layer.wr = wr
             layer.br = None if bias is None else torch.dot(local(bias).detach().float(), layer.r)
         return squares
 

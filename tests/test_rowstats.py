@@ -265,6 +265,24 @@ def test_the_weights_kernel_takes_w_s_wt_r_and_the_column_squares_in_one_read_wi
     assert kernel["weights"]["moved"] == [[7], [50], [50]]
 
 
+def test_the_weights_torch_path_is_what_the_kernel_replaces_and_a_strided_ws_is_refused():
+    """``weight_stats`` off CUDA: ``W s``, ``Wᵀ r`` (or none) and the column squares of a bf16 weight as float32
+    passes; the kernel refuses an output it cannot write row by row before it runs."""
+    from verified_ckpt.guard.abft.rowstats import torch_weight_stats, triton_weight_stats, weight_stats
+
+    w, vecs = inputs(37, 200, 1, "bfloat16", "column-strided")
+    s, r = vecs[0], torch.randn(37)
+    ws, wr = torch.empty(37), torch.full((200,), -1.0)
+    squares = weight_stats(w, s, r, ws, None)
+    w32 = w.float()
+    assert torch.equal(ws, torch.mv(w32, s)) and torch.equal(squares, w32.square().sum(0))
+    assert (wr == -1).all()  # not wanted: not written
+    torch_weight_stats(w, s, r, ws, wr)
+    assert torch.equal(wr, torch.mv(w32.T, r))
+    with pytest.raises(ValueError, match="ws must be contiguous"):
+        triton_weight_stats(w, s, r, torch.empty(74)[::2], wr)
+
+
 def test_the_norm_kernel_sees_a_single_gradient_element_times_ten_in_its_row_only(kernel):
     assert kernel["norms"]["fault"] > 1, kernel["norms"]
     assert kernel["norms"]["others"] == 0

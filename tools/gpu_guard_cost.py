@@ -181,16 +181,17 @@ def _weights_timed(device: torch.device, d: int) -> dict[str, Any]:
     (``rowstats.triton_weight_stats``, CUDA only) against the torch path's three float32 passes, in GB/s of the
     weight's bytes, and the kernel's largest relative difference from the torch path."""
     try:
-        from verified_ckpt.guard.abft.rowstats import triton_weight_stats, weight_kernel_for
+        from verified_ckpt.guard.abft.rowstats import torch_weight_stats, triton_weight_stats, weight_kernel_for
     except ImportError:
         return {"skipped": "no triton_weight_stats on this head"}
     g = torch.Generator(device=device).manual_seed(1)
     w = torch.randn(4 * d, d, device=device, generator=g).to(torch.bfloat16)
     s, r = torch.randn(d, device=device, generator=g), torch.randn(4 * d, device=device, generator=g)
 
-    def torch_path() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        w32 = w.float()
-        return torch.mv(w32, s), torch.mv(w32.T, r), w32.square().sum(0)
+    want_ws, want_wr = torch.empty(4 * d, device=device), torch.empty(d, device=device)
+
+    def torch_path() -> torch.Tensor:
+        return torch_weight_stats(w, s, r, want_ws, want_wr)
 
     out: dict[str, Any] = {"shape": list(w.shape), "bytes": w.nbytes,
                            "torch_gb_s": w.nbytes / _loop_time(torch_path, device) / 1e9}
@@ -201,9 +202,8 @@ def _weights_timed(device: torch.device, d: int) -> dict[str, Any]:
         squares = triton_weight_stats(w, s, r, ws, wr)
     except Exception as e:  # a kernel that does not compile here: say so, keep the rest
         return out | {"error": f"triton_weight_stats failed: {str(e)[:200]}"}
-    want = torch_path()
     diff = max(float(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
-               for a, b in zip((ws, wr, squares), want, strict=True))
+               for a, b in zip((ws, wr, squares), (want_ws, want_wr, torch_path()), strict=True))
     kernel_s = _loop_time(lambda: triton_weight_stats(w, s, r, ws, wr), device)
     return out | {"weight_stats_gb_s": w.nbytes / kernel_s / 1e9, "max_rel_diff_vs_torch": diff}
 

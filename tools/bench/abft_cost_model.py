@@ -125,19 +125,16 @@ def one_read(counts: Counts) -> Any:
         return kernel(a, v)[1]  # the same kernel, its projection dropped (``rowstats.row_norms``)
 
     def weight_kernel(wo: torch.Tensor, s: torch.Tensor, r: torch.Tensor, ws: torch.Tensor,
-                      wr: torch.Tensor) -> torch.Tensor:  # ``rowstats.triton_weight_stats``: one read of W
+                      wr: torch.Tensor | None) -> torch.Tensor:  # ``rowstats.triton_weight_stats``: one read of W
         with _disable_current_modes():
-            w32 = wo.float()
-            torch.mv(w32, s, out=ws)
-            torch.mv(w32.T, r, out=wr)
-            squares = w32.square().sum(0)
+            squares = rowstats.torch_weight_stats(wo, s, r, ws, wr)
         counted_as("weight_stats (one read)", wo, s, r, ws, wr, squares)
         return squares
 
     # Each name where the module that calls it looks it up
     patches: list[tuple[Any, str, Any]] = [(m, "row_stats", kernel) for m in (checks, forward, norms, shared)]
     patches += [(checks, "project", projected), (norms, "norm_stats", norm_kernel),
-                (weights, "weight_kernel_for", lambda wo: True), (weights, "triton_weight_stats", weight_kernel),
+                (weights, "weight_stats", weight_kernel),
                 (products, "project", projected), (products, "row_norms", normed)]
     with contextlib.ExitStack() as stack:
         for module, name, fn in patches:

@@ -185,8 +185,6 @@ def norm_rows(mod: torch.nn.Module, spec: NormSpec, x: torch.Tensor, out: torch.
                 mean = rows.mean(dim=1, keepdim=True)
                 rstd = torch.rsqrt((rows - mean).square().mean(dim=1, keepdim=True) + eps)
             else:  # an RMSNorm: its mean square is taken in the backward, from the read of the rows it makes anyway
-                mean, rstd = None, None
-            if rstd is None:
                 return Normalised(rows, None, None, False, _rounding(x), eps)
         else:
             if xf.dim() < 2:

@@ -46,7 +46,8 @@ import torch
 from .sums import scalar_on
 
 __all__ = ["MAX_VECTORS", "NormRows", "norm_stats", "project", "row_norms", "row_stats", "rows_of", "torch_norm_stats",
-           "torch_row_stats", "triton_norm_stats", "triton_row_stats", "triton_weight_stats", "weight_kernel_for"]
+           "torch_row_stats", "torch_weight_stats", "triton_norm_stats", "triton_row_stats", "triton_weight_stats",
+           "weight_kernel_for", "weight_stats"]
 
 # The most projections one read returns (the kernel keeps one float32 column per vector): a layer's two, or
 # those of up to four layers that read one input (``shared.py``: attention's q, k and v)
@@ -201,18 +202,53 @@ def triton_row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor,
     return proj, norms
 
 
+def weight_stats(wo: torch.Tensor, s: torch.Tensor, r: torch.Tensor, ws: torch.Tensor,
+                 wr: torch.Tensor | None) -> torch.Tensor:
+    """A weight's per-step values (``weights.prepare_one``) from ``wo`` (``[out, in]``, as its forward uses it):
+    ``W s`` into ``ws``, ``Wᵀ r`` into ``wr`` (``None``: not wanted), float32; returns its columns' squared norms
+    (float32 ``[in]``). On CUDA one kernel's read of ``W`` in its own dtype (:func:`triton_weight_stats`),
+    elsewhere three float32 passes (:func:`torch_weight_stats`)."""
+    if weight_kernel_for(wo):
+        return triton_weight_stats(wo, s, r, ws, wr)
+    return torch_weight_stats(wo, s, r, ws, wr)
+
+
+def torch_weight_stats(wo: torch.Tensor, s: torch.Tensor, r: torch.Tensor, ws: torch.Tensor,
+                       wr: torch.Tensor | None) -> torch.Tensor:
+    """:func:`weight_stats` in torch ops: a float32 copy of a low-precision ``wo``, then ``W s``, ``Wᵀ r`` and the
+    column squares (:func:`column_squares`), a pass each."""
+    w32 = wo.float()
+    torch.mv(w32, s, out=ws)
+    if wr is not None:
+        torch.mv(w32.T, r, out=wr)
+    return column_squares(w32)
+
+
+def column_squares(wo: torch.Tensor) -> torch.Tensor:
+    """``float32[in]``: the squared norms of ``wo``'s columns. On a GPU the column norms in one read of ``W``; on a
+    CPU ``W²`` summed over rows, which writes ``W²`` and reads it again, because a CPU's norm over dimension 0 is
+    a strided kernel, 4x to 40x slower."""
+    if wo.is_cuda:
+        norms: torch.Tensor = torch.linalg.vector_norm(wo, dim=0)
+        return norms.square_()
+    return wo.square().sum(0)
+
+
 def weight_kernel_for(w: torch.Tensor) -> bool:
     """Whether :func:`triton_weight_stats` takes ``w``'s per-step values: a plain CUDA matrix, where Triton imports."""
     return w.is_cuda and w.dim() == 2 and type(w) in (torch.Tensor, torch.nn.Parameter) and _triton() is not None
 
 
 def triton_weight_stats(wo: torch.Tensor, s: torch.Tensor, r: torch.Tensor, ws: torch.Tensor,
-                        wr: torch.Tensor) -> torch.Tensor:
-    """A weight's per-step values (``weights.prepare_one``) in one read of ``wo`` (``[out, in]``, any layout and float
-    dtype, upcast in registers): ``W s`` into ``ws``, ``Wᵀ r`` into ``wr`` (float32 ``[out]`` and ``[in]``); returns
-    its columns' squared norms (float32 ``[in]``). Each program takes a block of rows whole: its ``W s`` rows are
-    finished there, its shares of ``Wᵀ r`` and of the squares are summed over the programs after (deterministic, no
-    atomics: a fixed order), a few percent of ``W``'s bytes. Where the torch path takes three reads of ``W``."""
+                        wr: torch.Tensor | None) -> torch.Tensor:
+    """:func:`weight_stats` by one Triton kernel (on CUDA; on CPU tensors too under ``TRITON_INTERPRET=1``), in one
+    read of ``wo`` (any layout and float dtype, upcast in registers; ``ws`` contiguous: the kernel writes it row by
+    row; ``Wᵀ r`` is taken in the same read, wanted or not). Each program takes a block of rows whole: its ``W s``
+    rows are finished there, its shares of ``Wᵀ r`` and of the squares are summed over the programs after
+    (deterministic, no atomics: a fixed order), a few percent of ``W``'s bytes. Where the torch path takes three
+    reads of ``W``."""
+    if ws.stride(0) != 1:
+        raise ValueError(f"triton_weight_stats writes W s row by row: ws must be contiguous, got strides {ws.stride()}")
     n, d = wo.shape
     programs = -(-n // _W_BLOCK_N)
     part = torch.empty((programs, 2, d), dtype=torch.float32, device=wo.device)
@@ -222,7 +258,8 @@ def triton_weight_stats(wo: torch.Tensor, s: torch.Tensor, r: torch.Tensor, ws: 
                                           wo.stride(0), wo.stride(1), BLOCK_N=_W_BLOCK_N,
                                           BLOCK_D=min(_BLOCK_D, _pow2(d)))
     sums = part.sum(0)
-    wr.copy_(sums[0])
+    if wr is not None:
+        wr.copy_(sums[0])
     return sums[1]
 
 

@@ -26,10 +26,10 @@ import torch
 
 from ...dtensors import is_dtensor, local
 from .layers import Layer
-from .rowstats import triton_weight_stats, weight_kernel_for
+from .rowstats import weight_stats
 from .sums import lengths_on
 
-__all__ = ["LayerRows", "Weights", "column_squares", "prepare_one"]
+__all__ = ["LayerRows", "Weights", "prepare_one"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,35 +55,17 @@ def own_rows(layer: Layer) -> LayerRows:
 def prepare_one(layer: Layer, rows: LayerRows, w: torch.Tensor, bias: torch.Tensor | None,
                 forward: bool) -> torch.Tensor:
     """One layer's per-step values from the weight (and bias) its forward uses, as the module stores it; returns its
-    columns' squared norms (``Weights.squares``). On CUDA one kernel reads ``W`` once for all of them
-    (``rowstats.triton_weight_stats``); elsewhere three float32 passes."""
+    columns' squared norms (``Weights.squares``): ``rowstats.weight_stats``, one read of ``W`` on CUDA."""
     assert layer.s is not None and layer.r is not None
     with torch.no_grad():
         wo = w.T if layer.kind == "Conv1D" else w  # (out, in)
         ws, wr = rows.dy[0], rows.x[1]  # views into the rows' buffers, taken once (each is a dispatch)
-        if weight_kernel_for(wo):  # one read of W, in its own dtype, for all three
-            squares = triton_weight_stats(wo, layer.s, layer.r, ws, wr)
-        else:
-            wo = wo.float()
-            torch.mv(wo, layer.s, out=ws)
-            if forward:
-                torch.mv(wo.T, layer.r, out=wr)
-            squares = column_squares(wo)
+        squares = weight_stats(wo, layer.s, layer.r, ws, wr if forward else None)
         layer.ws = ws
         if forward:
             layer.wr = wr
             layer.br = None if bias is None else torch.dot(local(bias).detach().float(), layer.r)
         return squares
-
-
-def column_squares(wo: torch.Tensor) -> torch.Tensor:
-    """``float32[in]``: the squared norms of ``wo``'s columns. On a GPU the column norms in one read of ``W``; on a
-    CPU ``W²`` summed over rows, which writes ``W²`` and reads it again, because a CPU's norm over dimension 0 is
-    a strided kernel, 4x to 40x slower."""
-    if wo.is_cuda:
-        norms: torch.Tensor = torch.linalg.vector_norm(wo, dim=0)
-        return norms.square_()
-    return wo.square().sum(0)
 
 
 class _Group:

@@ -87,3 +87,13 @@ def test_the_checks_read_no_device_value_into_python_before_the_step_gather(one_
     # On a GPU each such read waits for the device. The step's one copy to the host is the gathered row, read
     # as a whole; the optimizer's own reads (AdamW's step counts) are in both counts.
     assert checked.syncs == base.syncs, (checked.syncs, base.syncs)
+
+
+def test_the_counter_reads_a_tensor_passed_twice_once_and_two_views_of_one_storage_as_two():
+    """``count_checks``'s bytes read: ``dot(x, x)`` reads ``x`` once (counted twice before), while two distinct
+    views of one buffer are distinct bytes."""
+    x, buf = torch.randn(1000), torch.randn(2000)
+    with Counted() as c:
+        torch.dot(x, x)
+        torch.dot(buf[:1000], buf[1000:])
+    assert c.op_bytes["dot"] == x.nbytes + buf.nbytes

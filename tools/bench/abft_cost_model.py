@@ -86,36 +86,38 @@ class Counts(TorchDispatchMode):
             row[1] += moved
         return out
 
+    def record(self, label: str, read: Any, written: Any) -> None:
+        """One op that :func:`one_read` stands in for: the bytes of what it reads and writes."""
+        moved = sum(t.numel() * t.element_size() for t in (*read, *written) if isinstance(t, torch.Tensor))
+        self.ops += 1
+        self.bytes += moved
+        row = self.by_op.setdefault(label, [0, 0])
+        row[0] += 1
+        row[1] += moved
+
 
 @contextlib.contextmanager
-def one_read(counts: Counts) -> Any:
+def one_read(record: Any) -> Any:
     """Inside: each ``row_stats``, ``project`` and ``norm_stats`` call counted as one op reading each of its tensors
     once (the Triton kernels'), computed outside the count by the torch path; a weight's column norms as the GPU
-    takes them."""
+    takes them. ``record(label, read, written)`` counts one such op, with the tensors it reads and those it writes
+    (:meth:`Counts.record` adds both; ``count_checks.py`` counts what is read)."""
     from unittest import mock
 
     from torch.utils._python_dispatch import _disable_current_modes
 
     from verified_ckpt.guard.abft import checks, forward, norms, products, rowstats, shared, weights
 
-    def counted_as(label: str, *tensors: Any) -> None:
-        moved = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        counts.ops += 1
-        counts.bytes += moved
-        row = counts.by_op.setdefault(label, [0, 0])
-        row[0] += 1
-        row[1] += moved
-
     def kernel(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with _disable_current_modes():
             proj, norm = rowstats.torch_row_stats(a, vecs)
-        counted_as("row_stats (one read)", a, vecs, proj, norm)
+        record("row_stats (one read)", (a, vecs), (proj, norm))
         return proj, norm
 
     def norm_kernel(dy: torch.Tensor, x: torch.Tensor, *rest: Any) -> Any:
         with _disable_current_modes():
             got = rowstats.torch_norm_stats(dy, x, *rest)
-        counted_as("norm_stats (one read)", dy, x, *rest, *got)  # one read of dY and of X
+        record("norm_stats (one read)", (dy, x, *rest), got)  # one read of dY and of X
         return got
 
     def projected(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -128,7 +130,7 @@ def one_read(counts: Counts) -> Any:
                       wr: torch.Tensor | None) -> torch.Tensor:  # ``rowstats.triton_weight_stats``: one read of W
         with _disable_current_modes():
             squares = rowstats.torch_weight_stats(wo, s, r, ws, wr)
-        counted_as("weight_stats (one read)", wo, s, r, ws, wr, squares)
+        record("weight_stats (one read)", (wo, s, r), (ws, wr, squares))
         return squares
 
     # Each name where the module that calls it looks it up
@@ -185,7 +187,7 @@ _CPU_ATTENTION = {
 
 def counted(run: Any, single_read: bool = False) -> tuple[dict[str, float], dict[str, list[int]]]:
     with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as flops, Counts() as c, as_ddp(c), \
-            one_read(c) if single_read else contextlib.nullcontext():
+            one_read(c.record) if single_read else contextlib.nullcontext():
         run()
     attention = sum(n for op, n in flops.get_flop_counts().get("Global", {}).items() if op in _CPU_ATTENTION)
     # attention's share apart: it grows with the context and the width, the GEMMs' with the width squared

@@ -16,7 +16,8 @@ per step, the guarded run's minus the plain run's:
 * **bytes read**: for each compute op, the sum of ``nbytes`` of its tensor inputs (in lists too; not ``out=``),
   except ``copy_`` (its source only), ``fill_``/``zero_`` and the ``*_like``/``new_*`` factories (nothing: they
   read shapes). Views read nothing. ``nbytes`` is the logical size, so an expanded (stride 0) input counts every
-  element, and an op that reads its input twice internally counts it once;
+  element, and an op that reads its input twice internally counts it once, as does a tensor passed twice
+  (``dot(x, x)``; counted twice before 2026-12-06's fifth turn of issue 51);
 * **checked bytes**: what the checks check, measured on a separate plain copy with this tool's own hooks (sizes
   only, so the counted plain run carries no hooks), defined here and not by the guard under test, so before and
   after divide by the same figure: every parameter's gradient (once per parameter, tied ones once); and, when
@@ -25,6 +26,12 @@ per step, the guarded run's minus the plain run's:
   input X and its output's gradient dY, plus its output Y for Linear-like layers under ``abft_forward``; and for
   attention's products inside the forward (``matmul``/``bmm`` of 3-d or larger tensors: A, B and C;
   ``scaled_dot_product_attention``: q, k, v and the output). The guard's own coverage line is printed beside it.
+  The last column divides by these plus each Linear-like layer's share of its input's gradient (``dX``, X's
+  shape), which the input-gradient check reads too (it predates issue 51; the definition above left it out).
+
+``--one-read`` counts each row statistic the way the Triton kernels take it on CUDA (``abft_cost_model.one_read``:
+one op reading each of its tensors once, in place of the CPU path's product and norm): the GPU path's bytes by
+design, on this CPU.
 
 Not counted: ops on threads other than this one and the callbacks' (C++ ``then`` callbacks: plain DDP's own
 reducer), Python work between ops and Python-level calls that dispatch no aten op (a ``TorchFunctionMode``'s
@@ -38,6 +45,7 @@ under ``verified_ckpt/``).
 
     .venv/bin/python tools/bench/count_checks.py
     .venv/bin/python tools/bench/count_checks.py --models gpt --steps 5 --json out.json
+    .venv/bin/python tools/bench/count_checks.py --one-read                     # the Triton path's design
     PYTHONPATH=/tmp/wt_count .venv/bin/python tools/bench/count_checks.py   # another commit's guard (a worktree)
 """
 
@@ -45,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -59,6 +68,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from abft_cost_model import one_read
 from bench_guard import build, loss_fn, train_step
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.overrides import TorchFunctionMode
@@ -88,7 +98,9 @@ def bytes_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     if packet is aten.copy_:
         args = args[1:]  # ``self`` is written, not read
     inputs = tree_leaves((args, {k: v for k, v in kwargs.items() if k != "out"}))
-    return sum(t.nbytes for t in inputs if isinstance(t, torch.Tensor))
+    # One tensor passed twice (``dot(x, x)``) is read once; distinct views of one storage are distinct bytes
+    seen = {(t.data_ptr(), t.nbytes, t.stride()): t.nbytes for t in inputs if isinstance(t, torch.Tensor)}
+    return sum(seen.values())
 
 
 class Counted(TorchDispatchMode):
@@ -142,6 +154,12 @@ class Counted(TorchDispatchMode):
             self.syncs += syncs
             self.ops.update(ops)
             self.op_bytes.update(op_bytes)
+
+    def kernel(self, label: str, read: Any, _written: Any) -> None:
+        """One call of a Triton kernel that ``--one-read`` stands in for (``abft_cost_model.one_read``): one op that
+        reads each of its tensors once."""
+        n = sum(t.nbytes for t in read if isinstance(t, torch.Tensor))
+        self._add(0, 1, n, 0, collections.Counter({label: 1}), collections.Counter({label: n}))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -201,6 +219,8 @@ def checked_bytes(model: torch.nn.Module, batch: Any) -> dict[str, int]:
     def hook(kind: str) -> Callable[..., None]:
         def forward(_mod: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
             sizes[f"{kind}_x"] += _nbytes(args[0]) if args else 0
+            if kind == "gemm" and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                sizes["gemm_dx"] += args[0].nbytes  # this layer's own share of its input's gradient, X's shape
             if isinstance(out, torch.Tensor):
                 sizes[f"{kind}_y"] += out.nbytes
                 sizes[f"{kind}_calls"] += 1
@@ -219,13 +239,17 @@ def checked_bytes(model: torch.nn.Module, batch: Any) -> dict[str, int]:
     return dict(sizes)
 
 
-def denominator(sizes: dict[str, int], cfg: GuardConfig | None) -> int:
-    """The checked bytes of one step under ``cfg`` (the module doc's definition)."""
+def denominator(sizes: dict[str, int], cfg: GuardConfig | None, inputs: bool = False) -> int:
+    """The checked bytes of one step under ``cfg`` (the module doc's definition); ``inputs``: with the Linear-like
+    layers' input-gradient shares too (``dX``, which the input-gradient check reads; the definition kept for
+    comparison with earlier figures leaves them out)."""
     if cfg is None or not cfg.abft:
         return sizes["grads"]
     parts = [f"{k}_{p}" for k in ("gemm", "embedding", "norm") for p in ("x", "dy")]
     if cfg.abft_forward:
         parts.append("gemm_y")
+    if inputs:
+        parts.append("gemm_dx")
     return sizes["grads"] + sizes["products"] + sum(sizes.get(p, 0) for p in parts)
 
 
@@ -249,7 +273,7 @@ def count(args: argparse.Namespace, batch: Any, cfg: GuardConfig | None) -> tupl
     guard = SDCGuard(model, opt, loss_fn, cfg) if cfg is not None else None
     for step in range(1, args.warmup + 1):
         train_step(model, opt, guard, batch, step)
-    with Counted() as c:
+    with Counted() as c, one_read(c.kernel) if args.one_read else contextlib.nullcontext():
         for step in range(args.warmup + 1, args.warmup + args.steps + 1):
             train_step(model, opt, guard, batch, step)
     n = args.steps
@@ -293,13 +317,15 @@ def run_model(args: argparse.Namespace) -> dict[str, Any]:
         ops.subtract(plain.ops)
         by_bytes = collections.Counter(got.op_bytes)
         by_bytes.subtract(plain.op_bytes)
-        added_bytes, checked = got.bytes - plain.bytes, denominator(sizes, cfg)
+        added_bytes, checked, with_dx = got.bytes - plain.bytes, denominator(sizes, cfg), denominator(sizes, cfg, True)
         rows[name] = {"abft": cfg.abft if cfg else None, "abft_forward": cfg.abft_forward if cfg else None,
                       "views": got.views, "compute": got.compute, "bytes_read": got.bytes, "syncs": got.syncs,
                       "callbacks_on_gloo_thread": got.elsewhere,
                       "added_views": got.views - plain.views, "added_compute": got.compute - plain.compute,
                       "added_bytes_read": added_bytes, "checked_bytes": checked,
-                      "ratio": added_bytes / checked if cfg is not None else None, "coverage": coverage,
+                      "ratio": added_bytes / checked if cfg is not None else None,
+                      "checked_bytes_with_dx": with_dx, "ratio_with_dx": added_bytes / with_dx if cfg is not None else None,
+                      "coverage": coverage,
                       "added_ops": {k: v for k, v in ops.most_common() if v},
                       "added_bytes": {k: v for k, v in by_bytes.most_common() if v}}
     return {"model": args.model, "d_model": args.d_model, "depth": args.depth, "batch": args.batch,
@@ -314,11 +340,11 @@ def show(res: dict[str, Any], top: int) -> None:
           f"{res['params'] / 1e6:.2f} M params; checked bytes: grads {s['grads'] / mb:.2f} MB, layers' X+dY "
           f"{sum(s.get(f'{k}_{p}', 0) for k in ('gemm', 'embedding', 'norm') for p in ('x', 'dy')) / mb:.2f} MB, "
           f"Linear-like Y {s.get('gemm_y', 0) / mb:.2f} MB, attention products {s['products'] / mb:.2f} MB "
-          f"({s['product_calls']} calls)")
+          f"({s['product_calls']} calls); Linear-like dX {s.get('gemm_dx', 0) / mb:.2f} MB (in the last column)")
     print(f"  {'config':<20} {'ops/step':>9} {'views':>7} {'+compute':>9} {'+views':>7} {'+MB read':>9} "
-          f"{'checked MB':>10} {'ratio':>6}")
+          f"{'checked MB':>10} {'ratio':>6} {'with dX':>7}")
     for name, r in res["configs"].items():
-        ratio = "" if r["ratio"] is None else f"{r['ratio']:6.2f}"
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:6.2f} {r['ratio_with_dx']:7.2f}"
         added = ("" if r["ratio"] is None else
                  f"{r['added_compute']:9.1f} {r['added_views']:7.1f} {r['added_bytes_read'] / mb:9.2f} "
                  f"{r['checked_bytes'] / mb:10.2f} {ratio}")
@@ -342,6 +368,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--scheduled", action="store_true", help="keep GuardConfig's scheduled consensus and audits")
+    ap.add_argument("--one-read", action="store_true",
+                    help="count the row statistics as the Triton kernels take them on CUDA (the path's design)")
     ap.add_argument("--top", type=int, default=6, help="the ops each configuration adds most, in the table's notes")
     ap.add_argument("--json", dest="json_out", default=None, help="write the figures to this file")
     args = ap.parse_args()
@@ -357,10 +385,11 @@ def main() -> None:
         finally:
             dist.destroy_process_group()
     out = {"verified_ckpt": provenance(), "torch": torch.__version__, "world": 1, "warmup": args.warmup,
-           "steps": args.steps, "scheduled": args.scheduled, "results": results,
+           "steps": args.steps, "scheduled": args.scheduled, "one_read": args.one_read, "results": results,
            "wall_s": round(time.perf_counter() - t0, 1)}
     print(f"verified_ckpt {out['verified_ckpt']}, torch {out['torch']}, 1 gloo rank, per step over {args.steps} "
-          f"steps after {args.warmup}; '+': guarded minus plain; ratio: +bytes read / checked bytes")
+          f"steps after {args.warmup}; '+': guarded minus plain; ratio: +bytes read / checked bytes"
+          + ("; row statistics counted as the Triton kernels' one read (--one-read)" if args.one_read else ""))
     for res in results:
         show(res, args.top)
     print(f"({out['wall_s']} s)", file=sys.stderr)

@@ -15,7 +15,9 @@ For each width (d=2048 and d=4096 on a GPU; tiny ones with ``--small``), one pro
 * ``kernel``: ``row_stats`` (``verified_ckpt/guard/abft/rowstats.py``: a Triton kernel on CUDA) with 2 vectors on a
   ``[tokens, d]`` bf16 activation and on a 1 GiB one, against ``torch.sum`` of the same tensor and the torch
   fallback, in GB/s of the tensor's bytes; and its largest difference from the torch fallback. Where the module
-  does not import, the JSON says so and the rest runs.
+  does not import, the JSON says so and the rest runs. Beside it, the weights' kernel (``weights``) and an eager
+  attention's product check (``products``: ``productstats.triton_product_stats`` on ``q kᵀ``), each against its
+  torch path.
 
 Budget on an H100: about 30-60 s a width (model builds on the device, 16 interleaved steps of 4 variants, 2
 counted steps, the kernel's first compile). Each width stops its steps at ``cap_s`` / number of widths (at least
@@ -173,7 +175,37 @@ def kernel_bandwidth(device: torch.device, tokens: int, d: int, big: bool) -> di
                       **(_row_stats_timed(*rs, a, vecs, device, t_sum) if rs is not None else {})}
     out["sum_gb_s"] = out.get("1GiB", out["step"])["sum_gb_s"]  # the cost model's B: the larger tensor's
     out["weights"] = _weights_timed(device, d)
+    out["products"] = _products_timed(device, tokens, d)
     return out
+
+
+def _products_timed(device: torch.device, tokens: int, d: int) -> dict[str, Any]:
+    """An eager attention's ``q kᵀ`` in bf16 (heads of 128, 512 tokens each, ``q`` and ``k`` transposed views of
+    ``[b, t, h, 128]``): the check's statistics by the one-read kernels (``productstats.triton_product_stats``, CUDA
+    only) against the torch path, in GB/s of the three tensors' bytes, and the largest relative difference."""
+    try:
+        from verified_ckpt.guard.abft.productstats import torch_product_stats, triton_product_stats
+    except ImportError:
+        return {"skipped": "no productstats on this head"}
+    g = torch.Generator(device=device).manual_seed(2)
+    b, h, t = max(tokens // 512, 1), max(d // 128, 1), 512
+    q = torch.randn(b, t, h, 128, device=device, generator=g).to(torch.bfloat16).transpose(1, 2)
+    kt = torch.randn(b, t, h, 128, device=device, generator=g).to(torch.bfloat16).transpose(1, 2).transpose(-2, -1)
+    scores = q @ kt
+    r = torch.randn(t, device=device, generator=g)
+    nbytes = q.nbytes + kt.nbytes + scores.nbytes
+    out: dict[str, Any] = {"q": list(q.shape), "bytes": nbytes,
+                           "torch_gb_s": nbytes / _loop_time(lambda: torch_product_stats(q, kt, scores, r), device) / 1e9}
+    if device.type != "cuda":
+        return out | {"product_stats": "not run: a CPU tensor"}
+    try:
+        got = triton_product_stats(q, kt, scores, r)
+    except Exception as e:  # a kernel that does not compile here: say so, keep the rest
+        return out | {"error": f"triton_product_stats failed: {str(e)[:200]}"}
+    diff = max(float(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item())
+               for x, y in zip(got, torch_product_stats(q, kt, scores, r), strict=True))
+    kernel_s = _loop_time(lambda: triton_product_stats(q, kt, scores, r), device)
+    return out | {"product_stats_gb_s": nbytes / kernel_s / 1e9, "max_rel_diff_vs_torch": diff}
 
 
 def _weights_timed(device: torch.device, d: int) -> dict[str, Any]:

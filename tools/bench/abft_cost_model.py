@@ -15,8 +15,8 @@ for the plain step and the guarded one; the overhead is their ratio. ``h`` defau
 host 2.78 times a training op, from the guarded step there), ``B`` to 4.8 TB/s and
 ``F`` to 40 % of the H200's 990 dense bf16 TFLOP/s (fp32 matmuls run as TF32 at half that: pass ``--flops``).
 
-``--one-read`` counts each ``row_stats``, ``project``, ``row_norms`` and ``norm_stats`` call as what the Triton kernels do on CUDA
-(``guard/abft/rowstats.py``):
+``--one-read`` counts each ``row_stats``, ``project``, ``row_norms``, ``norm_stats`` and ``product_stats`` call as what the
+Triton kernels do on CUDA (``guard/abft/rowstats.py``, ``guard/abft/productstats.py``):
 one op that reads its tensor once in its own dtype and writes its projections and norms, where this CPU's torch
 path takes a product and a norm (two reads, and a float32 copy of a bf16 tensor); and a weight's per-step values
 as the GPU takes them (``rowstats.triton_weight_stats``: ``W s``, ``Wᵀ r`` and the column norms in one read of
@@ -106,7 +106,7 @@ def one_read(record: Any) -> Any:
 
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from verified_ckpt.guard.abft import checks, forward, norms, products, rowstats, shared, weights
+    from verified_ckpt.guard.abft import checks, forward, norms, products, productstats, rowstats, shared, weights
 
     def kernel(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with _disable_current_modes():
@@ -133,11 +133,21 @@ def one_read(record: Any) -> Any:
         record("weight_stats (one read)", (wo, s, r), (ws, wr, squares))
         return squares
 
+    def product_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> Any:
+        # ``productstats.triton_product_stats``: one read each of C, B and A (B r, a vector, is the third one's)
+        with _disable_current_modes():
+            cr, abr, an, bn = got = productstats.torch_product_stats(a, b, c, r)
+        record("product_stats (one read)", (c, r), (cr,))
+        record("product_stats (one read)", (b, r), (bn,))
+        record("product_stats (one read)", (a,), (abr, an))
+        return got
+
     # Each name where the module that calls it looks it up
     patches: list[tuple[Any, str, Any]] = [(m, "row_stats", kernel) for m in (checks, forward, norms, shared)]
     patches += [(checks, "project", projected), (norms, "norm_stats", norm_kernel),
                 (weights, "weight_stats", weight_kernel),
-                (products, "project", projected), (products, "row_norms", normed)]
+                (products, "project", projected), (products, "row_norms", normed),
+                (products, "product_stats", product_kernel)]
     with contextlib.ExitStack() as stack:
         for module, name, fn in patches:
             stack.enter_context(mock.patch.object(module, name, fn))

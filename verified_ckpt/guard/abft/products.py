@@ -13,8 +13,8 @@ return, ``ProductChecks.hooks``) sees each of them:
       bound_i = slack · RMS · ‖A_i‖ · ‖B‖_F · (2 ε_in + ε_out + ε₃₂ (√k + 2 √n + 2))
 
   (the product's input and output roundings and its float32 accumulation over ``k`` terms, the check's own
-  float32 products; ``‖B‖_F`` bounds each column's norm, per batch element and head): three passes, over ``A``,
-  ``B`` and ``C``, against the product's ``k`` multiply-adds per element;
+  float32 products; ``‖B‖_F`` bounds each column's norm, per batch element and head): on CUDA one read each of
+  ``A``, ``B`` and ``C`` (``productstats.py``), against the product's ``k`` multiply-adds per element;
 * a fused ``scaled_dot_product_attention`` materialises neither the scores nor ``P``, and softmax is not linear:
   its output ``O = P V`` is checked by a second call of the same function with ``V r`` as the values, which gives
   ``P (V r)`` (with the same dropout mask: the random state is replayed and left as the first call left it),
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 from ...dtensors import is_dtensor
+from .productstats import product_stats
 from .rowstats import project, row_norms, rows_of
 from .sums import EPS32, RMS, floored, matmul_eps, per_call, signed_weights, unit_roundoff, worst_rows
 
@@ -239,16 +240,12 @@ def _product_rows(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, r: torch.Te
     """One batched product's rows (module doc): ``C_i r - A_i (B r)``, the bound's ``‖A_i‖ ‖B‖_F`` (unfloored) and
     its coefficient."""
     with torch.no_grad(), torch.autocast(c.device.type, enabled=False):
-        # ``A`` made contiguous once for its product and its row norms (attention's ``q`` is a strided view: each
-        # would copy it); ``B r`` as ``r Bᵀ`` where ``B`` is a transposed view (``k.transpose(-2, -1)``), a
-        # product over its own layout with no copy (4x faster than copying it first).
-        af, bf, cf = a.detach().float().contiguous(), b.detach().float(), c.detach().float()
-        br = torch.matmul(r, bf.mT) if bf.mT.is_contiguous() else torch.matmul(bf, r)
-        diff = torch.matmul(cf, r) - torch.matmul(af, br.unsqueeze(-1)).squeeze(-1)
+        cr, abr, an, bn = product_stats(a.detach(), b.detach(), c.detach(), r)  # one read of each on CUDA
+        diff = cr - abr
         k, n = a.shape[-1], c.shape[-1]
         eps_in = max(matmul_eps(c.device.type, a.dtype), matmul_eps(c.device.type, b.dtype))
         coef = slack * RMS * (2 * eps_in + unit_roundoff(c.dtype) + EPS32 * (math.sqrt(k) + 2 * math.sqrt(n) + 2))
-        scale = torch.linalg.vector_norm(af, dim=-1) * torch.linalg.vector_norm(bf, dim=(-2, -1)).unsqueeze(-1)
+        scale = an * bn.unsqueeze(-1)
         return diff, scale if scale.shape == diff.shape else scale.expand(diff.shape), coef
 
 

@@ -96,7 +96,10 @@ def test_fsdp2_and_fsdp2_tp_print_no_warning_of_ours_and_describe_their_mesh_and
     assert any("one replica group (2 shards)" in line for line in fsdp[0]["log"]), fsdp[0]["log"]
     assert any("one replica group (2 shards in each of 2 tensor-parallel columns)" in line for line in tp[0]["log"])
     coverage = next(line for line in tp[0]["log"] if line.startswith("SDCGuard: ABFT checks"))
-    assert "unchecked: 0, 2: input gradient and forward output (a tensor-parallel slice" in coverage, coverage
+    assert "unchecked: 0, 2: input gradient (a tensor-parallel slice" in coverage, coverage
+    # Each slice's local GEMM output is checked, but a rowwise slice's (2) with a bias DTensor adds across the reduction
+    assert "; 2: forward output (a tensor-parallel slice whose hooks see its output reduced" in coverage, coverage
+    assert "0, 2: forward output" not in coverage, coverage
 
 
 def test_the_warning_filter_sees_a_deprecated_collective_called_from_verified_ckpt():
@@ -117,7 +120,7 @@ def test_the_coverage_line_names_what_each_layout_leaves_unchecked_and_a_job_kee
     from verified_ckpt.guard.abft.layers import TP_UNCHECKED, Coverage
 
     tp = Coverage({"Linear": 2}, 0.9, 0.5, 0.7, [("0.bias", "why")], {}, [("0", TP_UNCHECKED), ("2", TP_UNCHECKED)])
-    assert "; unchecked: 0, 2: input gradient and forward output" in tp.summary()
+    assert "; unchecked: 0, 2: input gradient (a tensor-parallel slice" in tp.summary()
     assert "unchecked" not in Coverage({"Linear": 1}, 1.0, 1.0, 1.0, [], {}).summary()
     job = Coverage.of_parts([(tp, 10), (Coverage({"Linear": 1}, 1.0, 1.0, 1.0, [], {}), 10)])
     assert job.unchecked == tp.unchecked

@@ -15,8 +15,9 @@ module names (``tok_embeddings``, ``layers.N.attention.wq/wk/wv/wo``, ``feed_for
 
 Each set-up (a plan, and on three of them torchtitan's per-block extras: full activation checkpointing, selective
 (op-level) activation checkpointing, and each block ``torch.compile``-d): 30 clean steps raise nothing and every
-save is ``restorable``; a 10x element of a TP-sharded Linear's gradient is named by ABFT at its step on its rank; a
-bit flipped in a weight shard at rest is named at the next step; rank 1 killed by SIGKILL, then every rank resumed,
+save is ``restorable``; a 10x element of a TP-sharded Linear's gradient is named by ABFT at its step on its rank, and
+(on the plain and the sequence-parallel plan) a 10x element of a slice's forward output, rowwise partial sums and
+colwise columns; a bit flipped in a weight shard at rest is named at the next step; rank 1 killed by SIGKILL, then every rank resumed,
 ends bit for bit where the clean run ended. Each extra rides on one plan rather than every combination (four 4-rank
 launches a set-up on two cores): the extras change how a block's forward runs again or is traced, which the plan's
 placements do not depend on.
@@ -224,6 +225,19 @@ def wrong_gradient_hook(layer: torch.nn.Module, when: Any) -> None:
     layer.register_forward_pre_hook(pre)
 
 
+def wrong_output_hook(layer: torch.nn.Module, when: Any) -> None:
+    """While ``when()``: this rank's local GEMM output's largest element 10x, as the forward computed it (a forward
+    hook registered after the guard's and put ahead of it: what its forward check reads, before the plan's output
+    hook reduces or gathers it)."""
+    def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
+        if when() and torch.is_grad_enabled():
+            with torch.no_grad():
+                flat = local(out).view(-1)
+                flat[int(flat.abs().argmax())] *= 10
+
+    layer.register_forward_hook(hook, prepend=True)
+
+
 def flip(t: torch.Tensor, bit: int = 29) -> None:
     """Flip an exponent bit of element 0 of this rank's piece of ``t``, in place (the value stays finite)."""
     with torch.no_grad():
@@ -275,6 +289,8 @@ def run_plan(rank: int, world: int, plan: str, fault: str | None, run: str | Non
         wrong = target.w2 if plan.startswith("s") and extra != "compile" else model.output
         wrong_gradient_hook(wrong, lambda: rank == OWNER and at[0] == FAULT_AT)
     guard = SDCGuard(model, opt, LOSSES[loss], GuardConfig())
+    if fault == "forward":  # a rowwise slice's partial sums (the plain plan), a colwise slice's columns (sequence's)
+        wrong_output_hook(target.w1 if plan.startswith("s") else target.w2, lambda: rank == OWNER and at[0] == FAULT_AT)
     mgr = CheckpointManager(run, guard=guard) if run else None
     first = mgr.resume({"model": model, "optim": opt}) if mgr is not None and resume else 0
     statuses = []
@@ -312,6 +328,8 @@ def plan_story(rank: int, world: int, plan: str, extra: str | None, run: str) ->
     # What the guard cannot check is refused at the first step, in one line, on every rank: the mistakes next to
     # each plan (a loss-parallel loss backpropagated outside its context; sequence-sharded activations reaching a
     # colwise head declared to take replicated ones, which DTensor all-gathers inside the GEMM).
+    if plan in ("replicated_head", "sequence_parallel"):  # a slice's forward output: rowwise partial sums, colwise
+        got["forward"] = run_plan(rank, world, plan, "forward", None, FAULT_AT + 1, extra=extra)
     if plan == "loss_parallel":
         got["refused"] = run_plan(rank, world, plan, None, None, 1, loss="forward_only", extra=extra)
         got["full"] = run_plan(rank, world, plan, None, run + "-full", 2, loss="full", extra=extra)
@@ -343,6 +361,10 @@ def test_titan_plan_is_guarded_at_the_defaults(plan, extra, tmp_path):
         assert r["clean"]["digest"] == clean["digest"]  # the ranks' collectives agree on one state
         assert r["grad"]["caught"][:3] == ["abft", [OWNER], FAULT_AT], r["grad"]
         assert r["weight"]["caught"][1:] == [[OWNER], FAULT_AT + 1], r["weight"]
+        if "forward" in r:  # the forward check of the slice's own GEMM output, at its step
+            assert r["forward"]["caught"][:3] == ["abft", [OWNER], FAULT_AT], r["forward"]
+            assert "the forward output of layers.0." in r["forward"]["detail"], r["forward"]
+            assert "feed_forward.w" in r["forward"]["detail"], r["forward"]
         if plan == "loss_parallel":
             assert r["refused"]["refused"] == ["abft", 0], r["refused"]
             assert "outside loss_parallel()" in r["refused"]["message"], r["refused"]

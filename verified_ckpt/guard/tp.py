@@ -26,7 +26,7 @@ import torch
 from ..dtensors import is_dtensor
 
 __all__ = ["gemm_output", "gradient_problem", "linear_problem", "loss_parallel_active", "loss_problem", "loss_value",
-           "output_seen_is_local", "placements", "refusal", "replaying_under"]
+           "output_is_the_gemms", "output_seen_is_local", "placements", "refusal", "replaying_under"]
 
 _FIX_OUTPUT = ("apply the plan with torch's parallelize_module and ColwiseParallel/RowwiseParallel (their output hooks "
                "run after the guard's; torchtitan 0.3's modules redistribute inside their forward), or "
@@ -113,6 +113,13 @@ def output_seen_is_local(gemm: tuple[Any, ...], seen: tuple[Any, ...], dims: int
             return bool(g.dim % dims == s.dim % dims)
         return bool(g == s) or (g.is_partial() and s.is_replicate())
     return len(gemm) == len(seen) and all(same(g, s) for g, s in zip(gemm, seen, strict=True))
+
+
+def output_is_the_gemms(gemm: tuple[Any, ...], seen: tuple[Any, ...], dims: int) -> bool:
+    """Whether the output placed ``seen`` holds this rank's local GEMM output itself (what the forward check
+    compares): its placements, not its partial sums already all-reduced (each rank would then hold their sum)."""
+    return output_seen_is_local(gemm, seen, dims) and not any(
+        g.is_partial() and s.is_replicate() for g, s in zip(gemm, seen, strict=True))
 
 
 def loss_problem(loss: tuple[Any, ...], active: bool) -> str | None:

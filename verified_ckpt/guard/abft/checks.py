@@ -303,14 +303,16 @@ class GradientChecks:
         tapped.register_hook(functools.partial(self._input_grad, check))
         return (tapped, *args[1:])
 
-    def _linear_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
+    # ``y``: the output the forward check reads: ``True``, ``out`` itself; a tensor-parallel slice's local GEMM output
+    # (``sharded.py``), or ``None`` where the output its hooks see is not that GEMM's own (no forward check then)
+    def _linear_forward(self, mod: torch.nn.Module, args: Any, out: Any, y: torch.Tensor | bool | None = True) -> None:
         check, x = self._open.pop(id(mod), (None, args[0] if args else None))  # the input as given, not its tap
         layer = self.layers.get(id(mod))
         if layer is None or not self._active(out) or not isinstance(x, torch.Tensor):
             return
         autocast = torch.is_autocast_enabled(x.device.type)
         cast = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-        forward = self.forward and layer.wr is not None and layer.tag == self._tag
+        forward = self.forward and y is not None and layer.wr is not None and layer.tag == self._tag
         # The weight and the bias are left out (or kept) one by one: a bias is checked even where its weight is not.
         w = self.covered.get(id(layer.weight))
         bias = self.covered.get(id(layer.bias)) if layer.bias is not None else None
@@ -332,7 +334,8 @@ class GradientChecks:
                                           lambda m: self.weights.input_rows(m, self._tag))
                 if forward:
                     xs, xwr = xs.unbind()
-                    self._forwards.add(layer, out, xwr, a, (matmul_eps(x.device.type, cast), unit_roundoff(out.dtype)))
+                    self._forwards.add(layer, y if isinstance(y, torch.Tensor) else out, xwr, a,
+                                       (matmul_eps(x.device.type, cast), unit_roundoff(out.dtype)))
         if w is None and bias is None and check is None and not probing:
             return
         device_type = x.device.type

@@ -14,13 +14,15 @@ import torch
 from ..stats import worst
 from .sums import constant_on, floored, lengths_on, worst_rows
 
-__all__ = ["COMPILED", "OUTSIDE", "TP_UNCHECKED", "Coverage", "InputCheck", "Layer", "Ratios", "families",
+__all__ = ["COMPILED", "OUTSIDE", "TP_FORWARD_UNCHECKED", "TP_UNCHECKED", "Coverage", "InputCheck", "Layer", "Ratios", "families",
            "gradient_paths", "input_ratios", "layer_kind", "worst_layer"]
 
 OUTSIDE = "used outside the modules that cover it (a weight tied functionally, F.linear(x, w)?)"
 COMPILED = "inside a torch.compile'd module, where ABFT's hooks cannot run"
-TP_UNCHECKED = ("input gradient and forward output (a tensor-parallel slice: its input gradient is a partial sum "
-                "that tensor parallel's own all-reduce completes, out of these hooks' sight)")
+TP_UNCHECKED = ("input gradient (a tensor-parallel slice: its input gradient is a partial sum that tensor parallel's "
+                "own all-reduce completes, out of these hooks' sight)")
+TP_FORWARD_UNCHECKED = ("forward output (a tensor-parallel slice whose hooks see its output reduced across the slices, "
+                        "or a rowwise slice's bias added in that reduction: no local GEMM output to compare)")
 
 
 def layer_kind(mod: torch.nn.Module) -> str | None:

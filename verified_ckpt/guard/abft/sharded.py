@@ -15,8 +15,11 @@ all-gathers it, sequence parallel's ``Shard(1)`` reduce-scatters it), so the gra
 GEMM's own, never a gathered one against a local slice; a plan whose local GEMM is not the product the hooks see
 fails at the first step (``guard/tp.py``). Not checked there, and reported as left out: a TP
 layer's bias (DTensor adds it across the TP reduction), the input gradient of a TP layer (colwise's is a partial
-sum that tensor parallel's own all-reduce completes, a reduction these hooks cannot observe), its forward
-output, and an embedding or a normalisation layer whose weight tensor parallel shards.
+sum that tensor parallel's own all-reduce completes, a reduction these hooks cannot observe), and an embedding or a
+normalisation layer whose weight tensor parallel shards. A TP slice's forward output is checked as any Linear's
+(``Y r`` against ``X (Wᵀ r)``, row by row) on the local GEMM's own output: a colwise slice's columns, a rowwise
+slice's partial sums before the plan's hook reduces them; not where the hooks see an output already reduced, or a
+rowwise slice's bias added across the reduction.
 """
 
 from __future__ import annotations
@@ -30,9 +33,17 @@ import torch
 
 from ...dtensors import is_dtensor, local
 from ...errors import GuardConfigurationError
-from ..tp import gradient_problem, linear_problem, loss_parallel_active, loss_problem, placements
+from ..tp import (
+    gemm_output,
+    gradient_problem,
+    linear_problem,
+    loss_parallel_active,
+    loss_problem,
+    output_is_the_gemms,
+    placements,
+)
 from .checks import GradientChecks
-from .layers import OUTSIDE, Layer, gradient_paths
+from .layers import OUTSIDE, TP_FORWARD_UNCHECKED, Coverage, Layer, gradient_paths
 from .measured import Measured
 from .sums import rgs, signed_weights
 
@@ -63,6 +74,7 @@ class ShardedGradientChecks(GradientChecks):
         # stand for. Linear-like layers bind in their own pre-hook; embeddings and norms get one here.
         self._held: dict[int, dict[str, int]] = {}
         self.problems: list[str] = []  # tensor-parallel layers whose local GEMM the hooks cannot see (``guard/tp.py``)
+        self._no_forward: list[str] = []  # tensor-parallel layers whose hooks see no local GEMM output (coverage)
         self.step = -1  # the step whose backward runs (what a configuration error names)
         for mod in module.modules():
             held = {a: id(p) for a in ("weight", "bias") if id(p := getattr(mod, a, None)) in self.covered}
@@ -123,7 +135,11 @@ class ShardedGradientChecks(GradientChecks):
     def _linear_pre(self, mod: torch.nn.Module, args: Any) -> Any:
         layer = self._bind(mod)
         if layer is not None and layer.tp:
-            return None  # no input-gradient or forward check on a tensor-parallel slice (module doc)
+            # No input-gradient check on a tensor-parallel slice (module doc); its forward check takes this step's
+            # W s and Wᵀ r of the local slice, as any layer's
+            if self.forward and self.on and torch.is_grad_enabled() and layer.r is not None and layer.tag != self._tag:
+                self.weights.prepare(layer, self._tag)
+            return None
         return super()._linear_pre(mod, args)
 
     def _local_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
@@ -139,14 +155,26 @@ class ShardedGradientChecks(GradientChecks):
             if problem not in self.problems:
                 self.problems.append(problem)
             return
-        super()._linear_forward(mod, (local(x), *args[1:]), out)
+        # The forward check compares the local GEMM's own output: where the hooks see its partial sums already
+        # all-reduced, or a rowwise slice's bias added across the reduction, there is none to compare
+        gemm = gemm_output(placements(getattr(mod, "weight", None)), placements(x))
+        own = is_dtensor(out) and output_is_the_gemms(gemm, placements(out), getattr(x, "ndim", 0)) and not (
+            layer.bias is not None and any(g.is_partial() for g in gemm))
+        if not own and self.forward and layer.name not in self._no_forward:
+            self._no_forward.append(layer.name)
+        super()._linear_forward(mod, (local(x), *args[1:]), out, local(out) if own else None)
 
-    def _linear_forward(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
+    def coverage(self) -> Coverage:
+        """As :meth:`GradientChecks.coverage`, with the tensor-parallel slices whose forward output is not checked."""
+        got = super().coverage()
+        return dataclasses.replace(got, unchecked=[*got.unchecked, *((n, TP_FORWARD_UNCHECKED) for n in self._no_forward)])
+
+    def _linear_forward(self, mod: torch.nn.Module, args: Any, out: Any, y: torch.Tensor | bool | None = True) -> None:
         layer = self.layers.get(id(mod))
         if is_dtensor(out) or (layer is not None and layer.tp):  # a TP slice: ``_local_forward`` saw its output
             return
         x = args[0] if args else None
-        super()._linear_forward(mod, (local(x), *args[1:]) if is_dtensor(x) else args, out)
+        super()._linear_forward(mod, (local(x), *args[1:]) if is_dtensor(x) else args, out, y)
 
     def first_backward(self, loss: torch.Tensor, run: Callable[[torch.Tensor], None],
                        agree: Callable[[list[bool]], list[bool]]) -> list[str]:

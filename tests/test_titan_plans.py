@@ -403,6 +403,20 @@ def test_linear_problem_accepts_the_local_gemms_and_names_the_rest():
         assert "PrepareModuleInput" in got and "\n" not in got
 
 
+def test_the_forward_check_takes_the_local_gemms_own_output_and_a_rowwise_slices_share_of_its_bias():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from verified_ckpt.guard.tp import bias_shares, output_is_the_gemms
+
+    assert output_is_the_gemms((Partial(),), (Partial(),), 3)  # rowwise partial sums, before the plan reduces them
+    assert output_is_the_gemms((Shard(-1),), (Shard(2),), 3)  # colwise columns
+    assert not output_is_the_gemms((Partial(),), (Replicate(),), 3)  # already all-reduced: each rank holds the sum
+    assert not output_is_the_gemms((Shard(-1),), (Replicate(),), 3)  # already gathered
+    assert bias_shares((Shard(1),), (Replicate(),), (4,)) == 4  # DTensor adds b / 4 to each partial sum
+    assert bias_shares((Shard(0),), (Shard(0),), (4,)) == 1  # colwise: each slice adds its own piece
+    assert bias_shares((Replicate(), Shard(1)), (Replicate(), Replicate()), (2, 3)) == 3
+
+
 def test_loss_problem_names_a_sharded_loss_and_a_missing_loss_parallel_context():
     from torch.distributed.tensor import Partial, Replicate, Shard
 

@@ -8,7 +8,9 @@ save ``restorable``); then ``--trials`` runs per fault class, each with its own 
 element, the parameter and the step: a bit flip (a random exponent or high mantissa bit) in a weight shard
 between steps, the same in ``exp_avg``, a persistent 10x on one element of the update from the fault step on, and
 a 10x on one element of the owner's local gradient of a Linear (as its backward computes it, before FSDP's
-reduce-scatter) at the fault step.
+reduce-scatter) at the fault step, and a 10x on the largest element of the owner's output of a Linear as its
+forward computed it (``forward``: under TP the local GEMM's, a colwise slice's columns or a rowwise slice's
+partial sums) at the fault step.
 Each trial records whether it was caught, at which step, the kind and the ranks named. The faults are this
 tool's own writes and optimizer hooks, never ``verified_ckpt.faults``.
 
@@ -38,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from verified_ckpt import CheckpointManager, GuardConfig, SDCGuard, SilentCorruptionDetected, StageState
 
 D = 32
-KINDS = ("weight", "exp_avg", "update", "grad")
+KINDS = ("weight", "exp_avg", "update", "grad", "forward")
 WINDOW = 12  # steps after the fault a trial waits for a catch
 MESHES: dict[str, tuple[int, ...]] = {"1x4": (4,), "2x2": (2, 2), "pp4": (4, 1, 1)}  # pp4: stages x replicas x shards
 
@@ -117,6 +119,27 @@ def wrong_gradient(layer: torch.nn.Module, elem: int, when: Any) -> None:
     layer.register_forward_pre_hook(pre)
 
 
+def wrong_output(layer: torch.nn.Module, when: Any) -> None:
+    """While ``when()``: the largest element of this rank's output of ``layer`` is 10x, as its forward computed it
+    (under TP the local GEMM's: a hook ahead of the guard's, which runs ahead of the plan's own)."""
+    def hook(mod: torch.nn.Module, args: Any, out: Any) -> Any:
+        if not (when() and torch.is_grad_enabled()):
+            return None
+        with torch.no_grad():
+            if hasattr(out, "to_local"):  # a TP slice's DTensor: its local GEMM output, in place
+                flat = local(out).view(-1)
+                flat[int(flat.abs().argmax())] *= 10
+                return None
+            delta = torch.zeros_like(out).view(-1)
+            i = int(out.detach().abs().view(-1).argmax())
+            delta[i] = 9 * out.detach().view(-1)[i]
+        # A new output, its graph through the old one: an in-place edit of a Linear's output (a view) under no_grad
+        # crashed torch 2.13 in the next hook's register_hook inside a pipeline stage (SIGSEGV)
+        return out + delta.view_as(out)
+
+    layer.register_forward_hook(hook, prepend=True)  # registered after the guard's: ahead of it
+
+
 def run(rank: int, shape: tuple[int, ...], url: str, steps: int, dropout: float, fault: dict[str, Any] | None
         ) -> dict[str, Any]:
     pipe = Pipeline(shape[0], dropout) if len(shape) == 3 else None
@@ -146,6 +169,9 @@ def run(rank: int, shape: tuple[int, ...], url: str, steps: int, dropout: float,
         wrong_gradient(layers[fault["param"] % len(layers)], fault["elem"],
                        lambda: rank == fault["owner"] and now[0] == fault["step"])
     guard = SDCGuard(model, opt, None if pipe else loss_fn, GuardConfig(), pipeline=pipe.schedule if pipe else None)
+    if fault is not None and fault["kind"] == "forward":
+        layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        wrong_output(layers[fault["param"] % len(layers)], lambda: rank == fault["owner"] and now[0] == fault["step"])
     mgr = CheckpointManager(url, guard=guard)
     state = {"model": StageState(model, opt)} if pipe is not None else {"model": model, "optim": opt}
     torch.manual_seed(100 + rank)  # each rank's own dropout stream (TP ranks of one position see the same batch)
@@ -207,7 +233,8 @@ def summary(res: dict[str, Any]) -> dict[str, Any]:
         named = [t for t in caught if t["ranks"] == [t["fault"]["owner"]]]
         out[kind] = {"trials": len(trials), "caught": len(caught), "named the owner": len(named),
                      "latency": sorted(t["step"] - t["fault"]["step"] for t in caught),
-                     "kinds": sorted({t["kind"] for t in caught})}
+                     "kinds": sorted({t["kind"] for t in caught}),
+                     "missed (param % count)": [t["fault"]["param"] for t in trials if not t["caught"]]}
     return out
 
 

@@ -23,7 +23,9 @@ as the GPU takes them (``rowstats.triton_weight_stats``: ``W s``, ``Wᵀ r`` and
 ``W``, where the CPU takes three float32 passes and writes ``W²``).
 ``--bf16`` runs the steps under
 bf16 autocast, as a GPU run would train. The one-process guard copies the gradients into one buffer, which under
-DDP is the reducer's bucket, filled in a plain step too: that copy is counted in both steps (``as_ddp``).
+DDP is the reducer's bucket, filled in a plain step too: that copy is counted in both steps (``as_ddp``); the
+guarded step's in-place scaling of each bucket before its all-reduce, which a plain DDP step fuses into that copy,
+is counted in the guarded step (``under_ddp``; one process has none to count).
 
     .venv/bin/python tools/bench/abft_cost_model.py --d 1024 --layers 12 --batch 8 --context 64 --vocab 8192
     .venv/bin/python tools/bench/abft_cost_model.py --no-products   # as the H200 run c measured it
@@ -207,9 +209,11 @@ def counted(run: Any, single_read: bool = False) -> tuple[dict[str, float], dict
 
 def under_ddp(p: dict[str, float], g: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
     """The plain and guarded counts as under DDP: the gradients' copy into buckets (``as_ddp``), the guarded step's,
-    is the plain step's as much."""
+    is the plain step's as much; and the guarded step scales each bucket in place before its all-reduce (a read
+    and a write of it: ``tap.py``'s ``mul_``), where DDP without a communication hook fuses the scaling into that
+    copy, so the guarded step moves the buckets' bytes once more."""
     return ({**p, "bytes": p["bytes"] + g["bucket_bytes"], "bucket_bytes": g["bucket_bytes"]},
-            {**g, "bytes": g["bytes"] + g["bucket_bytes"]})
+            {**g, "bytes": g["bytes"] + 2 * g["bucket_bytes"]})
 
 
 def predict(p: dict[str, float], g: dict[str, float], bandwidth: float = 4.8e12, flops: float = 0.4 * 990e12,

@@ -25,8 +25,8 @@ import torch
 
 from ..dtensors import is_dtensor
 
-__all__ = ["gemm_output", "gradient_problem", "linear_problem", "loss_parallel_active", "loss_problem", "loss_value",
-           "output_is_the_gemms", "output_seen_is_local", "placements", "refusal", "replaying_under"]
+__all__ = ["bias_shares", "gemm_output", "gradient_problem", "linear_problem", "loss_parallel_active", "loss_problem",
+           "loss_value", "output_is_the_gemms", "output_seen_is_local", "placements", "refusal", "replaying_under"]
 
 _FIX_OUTPUT = ("apply the plan with torch's parallelize_module and ColwiseParallel/RowwiseParallel (their output hooks "
                "run after the guard's; torchtitan 0.3's modules redistribute inside their forward), or "
@@ -120,6 +120,17 @@ def output_is_the_gemms(gemm: tuple[Any, ...], seen: tuple[Any, ...], dims: int)
     compares): its placements, not its partial sums already all-reduced (each rank would then hold their sum)."""
     return output_seen_is_local(gemm, seen, dims) and not any(
         g.is_partial() and s.is_replicate() for g, s in zip(gemm, seen, strict=True))
+
+
+def bias_shares(weight: tuple[Any, ...], bias: tuple[Any, ...], sizes: tuple[int, ...]) -> int:
+    """Over how many partial sums a rowwise slice's replicated bias is spread: DTensor adds it to a rowwise GEMM's
+    partial sums as ``Replicate`` turned ``Partial``, ``b / n`` on each of the ``n`` slices (``Partial``'s
+    ``_partition_value``), so each local output holds ``X W_localᵀ + b / n``. 1 where nothing is spread."""
+    n = 1
+    for w, b, size in zip(weight, bias, sizes, strict=False):
+        if w.is_shard(1) and b.is_replicate():
+            n *= size
+    return n
 
 
 def loss_problem(loss: tuple[Any, ...], active: bool) -> str | None:

@@ -21,8 +21,8 @@ OUTSIDE = "used outside the modules that cover it (a weight tied functionally, F
 COMPILED = "inside a torch.compile'd module, where ABFT's hooks cannot run"
 TP_UNCHECKED = ("input gradient (a tensor-parallel slice: its input gradient is a partial sum that tensor parallel's "
                 "own all-reduce completes, out of these hooks' sight)")
-TP_FORWARD_UNCHECKED = ("forward output (a tensor-parallel slice whose hooks see its output reduced across the slices, "
-                        "or a rowwise slice's bias added in that reduction: no local GEMM output to compare)")
+TP_FORWARD_UNCHECKED = ("forward output (a tensor-parallel slice whose hooks see its output already reduced across the "
+                        "slices: no local GEMM output to compare)")
 
 
 def layer_kind(mod: torch.nn.Module) -> str | None:

@@ -18,8 +18,8 @@ layer's bias (DTensor adds it across the TP reduction), the input gradient of a 
 sum that tensor parallel's own all-reduce completes, a reduction these hooks cannot observe), and an embedding or a
 normalisation layer whose weight tensor parallel shards. A TP slice's forward output is checked as any Linear's
 (``Y r`` against ``X (Wᵀ r)``, row by row) on the local GEMM's own output: a colwise slice's columns, a rowwise
-slice's partial sums before the plan's hook reduces them; not where the hooks see an output already reduced, or a
-rowwise slice's bias added across the reduction.
+slice's partial sums before the plan's hook reduces them (with the share of a replicated bias DTensor adds to each,
+``tp.bias_shares``); not where the hooks see an output already reduced.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 from ...dtensors import is_dtensor, local
 from ...errors import GuardConfigurationError
 from ..tp import (
+    bias_shares,
     gemm_output,
     gradient_problem,
     linear_problem,
@@ -139,6 +140,11 @@ class ShardedGradientChecks(GradientChecks):
             # W s and Wᵀ r of the local slice, as any layer's
             if self.forward and self.on and torch.is_grad_enabled() and layer.r is not None and layer.tag != self._tag:
                 self.weights.prepare(layer, self._tag)
+                w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
+                shares = bias_shares(placements(w), placements(b), tuple(w.device_mesh.shape)) \
+                    if is_dtensor(w) and is_dtensor(b) else 1
+                if shares > 1 and layer.br is not None:
+                    layer.br = layer.br / shares  # a rowwise slice's share of its bias (``tp.bias_shares``)
             return None
         return super()._linear_pre(mod, args)
 
@@ -156,10 +162,9 @@ class ShardedGradientChecks(GradientChecks):
                 self.problems.append(problem)
             return
         # The forward check compares the local GEMM's own output: where the hooks see its partial sums already
-        # all-reduced, or a rowwise slice's bias added across the reduction, there is none to compare
+        # all-reduced there is none to compare
         gemm = gemm_output(placements(getattr(mod, "weight", None)), placements(x))
-        own = is_dtensor(out) and output_is_the_gemms(gemm, placements(out), getattr(x, "ndim", 0)) and not (
-            layer.bias is not None and any(g.is_partial() for g in gemm))
+        own = is_dtensor(out) and output_is_the_gemms(gemm, placements(out), getattr(x, "ndim", 0))
         if not own and self.forward and layer.name not in self._no_forward:
             self._no_forward.append(layer.name)
         super()._linear_forward(mod, (local(x), *args[1:]), out, local(out) if own else None)

@@ -3,6 +3,7 @@ unguarded, beside the guard's own estimate for the same run.
 
     .venv/bin/python tools/bench/bench_recipes.py --pairs 3 --steps 30            # every recipe
     .venv/bin/python tools/bench/bench_recipes.py --recipe loss_parallel --pairs 3
+    .venv/bin/python tools/bench/bench_recipes.py --recipe hf_ddp --pairs 3 --no-abft   # the other checks' floor
 
 Recipes (gloo, CPU, one thread per rank, tiny models):
 
@@ -63,6 +64,13 @@ def report(out: str, times: list[float], warmup: int, guard: Any) -> None:
         json.dump({"median_s": statistics.median(kept), "steps": len(kept), "estimate": estimate(guard)}, f)
 
 
+def config(args: argparse.Namespace) -> Any:
+    """``GuardConfig()``, or with ``--no-abft`` the same without ABFT (the floor of the other per-step checks)."""
+    from verified_ckpt import GuardConfig
+
+    return GuardConfig(abft=False) if args.no_abft else GuardConfig()
+
+
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
@@ -76,7 +84,7 @@ def titan(args: argparse.Namespace) -> None:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import test_titan_plans as tt
 
-    from verified_ckpt import GuardConfig, SDCGuard
+    from verified_ckpt import SDCGuard
 
     # The stand-in's sizes are module constants, read as the model is built and each batch drawn.
     tt.DIM, tt.SEQ, tt.BATCH = args.titan_dim, args.titan_seq, args.titan_batch
@@ -86,7 +94,7 @@ def titan(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = tt.parallelize(tt.Transformer(), mesh, args.recipe)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = SDCGuard(model, opt, tt.loss_fn, GuardConfig()) if args.variant == "guarded" else None
+    guard = SDCGuard(model, opt, tt.loss_fn, config(args)) if args.variant == "guarded" else None
     times = []
     for step in range(args.steps):
         batch = tt.tokens(position, step)
@@ -167,7 +175,7 @@ def hf(args: argparse.Namespace) -> None:
         clock = Clock()
         common = {"model": model, "args": targs, "train_dataset": Tokens(4 * world * args.steps), "callbacks": [clock]}
         if args.variant == "guarded":
-            trainer: Any = VerifiedTrainer(run=os.path.join(tmp, "run"), **common)
+            trainer: Any = VerifiedTrainer(run=os.path.join(tmp, "run"), guard_config=config(args), **common)
         else:
             trainer = PlainFSDP2(**common) if args.recipe.startswith("hf_fsdp2") else tf.Trainer(**common)
         trainer.train()
@@ -203,7 +211,7 @@ def lightning(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     seed_everything(0, verbose=False)
     clock = Clock()
-    guard = SDCGuardCallback() if args.variant == "guarded" else None
+    guard = SDCGuardCallback(config(args)) if args.variant == "guarded" else None
     with tempfile.TemporaryDirectory() as tmp:
         plugins = [VerifiedCheckpointIO(os.path.join(tmp, "run"))] if guard else []
         trainer = Trainer(strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
@@ -224,7 +232,8 @@ def launch(args: argparse.Namespace, recipe: str, variant: str) -> dict[str, Any
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS[recipe]),
                os.path.abspath(__file__), "--child", recipe, "--variant", variant, "--out", out,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--titan-dim", str(args.titan_dim),
-               "--titan-seq", str(args.titan_seq), "--titan-batch", str(args.titan_batch)]
+               "--titan-seq", str(args.titan_seq), "--titan-batch", str(args.titan_batch),
+               *(["--no-abft"] if args.no_abft else [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.abspath(ROOT)}
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.launch_timeout, env=env, check=False)
         if done.returncode != 0 or not os.path.exists(out):
@@ -281,6 +290,7 @@ def main() -> None:
     ap.add_argument("--titan-batch", type=int, default=4)
     ap.add_argument("--launch-timeout", type=float, default=600.0, help="seconds one launch may take")
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--no-abft", action="store_true", help="guarded launches with GuardConfig(abft=False): the floor")
     ap.add_argument("--child", choices=RECIPES, help=argparse.SUPPRESS)
     ap.add_argument("--variant", choices=("plain", "guarded"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

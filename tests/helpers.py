@@ -1,7 +1,9 @@
-"""Small builders shared by tests: a deterministic model and training state, free ports, torchrun, op counts."""
+"""Small builders shared by tests: a deterministic model and training state, free ports, torchrun, op counts, and a
+child process that runs Triton kernels under its interpreter."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -85,6 +87,18 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float) -> subprocess.
     with cores(nproc):
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def interpreted(expression: str, timeout: float = 50) -> dict:
+    """The JSON that ``expression`` (Python, run from ``tests/``) gives in a child process with ``TRITON_INTERPRET=1``:
+    ``triton.jit`` reads the variable when it defines a kernel, and a kernel this process defined first (on a GPU, by
+    an earlier test) would stay compiled."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", f"import json; print(json.dumps({expression}))"], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=os.path.dirname(os.path.abspath(__file__)), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got: dict = json.loads(proc.stdout.strip().splitlines()[-1])
+    return got
 
 
 class Kernels(TorchDispatchMode):

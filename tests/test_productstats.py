@@ -10,12 +10,9 @@ sum; the errors below are divided by ``2 d u Σ|a_i v_i|`` (the norms by ``2 d u
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
+import helpers
 import pytest
 import torch
 
@@ -122,13 +119,7 @@ def relative(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> l
 @pytest.fixture(scope="module")
 def kernel() -> dict:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = "import json, test_productstats; print(json.dumps(test_productstats.interpreted()))"
-    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=50, env=env,
-                          cwd=os.path.dirname(__file__), check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got: dict = json.loads(proc.stdout.strip().splitlines()[-1])
-    return got
+    return helpers.interpreted("__import__('test_productstats').interpreted()")
 
 
 def test_the_kernel_equals_float64_within_float32_rounding_on_every_layout_attention_hands_it(kernel):

@@ -13,12 +13,9 @@ float32 exactly). The norms likewise, by at most ``2 d u ‖a‖``. Errors below
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
+import helpers
 import pytest
 import torch
 
@@ -202,14 +199,9 @@ def interpreted_weights() -> dict[str, object]:
 @pytest.fixture(scope="module")
 def kernel() -> dict:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = ("import json, test_rowstats; print(json.dumps({**test_rowstats.interpreted(), "
-             "'norms': test_rowstats.interpreted_norms(), 'weights': test_rowstats.interpreted_weights()}))")
-    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=50, env=env,
-                          cwd=os.path.dirname(__file__), check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got: dict = json.loads(proc.stdout.strip().splitlines()[-1])
-    return got
+    t = "__import__('test_rowstats')"
+    return helpers.interpreted(f"{{**{t}.interpreted(), 'norms': {t}.interpreted_norms(), "
+                               f"'weights': {t}.interpreted_weights()}}")
 
 
 def test_the_kernel_equals_the_torch_path_within_float32_rounding(kernel):

@@ -53,6 +53,8 @@ def test_gpu_check_small_mode_writes_every_section_and_fingerprints_agree(tmp_pa
             assert w["kernel"]["step"]["max_rel_diff_vs_torch"] < 1e-5, w["kernel"]
         # The weights' one-read kernel beside the torch path's three passes (CUDA only: here the torch path alone)
         assert w["kernel"]["weights"]["torch_gb_s"] > 0 and "not run" in w["kernel"]["weights"]["weight_stats"], w
+        # And an eager attention's product check beside its torch path (the kernel on CUDA only)
+        assert w["kernel"]["products"]["torch_gb_s"] > 0 and "not run" in w["kernel"]["products"]["product_stats"], w
     assert set(r["seconds"]) == {"equality", "guard_cost", "throughput", "consensus", "step", "owner", "hf", "io"}
 
 

@@ -140,7 +140,10 @@ def _kept(part: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def prediction(device: torch.device, plain: Callable[[], None], guarded: Callable[[], None],
                sum_gb_s: float | None) -> dict[str, Any]:
-    """The cost model's overhead for the steps just measured, from one of each counted on this device."""
+    """The cost model's overhead for the steps just measured, from one of each counted on this device, as under DDP
+    (``under_ddp``): the steps measured here run in one process, where the guard copies the gradients into one
+    buffer and scales nothing; under DDP the copy is the reducer's in both steps and the guarded one scales each
+    bucket instead, the same bytes added."""
     from abft_cost_model import counted, predict, under_ddp
 
     p, g = under_ddp(counted(plain)[0], counted(guarded)[0])

@@ -155,16 +155,16 @@ class ShardedGradientChecks(GradientChecks):
         if layer is None or not layer.tp or not self.on:
             return
         x = args[0] if args else None
-        problem = linear_problem(layer.name, placements(getattr(mod, "weight", None)), placements(x),
-                                 getattr(x, "ndim", 0), placements(out) if is_dtensor(out) else None)
+        weight, given, seen, dims = placements(getattr(mod, "weight", None)), placements(x), placements(out), \
+            getattr(x, "ndim", 0)
+        problem = linear_problem(layer.name, weight, given, dims, seen or None)  # () : a plain output, not known
         if problem is not None:
             if problem not in self.problems:
                 self.problems.append(problem)
             return
         # The forward check compares the local GEMM's own output: where the hooks see its partial sums already
         # all-reduced there is none to compare
-        gemm = gemm_output(placements(getattr(mod, "weight", None)), placements(x))
-        own = is_dtensor(out) and output_is_the_gemms(gemm, placements(out), getattr(x, "ndim", 0))
+        own = bool(seen) and output_is_the_gemms(gemm_output(weight, given), seen, dims)
         if not own and self.forward and layer.name not in self._no_forward:
             self._no_forward.append(layer.name)
         super()._linear_forward(mod, (local(x), *args[1:]), out, local(out) if own else None)

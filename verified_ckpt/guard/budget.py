@@ -143,6 +143,11 @@ class Stopwatch:
         self._taken: float | None = None  # when the last figures were taken (the step's gather)
         self._tail = 0.0  # the guard's own work after the last gather: the next step's, in its time and its floor
         self._waited = 0.0  # the last gather's wait for the device (a GPU's backward): training's time, not the guard's
+        # ABFT's hook calls and the torch calls its product checks' mode intercepted this step, and what each costs
+        # beyond its timed body (``abft/dispatch.py``, calibrated there): charged to ABFT's figure at ``take``
+        self.hooks = 0
+        self.intercepted = 0
+        self.dispatch = (0.0, 0.0)
 
     def start(self) -> None:
         """The step's first microbatch begins."""
@@ -154,8 +159,10 @@ class Stopwatch:
         now = time.perf_counter()
         periodic = max(self.consensus, 0.0) + max(self.audit, 0.0)
         step = now - self._mark + self.update + periodic + self._tail if self._mark is not None else 0.0
-        got = Costs(step, self.floor, self.abft, self.consensus, self.audit)
+        abft = self.abft + self.hooks * self.dispatch[0] + self.intercepted * self.dispatch[1]
+        got = Costs(step, self.floor, abft, self.consensus, self.audit)
         self._mark, self.floor, self.abft, self.consensus, self.audit, self.update = None, 0.0, 0.0, -1.0, -1.0, 0.0
+        self.hooks = self.intercepted = 0
         self._taken, self._tail = now, 0.0
         return got
 

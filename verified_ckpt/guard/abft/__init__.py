@@ -38,7 +38,8 @@ checks for all its products and row norms: a Triton kernel on CUDA), ``productst
 attention's batched products for their check: a Triton kernel on CUDA), ``weights`` (what the checks need of each
 weight, once a step, per group of like-shaped layers), ``shared`` (one read of an input several layers take:
 attention's q, k and v), ``measured`` (gradients measured where whole, judged once at the step's end over every
-bucket). The hooks record; the checks run batched per step. Not covered:
+bucket), ``dispatch`` (the hooks' timing, and what their dispatch costs the host beyond it, for the budget's
+estimate). The hooks record; the checks run batched per step. Not covered:
 elementwise layers, convolutions, and any parameter of another module type. Coverage is reported at the first
 step as a share of parameters and of backward FLOPs.
 """

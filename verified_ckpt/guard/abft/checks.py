@@ -7,7 +7,6 @@ import contextlib
 import fnmatch
 import functools
 import math
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ from ...dtensors import local
 from ..budget import Stopwatch
 from ..stats import worst
 from . import norms
+from .dispatch import timed, timer
 from .flops import QUIET, FlopCount
 from .forward import Forwards
 from .layers import (
@@ -43,20 +43,6 @@ from .weights import Weights
 __all__ = ["GradientChecks"]
 
 
-def _own(watch: Stopwatch, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, the checks' own work: timed as ABFT's, and not counted as the backward's FLOPs (coverage's
-    denominator). One plain closure: the hooks wrap a callback per forward, and ``functools.wraps`` cost more."""
-    def run(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            with QUIET:
-                return fn(*args, **kwargs)
-        finally:
-            watch.abft += time.perf_counter() - t0
-
-    return run
-
-
 class GradientChecks:
     """Installs the hooks on a module's Linear-like and ``nn.Embedding`` layers and checks their gradients.
 
@@ -78,7 +64,7 @@ class GradientChecks:
         self.paused = False  # audit recomputation and warm-up passes are not this step's gradients
         self.enabled = True  # the budget's choice for this step (the first step always runs: it measures coverage)
         self.watch = watch or Stopwatch()
-        self.own: Callable[[Callable[..., Any]], Callable[..., Any]] = functools.partial(_own, self.watch)
+        self.own = timer(self.watch)  # times each hook, and charges its dispatch (``dispatch.py``)
         for hook in ("_linear_pre", "_linear_forward", "_embedding_forward", "_input_grad"):  # their time is ABFT's
             setattr(self, hook, self.own(getattr(self, hook)))
         self.covered: dict[int, Covered] = {}
@@ -136,7 +122,8 @@ class GradientChecks:
         self._shared = SharedInputs(self.group_weights)  # layers that read one input: read once a step for all
         # Attention's products, at their step (``products.py``); not inside torch.compile'd code, which would trace
         # the mode into its graphs.
-        self.products = ProductChecks(lambda: self.on, slack, seed, None if in_compiled else module, self.own)
+        self.products = ProductChecks(lambda: self.on, slack, seed, None if in_compiled else module,
+                                      functools.partial(timed, self.watch, counted=False), self.watch)
 
     def _install(self, name: str, mod: torch.nn.Module, kind: str, names: dict[int, str], index: dict[int, int],
                  g: torch.Generator) -> Layer:

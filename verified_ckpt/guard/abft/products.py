@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 from ...dtensors import is_dtensor
+from ..budget import Stopwatch
 from .productstats import product_stats
 from .rowstats import project, row_norms, rows_of
 from .sums import EPS32, RMS, floored, matmul_eps, per_call, signed_weights, unit_roundoff, worst_rows
@@ -55,12 +56,15 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 class ProductChecks(TorchFunctionMode):
     """This rank's checks of the forward's batched products (module doc). ``on()``: whether this step is checked;
     ``slack``: the bound's safety factor; ``module``: the model whose forwards are watched (``None``: none);
-    ``timed``: wraps the checks' own work so that the budget counts it as ABFT's."""
+    ``timed``: wraps the checks' own work so that the budget counts it as ABFT's; ``watch``: the budget's
+    stopwatch, which charges the mode's interceptions and module hooks at their calibrated rate."""
 
     def __init__(self, on: Callable[[], bool], slack: float, seed: int, module: torch.nn.Module | None,
-                 timed: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn) -> None:
+                 timed: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn,
+                 watch: Stopwatch | None = None) -> None:
         super().__init__()
         self.on, self.slack, self.timed = on, slack, timed  # ``timed``: the budget's stopwatch for ABFT's time
+        self.watch = watch or Stopwatch()
         self._g = torch.Generator().manual_seed(seed + 104729)
         self._r: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._stack: list[str] = []  # the modules whose forward is running, outermost first
@@ -88,6 +92,7 @@ class ProductChecks(TorchFunctionMode):
 
     def _enter(self, name: str) -> Callable[..., None]:
         def pre(_mod: torch.nn.Module, _args: Any) -> None:
+            self.watch.hooks += 1
             if not self._stack:
                 if not self.on() or not torch.is_grad_enabled():
                     return
@@ -97,6 +102,7 @@ class ProductChecks(TorchFunctionMode):
         return pre
 
     def _leave(self, _mod: torch.nn.Module, _args: Any, _out: Any) -> None:
+        self.watch.hooks += 1
         if not self._stack:
             return
         self._stack.pop()
@@ -135,17 +141,20 @@ class ProductChecks(TorchFunctionMode):
                 sub.register_forward_hook(self._resume, always_call=True)  # after them
 
     def _suspend(self, _mod: torch.nn.Module, _args: Any) -> None:
+        self.watch.hooks += 1
         left = bool(self._stack) and _get_current_function_mode() is self  # never another mode pushed above it
         if left:
             self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         self._suspended.append(left)
 
     def _resume(self, _mod: torch.nn.Module, _args: Any, _out: Any) -> None:
+        self.watch.hooks += 1
         if self._suspended and self._suspended.pop():
             self.__enter__()  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------ the checks
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.watch.intercepted += 1
         kwargs = kwargs or {}
         if func is _SDPA:
             return self._attention(func, args, kwargs)

@@ -1,0 +1,132 @@
+"""What ABFT's hooks cost the host around their own work, calibrated once per process.
+
+The budget times each of ABFT's hooks from its first line to its return (:func:`timed`). What happens around
+that is as real and was untimed, so the estimate read it as training's time (the step without the guard looked
+slower, the guard cheaper): autograd's C++ calling back into Python for each tensor hook, a module call leaving
+its fast path for its hooks, the view node each tapped input adds, the wrapper's own call; and for the product
+checks' ``TorchFunctionMode``, the packing and dispatch of every torch call it intercepts. On a two-layer Hugging
+Face Llama that is 89 hook calls and 92 interceptions a step, where the stopwatch saw 73 % of what ABFT added
+(docs/BENCHMARKS.md, "The estimate's dispatch costs").
+
+:func:`costs` measures both once per process on a tiny ``nn.Linear`` (a few milliseconds, at the guard's
+construction), and the stopwatch charges each hook call and interception counted in a step at that rate
+(``budget.Stopwatch.take``). The figures are host time on this machine at the time of the calibration: what a
+hook's dispatch costs does not depend on the tensors' sizes, so the tiny layer stands for any.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..budget import Stopwatch
+from .flops import QUIET
+
+__all__ = ["costs", "timed", "timer"]
+
+_ROUNDS = 9  # calibration pairs (the median is kept: a pair the scheduler interrupted is an outlier)
+_CALLS = 8  # forwards and backwards, or intercepted calls, per round
+
+
+def timed(watch: Stopwatch, fn: Callable[..., Any], counted: bool = True) -> Callable[..., Any]:
+    """``fn``, the checks' own work: timed as ABFT's, and not counted as the backward's FLOPs (coverage's
+    denominator). ``counted``: ``fn`` is a hook that autograd or a module call dispatches (not a function the
+    checks call themselves), whose dispatch the stopwatch charges at :func:`costs`' rate. One plain closure: the
+    hooks wrap a callback per forward, and ``functools.wraps`` cost more."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            with QUIET:
+                return fn(*args, **kwargs)
+        finally:
+            watch.abft += time.perf_counter() - t0
+            watch.hooks += counted
+
+    return run
+
+
+def timer(watch: Stopwatch) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """What wraps each of ABFT's hooks for ``watch`` (:func:`timed`), the stopwatch given this process's dispatch
+    costs to charge them at."""
+    watch.dispatch = costs()
+    return functools.partial(timed, watch)
+
+
+@functools.cache
+def costs() -> tuple[float, float]:
+    """Seconds per hook call beyond what :func:`timed` times, and per torch call a ``TorchFunctionMode``
+    intercepts; measured once per process. ``(0.0, 0.0)`` where the calibration cannot run here (a mode of the
+    caller's own is active, say): the estimate then counts the hooks' bodies only, as it did before."""
+    try:
+        # The Linear's initialisation draws from the CPU generator: training's random state is put back after
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+            return _per_hook(), _per_interception()
+    except Exception:  # noqa: BLE001 - an estimate's refinement must never stop a guard from starting
+        return 0.0, 0.0
+
+
+def _per_hook() -> float:
+    """A Linear's four hooks as ABFT installs them (a pre-hook tapping the input through a view with a tensor
+    hook, a forward hook registering one on the output), their bodies empty and :func:`timed`: the round's time
+    with them, less its time without, less what their stopwatch timed, per hook call."""
+    lin = torch.nn.Linear(4, 4)
+    x = torch.ones(2, 4, requires_grad=True)
+    watch = Stopwatch()
+    grad_hook = timed(watch, lambda g: None)
+
+    def pre(_m: torch.nn.Module, args: Any) -> Any:
+        tapped = args[0].view_as(args[0])
+        tapped.register_hook(grad_hook)
+        return (tapped,)
+
+    def post(_m: torch.nn.Module, _args: Any, out: torch.Tensor) -> None:
+        out.register_hook(grad_hook)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        for _ in range(_CALLS):
+            lin(x).sum().backward()
+        return time.perf_counter() - t0
+
+    once()  # the first backward's own set-up, in neither figure
+    hooks = (lin.register_forward_pre_hook(timed(watch, pre)), lin.register_forward_hook(timed(watch, post)))
+    extra = []
+    try:
+        for _ in range(_ROUNDS):  # alternated: a slower stretch of the machine falls on both sides of a pair
+            for h in hooks:
+                h.remove()
+            plain = once()
+            hooks = (lin.register_forward_pre_hook(timed(watch, pre)), lin.register_forward_hook(timed(watch, post)))
+            before = watch.abft
+            extra.append((once() - plain - (watch.abft - before)) / (4 * _CALLS))
+    finally:
+        for h in hooks:
+            h.remove()
+    return max(statistics.median(extra), 0.0)
+
+
+class _Passing(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def _per_interception() -> float:
+    """One torch call inside a mode that passes every call through, less the same call outside it."""
+    a = torch.ones(4)
+
+    def once(mode: TorchFunctionMode | None) -> float:
+        t0 = time.perf_counter()
+        with mode if mode is not None else contextlib.nullcontext():
+            for _ in range(_CALLS):
+                torch.add(a, a)
+        return time.perf_counter() - t0
+
+    mode = _Passing()
+    return max(statistics.median((once(mode) - once(None)) / _CALLS for _ in range(_ROUNDS)), 0.0)

@@ -58,11 +58,11 @@ def vector(lead: tuple[int, ...], d: int, shared: bool, seed: int) -> torch.Tens
 def interpreted() -> dict[str, object]:
     """What the child process measures: the kernel against float64 over every case, the product's statistics
     against the torch path's, one fault and one NaN."""
-    from verified_ckpt.guard.abft import rowstats
+    from verified_ckpt.guard.abft import tiles
     from verified_ckpt.guard.abft.productstats import batched_row_stats
 
     product_stats(*attention(), torch.ones(9))  # CPU tensors: the torch path, which never asks for Triton
-    untouched = rowstats._triton.cache_info().currsize == 0
+    untouched = tiles.triton_module.cache_info().currsize == 0
     errors = []
     for k, (lead, n, d, dtype, layout, shared) in enumerate(cases()):
         a, v = tensor(lead, n, d, dtype, layout, k), vector(lead, d, shared, k)

@@ -71,11 +71,11 @@ def scaled_errors(a: torch.Tensor, vecs: torch.Tensor, got: tuple[torch.Tensor, 
 
 def interpreted() -> dict[str, object]:
     """What the child process measures: the kernel against the torch path over every case, and one fault."""
-    from verified_ckpt.guard.abft import rowstats
+    from verified_ckpt.guard.abft import tiles
     from verified_ckpt.guard.abft.rowstats import triton_row_stats
 
     row_stats(*inputs(3, 4, 2, "float32", "contiguous"))
-    untouched = rowstats._triton.cache_info().currsize == 0  # the CPU path never asks for Triton
+    untouched = tiles.triton_module.cache_info().currsize == 0  # the CPU path never asks for Triton
     errors = []
     for case in cases():
         a, vecs = inputs(*case)

@@ -35,7 +35,8 @@ Normalisation layers are checked by ``norms``, attention's forward products by `
 ``layers`` (what is covered, the coverage report), ``sums`` (the arithmetic and bounds), ``verdict`` (every rank's
 worst ratio judged), ``flops`` (the backward's FLOPs, for coverage), ``rowstats`` (one read of each tensor a hook
 checks for all its products and row norms: a Triton kernel on CUDA), ``productstats`` (one read of each tensor of
-attention's batched products for their check: a Triton kernel on CUDA), ``weights`` (what the checks need of each
+attention's batched products for their check: a Triton kernel on CUDA), ``tiles`` (what those kernels share:
+Triton imported at the first call on CUDA, the tiles' sizes), ``weights`` (what the checks need of each
 weight, once a step, per group of like-shaped layers), ``shared`` (one read of an input several layers take:
 attention's q, k and v), ``measured`` (gradients measured where whole, judged once at the step's end over every
 bucket), ``dispatch`` (the hooks' timing, and what their dispatch costs the host beyond it, for the budget's

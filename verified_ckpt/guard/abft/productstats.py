@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .rowstats import _BLOCK_D, _BLOCK_N, _needed, _pow2, _triton
+from .tiles import BLOCK_D, BLOCK_N, needed, pow2, triton_module
 
 __all__ = ["ProductRows", "batched_row_stats", "product_stats", "torch_product_stats", "triton_product_stats"]
 
@@ -41,7 +41,7 @@ ProductRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 def product_stats(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> ProductRows:
     """What the check of ``C = A @ B`` needs (module doc), for float32 ``r`` over ``C``'s columns: one read of each
     tensor on CUDA, the torch path elsewhere and where the leading dimensions broadcast."""
-    if c.is_cuda and _triton() is not None and _batched(a, b, c):
+    if c.is_cuda and triton_module() is not None and _batched(a, b, c):
         return triton_product_stats(a, b, c, r)
     return torch_product_stats(a, b, c, r)
 
@@ -81,10 +81,10 @@ def batched_row_stats(a: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, t
     norms = torch.empty((nb, heads, n), dtype=torch.float32, device=a.device)
     if proj.numel():
         # The batch on the grid's first axis (2³¹ programs); a block of rows on its second (65,535: 1M rows)
-        grid = (nb * heads, -(-n // _BLOCK_N))
+        grid = (nb * heads, -(-n // BLOCK_N))
         with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
-            _kernel()[grid](a4, v3, proj, norms, heads, n, d, *a4.stride(), *v3.stride(), BLOCK_N=_BLOCK_N,
-                            BLOCK_D=min(_BLOCK_D, _pow2(d)))
+            _kernel()[grid](a4, v3, proj, norms, heads, n, d, *a4.stride(), *v3.stride(), BLOCK_N=BLOCK_N,
+                            BLOCK_D=min(BLOCK_D, pow2(d)))
     if a.dim() == 3:
         return proj[:, 0], norms[:, 0]
     return proj, norms
@@ -98,7 +98,7 @@ def _batched(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
 @functools.cache
 def _kernel() -> Any:
     """The kernel, defined on first use: ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates."""
-    triton = _needed("batched_row_stats")
+    triton = needed("batched_row_stats")
     import triton.language as tl
 
     @triton.jit

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from .sums import scalar_on
+from .tiles import BLOCK_D, BLOCK_N, needed, pow2, triton_module
 
 __all__ = ["MAX_VECTORS", "NormRows", "norm_stats", "project", "row_norms", "row_stats", "rows_of", "torch_norm_stats",
            "torch_row_stats", "torch_weight_stats", "triton_norm_stats", "triton_row_stats", "triton_weight_stats",
@@ -52,7 +53,6 @@ __all__ = ["MAX_VECTORS", "NormRows", "norm_stats", "project", "row_norms", "row
 # The most projections one read returns (the kernel keeps one float32 column per vector): a layer's two, or
 # those of up to four layers that read one input (``shared.py``: attention's q, k and v)
 MAX_VECTORS = 8
-_BLOCK_N, _BLOCK_D = 16, 128  # rows by columns per tile: 2048 float32 per program, with room for the products
 _W_BLOCK_N = 32  # a weight's rows per program (``triton_weight_stats``): its partial sums are 1/16 of W's float32 bytes
 
 
@@ -62,7 +62,7 @@ def row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.
     ``norms`` the rows' norms, not floored (``sums.floored`` after the step's are joined); one vector ``vecs[d]``
     gives ``proj[n]``. One read of ``a``: a Triton kernel on
     CUDA, the torch ops elsewhere."""
-    if a.is_cuda and _triton() is not None:
+    if a.is_cuda and triton_module() is not None:
         return triton_row_stats(a, vecs)
     return torch_row_stats(a, vecs)
 
@@ -71,7 +71,7 @@ def project(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``a.float() @ v`` (float32 ``[n]``) of a 2-D ``a`` and a float32 ``v[d]``, where no row norm is wanted (the
     input-gradient check's ``dX s``): on CUDA the kernel's one read of ``a`` in its own dtype (its norms, taken in
     registers, are dropped: a bf16 ``dX`` is not copied to float32 first), elsewhere ``mv`` alone."""
-    if a.is_cuda and _triton() is not None:
+    if a.is_cuda and triton_module() is not None:
         return triton_row_stats(a, v)[0]
     return torch.mv(a if a.dtype == torch.float32 else a.float(), v)
 
@@ -80,7 +80,7 @@ def row_norms(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """float32 ``‖a_n‖`` of a 2-D ``a`` (``v``: any float32 vector of its width), where no projection is wanted
     (attention's ``q`` and ``k``): on CUDA the kernel's one read in ``a``'s own dtype (its projection on ``v``,
     taken in registers, is dropped), elsewhere the norm alone."""
-    if a.is_cuda and _triton() is not None:
+    if a.is_cuda and triton_module() is not None:
         return triton_row_stats(a, v)[1]
     norms: torch.Tensor = torch.linalg.vector_norm(a if a.dtype == torch.float32 else a.float(), dim=1)
     return norms
@@ -120,7 +120,7 @@ def norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rst
     twice and writes the product."""
     if rstd is None and mean is not None:
         raise ValueError("norm_stats takes a LayerNorm's rows with their rstd: only an RMSNorm's is taken here")
-    if dy.is_cuda and _triton() is not None:
+    if dy.is_cuda and triton_module() is not None:
         return triton_norm_stats(dy, x, mean, rstd, vg, vb, eps)
     return torch_norm_stats(dy, x, mean, rstd, vg, vb, eps)
 
@@ -162,11 +162,11 @@ def triton_norm_stats(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | No
         r = zero if rstd is None else rstd.reshape(-1).float().contiguous()  # not read without: taken from x
         m = r if mean is None else mean.reshape(-1).float().contiguous()  # not read without a mean
         with torch.cuda.device(dy.device) if dy.is_cuda else contextlib.nullcontext():
-            _norm_kernel()[(-(-n // _BLOCK_N),)](
+            _norm_kernel()[(-(-n // BLOCK_N),)](
                 dy, x, m, r, zero if vg is None else vg.float().contiguous(), zero if vb is None else vb.float().contiguous(),
                 out, n, d, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), float(eps), HAS_MEAN=mean is not None,
-                HAS_RSTD=rstd is not None, HAS_G=vg is not None, HAS_B=vb is not None, BLOCK_N=_BLOCK_N,
-                BLOCK_D=min(_BLOCK_D, _pow2(d)))
+                HAS_RSTD=rstd is not None, HAS_G=vg is not None, HAS_B=vb is not None, BLOCK_N=BLOCK_N,
+                BLOCK_D=min(BLOCK_D, pow2(d)))
     return (out[0] if vb is not None else None, out[1], out[2] if vg is not None else None,
             out[3] if vg is not None else None)
 
@@ -195,10 +195,10 @@ def triton_row_stats(a: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor,
     if n == 0:
         return proj, norms
     kernel = _kernel()
-    grid = (-(-n // _BLOCK_N),)
+    grid = (-(-n // BLOCK_N),)
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         kernel[grid](a, vecs, proj, norms, n, d, a.stride(0), a.stride(1), vecs.stride(0) if vecs.dim() == 2 else d,
-                     C=c, BLOCK_C=1 << (c - 1).bit_length(), BLOCK_N=_BLOCK_N, BLOCK_D=min(_BLOCK_D, _pow2(d)))
+                     C=c, BLOCK_C=1 << (c - 1).bit_length(), BLOCK_N=BLOCK_N, BLOCK_D=min(BLOCK_D, pow2(d)))
     return proj, norms
 
 
@@ -236,7 +236,7 @@ def column_squares(wo: torch.Tensor) -> torch.Tensor:
 
 def weight_kernel_for(w: torch.Tensor) -> bool:
     """Whether :func:`triton_weight_stats` takes ``w``'s per-step values: a plain CUDA matrix, where Triton imports."""
-    return w.is_cuda and w.dim() == 2 and type(w) in (torch.Tensor, torch.nn.Parameter) and _triton() is not None
+    return w.is_cuda and w.dim() == 2 and type(w) in (torch.Tensor, torch.nn.Parameter) and triton_module() is not None
 
 
 def triton_weight_stats(wo: torch.Tensor, s: torch.Tensor, r: torch.Tensor, ws: torch.Tensor,
@@ -256,40 +256,17 @@ def triton_weight_stats(wo: torch.Tensor, s: torch.Tensor, r: torch.Tensor, ws: 
         with torch.cuda.device(wo.device) if wo.is_cuda else contextlib.nullcontext():
             _weight_kernel()[(programs,)](wo, s.float().contiguous(), r.float().contiguous(), ws, part, n, d,
                                           wo.stride(0), wo.stride(1), BLOCK_N=_W_BLOCK_N,
-                                          BLOCK_D=min(_BLOCK_D, _pow2(d)))
+                                          BLOCK_D=min(BLOCK_D, pow2(d)))
     sums = part.sum(0)
     if wr is not None:
         wr.copy_(sums[0])
     return sums[1]
 
 
-def _pow2(d: int) -> int:
-    """The power of two at or above ``d`` (and at least 16: a tile's smallest width)."""
-    return max(16, 1 << (max(d, 1) - 1).bit_length())
-
-
-@functools.cache
-def _triton() -> Any:
-    """The ``triton`` module, or ``None`` where it does not import (a CPU-only install)."""
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton
-
-
-def _needed(name: str) -> Any:
-    """``triton`` for ``name``'s kernel, or a one-line error naming the torch path."""
-    triton = _triton()
-    if triton is None:
-        raise RuntimeError(f"{name}' kernel needs Triton: install it (`pip install triton`) or use torch_{name}")
-    return triton
-
-
 @functools.cache
 def _kernel() -> Any:
     """The kernel, defined on first use: ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates."""
-    triton = _needed("row_stats")
+    triton = needed("row_stats")
     import triton.language as tl
 
     @triton.jit
@@ -319,7 +296,7 @@ def _kernel() -> Any:
 @functools.cache
 def _norm_kernel() -> Any:
     """:func:`triton_norm_stats`' kernel, defined on first use (as :func:`_kernel`)."""
-    triton = _needed("norm_stats")
+    triton = needed("norm_stats")
     import triton.language as tl
 
     @triton.jit
@@ -373,7 +350,7 @@ def _norm_kernel() -> Any:
 @functools.cache
 def _weight_kernel() -> Any:
     """:func:`triton_weight_stats`' kernel, defined on first use (as :func:`_kernel`)."""
-    triton = _needed("weight_stats")
+    triton = needed("weight_stats")
     import triton.language as tl
 
     @triton.jit

@@ -43,6 +43,9 @@ class Measured:
         norm, which saves a pass over each. Without it, or where a gradient was rounded to bf16 (autocast: its own
         norm matters to the bound and a pass over it buys the detection back), each gradient's norm is computed."""
         got = [(c, g if g.dtype == torch.float32 else g.float()) for c, g in got]
+        if len(got) == 1 and sumsq is None:  # one gradient (FSDP2, tensor parallel): its products and its norm
+            c, g = got[0]
+            return Measured([c], rgs(c, g).double().view(1), norm(g).view(1), [bound_coefficients(c, g.shape, slack)])
         order, actual = projections(got)
         covered = [got[k][0] for k in order]
         low = any(c.eps_out > EPS32 for c in covered)

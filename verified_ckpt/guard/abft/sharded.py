@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ...dtensors import is_dtensor, local
+from ...dtensors import held, is_dtensor, local
 from ...errors import GuardConfigurationError
 from ..tp import (
     bias_shares,
@@ -106,11 +106,13 @@ class ShardedGradientChecks(GradientChecks):
             if id(live) not in self._alias:
                 self._alias[id(live)] = reg
                 self._first_use(layer, attr, reg, live)
+            # The stored local pieces (``held``): the checks only read their values, where ``to_local()`` is an
+            # autograd call with grad on (two a layer a forward)
             if layer is not None and attr == "weight":
-                layer.live = local(live)
+                layer.live = held(live)
             if layer is not None and attr == "bias":
                 # Read in the pre-hook: FSDP2's own post-forward hook may reshard it before the forward check runs.
-                layer.live_bias = local(live)
+                layer.live_bias = held(live)
         return layer
 
     def _first_use(self, layer: Layer | None, attr: str, pid: int, live: torch.Tensor) -> None:
@@ -167,7 +169,9 @@ class ShardedGradientChecks(GradientChecks):
         own = bool(seen) and output_is_the_gemms(gemm_output(weight, given), seen, dims)
         if not own and self.forward and layer.name not in self._no_forward:
             self._no_forward.append(layer.name)
-        super()._linear_forward(mod, (local(x), *args[1:]), out, local(out) if own else None)
+        # The output and, after the first step, the input as stored (``held``: read only); the first step's input
+        # through ``to_local()``, whose ``requires_grad`` the FLOP count of its backward reads
+        super()._linear_forward(mod, (local(x) if self.probing else held(x), *args[1:]), out, held(out) if own else None)
 
     def coverage(self) -> Coverage:
         """As :meth:`GradientChecks.coverage`, with the tensor-parallel slices whose forward output is not checked."""

@@ -406,7 +406,7 @@ def test_linear_problem_accepts_the_local_gemms_and_names_the_rest():
 def test_the_forward_check_takes_the_local_gemms_own_output_and_a_rowwise_slices_share_of_its_bias():
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    from verified_ckpt.guard.tp import bias_shares, output_is_the_gemms
+    from verified_ckpt.guard.tp import bias_shares, linear_plan, output_is_the_gemms
 
     assert output_is_the_gemms((Partial(),), (Partial(),), 3)  # rowwise partial sums, before the plan reduces them
     assert output_is_the_gemms((Shard(-1),), (Shard(2),), 3)  # colwise columns
@@ -415,6 +415,13 @@ def test_the_forward_check_takes_the_local_gemms_own_output_and_a_rowwise_slices
     assert bias_shares((Shard(1),), (Replicate(),), (4,)) == 4  # DTensor adds b / 4 to each partial sum
     assert bias_shares((Shard(0),), (Shard(0),), (4,)) == 1  # colwise: each slice adds its own piece
     assert bias_shares((Replicate(), Shard(1)), (Replicate(), Replicate()), (2, 3)) == 3
+    # What a slice's forward hook asks at every forward, from the placements alone: whether it can be checked, and
+    # whether the output its hooks see is the GEMM's own
+    assert linear_plan("wo", (Shard(1),), (Shard(-1),), 3, (Partial(),)) == (None, True)
+    assert linear_plan("wo", (Shard(1),), (Shard(-1),), 3, (Replicate(),)) == (None, False)
+    assert linear_plan("wq", (Shard(0),), (Replicate(),), 3, ()) == (None, False)  # a plain output: not known
+    problem, own = linear_plan("wq", (Shard(0),), (Shard(1),), 3, (Shard(2),))
+    assert problem is not None and problem.startswith("ABFT cannot check tensor-parallel Linear wq") and not own
 
 
 def test_loss_problem_names_a_sharded_loss_and_a_missing_loss_parallel_context():

@@ -16,6 +16,7 @@ and an audit's recomputation runs under the same context the step used.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import sys
 from collections.abc import Iterator, Sequence
@@ -25,8 +26,9 @@ import torch
 
 from ..dtensors import is_dtensor
 
-__all__ = ["bias_shares", "gemm_output", "gradient_problem", "linear_problem", "loss_parallel_active", "loss_problem",
-           "loss_value", "output_is_the_gemms", "output_seen_is_local", "placements", "refusal", "replaying_under"]
+__all__ = ["bias_shares", "gemm_output", "gradient_problem", "linear_plan", "linear_problem", "loss_parallel_active",
+           "loss_problem", "loss_value", "output_is_the_gemms", "output_seen_is_local", "placements", "refusal",
+           "replaying_under"]
 
 _FIX_OUTPUT = ("apply the plan with torch's parallelize_module and ColwiseParallel/RowwiseParallel (their output hooks "
                "run after the guard's; torchtitan 0.3's modules redistribute inside their forward), or "
@@ -70,6 +72,16 @@ def linear_problem(name: str, weight: tuple[Any, ...], x: tuple[Any, ...], x_dim
         return None
     return (f"ABFT cannot check tensor-parallel Linear {name}: its forward hooks see its output placed {_spelt(out)}, "
             f"already redistributed from its local GEMM's {_spelt(gemm_output(weight, x))}; {_FIX_OUTPUT}")
+
+
+@functools.lru_cache(maxsize=4096)
+def linear_plan(name: str, weight: tuple[Any, ...], x: tuple[Any, ...], x_dims: int,
+                out: tuple[Any, ...]) -> tuple[str | None, bool]:
+    """:func:`linear_problem` of a slice whose hooks see its output placed ``out`` (``()``: a plain output), and
+    whether that output is the local GEMM's own (:func:`output_is_the_gemms`, what the forward check compares).
+    Pure functions of the placements, asked at every forward of every slice: taken once per layout."""
+    problem = linear_problem(name, weight, x, x_dims, out or None)
+    return problem, problem is None and bool(out) and output_is_the_gemms(gemm_output(weight, x), out, x_dims)
 
 
 _LAYER = re.compile(r"ABFT cannot check tensor-parallel Linear (\S+):")

@@ -33,16 +33,7 @@ import torch
 
 from ...dtensors import held, is_dtensor, local
 from ...errors import GuardConfigurationError
-from ..tp import (
-    bias_shares,
-    gemm_output,
-    gradient_problem,
-    linear_problem,
-    loss_parallel_active,
-    loss_problem,
-    output_is_the_gemms,
-    placements,
-)
+from ..tp import bias_shares, gradient_problem, linear_plan, loss_parallel_active, loss_problem, placements
 from .checks import GradientChecks
 from .layers import OUTSIDE, TP_FORWARD_UNCHECKED, Coverage, Layer, gradient_paths
 from .measured import Measured
@@ -159,14 +150,13 @@ class ShardedGradientChecks(GradientChecks):
         x = args[0] if args else None
         weight, given, seen, dims = placements(getattr(mod, "weight", None)), placements(x), placements(out), \
             getattr(x, "ndim", 0)
-        problem = linear_problem(layer.name, weight, given, dims, seen or None)  # () : a plain output, not known
+        # The forward check compares the local GEMM's own output: where the hooks see its partial sums already
+        # all-reduced there is none to compare (``own`` false)
+        problem, own = linear_plan(layer.name, weight, given, dims, seen)
         if problem is not None:
             if problem not in self.problems:
                 self.problems.append(problem)
             return
-        # The forward check compares the local GEMM's own output: where the hooks see its partial sums already
-        # all-reduced there is none to compare
-        own = bool(seen) and output_is_the_gemms(gemm_output(weight, given), seen, dims)
         if not own and self.forward and layer.name not in self._no_forward:
             self._no_forward.append(layer.name)
         # The output and, after the first step, the input as stored (``held``: read only); the first step's input

@@ -423,6 +423,11 @@ def test_the_forward_check_takes_the_local_gemms_own_output_and_a_rowwise_slices
     problem, own = linear_plan("wq", (Shard(0),), (Shard(1),), 3, (Shard(2),))
     assert problem is not None and problem.startswith("ABFT cannot check tensor-parallel Linear wq") and not own
 
+    class Unhashable(Replicate):  # a placement that does not hash: answered afresh, never a TypeError in a hook
+        __hash__ = None  # type: ignore[assignment]
+
+    assert linear_plan("wq", (Shard(0),), (Unhashable(),), 3, (Shard(2),)) == (None, True)
+
 
 def test_loss_problem_names_a_sharded_loss_and_a_missing_loss_parallel_context():
     from torch.distributed.tensor import Partial, Replicate, Shard

@@ -74,12 +74,21 @@ def linear_problem(name: str, weight: tuple[Any, ...], x: tuple[Any, ...], x_dim
             f"already redistributed from its local GEMM's {_spelt(gemm_output(weight, x))}; {_FIX_OUTPUT}")
 
 
-@functools.lru_cache(maxsize=4096)
 def linear_plan(name: str, weight: tuple[Any, ...], x: tuple[Any, ...], x_dims: int,
                 out: tuple[Any, ...]) -> tuple[str | None, bool]:
     """:func:`linear_problem` of a slice whose hooks see its output placed ``out`` (``()``: a plain output), and
     whether that output is the local GEMM's own (:func:`output_is_the_gemms`, what the forward check compares).
-    Pure functions of the placements, asked at every forward of every slice: taken once per layout."""
+    Pure functions of the placements, asked at every forward of every slice: taken once per layout, where the
+    placements hash (all of torch 2.13's do; one that does not is answered afresh, never a raw error in a hook)."""
+    try:
+        return _linear_plan(name, weight, x, x_dims, out)
+    except TypeError:  # unhashable placements
+        return _linear_plan.__wrapped__(name, weight, x, x_dims, out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _linear_plan(name: str, weight: tuple[Any, ...], x: tuple[Any, ...], x_dims: int,
+                 out: tuple[Any, ...]) -> tuple[str | None, bool]:
     problem = linear_problem(name, weight, x, x_dims, out or None)
     return problem, problem is None and bool(out) and output_is_the_gemms(gemm_output(weight, x), out, x_dims)
 

@@ -4,6 +4,7 @@ counted per step, charged to ABFT's figure in the budget's estimate."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from verified_ckpt import GuardConfig, SDCGuard
 from verified_ckpt.guard import budget
 from verified_ckpt.guard.abft import dispatch
+from verified_ckpt.guard.abft.checks import GradientChecks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,3 +77,29 @@ def test_a_guarded_step_counts_each_abft_hook_call_and_charges_it(one_rank, monk
     calls, intercepted, charged = seen[-1]
     assert (calls, intercepted) == (7, 0)
     assert charged == pytest.approx(7.0)
+
+
+def test_the_steps_abft_judge_is_timed_as_abft_not_as_the_floor(one_rank, monkeypatch):
+    # A clock that moves only while the judge runs: one second of it a step, and no other part of the step
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    judge = GradientChecks.worst
+
+    def judged(self: GradientChecks) -> torch.Tensor | None:
+        clock[0] += 1.0
+        return judge(self)
+
+    monkeypatch.setattr(GradientChecks, "worst", judged)
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = SDCGuard(model, opt, lambda m, b: m(b).square().mean(), GuardConfig())
+    guard.sched.watch.dispatch = (0.0, 0.0)
+    seen: list[budget.Costs] = []
+    take = budget.Stopwatch.take
+    monkeypatch.setattr(budget.Stopwatch, "take", lambda w: seen.append(take(w)) or seen[-1])
+    for step in range(3):
+        guard.backward(torch.ones(4, 8), step=step)
+        guard.step()
+    # The judge runs inside the layout's row, which the guard times as its floor: that second is ABFT's alone
+    assert (seen[-1].abft_s, seen[-1].floor_s) == (1.0, 0.0)

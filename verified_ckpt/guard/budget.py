@@ -166,10 +166,10 @@ class Stopwatch:
         self._taken, self._tail = now, 0.0
         return got
 
-    def own(self, t0: float, part: str = "floor") -> None:
+    def own(self, t0: float, part: str = "floor", less: float = 0.0) -> None:
         """The guard's own work since ``t0`` inside a step (a microbatch's bookkeeping), counted to ``part``
-        (``"floor"`` or ``"abft"``)."""
-        setattr(self, part, getattr(self, part) + time.perf_counter() - t0)
+        (``"floor"`` or ``"abft"``), less ``less`` seconds of it another part counted already."""
+        setattr(self, part, getattr(self, part) + time.perf_counter() - t0 - less)
 
     def waited(self, seconds: float) -> None:
         """The step's gather waited this long for the device (its copy back follows the backward's kernels)."""

@@ -277,9 +277,9 @@ class SDCGuard(Bookkeeping):
         segments with the guard's own (the loss, the budget's costs, the witnesses' carries), the schedule decided
         from every rank's costs, the witnesses' verdicts (a change at rest or a wrong update is the cause of what the
         others would see next), the layout's, then an audit when one is due."""
-        st, layout, t0 = self._st, self.layout, time.perf_counter()
-        mine = layout.row(s)  # the step's figures summed: the guard's own work (ABFT's worst input ratio included)
-        self.sched.watch.own(t0)
+        st, layout, t0, judged = self._st, self.layout, time.perf_counter(), self.sched.watch.abft
+        mine = layout.row(s)  # the step's figures summed: the guard's own work, ABFT's judge timed as ABFT's inside
+        self.sched.watch.own(t0, less=self.sched.watch.abft - judged)
         losses = [loss_value(x) for x in st.losses]
         loss = losses[0].view(1) if len(losses) == 1 else torch.stack(losses).sum().view(1)
         costs = self.sched.watch.take()

@@ -21,6 +21,20 @@ def memory_url():
 
 
 @pytest.fixture
+def one_rank(tmp_path):
+    """A real one-rank gloo group: DDP buckets the gradients and the guard's communication hook runs (FSDP2 shards
+    each parameter as a DTensor over it). Even with one rank an all-reduce has not always completed when the hook
+    attaches its callback, which then runs on gloo's thread (``tools/bench/count_checks.Counted`` follows it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def local_url(tmp_path):
     return os.fspath(tmp_path / "run")
 

@@ -6,25 +6,14 @@ its output went unchecked)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
 
 pytestmark = pytest.mark.timeout(60)
 
-
-@pytest.fixture
-def one_rank(tmp_path) -> Iterator[None]:
-    """A real one-rank gloo group: FSDP2 shards each parameter as a DTensor over it."""
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def mse(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

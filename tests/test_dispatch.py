@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from verified_ckpt import GuardConfig, SDCGuard
@@ -19,15 +17,6 @@ from verified_ckpt.guard.abft.checks import GradientChecks
 
 pytestmark = pytest.mark.timeout(120)
 
-
-@pytest.fixture
-def one_rank(tmp_path) -> Iterator[None]:
-    """A real one-rank gloo group: DDP buckets the gradients and the guard's communication hook runs."""
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_calibration_measures_a_hook_call_and_an_interception_and_draws_no_random_number():

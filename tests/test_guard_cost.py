@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_train
@@ -19,17 +17,6 @@ from verified_ckpt import GuardConfig, SDCGuard
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench"))
 from count_checks import Counted  # noqa: E402 - the benchmark's counter, which follows callbacks onto gloo's thread
 
-
-@pytest.fixture
-def one_rank(tmp_path) -> Iterator[None]:
-    """A real one-rank gloo group, so DDP buckets the gradients and the guard's communication hook runs. Even with
-    one rank an all-reduce has not always completed when the hook attaches its callback, which then runs on gloo's
-    thread: the counter (``tools/bench/count_checks.Counted``) follows ``Future.then`` callbacks there."""
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def measure(build, loss_fn, batch, cfg: GuardConfig) -> tuple[Counted, Counted, int]:

@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from ..budget import Stopwatch
 from .flops import QUIET
 
-__all__ = ["costs", "timed", "timer"]
+__all__ = ["costs", "empty_hooks", "timed", "timer"]
 
 _ROUNDS = 9  # calibration pairs (the median is kept: a pair the scheduler interrupted is an outlier)
 _CALLS = 8  # forwards and backwards, or intercepted calls, per round
@@ -73,13 +74,11 @@ def costs() -> tuple[float, float]:
         return 0.0, 0.0
 
 
-def _per_hook() -> float:
-    """A Linear's four hooks as ABFT installs them (a pre-hook tapping the input through a view with a tensor
-    hook, a forward hook registering one on the output), their bodies empty and :func:`timed`: the round's time
-    with them, less its time without, less what their stopwatch timed, per hook call."""
-    lin = torch.nn.Linear(4, 4)
-    x = torch.ones(2, 4, requires_grad=True)
-    watch = Stopwatch()
+def empty_hooks(module: torch.nn.Module, watch: Stopwatch) -> tuple[RemovableHandle, RemovableHandle]:
+    """ABFT's four hook calls a forward and backward of a Linear-like ``module``, their bodies empty and
+    :func:`timed` by ``watch``: a pre-hook tapping the input through a view with a tensor hook, a forward hook
+    registering one on the output. What the calibration times, and ``tools/bench/dispatch_check.py`` inside a real
+    model. Returns the two module hooks' handles."""
     grad_hook = timed(watch, lambda g: None)
 
     def pre(_m: torch.nn.Module, args: Any) -> Any:
@@ -90,6 +89,16 @@ def _per_hook() -> float:
     def post(_m: torch.nn.Module, _args: Any, out: torch.Tensor) -> None:
         out.register_hook(grad_hook)
 
+    return module.register_forward_pre_hook(timed(watch, pre)), module.register_forward_hook(timed(watch, post))
+
+
+def _per_hook() -> float:
+    """A Linear's four hooks as ABFT installs them (:func:`empty_hooks`): the round's time with them, less its time
+    without, less what their stopwatch timed, per hook call."""
+    lin = torch.nn.Linear(4, 4)
+    x = torch.ones(2, 4, requires_grad=True)
+    watch = Stopwatch()
+
     def once() -> float:
         t0 = time.perf_counter()
         for _ in range(_CALLS):
@@ -97,14 +106,14 @@ def _per_hook() -> float:
         return time.perf_counter() - t0
 
     once()  # the first backward's own set-up, in neither figure
-    hooks = (lin.register_forward_pre_hook(timed(watch, pre)), lin.register_forward_hook(timed(watch, post)))
+    hooks = empty_hooks(lin, watch)
     extra = []
     try:
         for _ in range(_ROUNDS):  # alternated: a slower stretch of the machine falls on both sides of a pair
             for h in hooks:
                 h.remove()
             plain = once()
-            hooks = (lin.register_forward_pre_hook(timed(watch, pre)), lin.register_forward_hook(timed(watch, post)))
+            hooks = empty_hooks(lin, watch)
             before = watch.abft
             extra.append((once() - plain - (watch.abft - before)) / (4 * _CALLS))
     finally:

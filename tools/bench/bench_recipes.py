@@ -4,6 +4,7 @@ unguarded, beside the guard's own estimate for the same run.
     .venv/bin/python tools/bench/bench_recipes.py --pairs 3 --steps 30            # every recipe
     .venv/bin/python tools/bench/bench_recipes.py --recipe loss_parallel --pairs 3
     .venv/bin/python tools/bench/bench_recipes.py --recipe hf_ddp --pairs 3 --no-abft   # the other checks' floor
+    .venv/bin/python tools/bench/bench_recipes.py --recipe hf_ddp --pairs 5 --ranks 1   # one rank: no shared cores
 
 Recipes (gloo, CPU, one thread per rank, tiny models):
 
@@ -229,7 +230,7 @@ def launch(args: argparse.Namespace, recipe: str, variant: str) -> dict[str, Any
     """One fresh torchrun launch of ``recipe``; rank 0's report."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS[recipe]),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks(args, recipe)),
                os.path.abspath(__file__), "--child", recipe, "--variant", variant, "--out", out,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--titan-dim", str(args.titan_dim),
                "--titan-seq", str(args.titan_seq), "--titan-batch", str(args.titan_batch),
@@ -243,6 +244,11 @@ def launch(args: argparse.Namespace, recipe: str, variant: str) -> dict[str, Any
         with open(out) as f:
             res: dict[str, Any] = json.load(f)
     return res
+
+
+def ranks(args: argparse.Namespace, recipe: str) -> int:
+    """The recipe's ranks, or ``--ranks`` for the DDP recipes (whose model takes any world size)."""
+    return args.ranks if args.ranks and recipe.startswith("hf_ddp") else RANKS[recipe]
 
 
 def load() -> str:
@@ -260,7 +266,7 @@ def measure(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
         if "error" in plain or "error" in guarded:
             failed = "plain" if "error" in plain else "guarded"
             print(f"    {recipe}: the {failed} launch failed: {(plain if 'error' in plain else guarded)['error']}")
-            return {"recipe": recipe, "ranks": RANKS[recipe], "pairs": pairs, "plain_ms": "-", "guarded_ms": "-",
+            return {"recipe": recipe, "ranks": ranks(args, recipe), "pairs": pairs, "plain_ms": "-", "guarded_ms": "-",
                     "ratio": "-", "estimate": f"{failed} launch failed", "summary": (plain | guarded)["error"]}
         pairs.append({"plain": plain, "guarded": guarded, "ratio": guarded["median_s"] / plain["median_s"],
                       "load": load()})
@@ -270,7 +276,7 @@ def measure(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
     for e in est:
         print(f"    {recipe}: the guard's estimate: per-step +{100 * e['per_step']:.0f} %, expected "
               f"+{100 * e['expected']:.0f} % ({e['summary']})", flush=True)
-    return {"recipe": recipe, "ranks": RANKS[recipe], "pairs": pairs,
+    return {"recipe": recipe, "ranks": ranks(args, recipe), "pairs": pairs,
            "plain_ms": spread([p["plain"]["median_s"] * 1e3 for p in pairs], ".1f"),
            "guarded_ms": spread([p["guarded"]["median_s"] * 1e3 for p in pairs], ".1f"),
            "ratio": spread([p["ratio"] for p in pairs], ".2f"),
@@ -290,6 +296,8 @@ def main() -> None:
     ap.add_argument("--titan-batch", type=int, default=4)
     ap.add_argument("--launch-timeout", type=float, default=600.0, help="seconds one launch may take")
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="ranks of hf_ddp and hf_ddp_gc (default 2; with 2 cores, 1 rank shares none of them)")
     ap.add_argument("--no-abft", action="store_true", help="guarded launches with GuardConfig(abft=False): the floor")
     ap.add_argument("--child", choices=RECIPES, help=argparse.SUPPRESS)
     ap.add_argument("--variant", choices=("plain", "guarded"), help=argparse.SUPPRESS)

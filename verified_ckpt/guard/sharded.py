@@ -46,6 +46,7 @@ from .boxes import judge as box_votes
 from .budget import Stopwatch
 from .checksum import sigma_bound
 from .consensus import state_lanes, state_tensors
+from .nocast import own_precision
 from .stats import Projector, Verdict
 
 __all__ = ["MeshView", "ShardedTap", "audit_vector", "check_parameters", "judge_audit", "judge_state", "judge_step",
@@ -158,7 +159,8 @@ class ShardedTap:
         self._scattered = True
         t0 = time.perf_counter()
         pieces = input_tensor.view(group.size(), -1)
-        before = [self.project(p) for p in pieces] + [_norms(pieces)]
+        with own_precision():  # a backward the caller runs under autocast: the checks' sums stay float32
+            before = [self.project(p) for p in pieces] + [_norms(pieces)]
         t1 = time.perf_counter()
         work = self.reduce_scatter(output_tensor, input_tensor, group, op, False)
         t2 = time.perf_counter()
@@ -166,7 +168,8 @@ class ShardedTap:
             self.inject("allreduce", output_tensor)  # no all-reduce follows: the reduced shard is the result
         name = str(op).rsplit(".", 1)[-1].lower()
         self.modes.append(name if name in ("avg", "sum") else None)
-        after = self._stats(output_tensor)
+        with own_precision():
+            after = self._stats(output_tensor)
         self.rows.append(torch.cat([*before, after, after]))  # the all-reduce hook replaces the last part
         if not self.auditing:  # an audit's whole time is the audit's
             self.watch.floor += (t1 - t0) + (time.perf_counter() - t2)
@@ -185,7 +188,8 @@ class ShardedTap:
             self.inject("allreduce", output)
         t0 = time.perf_counter()
         k = self.project.k + 1
-        self.rows[-1] = torch.cat([self.rows[-1][:-k], self._stats(output)])
+        with own_precision():
+            self.rows[-1] = torch.cat([self.rows[-1][:-k], self._stats(output)])
         if not self.auditing:
             self.watch.floor += time.perf_counter() - t0
 
@@ -195,7 +199,8 @@ class ShardedTap:
         FSDP averages float32 and bfloat16 in the all-reduce itself, and other dtypes by a sum of inputs it has
         already divided (``_get_gradient_divide_factors``; a custom ``set_gradient_divide_factor`` is not seen)."""
         t0 = time.perf_counter()
-        stats = self._stats(local)
+        with own_precision():
+            stats = self._stats(local)
         self.rows.append(torch.cat([stats, stats, stats]))  # in (one shard), reduce-scattered, all-reduced (replaced)
         self.modes.append("avg" if local.dtype in (torch.float32, torch.bfloat16) else "sum")
         if not self.auditing:

@@ -22,6 +22,7 @@ from ..comm import Communicator
 from ..faults import FaultPlan
 from .abft import GradientChecks
 from .budget import Stopwatch
+from .nocast import own_precision
 from .stats import BucketStats, Projector, local_stats
 
 __all__ = ["GradientTap"]
@@ -68,7 +69,8 @@ class GradientTap:
     def install(self, model: DDP) -> None:
         """Register the hook on ``model`` (DDP allows one hook per model)."""
         def hook(state: Any, bucket: Any) -> Any:
-            return self._hook(bucket)
+            with own_precision():  # a backward the caller runs under autocast: the checks' sums stay float32
+                return self._hook(bucket)
 
         # DDP inspects the annotations as objects; this module's
         # ``from __future__ import annotations`` would leave strings.
@@ -118,7 +120,8 @@ class GradientTap:
             if index == 0:
                 self.faults.apply("allreduce", rank, step, out)
             t = time.perf_counter()
-            stats.avg_part = self.project.part(*self._rows_of(index, out))
+            with own_precision():  # the callback carries the backward's thread state, autocast included
+                stats.avg_part = self.project.part(*self._rows_of(index, out))
             self.watch.floor += time.perf_counter() - t
             self.buckets.append(stats)
             return out

@@ -67,9 +67,10 @@ class GradientChecks:
         self.own = timer(self.watch)  # times each hook, and charges its dispatch (``dispatch.py``)
         # Their time is ABFT's: the hooks', each call's dispatch charged too, and the step's judge (``worst``: called
         # inside the layout's row, whose time the guard counts to its floor less what this timed)
-        for hook, dispatched in (("_linear_pre", True), ("_linear_forward", True), ("_embedding_forward", True),
-                                 ("_input_grad", True), ("worst", False)):
-            setattr(self, hook, timed(self.watch, getattr(self, hook), dispatched))
+        for hook, dispatched, backward in (("_linear_pre", True, False), ("_linear_forward", True, False),
+                                           ("_embedding_forward", True, False), ("_input_grad", True, True),
+                                           ("worst", False, False)):
+            setattr(self, hook, timed(self.watch, getattr(self, hook), dispatched, backward))
         self.covered: dict[int, Covered] = {}
         self.layers: dict[int, Layer] = {}  # by id of the module
         self.left_out: list[tuple[str, str]] = []
@@ -350,7 +351,7 @@ class GradientChecks:
             if bias is not None:
                 bias.add(None, None, y, b, eps)
 
-        out.register_hook(self.own(on_grad))
+        out.register_hook(self.own(on_grad, backward=True))
 
     def _input_grad(self, check: InputCheck, g: torch.Tensor) -> None:
         """The layer's share of its input's gradient, row by row against ``dY (W s)`` (see the module doc)."""
@@ -390,7 +391,7 @@ class GradientChecks:
                 proj, b = row_stats(dy.reshape(-1, dy.shape[-1]), s[None])
                 e.add(picked, ones, proj[0], b, (EPS32, unit_roundoff(dy.dtype)))
 
-        out.register_hook(self.own(on_grad))
+        out.register_hook(self.own(on_grad, backward=True))
 
     # ------------------------------------------------------------ check
     def flat(self, params: Sequence[torch.Tensor], buf: torch.Tensor, sumsq: torch.Tensor | None = None) -> None:

@@ -29,23 +29,27 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ..budget import Stopwatch
+from ..nocast import own_precision
 from .flops import QUIET
 
 __all__ = ["costs", "empty_hooks", "timed", "timer"]
 
+_NOTHING = contextlib.nullcontext()
 _ROUNDS = 9  # calibration pairs (the median is kept: a pair the scheduler interrupted is an outlier)
 _CALLS = 8  # forwards and backwards, or intercepted calls, per round
 
 
-def timed(watch: Stopwatch, fn: Callable[..., Any], counted: bool = True) -> Callable[..., Any]:
+def timed(watch: Stopwatch, fn: Callable[..., Any], counted: bool = True, backward: bool = False) -> Callable[..., Any]:
     """``fn``, the checks' own work: timed as ABFT's, and not counted as the backward's FLOPs (coverage's
     denominator). ``counted``: ``fn`` is a hook that autograd or a module call dispatches (not a function the
-    checks call themselves), whose dispatch the stopwatch charges at :func:`costs`' rate. One plain closure: the
-    hooks wrap a callback per forward, and ``functools.wraps`` cost more."""
+    checks call themselves), whose dispatch the stopwatch charges at :func:`costs`' rate. ``backward``: a hook
+    the backward calls, whose arithmetic leaves a caller's autocast (``nocast``; a forward hook reads autocast's
+    state and casts as it would). One plain closure: the hooks wrap a callback per forward, and
+    ``functools.wraps`` cost more."""
     def run(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            with QUIET:
+            with QUIET, own_precision() if backward else _NOTHING:
                 return fn(*args, **kwargs)
         finally:
             watch.abft += time.perf_counter() - t0
@@ -54,7 +58,7 @@ def timed(watch: Stopwatch, fn: Callable[..., Any], counted: bool = True) -> Cal
     return run
 
 
-def timer(watch: Stopwatch) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def timer(watch: Stopwatch) -> Callable[..., Callable[..., Any]]:
     """What wraps each of ABFT's hooks for ``watch`` (:func:`timed`), the stopwatch given this process's dispatch
     costs to charge them at."""
     watch.dispatch = costs()

@@ -258,7 +258,7 @@ def hook(checks: Any, mod: torch.nn.Module, spec: NormSpec, gamma_of: Callable[[
         normalised = norm_rows(m, spec, x, out)
         if normalised is None:
             return
-        out.register_hook(checks.own(lambda dy: record(gamma, beta, normalised, dy)))
+        out.register_hook(checks.own(lambda dy: record(gamma, beta, normalised, dy), backward=True))
 
     # Timed as ABFT's: it recomputes the layer's normalised rows, work the estimate missed while it was untimed.
     timed: Callable[[torch.nn.Module, Any, Any], None] = checks.own(forward)

@@ -60,7 +60,7 @@ class ShardedGradientChecks(GradientChecks):
         # This step's checked gradients, measured where each was whole: what the step's end judges all at once
         # (one batch of sums, as the DDP bucket check), not one check per gradient.
         super().__init__(module, params, seed, slack, **kw)
-        self._accumulated = self.own(self._accumulated)  # type: ignore[method-assign]
+        self._accumulated = self.own(self._accumulated, backward=True)  # type: ignore[method-assign]
         self._local_forward = self.own(self._local_forward)  # type: ignore[method-assign]
         # The parameters each module holds itself, as registered (FSDP's sharded ones): what a forward's tensors
         # stand for. Linear-like layers bind in their own pre-hook; embeddings and norms get one here.

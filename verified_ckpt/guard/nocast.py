@@ -1,0 +1,38 @@
+"""The guard's own arithmetic in a backward that the caller runs under autocast.
+
+PyTorch advises a backward outside autocast, but a loop that wraps ``guard.backward(batch)`` in
+``torch.autocast(...)`` runs the backward, and with it the hooks the guard computes in (ABFT's records of each
+layer's output and input gradients, DDP's communication hook, FSDP2's reduce-scatter), under it: their float32
+products then ran in bf16, 2⁸ times coarser than the bounds they are judged by, and the first step failed on every
+rank as a configuration that changes the gradients. The training's own backward stays as the caller set it (its
+ops follow the forward's dtypes either way); only the guard's work inside it leaves autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["own_precision"]
+
+_DEVICES = ("cpu", "cuda")
+_NOTHING = contextlib.nullcontext()  # stateless: one for every call where autocast is off
+
+
+def own_precision() -> contextlib.AbstractContextManager[None]:
+    """Autocast off inside, for every device type it is on for; where it is off (nearly always), a reading of two
+    flags and nothing else: the hooks that enter this run a few dozen times a step."""
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        return _off()
+    return _NOTHING
+
+
+@contextlib.contextmanager
+def _off() -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for d in _DEVICES:
+            if torch.is_autocast_enabled(d):
+                stack.enter_context(torch.autocast(d, enabled=False))
+        yield

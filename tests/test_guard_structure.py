@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dist_harness import run_ranks
 from models import TinyGPT, lm_loss
 from verified_ckpt import GuardConfig, GuardConfigurationError, SDCGuard, SilentCorruptionDetected
+from verified_ckpt.guard.abft import OUTSIDE
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -114,3 +115,40 @@ def shared(rank: int, world: int) -> dict:
 def test_a_weight_shared_by_two_modules_stays_covered_and_raises_nothing():
     got = run_ranks(shared, 3)
     assert all(r["incident"] is None and r["abft"] == 30 and r["left_out"] == [] for r in got)
+
+
+class ScaledEmbedding(torch.nn.Embedding):
+    """Gemma's ``GemmaTextScaledWordEmbedding``: an Embedding with a forward of its own (its output scaled)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * 4.0
+
+
+class ScaledTied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = ScaledEmbedding(64, 32)
+        self.mid = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head.weight = self.embed.weight  # tied to the head ABFT checks
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.nn.functional.gelu(self.mid(self.embed(ids))))
+
+
+def test_a_weight_tied_to_a_checked_head_and_held_by_an_unchecked_class_is_named_as_not_covered(one_rank):
+    torch.manual_seed(0)
+    model = ScaledTied()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = SDCGuard(DDP(model), opt, lambda m, b: torch.nn.functional.cross_entropy(m(b).flatten(0, 1), b.flatten()),
+                     GuardConfig())
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, 6):
+        guard.backward(torch.randint(0, 64, (4, 16), generator=g), step=step)
+        guard.step()
+        opt.zero_grad()
+    cov = guard.coverage()
+    # The class whose own computation goes unchecked is in the coverage line, and the weight is left out saying so
+    assert cov.uncovered == {"ScaledEmbedding": 1}
+    assert cov.left_out == [("embed.weight", OUTSIDE)] and "class ABFT does not check" in OUTSIDE
+    assert "ScaledEmbedding" in cov.summary() and guard.checks["abft"].passed == 5

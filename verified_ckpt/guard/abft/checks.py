@@ -29,6 +29,7 @@ from .layers import (
     families,
     gradient_paths,
     layer_kind,
+    uncovered,
     worst_layer,
 )
 from .measured import Measured, judge
@@ -107,9 +108,7 @@ class GradientChecks:
         for pid in list(self.covered):
             if any(fnmatch.fnmatchcase(self.covered[pid].name, pat) for pat in exclude):
                 self._leave_out(pid, "excluded by GuardConfig(abft_exclude=...)")
-        self._uncovered = collections.Counter(
-            type(m).__name__ for m in module.modules()
-            if any(id(p) not in checked for p in m.parameters(recurse=False)))
+        self._uncovered = uncovered(module, checked, self.layers)
         self.flop_fraction: float | None = None  # measured at the first step (``first_backward``)
         # Whether this step's backward ran under the FLOP counter (the first step's): a dispatch mode whose kernels
         # may round differently from a plain backward's (measured on HF Llama), so no recomputation compares with it.

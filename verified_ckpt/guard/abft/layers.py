@@ -15,9 +15,10 @@ from ..stats import worst
 from .sums import constant_on, floored, lengths_on, worst_rows
 
 __all__ = ["COMPILED", "OUTSIDE", "TP_FORWARD_UNCHECKED", "TP_UNCHECKED", "Coverage", "InputCheck", "Layer", "Ratios", "families",
-           "gradient_paths", "input_ratios", "layer_kind", "worst_layer"]
+           "gradient_paths", "input_ratios", "layer_kind", "uncovered", "worst_layer"]
 
-OUTSIDE = "used outside the modules that cover it (a weight tied functionally, F.linear(x, w)?)"
+OUTSIDE = ("used outside the modules that cover it (by a module of a class ABFT does not check, named in the coverage "
+           "line, or tied functionally: F.linear(x, w)?)")
 COMPILED = "inside a torch.compile'd module, where ABFT's hooks cannot run"
 TP_UNCHECKED = ("input gradient (a tensor-parallel slice: its input gradient is a partial sum that tensor parallel's "
                 "own all-reduce completes, out of these hooks' sight)")
@@ -84,6 +85,17 @@ class InputCheck:
 
 
 Ratios = tuple[torch.Tensor, tuple[int, ...]]  # a kind of check's ratios (float64, one a check) and their numbers
+
+
+def uncovered(module: torch.nn.Module, checked: set[int], layers: dict[int, Layer]) -> collections.Counter[str]:
+    """The classes of ``module``'s modules whose own computation ABFT does not check, by count: a module holding
+    a parameter no covering module checks, and one holding a covering layer's weight or bias without being that
+    layer (a weight tied to a checked layer and held by a class with a forward of its own, such as Gemma's scaled
+    embedding: its use there is one the checks cannot explain, and the first step leaves the weight out)."""
+    held = {id(p) for la in layers.values() for p in (la.weight, la.bias) if p is not None}
+    return collections.Counter(
+        type(m).__name__ for m in module.modules()
+        if any(id(p) not in checked or (id(p) in held and id(m) not in layers) for p in m.parameters(recurse=False)))
 
 
 def families(inputs: list[InputCheck], forwards: Callable[[torch.Tensor, dict[int, int]], Ratios] | None,

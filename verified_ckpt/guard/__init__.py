@@ -17,7 +17,8 @@ and one module per check decides.
 - ``capture``: what a replay needs, taken when a gradient check fails before the update.
 - ``steprow``: the step's one gathered row, named segments joined and split back by name; ``stats`` (per-bucket
   and per-step statistics, ``Verdict``), ``tp`` (the tensor-parallel plans ABFT can check),
-  ``recompute`` (the witness's side of the oracle), ``scaling`` (fp16 with a gradient scaler).
+  ``recompute`` (the witness's side of the oracle), ``scaling`` (fp16 with a gradient scaler), ``nocast`` (the
+  checks' own sums kept out of a caller's autocast in the backward).
 """
 
 from .config import GuardConfig

@@ -89,13 +89,16 @@ Ratios = tuple[torch.Tensor, tuple[int, ...]]  # a kind of check's ratios (float
 
 def uncovered(module: torch.nn.Module, checked: set[int], layers: dict[int, Layer]) -> collections.Counter[str]:
     """The classes of ``module``'s modules whose own computation ABFT does not check, by count: a module holding
-    a parameter no covering module checks, and one holding a covering layer's weight or bias without being that
-    layer (a weight tied to a checked layer and held by a class with a forward of its own, such as Gemma's scaled
-    embedding: its use there is one the checks cannot explain, and the first step leaves the weight out)."""
+    a parameter no covering module checks, and a Linear or embedding of a class with a forward of its own that
+    holds a covering layer's weight (tied to a checked head, as Gemma's scaled embedding is: its use there is one
+    the checks cannot explain, and the first step leaves the weight out). A module that only holds a reference to
+    a checked parameter (BERT's prediction head, its decoder's bias) computes nothing with it and is not named."""
     held = {id(p) for la in layers.values() for p in (la.weight, la.bias) if p is not None}
     return collections.Counter(
         type(m).__name__ for m in module.modules()
-        if any(id(p) not in checked or (id(p) in held and id(m) not in layers) for p in m.parameters(recurse=False)))
+        if any(id(p) not in checked or (id(p) in held and id(m) not in layers
+                                        and isinstance(m, (torch.nn.Linear, torch.nn.Embedding)))
+               for p in m.parameters(recurse=False)))
 
 
 def families(inputs: list[InputCheck], forwards: Callable[[torch.Tensor, dict[int, int]], Ratios] | None,

@@ -66,6 +66,13 @@ def test_ddp_steps_with_autocast_around_the_guards_backward_pass_and_a_wrong_gra
     assert (got["kind"], got["step"]) == ("abft", 2)
 
 
+def test_one_process_without_ddp_with_autocast_around_the_guards_backward_passes():
+    # Its gradients are measured as one bucket after the backward, inside the caller's autocast: failed before
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    assert train(SDCGuard(m, opt, loss_fn, GuardConfig()), opt, 0, 4) == {"clean": 4, "abft": 4}
+
+
 def fsdp_clean(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -2,10 +2,11 @@
 
 PyTorch advises a backward outside autocast, but a loop that wraps ``guard.backward(batch)`` in
 ``torch.autocast(...)`` runs the backward, and with it the hooks the guard computes in (ABFT's records of each
-layer's output and input gradients, DDP's communication hook, FSDP2's reduce-scatter), under it: their float32
+layer's output and input gradients, DDP's communication hook, FSDP2's reduce-scatter) and its work around the
+backward (where the gradients start from, one process's gradients measured as one bucket), under it: their float32
 products then ran in bf16, 2⁸ times coarser than the bounds they are judged by, and the first step failed on every
-rank as a configuration that changes the gradients. The training's own backward stays as the caller set it (its
-ops follow the forward's dtypes either way); only the guard's work inside it leaves autocast.
+rank as a configuration that changes the gradients. The training's own backward stays as the caller set it
+(PyTorch runs a backward op in the type autocast gave its forward op); only the guard's work leaves autocast.
 """
 
 from __future__ import annotations

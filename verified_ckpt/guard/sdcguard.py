@@ -32,6 +32,7 @@ from .budget import Rates, Stopwatch
 from .capture import Capture
 from .config import GuardConfig
 from .judge import Bookkeeping, Judge
+from .nocast import own_precision
 from .parts import GuardParts, StepState
 from .protocol import Layout
 from .replicated import TWO_REPLICAS, ReplicatedLayout
@@ -217,20 +218,24 @@ class SDCGuard(Bookkeeping):
         if len(st.batches) != len(st.rng) or len(st.losses) >= len(st.batches):
             raise GuardUsageError("call guard.begin(batch, step=...) before guard.backward_of(loss)")
         run = backward if backward is not None else self.witnesses.scaler.backward
-        self.layout.before_backward(sync)
-        if self.abft is not None and not st.losses:
-            # Where ABFT starts from: what the gradients hold as the step's backward begins (a framework may zero
-            # them after begin(), between its forward and its backward, as Lightning's closure does).
-            t0 = time.perf_counter()
-            self.abft.begin_backward(self.params)
-            self.sched.abft_ran = self.abft.on
-            self.sched.watch.own(t0, "abft")
+        # The guard's own work around the backward leaves a caller's autocast (``nocast``: a loop may wrap
+        # ``guard.backward`` in it); the backward itself runs as the caller set it.
+        with own_precision():
+            self.layout.before_backward(sync)
+            if self.abft is not None and not st.losses:
+                # Where ABFT starts from: what the gradients hold as the step's backward begins (a framework may
+                # zero them after begin(), between its forward and its backward, as Lightning's closure does).
+                t0 = time.perf_counter()
+                self.abft.begin_backward(self.params)
+                self.sched.abft_ran = self.abft.on
+                self.sched.watch.own(t0, "abft")
         if self.abft is not None and self.abft.probing:
             self.abft.first_backward(loss, run, self.comm.any_of)
             self._report_coverage(self.abft.coverage())
         else:
             run(loss)
-        self.layout.after_backward(sync)
+        with own_precision():
+            self.layout.after_backward(sync)
         st.losses.append(loss.detach().to(torch.float64))
         return loss.detach()
 

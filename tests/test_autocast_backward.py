@@ -73,6 +73,31 @@ def test_one_process_without_ddp_with_autocast_around_the_guards_backward_passes
     assert train(SDCGuard(m, opt, loss_fn, GuardConfig()), opt, 0, 4) == {"clean": 4, "abft": 4}
 
 
+def audited(rank: int, world: int) -> dict:
+    """Autocast around guard.backward on 2 ranks with an audit every other step: in what autocast each call of
+    loss_fn ran, training's and the audits'."""
+    torch.set_num_threads(1)
+    m = DDP(model())
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    seen: list[bool] = []
+
+    def recorded(mod: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return loss_fn(mod, b)
+
+    guard = SDCGuard(m, opt, recorded, GuardConfig(audit_every=2))
+    got = train(guard, opt, rank, 6)
+    return {**got, "calls": len(seen), "under autocast": sum(seen), "audits": guard.checks["audit"].passed}
+
+
+def test_an_audit_replays_the_forward_under_the_autocast_it_ran_in():
+    # The audits recompute after the step's backward, outside the loop's autocast: they now replay the forward in
+    # bf16 as it ran (before, in float32: a computation the training never ran). Every call of loss_fn saw autocast.
+    for r in run_ranks(audited, 2):
+        assert r["clean"] == 6 and r["audits"] >= 2 and r["calls"] > 6, r
+        assert r["under autocast"] == r["calls"], r
+
+
 def fsdp_clean(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -7,6 +7,11 @@ backward (where the gradients start from, one process's gradients measured as on
 products then ran in bf16, 2⁸ times coarser than the bounds they are judged by, and the first step failed on every
 rank as a configuration that changes the gradients. The training's own backward stays as the caller set it
 (PyTorch runs a backward op in the type autocast gave its forward op); only the guard's work leaves autocast.
+
+The other way round, the guard's replays of the training's forward (an audit's recomputation, after the step's
+backward, outside the caller's context) run under the autocast that forward ran in, recorded as each step begins
+(``autocast_now``, ``cast_as``): without it an audit recomputed a bf16 step in float32, a computation the training
+never ran, where a fault of the bf16 path would not recur.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["own_precision"]
+__all__ = ["autocast_now", "cast_as", "own_precision"]
+
+Autocast = tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of every autocast on
 
 _DEVICES = ("cpu", "cuda")
 _NOTHING = contextlib.nullcontext()  # stateless: one for every call where autocast is off
@@ -36,4 +43,22 @@ def _off() -> Iterator[None]:
         for d in _DEVICES:
             if torch.is_autocast_enabled(d):
                 stack.enter_context(torch.autocast(d, enabled=False))
+        yield
+
+
+def autocast_now() -> Autocast:
+    """The autocast the caller runs in now: device type and dtype of each one on (empty: none)."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _DEVICES if torch.is_autocast_enabled(d))
+
+
+def cast_as(state: Autocast) -> contextlib.AbstractContextManager[None]:
+    """Autocast as ``state`` (:func:`autocast_now`) recorded it; nothing where it recorded none."""
+    return _on(state) if state else _NOTHING
+
+
+@contextlib.contextmanager
+def _on(state: Autocast) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for d, dtype in state:
+            stack.enter_context(torch.autocast(d, dtype=dtype))
         yield

@@ -32,7 +32,7 @@ from .budget import Rates, Stopwatch
 from .capture import Capture
 from .config import GuardConfig
 from .judge import Bookkeeping, Judge
-from .nocast import own_precision
+from .nocast import Autocast, autocast_now, cast_as, own_precision
 from .parts import GuardParts, StepState
 from .protocol import Layout
 from .replicated import TWO_REPLICAS, ReplicatedLayout
@@ -99,6 +99,7 @@ class SDCGuard(Bookkeeping):
             raise GuardUsageError("SDCGuard needs loss_fn(model, batch) -> loss: audits recompute with it")
         self.model, self.optimizer, self.batch_for = model, optimizer, batch_for
         self.loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = loss_fn or _no_loss_fn
+        self._cast: Autocast = ()  # the autocast the step's forward ran in (``begin``): its replays run in it too
         sharded = pipeline is not None or is_fsdp(model)  # a pipeline's stages are fully_shard-ed
         kind: type[ReplicatedLayout] | type[ShardedLayout] = ReplicatedLayout
         if sharded:
@@ -121,7 +122,7 @@ class SDCGuard(Bookkeeping):
         self.sched = Schedule(self.cfg, watch=self.watch)
         self._st: StepState = StepState()  # the step in progress: the guard's, which the layout reads (``parts``)
         self._capture_listeners: list[Callable[[Capture], None]] = []
-        parts = GuardParts(model, self.module, self.params, self.buffers, optimizer, self.loss_fn, batch_for, self.cfg,
+        parts = GuardParts(model, self.module, self.params, self.buffers, optimizer, self._replayed, batch_for, self.cfg,
                            self.comm, self.judge, self.project, self.sched, self.faults, self.device, scaled.on,
                            self._report_coverage, self._last_pass, self._moved)
         if pipeline is not None:
@@ -188,6 +189,7 @@ class SDCGuard(Bookkeeping):
         forward of ``batch`` (the RNG state is recorded here, for audits to replay), then :meth:`backward_of`
         with the loss it computed. ``loss_fn(model, batch)`` must compute the same loss: audits rerun it."""
         st, t0 = self._st, time.perf_counter()
+        self._cast = autocast_now()  # a loop may run the forward inside autocast around guard.backward (``nocast``)
         if st.step is not None and step != st.step and st.batches:
             raise GuardUsageError(f"backward for step {step} while step {st.step} has not been closed with step()")
         if st.step != step:
@@ -206,6 +208,12 @@ class SDCGuard(Bookkeeping):
         st.rng.append(microbatch_state(self.device))
         st.batches.append(batch)
         self.sched.watch.own(t0)
+
+    def _replayed(self, module: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """``loss_fn`` as the guard's replays call it (audits, a warm-up pass): under the autocast the step's own
+        forward ran in."""
+        with cast_as(self._cast):
+            return self.loss_fn(module, batch)
 
     def backward_of(self, loss: torch.Tensor, *, sync: bool = True,
                     backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:

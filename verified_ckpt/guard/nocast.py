@@ -33,17 +33,8 @@ def own_precision() -> contextlib.AbstractContextManager[None]:
     """Autocast off inside, for every device type it is on for; where it is off (nearly always), a reading of two
     flags and nothing else: the hooks that enter this run a few dozen times a step."""
     if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-        return _off()
+        return _entered([torch.autocast(d, enabled=False) for d in _DEVICES if torch.is_autocast_enabled(d)])
     return _NOTHING
-
-
-@contextlib.contextmanager
-def _off() -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for d in _DEVICES:
-            if torch.is_autocast_enabled(d):
-                stack.enter_context(torch.autocast(d, enabled=False))
-        yield
 
 
 def autocast_now() -> Autocast:
@@ -53,12 +44,12 @@ def autocast_now() -> Autocast:
 
 def cast_as(state: Autocast) -> contextlib.AbstractContextManager[None]:
     """Autocast as ``state`` (:func:`autocast_now`) recorded it; nothing where it recorded none."""
-    return _on(state) if state else _NOTHING
+    return _entered([torch.autocast(d, dtype=dtype) for d, dtype in state]) if state else _NOTHING
 
 
 @contextlib.contextmanager
-def _on(state: Autocast) -> Iterator[None]:
+def _entered(contexts: list[torch.autocast]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
-        for d, dtype in state:
-            stack.enter_context(torch.autocast(d, dtype=dtype))
+        for c in contexts:
+            stack.enter_context(c)
         yield

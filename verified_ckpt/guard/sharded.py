@@ -168,8 +168,7 @@ class ShardedTap:
             self.inject("allreduce", output_tensor)  # no all-reduce follows: the reduced shard is the result
         name = str(op).rsplit(".", 1)[-1].lower()
         self.modes.append(name if name in ("avg", "sum") else None)
-        with own_precision():
-            after = self._stats(output_tensor)
+        after = self._stats(output_tensor)
         self.rows.append(torch.cat([*before, after, after]))  # the all-reduce hook replaces the last part
         if not self.auditing:  # an audit's whole time is the audit's
             self.watch.floor += (t1 - t0) + (time.perf_counter() - t2)
@@ -188,8 +187,7 @@ class ShardedTap:
             self.inject("allreduce", output)
         t0 = time.perf_counter()
         k = self.project.k + 1
-        with own_precision():
-            self.rows[-1] = torch.cat([self.rows[-1][:-k], self._stats(output)])
+        self.rows[-1] = torch.cat([self.rows[-1][:-k], self._stats(output)])
         if not self.auditing:
             self.watch.floor += time.perf_counter() - t0
 
@@ -199,15 +197,15 @@ class ShardedTap:
         FSDP averages float32 and bfloat16 in the all-reduce itself, and other dtypes by a sum of inputs it has
         already divided (``_get_gradient_divide_factors``; a custom ``set_gradient_divide_factor`` is not seen)."""
         t0 = time.perf_counter()
-        with own_precision():
-            stats = self._stats(local)
+        stats = self._stats(local)
         self.rows.append(torch.cat([stats, stats, stats]))  # in (one shard), reduce-scattered, all-reduced (replaced)
         self.modes.append("avg" if local.dtype in (torch.float32, torch.bfloat16) else "sum")
         if not self.auditing:
             self.watch.floor += time.perf_counter() - t0
 
     def _stats(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.project(x), torch.linalg.vector_norm(x.float(), dtype=torch.float64).view(1)])
+        with own_precision():  # FSDP's hooks run in the backward, which a caller may run under autocast
+            return torch.cat([self.project(x), torch.linalg.vector_norm(x.float(), dtype=torch.float64).view(1)])
 
     def reset(self) -> None:
         self.rows, self.modes = [], []

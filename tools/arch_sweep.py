@@ -22,20 +22,19 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from hf_campaign import WORLD, launched, loss_fn  # the campaign's ranks, launch and loss (T5's decoder too)
+
 from verified_ckpt import GuardConfig, SDCGuard, SilentCorruptionDetected
 
-WORLD = 3
 PRECISIONS = ("fp32", "bf16-inside", "bf16-around")
 IDS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}  # inside the tiny vocabulary
 
@@ -73,10 +72,6 @@ def _configs() -> dict[str, Callable[[], torch.nn.Module]]:
 
 
 ARCHS = ("qwen2", "mistral", "gemma", "gemma2", "gptneox", "opt", "phi", "phi3", "falcon", "bloom", "gptj", "t5", "bert")
-
-
-def loss_fn(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=batch, labels=batch).loss  # T5 makes its decoder's inputs from the labels
 
 
 class Lines(logging.Handler):
@@ -152,14 +147,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=180, help="seconds a collective may wait")
     ap.add_argument("--json", default=None, help="also write every case's result here")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        mp.spawn(worker, args=(f"file://{tmp}/store", args, out), nprocs=WORLD)
-        with open(out) as f:
-            res = json.load(f)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    res = launched(worker, args)
     for name, r in res.items():
         what = f"clean, ABFT passed {r['abft']}" if r["outcome"] == "clean" else f"{r['outcome']}: {r.get('detail')}"
         print(f"{name}: {what}\n    {r['coverage']}")

@@ -205,15 +205,22 @@ def main() -> None:
     ap.add_argument("--clean-steps", type=int, default=1000, help="clean steps per model, bf16 autocast, dropout")
     ap.add_argument("--json", default=None, help="also write the raw per-trial results here")
     args = ap.parse_args()
+    res = launched(worker, args)
+    print(json.dumps(summary(res), indent=1))
+
+
+def launched(worker: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """``worker(rank, init, args, out)`` on ``WORLD`` fresh gloo ranks; what rank 0 wrote to ``out`` (JSON), also
+    written to ``args.json`` where given."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         mp.spawn(worker, args=(f"file://{tmp}/store", args, out), nprocs=WORLD)
         with open(out) as f:
-            res = json.load(f)
+            res: dict[str, Any] = json.load(f)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f)
-    print(json.dumps(summary(res), indent=1))
+            json.dump(res, f, indent=1)
+    return res
 
 
 if __name__ == "__main__":

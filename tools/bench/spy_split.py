@@ -30,7 +30,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_recipes import RANKS  # noqa: E402
+from bench_recipes import RANKS, ranks  # noqa: E402
 
 LOOPS = ("_inner_training_loop", "titan (bench_recipes.py)", "fit_loop")  # a training loop's frames
 TRAINING = (("backward", ("Tensor.backward", "_engine_run_backward")),
@@ -83,10 +83,9 @@ def split(raw: str) -> tuple[collections.Counter[str], int]:
 
 def launch(args: argparse.Namespace, variant: str, tmp: str) -> tuple[collections.Counter[str], int, float]:
     out, raw = os.path.join(tmp, f"{variant}.json"), os.path.join(tmp, f"{variant}.raw")
-    ranks = args.ranks if args.ranks and args.recipe.startswith("hf_ddp") else RANKS[args.recipe]
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")  # the venv's own
     cmd = [spy, "record", "--subprocesses", "--idle", "-r", str(args.rate), "-f", "raw", "-o", raw, "--",
-           sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks(args, args.recipe)),
            os.path.join(HERE, "bench_recipes.py"), "--child", args.recipe, "--variant", variant, "--out", out,
            "--steps", str(args.steps), "--warmup", "5"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.abspath(os.path.join(HERE, "..", ".."))}

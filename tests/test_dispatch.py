@@ -92,3 +92,120 @@ def test_the_steps_abft_judge_is_timed_as_abft_not_as_the_floor(one_rank, monkey
         guard.step()
     # The judge runs inside the layout's row, which the guard times as its floor: that second is ABFT's alone
     assert (seen[-1].abft_s, seen[-1].floor_s) == (1.0, 0.0)
+
+
+def _busy(seconds: float) -> None:
+    """Hold the host for at least ``seconds``: a cost of known size that no timer of the guard's sees."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_lifted_takes_off_only_the_hooks_registered_inside_and_puts_them_back_in_their_order():
+    lin = torch.nn.Linear(4, 4)
+    calls: list[str] = []
+    lin.register_forward_hook(lambda *a: calls.append("before"))
+    with dispatch.Installed(lin) as hooks:
+        lin.register_forward_pre_hook(lambda *a: calls.append("pre"))
+        lin.register_forward_hook(lambda *a: calls.append("inside"))
+    lin.register_forward_hook(lambda *a: calls.append("after"))
+    with hooks.lifted():
+        lin(torch.ones(1, 4))
+    assert calls == ["before", "after"]
+    calls.clear()
+    lin(torch.ones(1, 4))
+    assert calls == ["pre", "before", "inside", "after"]
+
+
+def test_in_situ_charges_what_the_hooks_cost_beyond_their_timed_bodies_and_leaves_the_stopwatch_as_it_was():
+    lin = torch.nn.Linear(4, 4)
+    watch = budget.Stopwatch()
+    watch.dispatch = (1e-5, 1e-6)
+    with dispatch.Installed(lin) as hooks:
+        lin.register_forward_pre_hook(lambda *a: _busy(3e-3))  # untimed: what the step pays around the hooks' bodies
+        lin.register_forward_hook(dispatch.timed(watch, lambda *a: _busy(2e-3)))  # timed: seen already
+    watch.abft, watch.hooks, watch.intercepted = 0.5, 7, 3  # a step's figures so far
+
+    def run() -> None:
+        lin(torch.ones(2, 4)).sum().backward()
+
+    hook, interception = dispatch.in_situ(run, hooks, watch, lambda: None)
+    # One counted call a pass, 3 ms around it that no timer saw: charged to that call, at the floor's ratio of rates
+    assert 1.5e-3 <= hook < 0.1
+    assert interception == pytest.approx(hook / 10)
+    assert (watch.abft, watch.hooks, watch.intercepted) == (0.5, 7, 3)
+    # Nothing around the hooks' bodies: the floor's rates stand (never below them)
+    with dispatch.Installed(lin) as quiet:
+        lin.register_forward_hook(dispatch.timed(watch, lambda *a: None))
+    assert dispatch.in_situ(run, quiet, watch, lambda: None) is not None
+    assert min(dispatch.in_situ(run, quiet, watch, lambda: None) or (0.0,)) >= 1e-6
+
+
+class _Noisy(torch.nn.Module):
+    """Dropout (the RNG), a batch norm (buffers), two Linears ABFT checks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.3),
+                                       torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _train(calibrate: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[SDCGuard, list[torch.Tensor], torch.Tensor]:
+    from verified_ckpt.guard import replicated
+
+    if not calibrate:
+        monkeypatch.setattr(replicated.ReplicatedLayout, "calibrate", lambda self, batch: None)
+    torch.manual_seed(0)
+    model = DDP(_Noisy())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = SDCGuard(model, opt, lambda m, b: m(b).square().mean(), GuardConfig())
+    data = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    for step in range(4):
+        guard.backward(data, step=step)
+        guard.step()
+        # The loop leaves the gradients to accumulate into the next step (no zero_grad): the replays start from none
+        # and put these back
+    state = [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+    monkeypatch.undo()
+    return guard, state, torch.get_rng_state()
+
+
+def test_the_in_situ_replays_leave_no_trace_and_set_the_charge(one_rank, monkeypatch):
+    guard, state, rng = _train(True, monkeypatch)
+    assert guard.layout._calibrated
+    assert guard.sched.watch.dispatch[0] >= dispatch.costs()[0]
+    _, plain_state, plain_rng = _train(False, monkeypatch)
+    # Weights, batch-norm statistics and the random state as a run without the replays left them, to the bit
+    assert all(torch.equal(a, b) for a, b in zip(state, plain_state, strict=True))
+    assert torch.equal(rng, plain_rng)
+
+
+def test_the_in_situ_replays_run_between_steps_in_no_steps_time(one_rank, monkeypatch):
+    from verified_ckpt.guard import replicated
+
+    shift = [0.0]
+    clock = time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + shift[0])
+    measured = replicated.in_situ
+
+    def slow(*args: object, **kwargs: object) -> tuple[float, float] | None:
+        got = measured(*args, **kwargs)  # type: ignore[arg-type]
+        shift[0] += 1000.0  # the replays took 1000 s
+        return got
+
+    monkeypatch.setattr(replicated, "in_situ", slow)
+    seen: list[budget.Costs] = []
+    take = budget.Stopwatch.take
+    monkeypatch.setattr(budget.Stopwatch, "take", lambda w: seen.append(take(w)) or seen[-1])
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = SDCGuard(model, opt, lambda m, b: m(b).square().mean(), GuardConfig())
+    for step in range(4):
+        guard.backward(torch.ones(4, 8), step=step)
+        guard.step()
+    assert shift[0] == 1000.0  # once, at the second step
+    assert all(c.step_s < 1000.0 and c.floor_s < 1000.0 for c in seen)

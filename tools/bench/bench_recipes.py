@@ -56,7 +56,8 @@ def estimate(guard: Any) -> dict[str, Any] | None:
     if rates is None:
         return None
     return {**dataclasses.asdict(rates), "per_step": rates.floor + rates.abft * rates.abft_share,
-            "expected": rates.expected_overhead, "summary": rates.summary()}
+            "expected": rates.expected_overhead, "summary": rates.summary(),
+            "dispatch_us": [1e6 * x for x in guard.sched.watch.dispatch]}
 
 
 def report(out: str, times: list[float], warmup: int, guard: Any) -> None:
@@ -275,7 +276,8 @@ def measure(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
     est = [p["guarded"]["estimate"] for p in pairs if p["guarded"]["estimate"]]
     for e in est:
         print(f"    {recipe}: the guard's estimate: per-step +{100 * e['per_step']:.0f} %, expected "
-              f"+{100 * e['expected']:.0f} % ({e['summary']})", flush=True)
+              f"+{100 * e['expected']:.0f} % ({e['summary']}; a hook call charged "
+              f"{e.get('dispatch_us', [0.0])[0]:.1f} us)", flush=True)
     return {"recipe": recipe, "ranks": ranks(args, recipe), "pairs": pairs,
            "plain_ms": spread([p["plain"]["median_s"] * 1e3 for p in pairs], ".1f"),
            "guarded_ms": spread([p["guarded"]["median_s"] * 1e3 for p in pairs], ".1f"),

@@ -130,7 +130,8 @@ class Stopwatch:
     saving), so a slow dataloader does not buy more checks. Host time (``perf_counter``). On a CPU that is the
     checks' whole cost. On a GPU it is the time to launch their kernels, which run behind the training's own; the
     step's wall time is still measured whole, so a check whose kernels slow the step shows as a slower ``plain``
-    step, not as its own cost.
+    step, not as its own cost, except ABFT's hooks': each call is charged what the hooks cost in place, device time
+    included where replays measured it (``abft/dispatch.in_situ``, DDP and one process).
     """
 
     def __init__(self) -> None:

@@ -197,6 +197,10 @@ class ShardedLayout:
     def first_forward(self, batch: Any) -> None:
         """Nothing: FSDP's reduction order does not depend on a first iteration, unlike DDP's buckets."""
 
+    def calibrate(self, batch: Any) -> None:
+        """Nothing: a replay here would run FSDP's collectives outside the step; the stopwatch keeps the start-up
+        calibration's rates (``abft.dispatch.costs``)."""
+
     def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         """No schedule here (``runs_schedule`` is false): ``SDCGuard.pipeline_step`` refuses before it gets here."""
         raise GuardUsageError("pipeline_step needs SDCGuard(..., pipeline=schedule); train with backward() here")

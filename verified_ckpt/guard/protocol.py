@@ -74,6 +74,10 @@ class Layout(Protocol):
 
     def after_backward(self, sync: bool) -> None: ...
 
+    def calibrate(self, batch: Any) -> None:
+        """Between steps, at a step's first ``begin``: measure what the checks' hooks cost in place (once)."""
+        ...
+
     def first_forward(self, batch: Any) -> None: ...
 
     def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:

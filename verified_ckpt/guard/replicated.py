@@ -22,6 +22,7 @@ from ..errors import GuardUsageError
 from ..history import NO_RANK, Event
 from . import abft, capture, checksum, consensus, nonfinite
 from .abft import GradientChecks
+from .abft.dispatch import Installed, in_situ
 from .audit import Auditor, exchange_batches
 from .capture import Capture
 from .consensus import StateProbe
@@ -78,15 +79,17 @@ class ReplicatedLayout:
                                node_of=p.comm.node_of(), grad_scale=lambda: st.scale)
         if p.world == 2 and p.rank == 0:
             warnings.warn(TWO_REPLICAS, stacklevel=3)
-        self.abft = GradientChecks(p.module, p.params, cfg.seed, cfg.abft_slack, cfg.abft_exclude,
-                                   compiled=inner is not p.model, watch=p.sched.watch,
-                                   forward=cfg.abft_forward) if cfg.abft else None
+        with Installed(p.module) as self._hooks:  # ABFT's module hooks, lifted for ``calibrate``'s plain replays
+            self.abft = GradientChecks(p.module, p.params, cfg.seed, cfg.abft_slack, cfg.abft_exclude,
+                                       compiled=inner is not p.model, watch=p.sched.watch,
+                                       forward=cfg.abft_forward) if cfg.abft else None
         self.tap = GradientTap(p.params, p.comm, project=p.project, faults=p.faults, step=lambda: st.step,
                                fixed_order=bool(cfg.fixed_order_reduce), abft=self.abft,
                                want_lanes=self._audit_scheduled, watch=p.sched.watch)
         if self.ddp is not None:
             self.tap.install(self.ddp)
         self._warmup_pending = False
+        self._calibrated = False
         self.gathered: list[StepStats] = []
         p.faults.hook_compute(p.module, p.rank, st.now_or_kept, lambda: self.tap.warming)
 
@@ -138,6 +141,41 @@ class ReplicatedLayout:
             self._warmup_pending = False
             with self.paused():
                 self.tap.warm_up(self.p.model, self.p.module, self.p.loss_fn, batch)
+
+    def calibrate(self, batch: Any) -> None:
+        """Once per process, before the first step after the first whose gradients ABFT checks: what ABFT's hooks cost
+        around their own bodies inside this model's step (``abft.dispatch.in_situ``), measured on this step's first
+        microbatch: forward-backward replays of the unwrapped module (no collective: each rank alone), with the hooks
+        and without, RNG, buffers and gradients put back, no faults, nothing recorded. The stopwatch charges each
+        hook call at that rate from then on. Between steps, in no step's time: about six forward-backwards, once."""
+        checks, p = self.abft, self.p
+        if checks is None or self._calibrated or not self.st.ran_backward or not checks.on or checks.probing:
+            return
+        self._calibrated = True
+        dev = p.device
+
+        def sync() -> None:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        def once() -> None:
+            p.loss_fn(p.module, batch).backward()
+            for q in p.params:
+                q.grad = None
+
+        rates = None
+        try:
+            with self.tap.aside(p.module), torch.enable_grad():
+                rates = in_situ(once, self._hooks, p.sched.watch, sync)
+        except Exception as e:  # noqa: BLE001 - an estimate's refinement must never stop a step
+            log.debug("ABFT's in-situ dispatch calibration did not run: %s", e)
+        finally:
+            checks.reset()  # the replays' records are not the step's
+        if rates is not None:
+            p.sched.watch.dispatch = rates
+            if p.rank == 0:
+                log.info("SDCGuard: ABFT's hooks cost %.1f us a call around their own work inside this model's step "
+                         "(measured in place once; the budget charges it)", rates[0] * 1e6)
 
     def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         """No schedule here (``runs_schedule`` is false): ``SDCGuard.pipeline_step`` refuses before it gets here."""

@@ -188,10 +188,13 @@ class SDCGuard(Bookkeeping):
         """For a framework that runs the forward itself (the Lightning integration): call this just before its
         forward of ``batch`` (the RNG state is recorded here, for audits to replay), then :meth:`backward_of`
         with the loss it computed. ``loss_fn(model, batch)`` must compute the same loss: audits rerun it."""
-        st, t0 = self._st, time.perf_counter()
+        st = self._st
         self._cast = autocast_now()  # a loop may run the forward inside autocast around guard.backward (``nocast``)
         if st.step is not None and step != st.step and st.batches:
             raise GuardUsageError(f"backward for step {step} while step {st.step} has not been closed with step()")
+        if not st.batches:
+            self.layout.calibrate(batch)  # once per process, between steps: in no step's time
+        t0 = time.perf_counter()
         if st.step != step:
             self._reset_step()
         st.step = step

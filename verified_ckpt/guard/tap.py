@@ -10,8 +10,9 @@ local gradients are the averaged ones.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -158,16 +159,26 @@ class GradientTap:
                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], batch: Any) -> None:
         """One forward-backward that leaves no trace but DDP's rebuilt bucket layout (see ``prepare_resume``):
         a plain average, no checks, no faults; RNG, buffers and gradients put back afterwards."""
+        with self.aside(module):
+            loss_fn(model, batch).backward()
+
+    @contextlib.contextmanager
+    def aside(self, module: torch.nn.Module) -> Iterator[None]:
+        """Passes that are not the step's own (a warm-up, ``ReplicatedLayout.calibrate``'s replays): no faults, a plain
+        average if a reduction runs; they start from no gradient, and RNG, buffers and gradients are put back."""
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         buffers = [b.detach().clone() for b in module.buffers()]
+        grads = [p.grad for p in self.params]
         self.warming = True
         try:
-            loss_fn(model, batch).backward()
-        finally:
-            self.warming = False
             for p in self.params:
                 p.grad = None
+            yield
+        finally:
+            self.warming = False
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = g
             with torch.no_grad():
                 for b, saved in zip(module.buffers(), buffers, strict=True):
                     b.copy_(saved)

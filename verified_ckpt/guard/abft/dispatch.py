@@ -13,6 +13,15 @@ and the stopwatch charges each hook call and interception counted in a step at t
 The figures are host time on this machine at the time of the calibration: what a hook's dispatch costs does not
 depend on the tensors' sizes, so the tiny layer stands for any. A hook among a model's other work runs colder than
 in the calibration's loop: the charge is a floor of what dispatch costs, 3-5 µs of the 5-10 µs measured there.
+
+Inside a real step they cost more than that floor: a hook's body leaves the caches to the checks' tensors, and the
+training's next kernels run colder (a two-layer Hugging Face Llama's own forward, backward and update ran 30 %
+slower with the hooks on, 2.25 ms a step, of which the floor charged a fifth; docs/BENCHMARKS.md, "Where the
+estimate's last gap is"). No clock inside the step can tell that time from training's. :func:`in_situ` measures it
+once per process on the training's own model and batch: a few forward-backward replays with ABFT's module hooks
+lifted (:class:`Installed`, the model as it runs without the guard) alternated with replays with them on; what the
+hooked replays took beyond the plain ones and beyond what the hooks' own timers saw is charged per hook call and
+interception from then on, scaled from the floor's two rates.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,11 +41,13 @@ from ..budget import Stopwatch
 from ..nocast import own_precision
 from .flops import QUIET
 
-__all__ = ["costs", "empty_hooks", "timed", "timer"]
+__all__ = ["Installed", "costs", "empty_hooks", "in_situ", "timed", "timer"]
 
 _NOTHING = contextlib.nullcontext()
 _ROUNDS = 9  # calibration pairs (the median is kept: a pair the scheduler interrupted is an outlier)
 _CALLS = 8  # forwards and backwards, or intercepted calls, per round
+_PAIRS = 3  # in-situ replay pairs (plain, hooked): the median is kept
+_LONG = 1.0  # seconds of replays after which no further pair is run
 
 
 def timed(watch: Stopwatch, fn: Callable[..., Any], counted: bool = True, backward: bool = False) -> Callable[..., Any]:
@@ -144,3 +155,82 @@ def _per_interception() -> float:
 
     mode = _Passing()
     return max(statistics.median((once(mode) - once(None)) / _CALLS for _ in range(_ROUNDS)), 0.0)
+
+
+class Installed:
+    """The module hooks registered on ``module``'s modules inside a ``with Installed(module) as hooks:`` block (ABFT's
+    construction), so that :meth:`lifted` can take exactly those off for a while and put them back in their places.
+    Forward hooks only: ABFT's tensor hooks are registered by these, per call."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.added: list[tuple[dict[int, Any], int]] = []
+        self._before: set[tuple[int, int]] = set()
+
+    def _dicts(self) -> Iterator[dict[int, Any]]:
+        for m in self.module.modules():
+            yield m._forward_pre_hooks
+            yield m._forward_hooks
+
+    def __enter__(self) -> Installed:
+        self._before = {(id(d), k) for d in self._dicts() for k in d}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.added = [(d, k) for d in self._dicts() for k in d if (id(d), k) not in self._before]
+
+    @contextlib.contextmanager
+    def lifted(self) -> Iterator[None]:
+        """The modules as they run without these hooks: a module with no other hook takes its call's fast path."""
+        kept = {id(d): (d, list(d.items())) for d, _ in self.added}
+        for d, k in self.added:
+            d.pop(k, None)
+        try:
+            yield
+        finally:
+            for d, items in kept.values():  # every hook back, in its order among the others'
+                d.clear()
+                d.update(items)
+
+
+def in_situ(run: Callable[[], None], hooks: Installed, watch: Stopwatch, sync: Callable[[], None],
+            pairs: int = _PAIRS) -> tuple[float, float] | None:
+    """The rates to charge ABFT's hook calls and interceptions at, measured inside the training's own step: ``run()``
+    is one of its forward-backward passes (the caller puts back what it changes), run ``pairs`` times each with
+    ``hooks`` lifted and with them on, alternated (one pair only where a pair took over a second); ``sync()`` waits
+    for the device. What a hooked pass took beyond
+    the plain one and beyond its hooks' timed bodies, per call, at the floor's ratio of the two rates (never below
+    the floor). ``watch``'s figures are left as they were. ``None``: no hook ran (nothing to scale)."""
+    kept = (watch.abft, watch.hooks, watch.intercepted)
+
+    def clock() -> float:
+        sync()
+        t0 = time.perf_counter()
+        run()
+        sync()
+        return time.perf_counter() - t0
+
+    untimed: list[float] = []
+    calls, start = (0, 0), time.perf_counter()
+    try:
+        for _ in range(pairs):  # alternated: a slower stretch of the machine falls on both sides of a pair
+            if untimed and time.perf_counter() - start > _LONG:
+                break  # a large model's passes: one pair (its timings move less than a host-bound model's)
+            with hooks.lifted():
+                plain = clock()
+            watch.abft, watch.hooks, watch.intercepted = 0.0, 0, 0
+            hooked = clock()
+            untimed.append(hooked - plain - watch.abft)
+            calls = (watch.hooks, watch.intercepted)
+    finally:
+        watch.abft, watch.hooks, watch.intercepted = kept
+    if not sum(calls):
+        return None
+    a, b = watch.dispatch
+    floor = calls[0] * a + calls[1] * b
+    seen = max(statistics.median(untimed), 0.0)
+    if floor <= 0:
+        per = seen / sum(calls)
+        return per, per
+    scale = max(seen / floor, 1.0)
+    return a * scale, b * scale

@@ -278,7 +278,14 @@ def measure(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
         print(f"    {recipe}: the guard's estimate: per-step +{100 * e['per_step']:.0f} %, expected "
               f"+{100 * e['expected']:.0f} % ({e['summary']}; a hook call charged "
               f"{e.get('dispatch_us', [0.0])[0]:.1f} us)", flush=True)
-    return {"recipe": recipe, "ranks": ranks(args, recipe), "pairs": pairs,
+    # Issue 51's bar: the guard's per-step estimate within ±25 % of the measured overhead; per pair (each launch's
+    # own estimate over its pair's ratio), and the medians' (the benchmark's figure, steadier than any one pair)
+    fits = [p["guarded"]["estimate"]["per_step"] / (p["ratio"] - 1) for p in pairs
+            if p["guarded"]["estimate"] and p["ratio"] > 1]
+    fit = (f"{spread(fits, '.2f')}, {sum(0.75 <= f <= 1.25 for f in fits)} of {len(fits)} within ±25 %; medians' "
+           f"{statistics.median(e['per_step'] for e in est) / (statistics.median(p['ratio'] for p in pairs) - 1):.2f}"
+           ) if fits else "-"
+    return {"recipe": recipe, "ranks": ranks(args, recipe), "pairs": pairs, "fit": fit,
            "plain_ms": spread([p["plain"]["median_s"] * 1e3 for p in pairs], ".1f"),
            "guarded_ms": spread([p["guarded"]["median_s"] * 1e3 for p in pairs], ".1f"),
            "ratio": spread([p["ratio"] for p in pairs], ".2f"),
@@ -319,10 +326,12 @@ def main() -> None:
     rows = []
     for recipe in recipes:
         rows.append(measure(args, recipe))
-    print("\n| recipe | ranks | plain step ms | guarded step ms | measured ratio | guard's own estimate |")
-    print("|---|---|---|---|---|---|")
+    print("\n| recipe | ranks | plain step ms | guarded step ms | measured ratio | guard's own estimate | estimate / "
+          "measured |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['recipe']} | {r['ranks']} | {r['plain_ms']} | {r['guarded_ms']} | {r['ratio']}x | {r['estimate']} |")
+        print(f"| {r['recipe']} | {r['ranks']} | {r['plain_ms']} | {r['guarded_ms']} | {r['ratio']}x | {r['estimate']} "
+              f"| {r.get('fit', '-')} |")
     for r in rows:
         print(f"  {r['recipe']}: {r['summary']}")
     print(f"load average at end {load()}")

@@ -75,7 +75,8 @@ class Layout(Protocol):
     def after_backward(self, sync: bool) -> None: ...
 
     def calibrate(self, batch: Any) -> None:
-        """Between steps, at a step's first ``begin``: measure what the checks' hooks cost in place (once)."""
+        """After a step passed and was closed (its first microbatch): measure what the checks' hooks cost in place
+        (once per process, where the layout can)."""
         ...
 
     def first_forward(self, batch: Any) -> None: ...

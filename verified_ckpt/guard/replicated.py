@@ -23,7 +23,7 @@ from ..history import NO_RANK, Event
 from . import abft, capture, checksum, consensus, nonfinite
 from .abft import GradientChecks
 from .abft.dispatch import Installed, in_situ
-from .audit import Auditor, exchange_batches
+from .audit import Auditor, exchange_batches, gradients
 from .capture import Capture
 from .consensus import StateProbe
 from .schedule import AUDIT_SLICES
@@ -79,7 +79,7 @@ class ReplicatedLayout:
                                node_of=p.comm.node_of(), grad_scale=lambda: st.scale)
         if p.world == 2 and p.rank == 0:
             warnings.warn(TWO_REPLICAS, stacklevel=3)
-        with Installed(p.module) as self._hooks:  # ABFT's module hooks, lifted for ``calibrate``'s plain replays
+        with Installed(p.module) as self._hooks:  # ABFT's module hooks, told from others' for ``calibrate``
             self.abft = GradientChecks(p.module, p.params, cfg.seed, cfg.abft_slack, cfg.abft_exclude,
                                        compiled=inner is not p.model, watch=p.sched.watch,
                                        forward=cfg.abft_forward) if cfg.abft else None
@@ -90,6 +90,7 @@ class ReplicatedLayout:
             self.tap.install(self.ddp)
         self._warmup_pending = False
         self._calibrated = False
+        self._passed = 0  # steps passed in this process (``calibrate``)
         self.gathered: list[StepStats] = []
         p.faults.hook_compute(p.module, p.rank, st.now_or_kept, lambda: self.tap.warming)
 
@@ -143,13 +144,15 @@ class ReplicatedLayout:
                 self.tap.warm_up(self.p.model, self.p.module, self.p.loss_fn, batch)
 
     def calibrate(self, batch: Any) -> None:
-        """Once per process, before the first step after the first whose gradients ABFT checks: what ABFT's hooks cost
-        around their own bodies inside this model's step (``abft.dispatch.in_situ``), measured on this step's first
-        microbatch: forward-backward replays of the unwrapped module (no collective: each rank alone), with the hooks
-        and without, RNG, buffers and gradients put back, no faults, nothing recorded. The stopwatch charges each
-        hook call at that rate from then on. Between steps, in no step's time: about six forward-backwards, once."""
+        """Once per process, after the second step that passed while ABFT checks the next: what ABFT's hooks cost
+        around their own bodies inside this model's step (``abft.dispatch.in_situ``), measured on that step's first
+        microbatch: forward-backward replays of the unwrapped module (no collective: each rank alone) with no module
+        hook and with ABFT's alone, as an audit recomputes (gradients returned, not accumulated), RNG and buffers put
+        back, no faults, nothing recorded. The stopwatch charges each hook call at that rate from then on. After the
+        step's update and its stopwatch closed: in no step's time; about six forward-backwards, once."""
         checks, p = self.abft, self.p
-        if checks is None or self._calibrated or not self.st.ran_backward or not checks.on or checks.probing:
+        self._passed += 1
+        if checks is None or self._calibrated or self._passed < 2 or not checks.on or checks.probing:
             return
         self._calibrated = True
         dev = p.device
@@ -159,18 +162,16 @@ class ReplicatedLayout:
                 torch.cuda.synchronize(dev)
 
         def once() -> None:
-            p.loss_fn(p.module, batch).backward()
-            for q in p.params:
-                q.grad = None
+            gradients(p.loss_fn(p.module, batch), p.params)
 
         rates = None
         try:
             with self.tap.aside(p.module), torch.enable_grad():
                 rates = in_situ(once, self._hooks, p.sched.watch, sync)
-        except Exception as e:  # noqa: BLE001 - an estimate's refinement must never stop a step
-            log.debug("ABFT's in-situ dispatch calibration did not run: %s", e)
+        except Exception as e:  # noqa: BLE001 - an estimate's refinement must never stop training
+            log.debug("ABFT's in-place dispatch calibration did not run: %s", e)
         finally:
-            checks.reset()  # the replays' records are not the step's
+            checks.reset()  # the replays' records are not a step's
         if rates is not None:
             p.sched.watch.dispatch = rates
             if p.rank == 0:

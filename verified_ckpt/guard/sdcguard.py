@@ -188,13 +188,10 @@ class SDCGuard(Bookkeeping):
         """For a framework that runs the forward itself (the Lightning integration): call this just before its
         forward of ``batch`` (the RNG state is recorded here, for audits to replay), then :meth:`backward_of`
         with the loss it computed. ``loss_fn(model, batch)`` must compute the same loss: audits rerun it."""
-        st = self._st
+        st, t0 = self._st, time.perf_counter()
         self._cast = autocast_now()  # a loop may run the forward inside autocast around guard.backward (``nocast``)
         if st.step is not None and step != st.step and st.batches:
             raise GuardUsageError(f"backward for step {step} while step {st.step} has not been closed with step()")
-        if not st.batches:
-            self.layout.calibrate(batch)  # once per process, between steps: in no step's time
-        t0 = time.perf_counter()
         if st.step != step:
             self._reset_step()
         st.step = step
@@ -280,6 +277,7 @@ class SDCGuard(Bookkeeping):
         else:
             if self.cfg.audit_before_save and self.audits_enabled:
                 st.kept = (s, [(st.batches[0], st.rng[0])])
+            first = st.batches[0]
         finally:
             if self.abft is not None:
                 self.abft.enabled = self.sched.plan.abft
@@ -287,6 +285,7 @@ class SDCGuard(Bookkeeping):
             self._reset_step()
             st.step = None
             self.sched.watch.close()
+        self.layout.calibrate(first)  # once per process, after the step is closed: in no step's time
 
     def _check(self, s: int) -> None:
         """Step ``s``'s checks before the update (each raises when it fails), from the step's one gather: the layout's

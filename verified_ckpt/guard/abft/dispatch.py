@@ -18,8 +18,8 @@ Inside a real step they cost more than that floor: a hook's body leaves the cach
 training's next kernels run colder (a two-layer Hugging Face Llama's own forward, backward and update ran 30 %
 slower with the hooks on, 2.25 ms a step, of which the floor charged a fifth; docs/BENCHMARKS.md, "Where the
 estimate's last gap is"). No clock inside the step can tell that time from training's. :func:`in_situ` measures it
-once per process on the training's own model and batch: a few forward-backward replays with ABFT's module hooks
-lifted (:class:`Installed`, the model as it runs without the guard) alternated with replays with them on; what the
+once per process on the training's own model and batch: a few forward-backward replays with no module hook (the
+model as it runs without the guard) alternated with replays with ABFT's alone (:class:`Installed`); what the
 hooked replays took beyond the plain ones and beyond what the hooks' own timers saw is charged per hook call and
 interception from then on, scaled from the floor's two rates.
 """
@@ -159,36 +159,39 @@ def _per_interception() -> float:
 
 class Installed:
     """The module hooks registered on ``module``'s modules inside a ``with Installed(module) as hooks:`` block (ABFT's
-    construction), so that :meth:`lifted` can take exactly those off for a while and put them back in their places.
-    Forward hooks only: ABFT's tensor hooks are registered by these, per call."""
+    construction), so that :meth:`only` can run the module with those alone, or with none: every other module hook
+    (a user's, a test's fault) taken off meanwhile, and every hook put back in its place after. ABFT's tensor hooks
+    are registered by its forward hooks, per call."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
-        self.added: list[tuple[dict[int, Any], int]] = []
+        self.added: set[tuple[int, int]] = set()
         self._before: set[tuple[int, int]] = set()
 
     def _dicts(self) -> Iterator[dict[int, Any]]:
         for m in self.module.modules():
-            yield m._forward_pre_hooks
-            yield m._forward_hooks
+            yield from (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
 
     def __enter__(self) -> Installed:
         self._before = {(id(d), k) for d in self._dicts() for k in d}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.added = [(d, k) for d in self._dicts() for k in d if (id(d), k) not in self._before]
+        self.added = {(id(d), k) for d in self._dicts() for k in d if (id(d), k) not in self._before}
 
     @contextlib.contextmanager
-    def lifted(self) -> Iterator[None]:
-        """The modules as they run without these hooks: a module with no other hook takes its call's fast path."""
-        kept = {id(d): (d, list(d.items())) for d, _ in self.added}
-        for d, k in self.added:
-            d.pop(k, None)
+    def only(self, own: bool) -> Iterator[None]:
+        """The modules with these hooks alone (``own``), or with no hook: the model as it runs without the guard
+        (a module with no hook takes its call's fast path). Nobody else's hook sees the passes run inside: a hook
+        that counts its module's calls, one a step, still counts the steps."""
+        kept = [(d, list(d.items())) for d in self._dicts() if d]
+        for d, _ in kept:
+            for k in [k for k in d if not (own and (id(d), k) in self.added)]:
+                del d[k]
         try:
             yield
         finally:
-            for d, items in kept.values():  # every hook back, in its order among the others'
+            for d, items in kept:  # every hook back, in its order among the others'
                 d.clear()
                 d.update(items)
 
@@ -196,11 +199,11 @@ class Installed:
 def in_situ(run: Callable[[], None], hooks: Installed, watch: Stopwatch, sync: Callable[[], None],
             pairs: int = _PAIRS) -> tuple[float, float] | None:
     """The rates to charge ABFT's hook calls and interceptions at, measured inside the training's own step: ``run()``
-    is one of its forward-backward passes (the caller puts back what it changes), run ``pairs`` times each with
-    ``hooks`` lifted and with them on, alternated (one pair only where a pair took over a second); ``sync()`` waits
-    for the device. What a hooked pass took beyond
-    the plain one and beyond its hooks' timed bodies, per call, at the floor's ratio of the two rates (never below
-    the floor). ``watch``'s figures are left as they were. ``None``: no hook ran (nothing to scale)."""
+    is one of its forward-backward passes (the caller puts back what it changes), run ``pairs`` times each with no
+    module hook and with ``hooks`` alone, alternated (one pair only where a pair took over a second); ``sync()`` waits
+    for the device. What a hooked pass took beyond the plain one and beyond its hooks' timed bodies, per call, at the
+    floor's ratio of the two rates (never below the floor). ``watch``'s figures are left as they were. ``None``: no
+    hook ran (nothing to scale)."""
     kept = (watch.abft, watch.hooks, watch.intercepted)
 
     def clock() -> float:
@@ -216,10 +219,11 @@ def in_situ(run: Callable[[], None], hooks: Installed, watch: Stopwatch, sync: C
         for _ in range(pairs):  # alternated: a slower stretch of the machine falls on both sides of a pair
             if untimed and time.perf_counter() - start > _LONG:
                 break  # a large model's passes: one pair (its timings move less than a host-bound model's)
-            with hooks.lifted():
+            with hooks.only(own=False):
                 plain = clock()
             watch.abft, watch.hooks, watch.intercepted = 0.0, 0, 0
-            hooked = clock()
+            with hooks.only(own=True):
+                hooked = clock()
             untimed.append(hooked - plain - watch.abft)
             calls = (watch.hooks, watch.intercepted)
     finally:

@@ -134,16 +134,26 @@ def test_in_situ_charges_what_the_hooks_cost_beyond_their_timed_bodies_and_leave
     def run() -> None:
         lin(torch.ones(2, 4)).sum().backward()
 
-    hook, interception = dispatch.in_situ(run, hooks, watch, lambda: None)
+    hook, interception = dispatch.in_situ(run, hooks, watch, lambda: None) or (0.0, 0.0)
     # One counted call a pass, 3 ms around it that no timer saw: charged to that call, at the floor's ratio of rates
     assert 1.5e-3 <= hook < 0.1
     assert interception == pytest.approx(hook / 10)
     assert (watch.abft, watch.hooks, watch.intercepted) == (0.5, 7, 3)
-    # Nothing around the hooks' bodies: the floor's rates stand (never below them)
-    with dispatch.Installed(lin) as quiet:
-        lin.register_forward_hook(dispatch.timed(watch, lambda *a: None))
-    assert dispatch.in_situ(run, quiet, watch, lambda: None) is not None
-    assert min(dispatch.in_situ(run, quiet, watch, lambda: None) or (0.0,)) >= 1e-6
+
+
+def test_the_charge_is_the_replays_median_per_call_where_it_stands_out_of_their_spread():
+    floor = (1e-5, 1e-6)
+    hook, interception = dispatch.charged([3.1e-3, 2.9e-3, 3.0e-3, 3.3e-3], (10, 100), floor) or (0.0, 0.0)
+    # 3.05 ms over 10 calls at 1e-5 and 100 at 1e-6 (0.2 ms at the floor): 15.25 times the floor's rates
+    assert (hook, interception) == (pytest.approx(1.525e-4), pytest.approx(1.525e-5))
+    # Never below the floor; the whole median per call where the floor is zero (the start-up calibration failed)
+    assert dispatch.charged([1e-5, 1.1e-5, 0.9e-5], (10, 100), floor) == floor
+    assert dispatch.charged([3e-3, 3e-3, 3e-3], (10, 20), (0.0, 0.0)) == (pytest.approx(1e-4), pytest.approx(1e-4))
+    # A median inside the pairs' own spread (a large model's pass moving from run to run), too few pairs, no hook
+    # call: the floor stands
+    assert dispatch.charged([9e-3, -6e-3, 1e-3, -2e-3, 8e-3], (10, 100), floor) is None
+    assert dispatch.charged([3e-3, 3e-3], (10, 100), floor) is None
+    assert dispatch.charged([3e-3, 3e-3, 3e-3], (0, 0), floor) is None
 
 
 class _Noisy(torch.nn.Module):

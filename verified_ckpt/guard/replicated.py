@@ -174,9 +174,10 @@ class ReplicatedLayout:
             checks.reset()  # the replays' records are not a step's
         if rates is not None:
             p.sched.watch.dispatch = rates
-            if p.rank == 0:
-                log.info("SDCGuard: ABFT's hooks cost %.1f us a call around their own work inside this model's step "
-                         "(measured in place once; the budget charges it)", rates[0] * 1e6)
+        if p.rank == 0:
+            log.info("SDCGuard: ABFT's hooks charged %.1f us a call around their own work (%s)", p.sched.watch.dispatch[0]
+                     * 1e6, "measured in place, in replays of this model's step" if rates is not None else
+                     "the start-up rate: replays of this model's step could not tell more from their own spread")
 
     def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         """No schedule here (``runs_schedule`` is false): ``SDCGuard.pipeline_step`` refuses before it gets here."""

@@ -21,16 +21,19 @@ estimate's last gap is"). No clock inside the step can tell that time from train
 once per process on the training's own model and batch: a few forward-backward replays with no module hook (the
 model as it runs without the guard) alternated with replays with ABFT's alone (:class:`Installed`); what the
 hooked replays took beyond the plain ones and beyond what the hooks' own timers saw is charged per hook call and
-interception from then on, scaled from the floor's two rates.
+interception from then on, scaled from the floor's two rates, where it stands out of the replays' own spread
+(:func:`charged`: a large model's pass on a CPU moves by more from run to run than its hooks cost around their
+bodies, and there the floor stands).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,13 +44,15 @@ from ..budget import Stopwatch
 from ..nocast import own_precision
 from .flops import QUIET
 
-__all__ = ["Installed", "costs", "empty_hooks", "in_situ", "timed", "timer"]
+__all__ = ["Installed", "charged", "costs", "empty_hooks", "in_situ", "timed", "timer"]
 
 _NOTHING = contextlib.nullcontext()
 _ROUNDS = 9  # calibration pairs (the median is kept: a pair the scheduler interrupted is an outlier)
 _CALLS = 8  # forwards and backwards, or intercepted calls, per round
-_PAIRS = 3  # in-situ replay pairs (plain, hooked): the median is kept
-_LONG = 1.0  # seconds of replays after which no further pair is run
+_PAIRS = 3  # in-situ replay pairs (plain, hooked): at least this many for a figure (the median is kept)
+_MOST = 12  # and at most this many,
+_SHORT = 0.5  # more than _PAIRS only while the replays have taken less than this many seconds;
+_LONG = 10.0  # and one pair only (no figure: the start-up rates stand) where it took longer than this
 
 
 def timed(watch: Stopwatch, fn: Callable[..., Any], counted: bool = True, backward: bool = False) -> Callable[..., Any]:
@@ -196,14 +201,13 @@ class Installed:
                 d.update(items)
 
 
-def in_situ(run: Callable[[], None], hooks: Installed, watch: Stopwatch, sync: Callable[[], None],
-            pairs: int = _PAIRS) -> tuple[float, float] | None:
+def in_situ(run: Callable[[], None], hooks: Installed, watch: Stopwatch, sync: Callable[[], None]
+            ) -> tuple[float, float] | None:
     """The rates to charge ABFT's hook calls and interceptions at, measured inside the training's own step: ``run()``
-    is one of its forward-backward passes (the caller puts back what it changes), run ``pairs`` times each with no
-    module hook and with ``hooks`` alone, alternated (one pair only where a pair took over a second); ``sync()`` waits
-    for the device. What a hooked pass took beyond the plain one and beyond its hooks' timed bodies, per call, at the
-    floor's ratio of the two rates (never below the floor). ``watch``'s figures are left as they were. ``None``: no
-    hook ran (nothing to scale)."""
+    is one of its forward-backward passes (the caller puts back what it changes), run with no module hook and with
+    ``hooks`` alone, alternated, in :data:`_PAIRS` pairs or more while they are short (:data:`_SHORT`); ``sync()``
+    waits for the device. ``watch``'s figures are left as they were. The rates are :func:`charged`'s; ``None``:
+    the start-up rates stand."""
     kept = (watch.abft, watch.hooks, watch.intercepted)
 
     def clock() -> float:
@@ -216,9 +220,10 @@ def in_situ(run: Callable[[], None], hooks: Installed, watch: Stopwatch, sync: C
     untimed: list[float] = []
     calls, start = (0, 0), time.perf_counter()
     try:
-        for _ in range(pairs):  # alternated: a slower stretch of the machine falls on both sides of a pair
-            if untimed and time.perf_counter() - start > _LONG:
-                break  # a large model's passes: one pair (its timings move less than a host-bound model's)
+        while len(untimed) < _MOST:  # alternated: a slower stretch of the machine falls on both sides of a pair
+            spent = time.perf_counter() - start
+            if untimed and (spent > _LONG or (len(untimed) >= _PAIRS and spent > _SHORT)):
+                break
             with hooks.only(own=False):
                 plain = clock()
             watch.abft, watch.hooks, watch.intercepted = 0.0, 0, 0
@@ -228,13 +233,27 @@ def in_situ(run: Callable[[], None], hooks: Installed, watch: Stopwatch, sync: C
             calls = (watch.hooks, watch.intercepted)
     finally:
         watch.abft, watch.hooks, watch.intercepted = kept
-    if not sum(calls):
+    return charged(untimed, calls, watch.dispatch)
+
+
+def charged(untimed: Sequence[float], calls: tuple[int, int], floor: tuple[float, float]) -> tuple[float, float] | None:
+    """The rates per hook call and per interception from what each replay pair measured beyond the hooks' timed
+    bodies (``untimed``, seconds, for ``calls`` hook calls and interceptions a pass): the median, per call, at the
+    start-up rates' ratio (``floor``), never below them. ``None`` (the floor stands) where the median does not stand
+    out of the pairs' own spread: fewer than :data:`_PAIRS` pairs, or a median within three standard errors of
+    zero. A large model's pass moves by more from one run to the next than its hooks cost around their bodies, and a
+    difference of two noisy times, floored at the start-up rate, would only ever err upwards."""
+    n = len(untimed)
+    if not sum(calls) or n < _PAIRS:
         return None
-    a, b = watch.dispatch
-    floor = calls[0] * a + calls[1] * b
-    seen = max(statistics.median(untimed), 0.0)
-    if floor <= 0:
-        per = seen / sum(calls)
+    mid = statistics.median(untimed)
+    spread = 1.4826 * statistics.median(abs(u - mid) for u in untimed)  # the median absolute deviation, as a sigma
+    if mid <= 3 * 1.2533 * spread / math.sqrt(n):  # the median's standard error, 1.2533 sigma / sqrt(n)
+        return None
+    a, b = floor
+    at_floor = calls[0] * a + calls[1] * b
+    if at_floor <= 0:
+        per = mid / sum(calls)
         return per, per
-    scale = max(seen / floor, 1.0)
+    scale = max(mid / at_floor, 1.0)
     return a * scale, b * scale

@@ -224,3 +224,43 @@ def test_the_in_situ_replays_run_between_steps_in_no_steps_time(one_rank, monkey
         guard.step()
     assert shift[0] == 1000.0  # once, at the second step
     assert all(c.step_s < 1000.0 and c.floor_s < 1000.0 for c in seen)
+
+
+class _NeedsItsHooks(torch.nn.Module):
+    """A forward that needs its own pre-hook (as old-style weight and spectral norm do): without it, it fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+        self.register_forward_pre_hook(lambda m, a: setattr(m, "scale", 2.0))
+        self.register_forward_hook(lambda m, a, out: delattr(m, "scale"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_a_model_whose_replay_fails_without_its_own_hooks_trains_on_at_the_start_up_rate(one_rank, monkeypatch, caplog):
+    import logging
+
+    from verified_ckpt.guard import replicated
+
+    caplog.set_level(logging.DEBUG, logger="verified_ckpt.guard.replicated")
+    def train(calibrate: bool) -> tuple[SDCGuard, list[torch.Tensor]]:
+        if not calibrate:
+            monkeypatch.setattr(replicated.ReplicatedLayout, "calibrate", lambda self, batch: None)
+        torch.manual_seed(0)
+        model = DDP(_NeedsItsHooks())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = SDCGuard(model, opt, lambda m, b: m(b).square().mean(), GuardConfig())
+        for step in range(4):
+            guard.backward(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)), step=step)
+            guard.step()
+        monkeypatch.undo()
+        return guard, [p.detach().clone() for p in model.parameters()]
+
+    guard, weights = train(True)
+    assert guard.layout._calibrated and guard.sched.watch.dispatch == dispatch.costs()
+    assert any("did not run" in r.getMessage() and "scale" in r.getMessage() for r in caplog.records)
+    assert guard.checks["abft"].passed == 4
+    _, plain = train(False)
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain, strict=True))

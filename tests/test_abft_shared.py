@@ -50,15 +50,16 @@ def test_the_groups_are_learnt_at_the_first_step_and_each_input_is_read_once_aft
     torch.manual_seed(0)
     guard, incident = run(Block(), loss_fn, 3)
     assert incident is None and guard.checks["abft"].passed == 3
-    # Two later steps, and after the second the three replays with ABFT's hooks that measure their cost in place
-    # (``ReplicatedLayout.calibrate``), each reading as a step does
-    assert len(reads) == 8 + 2 * 5 + 3 * 5
+    # Two later steps, and after the second the replays with ABFT's hooks that measure their cost in place
+    # (``ReplicatedLayout.calibrate``: 3 to 12, as many as half a second takes), each reading as a step does
+    passes, rest = divmod(len(reads) - 8, 5)
+    assert rest == 0 and 2 + 3 <= passes <= 2 + 12, len(reads)
     assert all(v[0] <= 2 for v in reads[:8])  # the first step: every covered Linear reads its own input
     groups = {tuple(la.name for la in g) for g in guard.abft._shared.groups.values()}
     assert groups == {("q", "k", "v"), ("gate", "up")}
     # Later steps: q, k and v in one read of 6 vectors (each its s and Wᵀ r), gate and up in one of 4
     each_step = [torch.Size([6, 16]), torch.Size([4, 16])] + [torch.Size([2, n]) for n in (32, 32, 16)]
-    assert sorted(reads[8:]) == sorted(each_step * 5)
+    assert sorted(reads[8:]) == sorted(each_step * passes)
 
 
 def members(n: int) -> list[Layer]:

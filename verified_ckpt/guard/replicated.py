@@ -164,20 +164,21 @@ class ReplicatedLayout:
         def once() -> None:
             gradients(p.loss_fn(p.module, batch), p.params)
 
-        rates = None
+        rates, why = None, "the start-up rate: replays of this model's step could not tell more from their own spread"
         try:
             with self.tap.aside(p.module), torch.enable_grad():
                 rates = in_situ(once, self._hooks, p.sched.watch, sync)
         except Exception as e:  # noqa: BLE001 - an estimate's refinement must never stop training
             log.debug("ABFT's in-place dispatch calibration did not run: %s", e)
+            why = "the start-up rate: this model's step could not be replayed without the other module hooks"
         finally:
             checks.reset()  # the replays' records are not a step's
         if rates is not None:
             p.sched.watch.dispatch = rates
+            why = "measured in place, in replays of this model's step"
         if p.rank == 0:
-            log.info("SDCGuard: ABFT's hooks charged %.1f us a call around their own work (%s)", p.sched.watch.dispatch[0]
-                     * 1e6, "measured in place, in replays of this model's step" if rates is not None else
-                     "the start-up rate: replays of this model's step could not tell more from their own spread")
+            log.info("SDCGuard: ABFT's hooks charged %.1f us a call around their own work (%s)",
+                     p.sched.watch.dispatch[0] * 1e6, why)
 
     def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         """No schedule here (``runs_schedule`` is false): ``SDCGuard.pipeline_step`` refuses before it gets here."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -168,31 +169,37 @@ class _Noisy(torch.nn.Module):
         return self.net(x)
 
 
-def _train(calibrate: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[SDCGuard, list[torch.Tensor], torch.Tensor]:
+def _train(model: Callable[[], torch.nn.Module], calibrate: bool, monkeypatch: pytest.MonkeyPatch,
+           batch: Callable[[int], torch.Tensor]) -> tuple[SDCGuard, list[torch.Tensor], torch.Tensor]:
+    """Four guarded steps of ``model()`` on ``batch(step)``, with the in-place replays or without; the guard, the
+    weights and buffers it ended with, and the random state."""
     from verified_ckpt.guard import replicated
 
     if not calibrate:
         monkeypatch.setattr(replicated.ReplicatedLayout, "calibrate", lambda self, batch: None)
     torch.manual_seed(0)
-    model = DDP(_Noisy())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = SDCGuard(model, opt, lambda m, b: m(b).square().mean(), GuardConfig())
-    data = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    ddp = DDP(model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    guard = SDCGuard(ddp, opt, lambda m, b: m(b).square().mean(), GuardConfig())
     for step in range(4):
-        guard.backward(data, step=step)
+        guard.backward(batch(step), step=step)
         guard.step()
         # The loop leaves the gradients to accumulate into the next step (no zero_grad): the replays start from none
         # and put these back
-    state = [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+    state = [t.detach().clone() for t in [*ddp.parameters(), *ddp.buffers()]]
     monkeypatch.undo()
     return guard, state, torch.get_rng_state()
 
 
+def _same_data(step: int) -> torch.Tensor:
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+
+
 def test_the_in_situ_replays_leave_no_trace_and_set_the_charge(one_rank, monkeypatch):
-    guard, state, rng = _train(True, monkeypatch)
+    guard, state, rng = _train(_Noisy, True, monkeypatch, _same_data)
     assert guard.layout._calibrated
     assert guard.sched.watch.dispatch[0] >= dispatch.costs()[0]
-    _, plain_state, plain_rng = _train(False, monkeypatch)
+    _, plain_state, plain_rng = _train(_Noisy, False, monkeypatch, _same_data)
     # Weights, batch-norm statistics and the random state as a run without the replays left them, to the bit
     assert all(torch.equal(a, b) for a, b in zip(state, plain_state, strict=True))
     assert torch.equal(rng, plain_rng)
@@ -242,25 +249,14 @@ class _NeedsItsHooks(torch.nn.Module):
 def test_a_model_whose_replay_fails_without_its_own_hooks_trains_on_at_the_start_up_rate(one_rank, monkeypatch, caplog):
     import logging
 
-    from verified_ckpt.guard import replicated
-
     caplog.set_level(logging.DEBUG, logger="verified_ckpt.guard.replicated")
-    def train(calibrate: bool) -> tuple[SDCGuard, list[torch.Tensor]]:
-        if not calibrate:
-            monkeypatch.setattr(replicated.ReplicatedLayout, "calibrate", lambda self, batch: None)
-        torch.manual_seed(0)
-        model = DDP(_NeedsItsHooks())
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        guard = SDCGuard(model, opt, lambda m, b: m(b).square().mean(), GuardConfig())
-        for step in range(4):
-            guard.backward(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)), step=step)
-            guard.step()
-        monkeypatch.undo()
-        return guard, [p.detach().clone() for p in model.parameters()]
 
-    guard, weights = train(True)
+    def batch(step: int) -> torch.Tensor:
+        return torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+
+    guard, weights, _ = _train(_NeedsItsHooks, True, monkeypatch, batch)
     assert guard.layout._calibrated and guard.sched.watch.dispatch == dispatch.costs()
     assert any("did not run" in r.getMessage() and "scale" in r.getMessage() for r in caplog.records)
     assert guard.checks["abft"].passed == 4
-    _, plain = train(False)
+    _, plain, _ = _train(_NeedsItsHooks, False, monkeypatch, batch)
     assert all(torch.equal(a, b) for a, b in zip(weights, plain, strict=True))

@@ -121,6 +121,13 @@ def test_only_runs_the_module_with_abfts_hooks_alone_or_none_and_puts_every_hook
     assert calls == []
     lin(x).sum().backward()
     assert calls == ["pre", "before", "inside", "after", "backward"]
+    calls.clear()
+    with hooks.without():  # where the model needs its framework's own hooks (FSDP2's): only ABFT's off
+        lin(x).sum().backward()
+    assert calls == ["before", "after", "backward"]
+    calls.clear()
+    lin(x).sum().backward()
+    assert calls == ["pre", "before", "inside", "after", "backward"]
 
 
 def test_in_situ_charges_what_the_hooks_cost_beyond_their_timed_bodies_and_leaves_the_stopwatch_as_it_was():
@@ -135,7 +142,7 @@ def test_in_situ_charges_what_the_hooks_cost_beyond_their_timed_bodies_and_leave
     def run() -> None:
         lin(torch.ones(2, 4)).sum().backward()
 
-    hook, interception = dispatch.in_situ(run, hooks, watch, lambda: None) or (0.0, 0.0)
+    hook, interception = dispatch.in_situ(run, hooks.alone(), watch, lambda: None) or (0.0, 0.0)
     # One counted call a pass, 3 ms around it that no timer saw: charged to that call, at the floor's ratio of rates
     assert 1.5e-3 <= hook < 0.1
     assert interception == pytest.approx(hook / 10)
@@ -197,7 +204,7 @@ def _same_data(step: int) -> torch.Tensor:
 
 def test_the_in_situ_replays_leave_no_trace_and_set_the_charge(one_rank, monkeypatch):
     guard, state, rng = _train(_Noisy, True, monkeypatch, _same_data)
-    assert guard.layout._calibrated
+    assert guard.layout._calibration.done
     assert guard.sched.watch.dispatch[0] >= dispatch.costs()[0]
     _, plain_state, plain_rng = _train(_Noisy, False, monkeypatch, _same_data)
     # Weights, batch-norm statistics and the random state as a run without the replays left them, to the bit
@@ -249,14 +256,68 @@ class _NeedsItsHooks(torch.nn.Module):
 def test_a_model_whose_replay_fails_without_its_own_hooks_trains_on_at_the_start_up_rate(one_rank, monkeypatch, caplog):
     import logging
 
-    caplog.set_level(logging.DEBUG, logger="verified_ckpt.guard.replicated")
+    caplog.set_level(logging.DEBUG, logger="verified_ckpt")
 
     def batch(step: int) -> torch.Tensor:
         return torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
 
     guard, weights, _ = _train(_NeedsItsHooks, True, monkeypatch, batch)
-    assert guard.layout._calibrated and guard.sched.watch.dispatch == dispatch.costs()
+    assert guard.layout._calibration.done and guard.sched.watch.dispatch == dispatch.costs()
     assert any("did not run" in r.getMessage() and "scale" in r.getMessage() for r in caplog.records)
     assert guard.checks["abft"].passed == 4
     _, plain, _ = _train(_NeedsItsHooks, False, monkeypatch, batch)
     assert all(torch.equal(a, b) for a, b in zip(weights, plain, strict=True))
+
+
+def _fsdp_replays(rank: int, world: int) -> dict:
+    """Four guarded FSDP2 steps with dropout (the RNG), accumulating gradients, with the in-place replays and
+    without; how many replays each rank ran, and the state and random state each run ended with."""
+    import warnings
+
+    from test_guard_fsdp import batch, build, consolidated, loss_fn
+
+    from verified_ckpt.guard import fsdp
+
+    warnings.simplefilter("ignore")
+    real, kept = fsdp.in_situ, fsdp.ShardedLayout.calibrate
+    out = {}
+    try:
+        for calibrate in (True, False):
+            replays = [0]
+
+            def counting(run: Callable[[], None], *args: object, **kwargs: object) -> object:
+                def counted() -> None:
+                    replays[0] += 1
+                    run()
+                return real(counted, *args, **kwargs)  # type: ignore[arg-type]
+
+            fsdp.in_situ = counting  # type: ignore[assignment]
+            if not calibrate:
+                fsdp.ShardedLayout.calibrate = lambda self, batch: None  # type: ignore[method-assign]
+            model, opt = build((2,), dropout=0.3)
+            torch.manual_seed(100 + rank)
+            guard = SDCGuard(model, opt, loss_fn, GuardConfig())
+            for step in range(4):
+                guard.backward(batch(rank, step), step=step)
+                guard.step()
+            out[str(calibrate)] = {"replays": replays[0], "done": guard.layout._calibration.done,
+                                   "abft": guard.checks["abft"].passed, "rng": torch.get_rng_state().tolist(),
+                                   "state": [t.tolist() for t in consolidated(model, opt)]}
+    finally:
+        fsdp.in_situ, fsdp.ShardedLayout.calibrate = real, kept  # type: ignore[method-assign]
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_fsdp2_replays_run_on_every_rank_in_step_and_leave_no_trace():
+    from dist_harness import run_ranks
+
+    got = run_ranks(_fsdp_replays, 2, timeout=80)
+    with_, without = [r["True"] for r in got], [r["False"] for r in got]
+    # Every rank ran as many replays (FSDP's collectives inside them pair up), in plain and hooked pairs, at least
+    # three pairs; the guard checked every step
+    assert with_[0]["replays"] == with_[1]["replays"] and with_[0]["replays"] % 2 == 0 and with_[0]["replays"] >= 6
+    assert all(r["done"] and r["abft"] == 4 for r in with_)
+    # Parameters, AdamW's moments and each rank's random state as a run without the replays left them, to the bit
+    for a, b in zip(with_, without, strict=True):
+        assert b["replays"] == 0 and a["state"] == b["state"] and a["rng"] == b["rng"]

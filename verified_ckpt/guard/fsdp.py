@@ -14,7 +14,7 @@ import json
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +26,7 @@ from ..history import NO_RANK, Event
 from ..rng import restore_rng
 from .abft import GradientChecks
 from .abft import judge as judge_abft
+from .abft.dispatch import Calibration, Installed, Sides, device_sync, in_situ
 from .abft.sharded import ShardedGradientChecks
 from .audit import exchange_batches
 from .boxes import box_keys, box_rows, boxes_of, local_state
@@ -120,9 +121,11 @@ class ShardedLayout:
         self._eps = 0.0
         self._loss_parallel = False  # the step's backward ran under loss_parallel(): its audits replay under it too
         cfg = p.cfg
-        self.checks = ShardedGradientChecks(p.module, p.params, cfg.seed, cfg.abft_slack, exclude=cfg.abft_exclude,
-                                            watch=p.sched.watch, forward=cfg.abft_forward) \
-            if cfg.abft and self.gradient_checks else None
+        with Installed(p.module) as self._hooks:  # ABFT's module hooks, told from FSDP's and a plan's for ``calibrate``
+            self.checks = ShardedGradientChecks(p.module, p.params, cfg.seed, cfg.abft_slack,
+                                                exclude=cfg.abft_exclude, watch=p.sched.watch,
+                                                forward=cfg.abft_forward) if cfg.abft and self.gradient_checks else None
+        self._calibration = Calibration()
         self.abft: GradientChecks | None = self.checks  # what the guard schedules and pauses
         self.rs_tap = ShardedTap(p.project, self._reduce_scatter, two_d=self.view.replicas > 1, inject=self._inject,
                                  watch=p.sched.watch)
@@ -198,8 +201,42 @@ class ShardedLayout:
         """Nothing: FSDP's reduction order does not depend on a first iteration, unlike DDP's buckets."""
 
     def calibrate(self, batch: Any) -> None:
-        """Nothing: a replay here would run FSDP's collectives outside the step; the stopwatch keeps the start-up
-        calibration's rates (``abft.dispatch.costs``)."""
+        """Once per process, after the second step that passed while ABFT checks the next: what ABFT's hooks cost
+        around their own bodies inside this model's step (``abft.dispatch.in_situ``), measured on that step's first
+        microbatch on every rank at once: forward-backward replays through FSDP (its collectives and a plan's
+        redistributions run in them, so a rank's hooks that hold up its peers are in the figure), with ABFT's module
+        hooks off and its checks paused, and with them on; the tap passes FSDP's reductions through, no fault is
+        injected, and gradients, buffers and random state are put back. Every rank runs as many pairs (the slowest
+        rank's time decides). Other module hooks run in both (FSDP's own are among them), as in an audit."""
+        checks, p = self.checks, self.p
+        if not self._calibration.due(checks):
+            return
+        assert checks is not None
+
+        def once() -> None:
+            self.before_backward(True)
+            with replaying_under(self._loss_parallel):
+                p.loss_fn(p.model, batch).backward()
+
+        def slowest(seconds: float) -> float:
+            return float(p.comm.all_gather_rows(torch.tensor([seconds], dtype=torch.float64, device=p.device)).max())
+
+        @contextlib.contextmanager
+        def plain() -> Iterator[None]:
+            with self._hooks.without(), checks.pausing():
+                yield
+
+        def measure() -> tuple[float, float] | None:
+            self.rs_tap.paused = self.rs_tap.auditing = True  # FSDP's reductions passed through; no faults
+            try:
+                with self._aside(), torch.enable_grad():
+                    return in_situ(once, Sides(plain, contextlib.nullcontext), p.sched.watch, device_sync(p.device),
+                                   slowest)
+            finally:
+                self.rs_tap.paused = self.rs_tap.auditing = False
+                checks.reset()  # the replays' records are not a step's
+
+        Calibration.settle(p.sched.watch, measure, p.rank, "the start-up rate: this model's step could not be replayed")
 
     def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         """No schedule here (``runs_schedule`` is false): ``SDCGuard.pipeline_step`` refuses before it gets here."""
@@ -409,26 +446,35 @@ class ShardedLayout:
         ring; the gathered rows. Gradients, buffers, random state and the step's rows are put back."""
         parts = self.p
         owner = self.view.shifted(parts.rank, -back) if back else parts.rank
-        grads = [p.grad for p in parts.params]
-        buffers = [b.detach().clone() for b in parts.buffers]
         kept = (self.rs_tap.rows, self.rs_tap.modes)
         self.rs_tap.reset()
         self.rs_tap.auditing = True
         try:
-            # ABFT paused: a recomputation is not this step's gradients
-            with self.paused(), torch.random.fork_rng(devices=[parts.device] if parts.device.type == "cuda" else []):
-                for p in parts.params:
-                    p.grad = None
+            with self.paused(), self._aside():  # ABFT paused: a recomputation is not this step's gradients
                 row = self._audit_row(self._replay(everyone[owner]))
         finally:
             self.rs_tap.auditing = False
             self.rs_tap.rows, self.rs_tap.modes = kept
+        return parts.comm.all_gather_rows(row).tolist()
+
+    @contextlib.contextmanager
+    def _aside(self) -> Iterator[None]:
+        """Passes that are not the step's own (an audit's recomputation, ``calibrate``'s replays): they start from no
+        gradient, and gradients, buffers and random state are put back."""
+        parts = self.p
+        grads = [p.grad for p in parts.params]
+        buffers = [b.detach().clone() for b in parts.buffers]
+        try:
+            with torch.random.fork_rng(devices=[parts.device] if parts.device.type == "cuda" else []):
+                for p in parts.params:
+                    p.grad = None
+                yield
+        finally:
             for p, grad in zip(parts.params, grads, strict=True):
                 p.grad = grad
             with torch.no_grad():
                 for b, saved in zip(parts.buffers, buffers, strict=True):
                     b.copy_(saved)
-        return parts.comm.all_gather_rows(row).tolist()
 
 
 def worst_of(rows: Sequence[RankRow]) -> list[tuple[float, int]]:

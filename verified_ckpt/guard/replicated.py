@@ -22,7 +22,7 @@ from ..errors import GuardUsageError
 from ..history import NO_RANK, Event
 from . import abft, capture, checksum, consensus, nonfinite
 from .abft import GradientChecks
-from .abft.dispatch import Installed, in_situ
+from .abft.dispatch import Calibration, Installed, device_sync, in_situ
 from .audit import Auditor, exchange_batches, gradients
 from .capture import Capture
 from .consensus import StateProbe
@@ -89,8 +89,7 @@ class ReplicatedLayout:
         if self.ddp is not None:
             self.tap.install(self.ddp)
         self._warmup_pending = False
-        self._calibrated = False
-        self._passed = 0  # steps passed in this process (``calibrate``)
+        self._calibration = Calibration()
         self.gathered: list[StepStats] = []
         p.faults.hook_compute(p.module, p.rank, st.now_or_kept, lambda: self.tap.warming)
 
@@ -151,34 +150,22 @@ class ReplicatedLayout:
         back, no faults, nothing recorded. The stopwatch charges each hook call at that rate from then on. After the
         step's update and its stopwatch closed: in no step's time; about six forward-backwards, once."""
         checks, p = self.abft, self.p
-        self._passed += 1
-        if checks is None or self._calibrated or self._passed < 2 or not checks.on or checks.probing:
+        if not self._calibration.due(checks):
             return
-        self._calibrated = True
-        dev = p.device
-
-        def sync() -> None:
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+        assert checks is not None
 
         def once() -> None:
             gradients(p.loss_fn(p.module, batch), p.params)
 
-        rates, why = None, "the start-up rate: replays of this model's step could not tell more from their own spread"
-        try:
-            with self.tap.aside(p.module), torch.enable_grad():
-                rates = in_situ(once, self._hooks, p.sched.watch, sync)
-        except Exception as e:  # noqa: BLE001 - an estimate's refinement must never stop training
-            log.debug("ABFT's in-place dispatch calibration did not run: %s", e)
-            why = "the start-up rate: this model's step could not be replayed without the other module hooks"
-        finally:
-            checks.reset()  # the replays' records are not a step's
-        if rates is not None:
-            p.sched.watch.dispatch = rates
-            why = "measured in place, in replays of this model's step"
-        if p.rank == 0:
-            log.info("SDCGuard: ABFT's hooks charged %.1f us a call around their own work (%s)",
-                     p.sched.watch.dispatch[0] * 1e6, why)
+        def measure() -> tuple[float, float] | None:
+            try:
+                with self.tap.aside(p.module), torch.enable_grad():
+                    return in_situ(once, self._hooks.alone(), p.sched.watch, device_sync(p.device))
+            finally:
+                checks.reset()  # the replays' records are not a step's
+
+        Calibration.settle(p.sched.watch, measure, p.rank,
+                           "the start-up rate: this model's step could not be replayed without the other module hooks")
 
     def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         """No schedule here (``runs_schedule`` is false): ``SDCGuard.pipeline_step`` refuses before it gets here."""

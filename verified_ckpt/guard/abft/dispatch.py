@@ -29,7 +29,9 @@ bodies, and there the floor stands).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import logging
 import math
 import statistics
 import time
@@ -44,7 +46,10 @@ from ..budget import Stopwatch
 from ..nocast import own_precision
 from .flops import QUIET
 
-__all__ = ["Installed", "charged", "costs", "empty_hooks", "in_situ", "timed", "timer"]
+__all__ = ["Calibration", "Installed", "Sides", "charged", "costs", "device_sync", "empty_hooks", "in_situ", "timed",
+           "timer"]
+
+log = logging.getLogger("verified_ckpt")
 
 _NOTHING = contextlib.nullcontext()
 _ROUNDS = 9  # calibration pairs (the median is kept: a pair the scheduler interrupted is an outlier)
@@ -189,9 +194,25 @@ class Installed:
         """The modules with these hooks alone (``own``), or with no hook: the model as it runs without the guard
         (a module with no hook takes its call's fast path). Nobody else's hook sees the passes run inside: a hook
         that counts its module's calls, one a step, still counts the steps."""
+        with self._keeping(lambda key: own and key in self.added):
+            yield
+
+    @contextlib.contextmanager
+    def without(self) -> Iterator[None]:
+        """The modules with every hook but these: where the model cannot run without its framework's own module
+        hooks (FSDP2 gathers its parameters in one, a tensor-parallel plan redistributes in others)."""
+        with self._keeping(lambda key: key not in self.added):
+            yield
+
+    def alone(self) -> Sides:
+        """A replay pair's two sides where the model runs without anyone's module hooks (DDP, one process)."""
+        return Sides(lambda: self.only(own=False), lambda: self.only(own=True))
+
+    @contextlib.contextmanager
+    def _keeping(self, keep: Callable[[tuple[int, int]], bool]) -> Iterator[None]:
         kept = [(d, list(d.items())) for d in self._dicts() if d]
         for d, _ in kept:
-            for k in [k for k in d if not (own and (id(d), k) in self.added)]:
+            for k in [k for k in d if not keep((id(d), k))]:
                 del d[k]
         try:
             yield
@@ -201,13 +222,34 @@ class Installed:
                 d.update(items)
 
 
-def in_situ(run: Callable[[], None], hooks: Installed, watch: Stopwatch, sync: Callable[[], None]
-            ) -> tuple[float, float] | None:
+@dataclasses.dataclass(frozen=True)
+class Sides:
+    """How a replay pair runs the model: ``plain()`` as it runs without the guard's checks, ``hooked()`` with
+    ABFT's hooks (context managers, entered around one pass each)."""
+
+    plain: Callable[[], contextlib.AbstractContextManager[Any]]
+    hooked: Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+def _alone(seconds: float) -> float:
+    return seconds
+
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for ``device``'s queued work before a replay's clock reads (nothing on a CPU)."""
+    if device.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return lambda: None
+
+
+def in_situ(run: Callable[[], None], sides: Sides, watch: Stopwatch, sync: Callable[[], None],
+            agree: Callable[[float], float] = _alone) -> tuple[float, float] | None:
     """The rates to charge ABFT's hook calls and interceptions at, measured inside the training's own step: ``run()``
-    is one of its forward-backward passes (the caller puts back what it changes), run with no module hook and with
-    ``hooks`` alone, alternated, in :data:`_PAIRS` pairs or more while they are short (:data:`_SHORT`); ``sync()``
-    waits for the device. ``watch``'s figures are left as they were. The rates are :func:`charged`'s; ``None``:
-    the start-up rates stand."""
+    is one of its forward-backward passes (the caller puts back what it changes), run on each of ``sides``,
+    alternated, in :data:`_PAIRS` pairs or more while they are short (:data:`_SHORT`); ``sync()`` waits for the
+    device. Where the passes run collectives (FSDP2), every rank must run as many: ``agree(seconds)`` turns this
+    rank's time so far into the one every rank decides on (the slowest rank's). ``watch``'s figures are left as they
+    were. The rates are :func:`charged`'s; ``None``: the start-up rates stand."""
     kept = (watch.abft, watch.hooks, watch.intercepted)
 
     def clock() -> float:
@@ -221,13 +263,13 @@ def in_situ(run: Callable[[], None], hooks: Installed, watch: Stopwatch, sync: C
     calls, start = (0, 0), time.perf_counter()
     try:
         while len(untimed) < _MOST:  # alternated: a slower stretch of the machine falls on both sides of a pair
-            spent = time.perf_counter() - start
+            spent = agree(time.perf_counter() - start)
             if untimed and (spent > _LONG or (len(untimed) >= _PAIRS and spent > _SHORT)):
                 break
-            with hooks.only(own=False):
+            with sides.plain():
                 plain = clock()
             watch.abft, watch.hooks, watch.intercepted = 0.0, 0, 0
-            with hooks.only(own=True):
+            with sides.hooked():
                 hooked = clock()
             untimed.append(hooked - plain - watch.abft)
             calls = (watch.hooks, watch.intercepted)
@@ -257,3 +299,42 @@ def charged(untimed: Sequence[float], calls: tuple[int, int], floor: tuple[float
         return per, per
     scale = max(mid / at_floor, 1.0)
     return a * scale, b * scale
+
+
+SPREAD = "the start-up rate: replays of this model's step could not tell more from their own spread"
+MEASURED = "measured in place, in replays of this model's step"
+
+
+class Calibration:
+    """When a layout measures ABFT's hooks in place (:func:`in_situ`), and what it charges after: once per process,
+    after the second step that passed while ABFT checks the next (the first step is coverage's probe, and the
+    second warms what the first built)."""
+
+    def __init__(self) -> None:
+        self.passed = 0  # steps passed in this process
+        self.done = False
+
+    def due(self, checks: Any) -> bool:
+        """A step passed (``checks``: the layout's ``GradientChecks``, or None): whether to measure now."""
+        self.passed += 1
+        if checks is None or self.done or self.passed < 2 or not checks.on or checks.probing:
+            return False
+        self.done = True
+        return True
+
+    @staticmethod
+    def settle(watch: Stopwatch, measure: Callable[[], tuple[float, float] | None], rank: int, failed: str) -> None:
+        """Charge ``watch``'s hook calls what ``measure()`` (the layout's replays) found, or keep the start-up rates
+        (``failed``: why, where the replays raised); rank 0 logs which."""
+        rates, why = None, SPREAD
+        try:
+            rates = measure()
+        except Exception as e:  # noqa: BLE001 - an estimate's refinement must never stop training
+            log.debug("ABFT's in-place dispatch calibration did not run: %s", e)
+            why = failed
+        if rates is not None:
+            watch.dispatch = rates
+            why = MEASURED
+        if rank == 0:
+            log.info("SDCGuard: ABFT's hooks charged %.1f us a call around their own work (%s)",
+                     watch.dispatch[0] * 1e6, why)

@@ -18,12 +18,13 @@ Inside a real step they cost more than that floor: a hook's body leaves the cach
 training's next kernels run colder (a two-layer Hugging Face Llama's own forward, backward and update ran 30 %
 slower with the hooks on, 2.25 ms a step, of which the floor charged a fifth; docs/BENCHMARKS.md, "Where the
 estimate's last gap is"). No clock inside the step can tell that time from training's. :func:`in_situ` measures it
-once per process on the training's own model and batch: a few forward-backward replays with no module hook (the
-model as it runs without the guard) alternated with replays with ABFT's alone (:class:`Installed`); what the
-hooked replays took beyond the plain ones and beyond what the hooks' own timers saw is charged per hook call and
-interception from then on, scaled from the floor's two rates, where it stands out of the replays' own spread
-(:func:`charged`: a large model's pass on a CPU moves by more from run to run than its hooks cost around their
-bodies, and there the floor stands).
+once per process on the training's own model and batch: a few forward-backward replays without ABFT's hooks (the
+model as it runs without the guard) alternated with replays with them (:class:`Installed`, :class:`Sides`: under
+DDP and in one process with no other module hook in either; under FSDP2 with FSDP's and a plan's own, on every rank
+at once); what the hooked replays took beyond the plain ones and beyond what the hooks' own timers saw is charged
+per hook call and interception from then on (:class:`Calibration`), scaled from the floor's two rates, where it
+stands out of the replays' own spread (:func:`charged`: a large model's pass on a CPU moves by more from run to run
+than its hooks cost around their bodies, and there the floor stands).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ TITAN = ("replicated_head", "loss_parallel", "sequence_parallel", "sp_loss_paral
 RANKS = {**dict.fromkeys(TITAN, 4), "hf_fsdp2": 2, "hf_fsdp2_llama": 2, "hf_ddp": 2, "hf_ddp_gc": 2,
          "lightning_tp": 4}
 RECIPES = tuple(RANKS)
+RATE = {True: "measured in place", False: "the start-up rate"}  # which rate the guard charged (``dispatch.Calibration``)
 
 
 # ------------------------------------------------------------------------------------------------ what a launch reports
@@ -57,7 +58,8 @@ def estimate(guard: Any) -> dict[str, Any] | None:
         return None
     return {**dataclasses.asdict(rates), "per_step": rates.floor + rates.abft * rates.abft_share,
             "expected": rates.expected_overhead, "summary": rates.summary(),
-            "dispatch_us": [1e6 * x for x in guard.sched.watch.dispatch]}
+            "dispatch_us": [1e6 * x for x in guard.sched.watch.dispatch],
+            "in_place": getattr(getattr(guard.layout, "_calibration", None), "measured", None)}
 
 
 def report(out: str, times: list[float], warmup: int, guard: Any) -> None:
@@ -277,7 +279,7 @@ def measure(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
     for e in est:
         print(f"    {recipe}: the guard's estimate: per-step +{100 * e['per_step']:.0f} %, expected "
               f"+{100 * e['expected']:.0f} % ({e['summary']}; a hook call charged "
-              f"{e.get('dispatch_us', [0.0])[0]:.1f} us)", flush=True)
+              f"{e.get('dispatch_us', [0.0])[0]:.1f} us, {RATE.get(e.get('in_place'), 'no replays')})", flush=True)
     # Issue 51's bar: the guard's per-step estimate within ±25 % of the measured overhead; per pair (each launch's
     # own estimate over its pair's ratio), and the medians' (the benchmark's figure, steadier than any one pair)
     fits = [p["guarded"]["estimate"]["per_step"] / (p["ratio"] - 1) for p in pairs

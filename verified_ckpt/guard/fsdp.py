@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from ..errors import GuardConfigurationError, GuardUsageError
@@ -28,6 +27,7 @@ from .abft import GradientChecks
 from .abft import judge as judge_abft
 from .abft.dispatch import Calibration, Installed, Sides, device_sync, in_situ
 from .abft.sharded import ShardedGradientChecks
+from .aside import set_aside
 from .audit import exchange_batches
 from .boxes import box_keys, box_rows, boxes_of, local_state
 from .sharded import (
@@ -35,6 +35,8 @@ from .sharded import (
     ShardedTap,
     audit_vector,
     check_parameters,
+    data_parallel_mesh,
+    fsdp_roots,
     judge_audit,
     judge_state,
     judge_step,
@@ -71,28 +73,6 @@ TWO_GROUPS = ("SDCGuard on HSDP with two replica groups: a disagreement between 
               "shows that one is wrong but cannot tell which, so such incidents name no host; a rank whose shard changed "
               "at rest, after its own update wrote it, is named. Use 3 or more replica groups to have every suspect "
               "named.")
-
-
-def fsdp_roots(model: torch.nn.Module) -> list[FSDPModule]:
-    """The outermost ``fully_shard``-ed modules: the ones whose settings reach every FSDP module below them."""
-    inner = {id(m) for r in model.modules() if isinstance(r, FSDPModule) for m in r.modules() if m is not r}
-    return [m for m in model.modules() if isinstance(m, FSDPModule) and id(m) not in inner]
-
-
-def data_parallel_mesh(model: torch.nn.Module) -> DeviceMesh | None:
-    """The mesh FSDP shards (and, for HSDP, replicates) over, from its own parameter groups: not the parameters'
-    mesh, which also spans tensor-parallel dimensions when the model is parallelised on a larger mesh."""
-    meshes: dict[tuple[Any, ...], DeviceMesh] = {}
-    for m in model.modules():
-        state = m._get_fsdp_state() if isinstance(m, FSDPModule) else None
-        info = getattr(getattr(state, "_fsdp_param_group", None), "mesh_info", None)
-        mesh = getattr(info, "mesh", None)
-        if isinstance(mesh, DeviceMesh):
-            meshes[(mesh.ndim, tuple(mesh.mesh.reshape(-1).tolist()))] = mesh
-    if len(meshes) > 1:
-        raise GuardUsageError("the model's modules are sharded over different meshes; SDCGuard needs one "
-                              "data-parallel mesh for the whole model (docs/GUARD.md, 'Sharded models')")
-    return next(iter(meshes.values()), None)
 
 
 class ShardedLayout:
@@ -229,14 +209,14 @@ class ShardedLayout:
         def measure() -> tuple[float, float] | None:
             self.rs_tap.paused = self.rs_tap.auditing = True  # FSDP's reductions passed through; no faults
             try:
-                with self._aside(), torch.enable_grad():
+                with set_aside(p.params, p.buffers), torch.enable_grad():
                     return in_situ(once, Sides(plain, contextlib.nullcontext), p.sched.watch, device_sync(p.device),
                                    slowest)
             finally:
                 self.rs_tap.paused = self.rs_tap.auditing = False
                 checks.reset()  # the replays' records are not a step's
 
-        Calibration.settle(p.sched.watch, measure, p.rank, "the start-up rate: this model's step could not be replayed")
+        self._calibration.settle(p.sched.watch, measure, p.rank, "the start-up rate: this model's step could not be replayed")
 
     def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         """No schedule here (``runs_schedule`` is false): ``SDCGuard.pipeline_step`` refuses before it gets here."""
@@ -450,31 +430,13 @@ class ShardedLayout:
         self.rs_tap.reset()
         self.rs_tap.auditing = True
         try:
-            with self.paused(), self._aside():  # ABFT paused: a recomputation is not this step's gradients
+            # ABFT paused: a recomputation is not this step's gradients
+            with self.paused(), set_aside(parts.params, parts.buffers):
                 row = self._audit_row(self._replay(everyone[owner]))
         finally:
             self.rs_tap.auditing = False
             self.rs_tap.rows, self.rs_tap.modes = kept
         return parts.comm.all_gather_rows(row).tolist()
-
-    @contextlib.contextmanager
-    def _aside(self) -> Iterator[None]:
-        """Passes that are not the step's own (an audit's recomputation, ``calibrate``'s replays): they start from no
-        gradient, and gradients, buffers and random state are put back."""
-        parts = self.p
-        grads = [p.grad for p in parts.params]
-        buffers = [b.detach().clone() for b in parts.buffers]
-        try:
-            with torch.random.fork_rng(devices=[parts.device] if parts.device.type == "cuda" else []):
-                for p in parts.params:
-                    p.grad = None
-                yield
-        finally:
-            for p, grad in zip(parts.params, grads, strict=True):
-                p.grad = grad
-            with torch.no_grad():
-                for b, saved in zip(parts.buffers, buffers, strict=True):
-                    b.copy_(saved)
 
 
 def worst_of(rows: Sequence[RankRow]) -> list[tuple[float, int]]:

@@ -164,7 +164,7 @@ class ReplicatedLayout:
             finally:
                 checks.reset()  # the replays' records are not a step's
 
-        Calibration.settle(p.sched.watch, measure, p.rank,
+        self._calibration.settle(p.sched.watch, measure, p.rank,
                            "the start-up rate: this model's step could not be replayed without the other module hooks")
 
     def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..errors import GuardUsageError
@@ -49,8 +50,8 @@ from .consensus import state_lanes, state_tensors
 from .nocast import own_precision
 from .stats import Projector, Verdict
 
-__all__ = ["MeshView", "ShardedTap", "audit_vector", "check_parameters", "judge_audit", "judge_state", "judge_step",
-           "rank_steps", "state_row"]
+__all__ = ["MeshView", "ShardedTap", "audit_vector", "check_parameters", "data_parallel_mesh", "fsdp_roots", "judge_audit",
+           "judge_state", "judge_step", "rank_steps", "state_row"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,28 @@ class MeshView:
     def ring(self) -> int:
         """How many distinct ranks the audit ring visits for each rank (replica groups, or shards on 1-D)."""
         return self.replicas if self.replicas > 1 else self.shards
+
+
+def fsdp_roots(model: torch.nn.Module) -> list[FSDPModule]:
+    """The outermost ``fully_shard``-ed modules: the ones whose settings reach every FSDP module below them."""
+    inner = {id(m) for r in model.modules() if isinstance(r, FSDPModule) for m in r.modules() if m is not r}
+    return [m for m in model.modules() if isinstance(m, FSDPModule) and id(m) not in inner]
+
+
+def data_parallel_mesh(model: torch.nn.Module) -> DeviceMesh | None:
+    """The mesh FSDP shards (and, for HSDP, replicates) over, from its own parameter groups: not the parameters'
+    mesh, which also spans tensor-parallel dimensions when the model is parallelised on a larger mesh."""
+    meshes: dict[tuple[Any, ...], DeviceMesh] = {}
+    for m in model.modules():
+        state = m._get_fsdp_state() if isinstance(m, FSDPModule) else None
+        info = getattr(getattr(state, "_fsdp_param_group", None), "mesh_info", None)
+        mesh = getattr(info, "mesh", None)
+        if isinstance(mesh, DeviceMesh):
+            meshes[(mesh.ndim, tuple(mesh.mesh.reshape(-1).tolist()))] = mesh
+    if len(meshes) > 1:
+        raise GuardUsageError("the model's modules are sharded over different meshes; SDCGuard needs one "
+                              "data-parallel mesh for the whole model (docs/GUARD.md, 'Sharded models')")
+    return next(iter(meshes.values()), None)
 
 
 def check_parameters(named: Iterable[tuple[str, torch.Tensor]], dp_mesh: DeviceMesh | None) -> None:

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..comm import Communicator
 from ..faults import FaultPlan
 from .abft import GradientChecks
+from .aside import set_aside
 from .budget import Stopwatch
 from .nocast import own_precision
 from .stats import BucketStats, Projector, local_stats
@@ -166,25 +167,12 @@ class GradientTap:
     def aside(self, module: torch.nn.Module) -> Iterator[None]:
         """Passes that are not the step's own (a warm-up, ``ReplicatedLayout.calibrate``'s replays): no faults, a plain
         average if a reduction runs; they start from no gradient, and RNG, buffers and gradients are put back."""
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        buffers = [b.detach().clone() for b in module.buffers()]
-        grads = [p.grad for p in self.params]
         self.warming = True
         try:
-            for p in self.params:
-                p.grad = None
-            yield
+            with set_aside(self.params, list(module.buffers())):
+                yield
         finally:
             self.warming = False
-            for p, g in zip(self.params, grads, strict=True):
-                p.grad = g
-            with torch.no_grad():
-                for b, saved in zip(module.buffers(), buffers, strict=True):
-                    b.copy_(saved)
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
 
     def single_process(self) -> None:
         """No DDP hook ran (one process): measure the gradients as one bucket, local and averaged alike."""

@@ -314,6 +314,7 @@ class Calibration:
     def __init__(self) -> None:
         self.passed = 0  # steps passed in this process
         self.done = False
+        self.measured = False  # whether the replays' rate stands (else the start-up rate's)
 
     def due(self, checks: Any) -> bool:
         """A step passed (``checks``: the layout's ``GradientChecks``, or None): whether to measure now."""
@@ -323,8 +324,8 @@ class Calibration:
         self.done = True
         return True
 
-    @staticmethod
-    def settle(watch: Stopwatch, measure: Callable[[], tuple[float, float] | None], rank: int, failed: str) -> None:
+    def settle(self, watch: Stopwatch, measure: Callable[[], tuple[float, float] | None], rank: int, failed: str
+               ) -> None:
         """Charge ``watch``'s hook calls what ``measure()`` (the layout's replays) found, or keep the start-up rates
         (``failed``: why, where the replays raised); rank 0 logs which."""
         rates, why = None, SPREAD
@@ -335,7 +336,7 @@ class Calibration:
             why = failed
         if rates is not None:
             watch.dispatch = rates
-            why = MEASURED
+            self.measured, why = True, MEASURED
         if rank == 0:
             log.info("SDCGuard: ABFT's hooks charged %.1f us a call around their own work (%s)",
                      watch.dispatch[0] * 1e6, why)

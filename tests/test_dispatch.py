@@ -31,6 +31,14 @@ def test_the_calibration_measures_a_hook_call_and_an_interception_and_draws_no_r
     assert dispatch.costs() is dispatch.costs()  # once per process
 
 
+def test_the_start_up_rate_is_the_fastest_rounds_difference_which_an_interruption_cannot_move():
+    # Hooked rounds interrupted twice in three: the per-pair median read 4.5 s a call; the fastest rounds say 0.5
+    assert dispatch.least_extra([1.0, 1.0, 1.0], [6.0, 6.0, 1.5], 1) == pytest.approx(0.5)
+    # Plain rounds interrupted twice in three: the median read below zero (charged nothing)
+    assert dispatch.least_extra([1.0, 5.0, 5.0], [1.5, 1.5, 1.5], 2) == pytest.approx(0.25)
+    assert dispatch.least_extra([2.0, 2.0], [1.0, 3.0], 4) == 0.0  # never below zero
+
+
 def test_the_stopwatch_charges_each_counted_call_at_its_rate_and_starts_counting_again():
     w = budget.Stopwatch()
     w.dispatch = (2e-3, 1e-4)

@@ -14,7 +14,8 @@ and one module per check decides.
   changed at rest, for the consensus). ``witnesses``: the chain, the oracle and the scaler composed around each update.
 - ``protocol``: the ``Layout`` protocol every layout satisfies; ``parts``: what a layout is built from
   (``GuardParts``, ``StepState``), never the guard itself.
-- ``capture``: what a replay needs, taken when a gradient check fails before the update.
+- ``capture``: what a replay needs, taken when a gradient check fails before the update; ``aside``: passes
+  that are not the step's own (a warm-up, an audit's recomputation, the in-place replays) leave nothing behind.
 - ``steprow``: the step's one gathered row, named segments joined and split back by name; ``stats`` (per-bucket
   and per-step statistics, ``Verdict``), ``tp`` (the tensor-parallel plans ABFT can check),
   ``recompute`` (the witness's side of the oracle), ``scaling`` (fp16 with a gradient scaler), ``nocast`` (the

@@ -200,6 +200,7 @@ class ShardedTap:
     def after_all_reduce(self, output: torch.Tensor) -> None:
         """FSDP's all-reduce hook: the shard after the cross-replica all-reduce (after the reduce-scatter on 1-D)."""
         if self.paused:
+            self._buffers = []  # a pass not checked (shape inference, a replay): its buffers are no reduction's
             return
         if self.two_d and not self._scattered and len(self._buffers) == 2:
             self._unscattered(self._buffers[0])

@@ -214,9 +214,9 @@ class ShardedLayout:
                                    slowest)
             finally:
                 self.rs_tap.paused = self.rs_tap.auditing = False
-                checks.reset()  # the replays' records are not a step's
 
-        self._calibration.settle(p.sched.watch, measure, p.rank, "the start-up rate: this model's step could not be replayed")
+        self._calibration.settle(checks, p.sched.watch, measure, p.rank,
+                                 "the start-up rate: this model's step could not be replayed")
 
     def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         """No schedule here (``runs_schedule`` is false): ``SDCGuard.pipeline_step`` refuses before it gets here."""

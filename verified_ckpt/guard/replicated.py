@@ -158,14 +158,11 @@ class ReplicatedLayout:
             gradients(p.loss_fn(p.module, batch), p.params)
 
         def measure() -> tuple[float, float] | None:
-            try:
-                with self.tap.aside(p.module), torch.enable_grad():
-                    return in_situ(once, self._hooks.alone(), p.sched.watch, device_sync(p.device))
-            finally:
-                checks.reset()  # the replays' records are not a step's
+            with self.tap.aside(p.module), torch.enable_grad():
+                return in_situ(once, self._hooks.alone(), p.sched.watch, device_sync(p.device))
 
-        self._calibration.settle(p.sched.watch, measure, p.rank,
-                           "the start-up rate: this model's step could not be replayed without the other module hooks")
+        self._calibration.settle(checks, p.sched.watch, measure, p.rank,
+                                 "the start-up rate: this model's step could not be replayed without the other module hooks")
 
     def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         """No schedule here (``runs_schedule`` is false): ``SDCGuard.pipeline_step`` refuses before it gets here."""

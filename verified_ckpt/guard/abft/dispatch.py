@@ -337,16 +337,18 @@ class Calibration:
         self.done = True
         return True
 
-    def settle(self, watch: Stopwatch, measure: Callable[[], tuple[float, float] | None], rank: int, failed: str
-               ) -> None:
+    def settle(self, checks: Any, watch: Stopwatch, measure: Callable[[], tuple[float, float] | None], rank: int,
+               failed: str) -> None:
         """Charge ``watch``'s hook calls what ``measure()`` (the layout's replays) found, or keep the start-up rates
-        (``failed``: why, where the replays raised); rank 0 logs which."""
+        (``failed``: why, where the replays raised); rank 0 logs which. ``checks`` forget what the replays recorded."""
         rates, why = None, SPREAD
         try:
             rates = measure()
         except Exception as e:  # noqa: BLE001 - an estimate's refinement must never stop training
             log.debug("ABFT's in-place dispatch calibration did not run: %s", e)
             why = failed
+        finally:
+            checks.reset()  # the replays' records are not a step's
         if rates is not None:
             watch.dispatch = rates
             self.measured, why = True, MEASURED

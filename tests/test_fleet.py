@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from verified_ckpt import CheckpointManager
+from verified_ckpt.checkpoint.fleet import checked_workers
 
 distributed = pytest.importorskip("distributed")
 
@@ -23,6 +24,9 @@ pytestmark = pytest.mark.timeout(240)
 def cluster():
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
                                   silence_logs=40) as c, distributed.Client(c) as client:
+        # The workers' first import of verified-ckpt (torch with it) is their start-up, not the bound under test:
+        # on a loaded host it took over the handshake's 30 s and every test of the module lost its cluster
+        checked_workers(client, timeout_s=200)
         yield client
 
 

@@ -16,7 +16,8 @@ import helpers
 import pytest
 import torch
 
-from verified_ckpt.guard.abft.productstats import product_stats, torch_product_stats, triton_product_stats
+from verified_ckpt.guard.abft.productstats import (gemv_stats, product_stats, rowwise_stats, torch_product_stats,
+                                                   triton_product_stats)
 from verified_ckpt.guard.abft.sums import EPS32
 
 pytestmark = pytest.mark.timeout(60)
@@ -147,3 +148,24 @@ def test_products_whose_leading_dimensions_broadcast_take_the_torch_path_and_the
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
     with pytest.raises(ValueError, match="one leading shape"):
         triton_product_stats(a, b, c, r)
+
+
+def test_the_cpu_forms_equal_float64_on_every_layout_and_keep_a_nan_in_its_row():
+    """The CPU path (``rowwise_stats``: multiplies and sums over each tensor where it lies) and CUDA's fallback form
+    (``gemv_stats``: batched products), each against float64, for ``A`` and ``B`` in every layout attention hands
+    them over, broadcast leading dimensions included; a NaN in ``A`` reaches its own row only."""
+    for k, (layout_a, layout_b) in enumerate((x, y) for x in LAYOUTS for y in LAYOUTS):
+        a = tensor((2, 3), 11, 20, "float32", layout_a, k)
+        b = tensor((1, 3) if k % 3 == 0 else (2, 3), 20, 13, "float32", layout_b, k + 50)
+        c, r = a @ b, vector((), 13, True, k)
+        a64, b64, r64 = a.double(), b.double(), r.double()
+        want = (c.double() @ r64, a64 @ (b64 @ r64).unsqueeze(-1), a64.norm(dim=-1), b64.norm(dim=(-2, -1)))
+        for form in (rowwise_stats, gemv_stats):
+            for got, ref in zip(form(a, b, c, r), want, strict=True):
+                torch.testing.assert_close(got.double(), ref.reshape(got.shape).broadcast_to(got.shape),
+                                           rtol=1e-5, atol=1e-5, msg=f"{form.__name__} {layout_a} {layout_b}")
+    a, b = tensor((2, 3), 11, 20, "float32", "transposed", 1), tensor((2, 3), 20, 13, "float32", "columns", 2)
+    a[1, 2, 4, 7] = math.nan
+    _, abr, an, _ = rowwise_stats(a, b, a @ b, torch.ones(13))
+    assert torch.isnan(abr[1, 2, 4]) and torch.isnan(an[1, 2, 4])
+    assert int(torch.isnan(abr).sum()) == 1 and int(torch.isnan(an).sum()) == 1

@@ -13,10 +13,12 @@ On CUDA (:func:`triton_product_stats`) one kernel, :func:`batched_row_stats`, ta
 where it lies, in its own dtype: a program takes a block of one batch element and head's rows, upcasts them in
 registers and sums the products and the squares in float32. ``kᵀ`` is read through its strides (a row's elements
 lie ``d`` apart, neighbouring rows side by side), and ``q`` where it lies (a transposed view of ``[b, t, h, d]``),
-with no copy. Elsewhere (:func:`torch_product_stats`) the torch ops: ``A`` copied contiguous once for its product
-and its norms (a strided ``q`` would be copied by each), ``B r`` as ``r Bᵀ`` over ``k``'s own layout where ``B`` is a
-transposed view (4x faster than copying it first), and a norm pass of ``A`` and of ``B``: five passes and a copy,
-where the kernel makes three reads. Products whose leading dimensions broadcast take the torch path.
+with no copy. Elsewhere (:func:`torch_product_stats`) the torch ops. On a CPU (:func:`rowwise_stats`) each tensor
+where it lies: ``B r`` as ``r Bᵀ`` over ``k``'s own layout where ``B`` is a transposed view of a contiguous ``k``, else
+a multiply and a sum over its rows; ``A (B r)`` the same way (a temporary of ``A``'s size); the norms of ``A``'s rows
+and of ``B``'s or ``Bᵀ``'s rows: six passes where the kernel makes three reads. On CUDA without Triton
+(:func:`gemv_stats`) ``A`` copied contiguous once and batched products with one column (no temporary). Products
+whose leading dimensions broadcast take the torch path.
 
 The kernel's rounding order differs from the torch path's: thresholds are calibrated on a device. Tested under
 ``TRITON_INTERPRET=1`` on CPU tensors (``tests/test_productstats.py``).
@@ -32,7 +34,8 @@ import torch
 
 from .tiles import BLOCK_D, BLOCK_N, needed, pow2, triton_module
 
-__all__ = ["ProductRows", "batched_row_stats", "product_stats", "torch_product_stats", "triton_product_stats"]
+__all__ = ["ProductRows", "batched_row_stats", "gemv_stats", "product_stats", "rowwise_stats", "torch_product_stats",
+           "triton_product_stats"]
 
 # ``C r``, ``A (B r)``, ``‖A_i‖`` (each in ``C``'s leading shape and rows) and ``‖B‖_F`` (in the leading shape), float32
 ProductRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -47,11 +50,30 @@ def product_stats(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, r: torch.Te
 
 
 def torch_product_stats(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> ProductRows:
-    """:func:`product_stats` in torch ops (module doc)."""
-    af, bf, cf = a.float().contiguous(), b.float(), c.float()
+    """:func:`product_stats` in torch ops (module doc): on CUDA (where Triton is missing) as batched products, on a
+    CPU as row by row multiplies and sums."""
+    return (gemv_stats if c.is_cuda else rowwise_stats)(a.float(), b.float(), c.float(), r)
+
+
+def gemv_stats(af: torch.Tensor, bf: torch.Tensor, cf: torch.Tensor, r: torch.Tensor) -> ProductRows:
+    """The torch path as batched products: ``A`` copied contiguous once, ``A (B r)`` a batched product with one
+    column; no temporary of ``A``'s size."""
+    af = af.contiguous()
     br = torch.matmul(r, bf.mT) if bf.mT.is_contiguous() else torch.matmul(bf, r)
     return (torch.matmul(cf, r), torch.matmul(af, br.unsqueeze(-1)).squeeze(-1), torch.linalg.vector_norm(af, dim=-1),
             torch.linalg.vector_norm(bf, dim=(-2, -1)))
+
+
+def rowwise_stats(af: torch.Tensor, bf: torch.Tensor, cf: torch.Tensor, r: torch.Tensor) -> ProductRows:
+    """The torch path on a CPU. There a batched product with one column runs a small gemv per batch element and
+    head, and a matmul of a strided view copies it first; a multiply and a sum over the rows take each tensor
+    where it lies (2-3x faster on a d=256 GPT's ``q kᵀ`` and ``P V``, ``tools/bench/bench_products.py``), and
+    ``‖B‖_F`` comes from the norms of the rows of ``B`` or of ``Bᵀ``, whichever lie contiguous (one norm over two
+    strided dimensions took 3x as long)."""
+    br = torch.matmul(r, bf.mT) if bf.mT.is_contiguous() else torch.linalg.vecdot(bf, r)
+    rows = bf.mT if bf.mT.stride(-1) == 1 else bf
+    return (torch.matmul(cf, r), torch.linalg.vecdot(af, br.unsqueeze(-2)), torch.linalg.vector_norm(af, dim=-1),
+            torch.linalg.vector_norm(torch.linalg.vector_norm(rows, dim=-1), dim=-1))
 
 
 def triton_product_stats(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> ProductRows:

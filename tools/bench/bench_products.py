@@ -1,8 +1,9 @@
-"""What the CPU path of attention's product checks costs (``guard/abft/productstats.py``): the row by row form
-(``rowwise_stats``, chosen on a CPU) against the batched products (``gemv_stats``, CUDA's fallback without Triton),
-on eager attention's ``q kᵀ`` and ``P V`` laid out as ``examples/models.py``'s TinyGPT lays them (``q``, ``k`` and
-``v`` split from one projection and transposed to ``[b, h, t, d]``); microseconds a call, best of 5 rounds, one
-thread. Both give the same figures to float32 rounding (checked here).
+"""What the CPU path of attention's product checks costs (``guard/abft/productstats.py``): ``rowwise_stats`` (``B``
+copied contiguous once, multiplies and sums over ``A``'s rows; chosen on a CPU) against ``gemv_stats`` (batched
+products with one column; CUDA's fallback without Triton), on eager attention's ``q kᵀ`` and ``P V`` laid out as
+``examples/models.py``'s TinyGPT lays them (``q``, ``k`` and ``v`` split from one projection and transposed to
+``[b, h, t, d]``); microseconds a call, best of 5 rounds, one thread. Both give the same figures to float32
+rounding (checked here).
 
     .venv/bin/python tools/bench/bench_products.py
 """
@@ -39,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    print("| batch, context, width, heads | product | batched products, us | row by row, us | ratio |")
+    print("| batch, context, width, heads | product | `gemv_stats` (batched products), us | `rowwise_stats` (the CPU path), us | ratio |")
     print("|---|---|---|---|---|")
     for b, t, d, h in SHAPES:
         q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in torch.randn(b, t, 3 * d, generator=g).split(d, 2))

@@ -13,10 +13,10 @@ On CUDA (:func:`triton_product_stats`) one kernel, :func:`batched_row_stats`, ta
 where it lies, in its own dtype: a program takes a block of one batch element and head's rows, upcasts them in
 registers and sums the products and the squares in float32. ``kᵀ`` is read through its strides (a row's elements
 lie ``d`` apart, neighbouring rows side by side), and ``q`` where it lies (a transposed view of ``[b, t, h, d]``),
-with no copy. Elsewhere (:func:`torch_product_stats`) the torch ops. On a CPU (:func:`rowwise_stats`) each tensor
-where it lies: ``B r`` as ``r Bᵀ`` over ``k``'s own layout where ``B`` is a transposed view of a contiguous ``k``, else
-a multiply and a sum over its rows; ``A (B r)`` the same way (a temporary of ``A``'s size); the norms of ``A``'s rows
-and of ``B``'s or ``Bᵀ``'s rows: six passes where the kernel makes three reads. On CUDA without Triton
+with no copy. Elsewhere (:func:`torch_product_stats`) the torch ops. On a CPU (:func:`rowwise_stats`) ``B``
+copied contiguous once (``v``) or ``Bᵀ`` (``kᵀ``, a transposed view of ``k``), unless it is already, and ``B r`` and
+``‖B‖_F`` over that copy; ``A (B r)`` a multiply and a sum over ``A``'s rows where they lie (a temporary of ``A``'s
+size) and their norms: seven passes where the kernel makes three reads. On CUDA without Triton
 (:func:`gemv_stats`) ``A`` copied contiguous once and batched products with one column (no temporary). Products
 whose leading dimensions broadcast take the torch path.
 
@@ -66,14 +66,20 @@ def gemv_stats(af: torch.Tensor, bf: torch.Tensor, cf: torch.Tensor, r: torch.Te
 
 def rowwise_stats(af: torch.Tensor, bf: torch.Tensor, cf: torch.Tensor, r: torch.Tensor) -> ProductRows:
     """The torch path on a CPU. There a batched product with one column runs a small gemv per batch element and
-    head, and a matmul of a strided view copies it first; a multiply and a sum over the rows take each tensor
-    where it lies (2-3x faster on a d=256 GPT's ``q kᵀ`` and ``P V``, ``tools/bench/bench_products.py``), and
-    ``‖B‖_F`` comes from the norms of the rows of ``B`` or of ``Bᵀ``, whichever lie contiguous (one norm over two
-    strided dimensions took 3x as long)."""
-    br = torch.matmul(r, bf.mT) if bf.mT.is_contiguous() else torch.linalg.vecdot(bf, r)
-    rows = bf.mT if bf.mT.stride(-1) == 1 else bf
+    head, a matmul of a strided view copies it inside (slowly), and a norm over two strided dimensions is 8x
+    one over a contiguous run. So ``B`` is copied contiguous once, in whichever orientation its rows or columns
+    lie (``v``'s rows, ``kᵀ``'s columns: a view split from a fused projection), and ``B r`` and ``‖B‖_F`` read that
+    copy; ``A (B r)`` is a multiply and a sum over ``A``'s rows where they lie. 3-3.5x faster than
+    :func:`gemv_stats` on a d=256 GPT's ``q kᵀ`` and ``P V`` (``tools/bench/bench_products.py``), one op more on
+    ``P V``."""
+    if bf.stride(-1) == 1 or bf.mT.stride(-1) != 1:  # B's rows lie contiguous (v), or neither way does
+        rows = bf.contiguous()
+        br = torch.matmul(rows, r)
+    else:  # Bᵀ's rows do: kᵀ, a transposed view of k
+        rows = bf.mT.contiguous()
+        br = torch.matmul(r, rows)
     return (torch.matmul(cf, r), torch.linalg.vecdot(af, br.unsqueeze(-2)), torch.linalg.vector_norm(af, dim=-1),
-            torch.linalg.vector_norm(torch.linalg.vector_norm(rows, dim=-1), dim=-1))
+            torch.linalg.vector_norm(rows.flatten(-2), dim=-1))
 
 
 def triton_product_stats(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> ProductRows:

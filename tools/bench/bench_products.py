@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    print("| batch, context, width, heads | product | `gemv_stats` (batched products), us | `rowwise_stats` (the CPU path), us | ratio |")
+    print("| batch, context, width, heads | product | `gemv_stats`, us | `rowwise_stats` (the CPU path), us | ratio |")
     print("|---|---|---|---|---|")
     for b, t, d, h in SHAPES:
         q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in torch.randn(b, t, 3 * d, generator=g).split(d, 2))

@@ -69,9 +69,9 @@ def rowwise_stats(af: torch.Tensor, bf: torch.Tensor, cf: torch.Tensor, r: torch
     head, a matmul of a strided view copies it inside (slowly), and a norm over two strided dimensions is 8x
     one over a contiguous run. So ``B`` is copied contiguous once, in whichever orientation its rows or columns
     lie (``v``'s rows, ``kᵀ``'s columns: a view split from a fused projection), and ``B r`` and ``‖B‖_F`` read that
-    copy; ``A (B r)`` is a multiply and a sum over ``A``'s rows where they lie. 3-3.5x faster than
-    :func:`gemv_stats` on a d=256 GPT's ``q kᵀ`` and ``P V`` (``tools/bench/bench_products.py``), one op more on
-    ``P V``."""
+    copy; ``A (B r)`` is a multiply and a sum over ``A``'s rows where they lie. About 3x as fast as
+    :func:`gemv_stats` on a d=256 GPT's ``q kᵀ`` and ``P V`` (``tools/bench/bench_products.py``), one op more where
+    ``A`` is contiguous (``P``), where one batched product took ``A (B r)``."""
     if bf.stride(-1) == 1 or bf.mT.stride(-1) != 1:  # B's rows lie contiguous (v), or neither way does
         rows = bf.contiguous()
         br = torch.matmul(rows, r)

@@ -137,3 +137,40 @@ def test_the_guards_work_after_the_gather_counts_in_the_next_steps_time_and_floo
     assert got.floor_s == pytest.approx(0.15 + 0.1) and got.step_s == pytest.approx(1.0 + 0.2 + 0.1 + 0.15)
     w.close()  # nothing was taken since: nothing to add
     assert w.floor == 0.0
+
+
+def test_a_gathers_wait_for_slower_peers_is_not_counted_as_the_guards_floor(monkeypatch):
+    """A rank that reaches the step's gather first waits there for its peers' work (a straggler's, or ranks sharing
+    cores): that wait is theirs, and counted as this rank's floor it made the guard's estimate read several times
+    the measured overhead. The gather's own cost is the least any rank's gather took (the last to arrive waits for
+    nobody): known from the previous step's figures, which travel in the costs row."""
+    import verified_ckpt.guard.budget as budget
+    from verified_ckpt import GuardConfig
+    from verified_ckpt.guard.schedule import Schedule
+
+    assert budget.peers_wait(0.03, [-1.0, -1.0]) == 0.0  # the first step: nothing to tell the gather from its wait
+    assert budget.peers_wait(0.03, [0.004, 0.02, -1.0]) == pytest.approx(0.026)
+    assert budget.peers_wait(0.002, [0.004, 0.02]) == 0.0  # faster than last step's least: all of it is its own
+
+    now = [0.0]
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: now[0])
+    sched = Schedule(GuardConfig())
+    w = sched.watch
+    floors = []
+    for step, (mine, peer) in enumerate([(0.030, 0.001), (0.025, 0.002)], start=1):
+        w.start()
+        now[0] += 1.0
+        costs = w.take()
+        floors.append(costs.floor_s)
+        now[0] += mine  # this rank's gather, waiting for its peer
+        peer_row = budget.Costs(1.0, 0.0, 0.0, -1.0, -1.0, 0.001 if step > 1 else -1.0)
+        sched.decide(step, [costs.row(), peer_row.row()], mine, on_cpu=True)
+        w.close()
+        assert w.gathered == mine  # sent in the next step's row
+    w.start()
+    now[0] += 1.0
+    floors.append(w.take().floor_s)
+    # Step 1's gather: no figure from a previous step, all of it counted; step 2's: 1 ms its own (the peer's least
+    # at step 1), the other 24 ms its wait for the peer.
+    assert floors == pytest.approx([0.0, 0.030, 0.001])
+    assert sched.watch.take().gather_s == 0.025

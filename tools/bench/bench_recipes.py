@@ -25,7 +25,10 @@ Each pair is two fresh ``torchrun`` launches, plain then guarded; each launch re
 timed by a callback from step begin to step end, without a barrier (logging and saves are off, so neither is in
 it). The measured ratio is per pair: guarded median / plain median. The estimate is the guard's own
 (``SDCGuard.schedule()``, what it logs as "SDCGuard budget ..."): ``per-step`` is its floor plus ABFT at its share
-of steps, ``expected`` adds the amortised consensus and audit, both as shares of the unguarded step.
+of steps, ``expected`` adds the amortised consensus and audit, both as shares of the unguarded step as the guard
+times it (its training work, not what the loop does between steps). The last column sets the per-step estimate
+against the measured overhead as time added a step (the estimate's share times the guard's own unguarded step,
+against the guarded median less the plain one), per pair and for the medians, and prints the shares' ratio beside it.
 """
 
 from __future__ import annotations
@@ -281,11 +284,23 @@ def measure(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
               f"+{100 * e['expected']:.0f} % ({e['summary']}; a hook call charged "
               f"{e.get('dispatch_us', [0.0])[0]:.1f} us, {RATE.get(e.get('in_place'), 'no replays')})", flush=True)
     # Issue 51's bar: the guard's per-step estimate within ±25 % of the measured overhead; per pair (each launch's
-    # own estimate over its pair's ratio), and the medians' (the benchmark's figure, steadier than any one pair)
-    fits = [p["guarded"]["estimate"]["per_step"] / (p["ratio"] - 1) for p in pairs
-            if p["guarded"]["estimate"] and p["ratio"] > 1]
+    # own estimate over its pair's), and the medians' (the benchmark's figure, steadier than any one pair). Compared
+    # as time added a step: the estimate's share is of the step as the guard times it (its training work, without
+    # what the loop does between steps: here the benchmark's own barriers, in a user's loop the data loading), the
+    # measured ratio's of the loop's whole step, so their shares' ratio also carried the two steps' ratio (1.0-1.7x
+    # on torchtitan's recipes, whose barriers wait on ranks sharing cores). The shares' ratio is printed beside it.
+    def added(p: dict[str, Any]) -> float:
+        return float(p["guarded"]["median_s"] - p["plain"]["median_s"])
+
+    def guessed(e: dict[str, Any]) -> float:
+        return float(e["per_step"] * e["plain_s"])
+
+    fits = [guessed(p["guarded"]["estimate"]) / added(p) for p in pairs if p["guarded"]["estimate"] and added(p) > 0]
     fit = (f"{spread(fits, '.2f')}, {sum(0.75 <= f <= 1.25 for f in fits)} of {len(fits)} within ±25 %; medians' "
-           f"{statistics.median(e['per_step'] for e in est) / (statistics.median(p['ratio'] for p in pairs) - 1):.2f}"
+           f"{statistics.median(guessed(e) for e in est) / statistics.median(added(p) for p in pairs):.2f} "
+           f"(+{1e3 * statistics.median(guessed(e) for e in est):.1f} against +"
+           f"{1e3 * statistics.median(added(p) for p in pairs):.1f} ms a step; as shares of each's step "
+           f"{statistics.median(e['per_step'] for e in est) / (statistics.median(p['ratio'] for p in pairs) - 1):.2f})"
            ) if fits else "-"
     return {"recipe": recipe, "ranks": ranks(args, recipe), "pairs": pairs, "fit": fit,
            "plain_ms": spread([p["plain"]["median_s"] * 1e3 for p in pairs], ".1f"),

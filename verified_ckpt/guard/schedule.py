@@ -11,7 +11,7 @@ import logging
 from collections.abc import Sequence
 
 from ..history import NO_RANK, Event
-from .budget import Budget, Costs, Plan, Rates, Stopwatch
+from .budget import Budget, Costs, Plan, Rates, Stopwatch, peers_wait
 from .config import GuardConfig
 
 __all__ = ["AUDIT_SLICES", "Schedule"]
@@ -59,9 +59,11 @@ class Schedule:
     def decide(self, step: int, rows: Sequence[Sequence[float]], gather_s: float, on_cpu: bool) -> Plan:
         """The plan for ``step`` (and ABFT at the next) from every rank's gathered cost figures."""
         # On a GPU the gather's copy back waits for the backward's kernels: that wait is training, not the guard
-        # (``Stopwatch.close`` leaves it out; on a CPU it is the guard's own).
-        self.watch.waited(0.0 if on_cpu else gather_s)
-        self.plan = self.budget.plan(step, [Costs.of(r) for r in rows], self.abft_ran)
+        # (``Stopwatch.close`` leaves it out). On a CPU the gather is the guard's own, less its wait for slower peers.
+        costs = [Costs.of(r) for r in rows]
+        self.watch.waited(peers_wait(gather_s, [c.gather_s for c in costs]) if on_cpu else gather_s)
+        self.watch.gathered = gather_s
+        self.plan = self.budget.plan(step, costs, self.abft_ran)
         return self.plan
 
     def next_slice(self) -> int:

@@ -330,24 +330,3 @@ def test_fsdp2_replays_run_on_every_rank_in_step_and_leave_no_trace():
     # Parameters, AdamW's moments and each rank's random state as a run without the replays left them, to the bit
     for a, b in zip(with_, without, strict=True):
         assert b["replays"] == 0 and a["state"] == b["state"] and a["rng"] == b["rng"]
-
-
-def test_replays_through_collectives_charge_the_ranks_least_reading_at_each_ranks_own_ratio():
-    """A collective replay's extra time is the group's: a rank off the step's path reads its peers' hooks as its own
-    dispatch, so every rank charges the least reading over the ranks (``least``, a gather in the layout)."""
-    floor = (5e-6, 1e-6)
-    asked: list[float] = []
-
-    def least_of(*others: float) -> Callable[[float], float]:
-        def least(mine: float) -> float:
-            asked.append(mine)
-            return min(mine, *others)
-        return least
-
-    # This rank read 360 µs a call, a peer 20: both charge 20, each at its own ratio of hook to interception
-    assert dispatch.agreed((3.6e-4, 7.2e-5), floor, least_of(2e-5)) == (pytest.approx(2e-5), pytest.approx(4e-6))
-    # A peer whose replays did not stand out offers its start-up rate: the floor stands on every rank
-    assert dispatch.agreed((3.6e-4, 7.2e-5), floor, least_of(5e-6)) is None
-    assert dispatch.agreed(None, floor, least_of(2e-5)) is None and asked[-1] == 5e-6  # it still joins the gather
-    assert dispatch.agreed((3e-5, 6e-6), floor, least_of(1e-4)) == (pytest.approx(3e-5), pytest.approx(6e-6))
-    assert len(asked) == 4  # one collective call a rank, whatever it read

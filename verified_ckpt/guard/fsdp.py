@@ -25,7 +25,7 @@ from ..history import NO_RANK, Event
 from ..rng import restore_rng
 from .abft import GradientChecks
 from .abft import judge as judge_abft
-from .abft.dispatch import Calibration, Installed, Sides, agreed, device_sync, in_situ
+from .abft.dispatch import Calibration, Installed, Sides, device_sync, in_situ
 from .abft.sharded import ShardedGradientChecks
 from .aside import set_aside
 from .audit import exchange_batches
@@ -198,8 +198,8 @@ class ShardedLayout:
             with replaying_under(self._loss_parallel):
                 p.loss_fn(p.model, batch).backward()
 
-        def every(seconds: float) -> torch.Tensor:  # each rank's figure (collective)
-            return p.comm.all_gather_rows(torch.tensor([seconds], dtype=torch.float64, device=p.device))
+        def slowest(seconds: float) -> float:
+            return float(p.comm.all_gather_rows(torch.tensor([seconds], dtype=torch.float64, device=p.device)).max())
 
         @contextlib.contextmanager
         def plain() -> Iterator[None]:
@@ -210,9 +210,8 @@ class ShardedLayout:
             self.rs_tap.paused = self.rs_tap.auditing = True  # FSDP's reductions passed through; no faults
             try:
                 with set_aside(p.params, p.buffers), torch.enable_grad():
-                    rates = in_situ(once, Sides(plain, contextlib.nullcontext), p.sched.watch, device_sync(p.device),
-                                    lambda s: float(every(s).max()))  # the slowest rank's time decides
-                return agreed(rates, p.sched.watch.dispatch, lambda s: float(every(s).min()))
+                    return in_situ(once, Sides(plain, contextlib.nullcontext), p.sched.watch, device_sync(p.device),
+                                   slowest)
             finally:
                 self.rs_tap.paused = self.rs_tap.auditing = False
 

@@ -47,7 +47,7 @@ from ..budget import Stopwatch
 from ..nocast import own_precision
 from .flops import QUIET
 
-__all__ = ["Calibration", "Installed", "Sides", "agreed", "charged", "costs", "device_sync", "empty_hooks", "in_situ",
+__all__ = ["Calibration", "Installed", "Sides", "charged", "costs", "device_sync", "empty_hooks", "in_situ",
            "least_extra", "timed", "timer"]
 
 log = logging.getLogger("verified_ckpt")
@@ -313,26 +313,6 @@ def charged(untimed: Sequence[float], calls: tuple[int, int], floor: tuple[float
         return per, per
     scale = max(mid / at_floor, 1.0)
     return a * scale, b * scale
-
-
-def agreed(rates: tuple[float, float] | None, floor: tuple[float, float],
-           least: Callable[[float], float]) -> tuple[float, float] | None:
-    """The rates every rank charges after replays that ran collectives (FSDP2's): the least charge per hook call
-    over the ranks (``least(seconds)``, collective: every rank calls it once), with this rank's ratio of its two
-    start-up rates (``floor``); ``None`` where that is no more than this rank's start-up rate.
-
-    Replays through collectives keep the ranks in step, so a pair's extra time is the group's (the path the step
-    waits on), the same on every rank, and each rank takes its own hooks' timed bodies from it: a rank off that
-    path (its hooks shorter than a peer's, or its core lent to a peer's hooks while it waited) reads its peers' work
-    as its own dispatch. The rank on the path reads least, and that is what the hooks' dispatch costs the step. Each
-    rank's own reading had charged 80-360 µs a hook call on torchtitan's FSDP2 + TP recipe (4 ranks on 2 cores,
-    a start-up rate of 4-15 µs), and the estimate read up to twice the measured overhead."""
-    a, b = floor
-    mine = rates[0] if rates is not None else a
-    charge = least(mine)
-    if rates is None or charge <= a:
-        return None
-    return (charge, charge) if a <= 0 else (charge, b * charge / a)
 
 
 SPREAD = "the start-up rate: replays of this model's step could not tell more from their own spread"

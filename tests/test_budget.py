@@ -151,6 +151,7 @@ def test_a_gathers_wait_for_slower_peers_is_not_counted_as_the_guards_floor(monk
     assert budget.peers_wait(0.03, [-1.0, -1.0]) == 0.0  # the first step: nothing to tell the gather from its wait
     assert budget.peers_wait(0.03, [0.004, 0.02, -1.0]) == pytest.approx(0.026)
     assert budget.peers_wait(0.002, [0.004, 0.02]) == 0.0  # faster than last step's least: all of it is its own
+    assert budget.peers_wait(0.03, [0.004]) == 0.0  # one process: no peer to wait for
 
     now = [0.0]
     monkeypatch.setattr(budget.time, "perf_counter", lambda: now[0])

@@ -93,7 +93,7 @@ def peers_wait(gather_s: float, last: Sequence[float]) -> float:
     the step on torchtitan's FSDP2 + TP recipe (4 ranks on 2 cores, ``tools/bench/bench_recipes.py``), 9-11 %
     without the wait."""
     known = [g for g in last if g >= 0]
-    return max(gather_s - min(known), 0.0) if known else 0.0
+    return max(gather_s - min(known), 0.0) if known and len(last) > 1 else 0.0  # one process: no peer to wait for
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,9 @@ counted per step, charged to ABFT's figure in the budget's estimate."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from collections.abc import Callable
 
@@ -330,3 +332,62 @@ def test_fsdp2_replays_run_on_every_rank_in_step_and_leave_no_trace():
     # Parameters, AdamW's moments and each rank's random state as a run without the replays left them, to the bit
     for a, b in zip(with_, without, strict=True):
         assert b["replays"] == 0 and a["state"] == b["state"] and a["rng"] == b["rng"]
+
+
+def _fsdp_replay_raises_on_one_rank(rank: int, world: int, note_path: str) -> dict:
+    """Guarded FSDP2 steps where rank 1's third replay pass raises (after the first pair's collectives): what each
+    rank saw. Rank 1 records its error and dies by SIGKILL, as a rank that raised ends a torchrun job."""
+    import signal
+    import warnings
+
+    from test_guard_fsdp import batch, build, loss_fn
+
+    from verified_ckpt.guard import fsdp
+
+    warnings.simplefilter("ignore")
+    real = fsdp.in_situ
+    passes = [0]
+
+    def failing(run: Callable[[], None], *args: object, **kwargs: object) -> object:
+        def once() -> None:
+            passes[0] += 1
+            if rank == 1 and passes[0] == 3:
+                raise RuntimeError("out of memory in a replay, on rank 1 only")
+            run()
+        return real(once, *args, **kwargs)  # type: ignore[arg-type]
+
+    fsdp.in_situ = failing  # type: ignore[assignment]
+    model, opt = build((2,))
+    guard = SDCGuard(model, opt, loss_fn, GuardConfig())
+    step = 0
+    try:
+        for step in range(5):
+            guard.backward(batch(rank, step), step=step)
+            guard.step()
+    except RuntimeError as e:
+        if rank == 1:
+            with open(note_path, "w") as f:
+                json.dump({"step": step, "error": str(e), "notes": getattr(e, "__notes__", [])}, f)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"step": step, "stopped": type(e).__name__}
+    finally:
+        fsdp.in_situ = real
+    return {"step": step, "trained on": True}
+
+
+@pytest.mark.timeout(120)
+def test_a_replay_that_raises_on_one_fsdp2_rank_stops_that_rank_instead_of_leaving_it_out_of_step(tmp_path):
+    """FSDP2's replays run collectives on every rank at once. A rank whose replay raised and went on (as one
+    process's replays may: they run alone) left its peers inside the replay, and its next step's all-gathers
+    paired with theirs; it raises instead, with a note saying why, and its peer's collective fails with it."""
+    from dist_harness import run_ranks
+
+    note = str(tmp_path / "rank1.json")
+    got = run_ranks(_fsdp_replay_raises_on_one_rank, 2, note, killed=frozenset({1}), timeout=100)
+    with open(note) as f:
+        seen = json.load(f)
+    assert seen["error"] == "out of memory in a replay, on rank 1 only", seen
+    assert any("out of step" in n for n in seen["notes"]), seen
+    # Its peer stopped at the same step: its replay's collective failed with the rank gone (or gloo aborted it)
+    assert got[1] is None and "trained on" not in got[0], got
+    assert got[0].get("step", seen["step"]) == seen["step"], (got, seen)

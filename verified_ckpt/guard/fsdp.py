@@ -187,7 +187,8 @@ class ShardedLayout:
         redistributions run in them, so a rank's hooks that hold up its peers are in the figure), with ABFT's module
         hooks off and its checks paused, and with them on; the tap passes FSDP's reductions through, no fault is
         injected, and gradients, buffers and random state are put back. Every rank runs as many pairs (the slowest
-        rank's time decides). Other module hooks run in both (FSDP's own are among them), as in an audit."""
+        rank's time decides). Other module hooks run in both (FSDP's own are among them), as in an audit, and an
+        error in them is raised, as an audit's is: the ranks cannot go on out of step (``Calibration.settle``)."""
         checks, p = self.checks, self.p
         if not self._calibration.due(checks):
             return
@@ -216,7 +217,7 @@ class ShardedLayout:
                 self.rs_tap.paused = self.rs_tap.auditing = False
 
         self._calibration.settle(checks, p.sched.watch, measure, p.rank,
-                                 "the start-up rate: this model's step could not be replayed")
+                                 "the start-up rate: this model's step could not be replayed", collective=True)
 
     def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         """No schedule here (``runs_schedule`` is false): ``SDCGuard.pipeline_step`` refuses before it gets here."""

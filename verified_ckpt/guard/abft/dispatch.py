@@ -316,6 +316,9 @@ def charged(untimed: Sequence[float], calls: tuple[int, int], floor: tuple[float
 
 
 SPREAD = "the start-up rate: replays of this model's step could not tell more from their own spread"
+OUT_OF_STEP = ("SDCGuard: this rank's replay of its step (measuring once what ABFT's hooks cost in place) raised while "
+               "its peers run the replay's collectives: it stops here, as a failed audit does, rather than go on out "
+               "of step with them")
 MEASURED = "measured in place, in replays of this model's step"
 
 
@@ -338,14 +341,23 @@ class Calibration:
         return True
 
     def settle(self, checks: Any, watch: Stopwatch, measure: Callable[[], tuple[float, float] | None], rank: int,
-               failed: str) -> None:
+               failed: str, collective: bool = False) -> None:
         """Charge ``watch``'s hook calls what ``measure()`` (the layout's replays) found, or keep the start-up rates
-        (``failed``: why, where the replays raised); rank 0 logs which. ``checks`` forget what the replays recorded."""
+        (``failed``: why, where the replays raised); rank 0 logs which. ``checks`` forget what the replays recorded.
+
+        Replays that run collectives (``collective``: FSDP2's, and a plan's redistributions) are one sequence of
+        collectives on every rank, as an audit's recomputation is, and an error in them is raised as an audit's
+        is, with a note: a rank that went on after its own replay failed would leave its peers inside the rest of
+        that replay, and its next step's collectives would pair with theirs (a layer's parameter all-gather
+        answering another layer's, of the same size), training on values that no check sees as wrong."""
         rates, why = None, SPREAD
         try:
             rates = measure()
-        except Exception as e:  # noqa: BLE001 - an estimate's refinement must never stop training
-            log.debug("ABFT's in-place dispatch calibration did not run: %s", e)
+        except Exception as e:
+            if collective:
+                e.add_note(OUT_OF_STEP)
+                raise
+            log.debug("ABFT's in-place dispatch calibration did not run: %s", e)  # an estimate's refinement only
             why = failed
         finally:
             checks.reset()  # the replays' records are not a step's

@@ -355,7 +355,9 @@ class Calibration:
             rates = measure()
         except Exception as e:
             if collective:
-                e.add_note(OUT_OF_STEP)
+                log.error("%s (%s: %s)", OUT_OF_STEP, type(e).__name__, e)
+                if hasattr(e, "add_note"):  # Python 3.11 and later; the log line says it on 3.10
+                    e.add_note(OUT_OF_STEP)
                 raise
             log.debug("ABFT's in-place dispatch calibration did not run: %s", e)  # an estimate's refinement only
             why = failed

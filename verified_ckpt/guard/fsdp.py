@@ -216,8 +216,7 @@ class ShardedLayout:
             finally:
                 self.rs_tap.paused = self.rs_tap.auditing = False
 
-        self._calibration.settle(checks, p.sched.watch, measure, p.rank,
-                                 "the start-up rate: this model's step could not be replayed", collective=True)
+        self._calibration.settle(checks, p.sched.watch, measure, p.rank, None)  # an error is raised: collectives
 
     def run(self, args: Any, kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         """No schedule here (``runs_schedule`` is false): ``SDCGuard.pipeline_step`` refuses before it gets here."""

@@ -198,8 +198,8 @@ class PipelineLayout(ShardedLayout):
     # ------------------------------------------------------------ the loop
     def calibrate(self, batch: Any) -> None:
         """Nothing: the schedule holds the loss and runs every stage's forward and backward, so no stage's step can be
-        replayed alone; its ABFT hooks are charged at the start-up rate (``abft.dispatch.costs``). Before, the replay
-        was tried, every rank's raised at its ``loss_fn`` before any collective, and the start-up rate stood."""
+        replayed alone (its ``loss_fn`` is the guard's refusal); its ABFT hooks are charged at the start-up rate
+        (``abft.dispatch.costs``)."""
 
     def run(self, args: Sequence[Any], kwargs: dict[str, Any], target: Any) -> torch.Tensor:
         """This rank's part of one ``schedule.step``; the summed loss of its microbatches (zero off the last stage)."""

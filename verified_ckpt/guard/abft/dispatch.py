@@ -341,20 +341,20 @@ class Calibration:
         return True
 
     def settle(self, checks: Any, watch: Stopwatch, measure: Callable[[], tuple[float, float] | None], rank: int,
-               failed: str, collective: bool = False) -> None:
+               failed: str | None) -> None:
         """Charge ``watch``'s hook calls what ``measure()`` (the layout's replays) found, or keep the start-up rates
         (``failed``: why, where the replays raised); rank 0 logs which. ``checks`` forget what the replays recorded.
 
-        Replays that run collectives (``collective``: FSDP2's, and a plan's redistributions) are one sequence of
-        collectives on every rank, as an audit's recomputation is, and an error in them is raised as an audit's
-        is, with a note: a rank that went on after its own replay failed would leave its peers inside the rest of
+        ``failed`` None: the replays run collectives (FSDP2's, and a plan's redistributions), one sequence of them
+        on every rank, as an audit's recomputation is, and an error in them is raised as an audit's is, with a
+        note: a rank that went on after its own replay failed would leave its peers inside the rest of
         that replay, and its next step's collectives would pair with theirs (a layer's parameter all-gather
         answering another layer's, of the same size), training on values that no check sees as wrong."""
         rates, why = None, SPREAD
         try:
             rates = measure()
         except Exception as e:
-            if collective:
+            if failed is None:
                 log.error("%s (%s: %s)", OUT_OF_STEP, type(e).__name__, e)
                 if hasattr(e, "add_note"):  # Python 3.11 and later; the log line says it on 3.10
                     e.add_note(OUT_OF_STEP)

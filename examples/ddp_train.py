@@ -363,8 +363,11 @@ def run_spawned(args: argparse.Namespace, train_fn: Train | None = None) -> dict
         args.result_file = os.path.join(tmp, "result.json")
         init = f"file://{os.path.join(tmp, 'store')}"
         # Forked from a server that imported torch (and this script) once, not spawned: a spawned rank spends
-        # seconds of CPU importing them again, which on a small machine is most of a short run's time.
-        mp.set_forkserver_preload(["__main__", "torch", "torch.distributed", "verified_ckpt"])
+        # seconds of CPU importing them again, which on a small machine is most of a short run's time. DDP's
+        # constructor imports torch._dynamo (a second more a rank), and the guard and the checkpoint side sit
+        # behind verified_ckpt's lazy names.
+        mp.set_forkserver_preload(["__main__", "torch", "torch._dynamo", "torch.distributed", "verified_ckpt",
+                                   "verified_ckpt.guard", "verified_ckpt.checkpoint"])
         mp.start_processes(_spawned, args=(args.world_size, init, args, train_fn), nprocs=args.world_size, join=True,
                            start_method="forkserver")
         with open(args.result_file) as f:

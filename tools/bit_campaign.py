@@ -35,9 +35,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
+import ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from campaign_table import report
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -117,7 +117,7 @@ def main() -> None:
     trials = plan(args.per_class, args.seed, 3, n_params)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(_rank, args=(3, f"file://{tmp}/store", args, trials, out), nprocs=3, join=True)
+        ranks.spawn(_rank, args=(3, f"file://{tmp}/store", args, trials, out), nprocs=3)
         with open(out) as f:
             got = json.load(f)
     clean = got["clean"]

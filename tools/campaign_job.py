@@ -28,9 +28,9 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples"), os.path.join(HERE, "..")]
 
+import ranks  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from campaign_trials import fault_ranks, group_config  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
@@ -268,7 +268,7 @@ def run_chunk(trials: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
     """Run ``trials`` in one job of ``world`` spawned ranks; their results, in order."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(_rank, args=(world, f"file://{tmp}/store", trials, out), nprocs=world)
+        ranks.spawn(_rank, args=(world, f"file://{tmp}/store", trials, out), nprocs=world)
         with open(out) as f:
             return list(json.load(f))
 

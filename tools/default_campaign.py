@@ -35,9 +35,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -270,7 +270,7 @@ def main() -> None:
     trials = [CLASSES[c](rng, args.world_size) for c in args.classes.split(",") if c for _ in range(args.trials)]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(_rank, args=(args.world_size, f"file://{tmp}/store", args, trials, out), nprocs=args.world_size)
+        ranks.spawn(_rank, args=(args.world_size, f"file://{tmp}/store", args, trials, out), nprocs=args.world_size)
         with open(out) as f:
             res = json.load(f)
     for c in res["clean"]:

@@ -22,9 +22,9 @@ import sys
 import tempfile
 from typing import Any
 
+import ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.overrides import TorchFunctionMode
@@ -165,7 +165,7 @@ def main() -> None:
     cases = draw(random.Random(args.seed), args.trials, tuple(m for m in args.models.split(",") if m))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(_rank, args=(3, f"file://{tmp}/store", cases, out), nprocs=3)
+        ranks.spawn(_rank, args=(3, f"file://{tmp}/store", cases, out), nprocs=3)
         with open(out) as f:
             results = json.load(f)
     table: dict[tuple[str, str], dict[str, int]] = {}

@@ -29,9 +29,9 @@ import time
 import warnings
 from typing import Any
 
+import ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -214,7 +214,7 @@ def launched(worker: Any, args: argparse.Namespace) -> dict[str, Any]:
     written to ``args.json`` where given."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(worker, args=(f"file://{tmp}/store", args, out), nprocs=WORLD)
+        ranks.spawn(worker, args=(f"file://{tmp}/store", args, out), nprocs=WORLD)
         with open(out) as f:
             res: dict[str, Any] = json.load(f)
     if args.json:

@@ -30,9 +30,9 @@ import tempfile
 import warnings
 from typing import Any
 
+import ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
@@ -246,7 +246,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(worker, args=(4, f"file://{tmp}/store", args, out), nprocs=4)
+        ranks.spawn(worker, args=(4, f"file://{tmp}/store", args, out), nprocs=4)
         with open(out) as f:
             res = json.load(f)
     print(json.dumps(summary(res), indent=1))

@@ -11,7 +11,7 @@ torchtitan 0.3.0's model is built as its ``Trainer`` builds it (meta device, its
 
 - ``apply_tp`` (the guarded set-up): torchtitan's llama3, AC, ``apply_fsdp_to_decoder`` and loss (vocabulary-
   parallel over the head's sharded logits), tensor parallel by torch's ``parallelize_module`` plans as torchtitan's
-  ``apply_tp`` wrote them before 0.3, with and without sequence parallel: 30 clean steps raise nothing and a save
+  ``apply_tp`` wrote them before 0.3, with and without sequence parallel: 15 clean steps raise nothing and a save
   is ``restorable``; a 10x element of a TP-sharded Linear's gradient is named by ABFT at its step on its rank; a
   weight shard's flip at rest is named at the next step.
 - torchtitan 0.3's own ``parallelize_llama`` (``spmd_backend`` ``partial_dtensor`` with and without sequence
@@ -261,7 +261,7 @@ def titan_story(rank: int, world: int, backend: str, sp: bool, run: str) -> dict
     return got
 
 
-CLEAN_STEPS = 30
+CLEAN_STEPS = 15
 
 
 # torchtitan's default, sequence parallel on: without it (loss parallel alone) the plans are the stand-in's
@@ -269,7 +269,7 @@ CLEAN_STEPS = 30
 @pytest.mark.parametrize("sp", [True], ids=["sp_loss_parallel"])
 def test_titan_model_with_apply_tp_plans_is_guarded_at_the_defaults(sp, tmp_path):
     """torchtitan 0.3's llama3, its selective AC, FSDP and loss (vocabulary-parallel over the head's sharded logits),
-    tensor parallel by torch's plans as torchtitan's ``apply_tp`` wrote them: 30 clean steps raise nothing and the
+    tensor parallel by torch's plans as torchtitan's ``apply_tp`` wrote them: 15 clean steps raise nothing and the
     save is ``restorable``; a 10x element of a TP-sharded Linear's gradient on rank 1 is named by ABFT at its step;
     a weight shard's exponent flip at rest on rank 1 is named at the next step."""
     got = run_ranks(titan_story, 4, "apply_tp", sp, str(tmp_path / "run"), timeout=400, retire=True)

@@ -7,7 +7,7 @@
 way a faulty GPU would hand back a wrong result (a hook on the parameter, not the guard's own injection); the guard
 raises, the incident is recorded, and the job exits 4. ``--accumulate N`` and ``--schedule`` (linear warm-up, then
 cosine decay, stepped every optimizer step) are Lightning's own options. ``--story DIR`` runs what the test suite
-checks in one launch: a 30-step clean run with gradient accumulation and the schedule, then an uninterrupted run,
+checks in one launch: a 60-step clean run with gradient accumulation and the schedule, then an uninterrupted run,
 a run with a gradient fault at a step that is not an audit step, and its resume from the rollback target; then the
 same model under Lightning's ``ModelParallelStrategy`` with FSDP2 (``fully_shard`` in ``configure_model``, ``--fsdp``),
 clean and with a wrong reduced gradient shard on rank 1; rank 0 writes ``DIR/story.json``.
@@ -128,8 +128,8 @@ def caught(e: SilentCorruptionDetected) -> dict[str, Any]:
 
 def story(root: str, epochs: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    try:  # 30 optimizer steps of 2 accumulated batches each, with warm-up and cosine decay: nothing to find
-        fit(os.path.join(root, "long"), os.path.join(root, "out-long"), 2, False, accumulate=2, batches_per_epoch=30,
+    try:  # 60 optimizer steps of 2 accumulated batches each, with warm-up and cosine decay: nothing to find
+        fit(os.path.join(root, "long"), os.path.join(root, "out-long"), 4, False, accumulate=2, batches_per_epoch=30,
             schedule=True)
         out["long"] = None
     except SilentCorruptionDetected as e:

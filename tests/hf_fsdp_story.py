@@ -3,10 +3,10 @@
     hf_fsdp_story.py DIR train    # clean run (fsdp= arguments); extras run; then accelerate's environment, killed
     hf_fsdp_story.py DIR resume   # the killed run resumed through accelerate's environment
 
-``train``: rank 0 writes ``DIR/train.json`` after the clean (15 steps, a save every 5), extras and fault phases, then
+``train``: rank 0 writes ``DIR/train.json`` after the clean (30 steps, a save every 10), extras and fault phases, then
 the last phase, requested only through ``ACCELERATE_USE_FSDP=true FSDP_VERSION=2`` and with
-``gradient_checkpointing=True``, is killed with SIGKILL on rank 1 at step 7 (after the save at 5): the launch ends
-there. ``resume``: the same run with ``resume_from_checkpoint=True``, to step 15; rank 0 writes ``DIR/resume.json``.
+``gradient_checkpointing=True``, is killed with SIGKILL on rank 1 at step 14 (after the save at 10): the launch ends
+there. ``resume``: the same run with ``resume_from_checkpoint=True``, to step 30; rank 0 writes ``DIR/resume.json``.
 The model is hf_train's GPT-2 (Conv1D blocks), its blocks and root ``fully_shard``-ed by accelerate's FSDP2 plugin.
 """
 
@@ -32,7 +32,7 @@ import story_cli
 FSDP2 = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
 RANK = int(os.environ.get("RANK", "0"))
 FAULTY = "transformer.h.0.mlp.c_fc"
-STEPS, SAVE_EVERY, KILL_AT = 15, 5, 7
+STEPS, SAVE_EVERY, KILL_AT = 30, 10, 14
 # The killed run: asked for through accelerate's environment only, with activation checkpointing (its recomputed
 # forward gives the same bits on CPU, so it must end where the clean run ended).
 KILLED = {"gradient_accumulation_steps": 1, "save_steps": SAVE_EVERY, "gradient_checkpointing": True}

@@ -1,11 +1,11 @@
 """``VerifiedTrainer`` with FSDP2 (issue 49, finding 2) on 2 gloo ranks under torchrun, at ``GuardConfig()``.
 
-Two launches (tests/hf_fsdp_story.py): the first trains a clean run of 15 steps through ``fsdp="full_shard"`` with
+Two launches (tests/hf_fsdp_story.py): the first trains a clean run of 30 steps through ``fsdp="full_shard"`` with
 ``fsdp_config={"version": 2}``, a run with gradient accumulation, ``gradient_checkpointing=True``,
 ``save_total_limit=1`` and ``load_best_model_at_end``, a run with a wrong gradient element and two with a weight
 shard's bit flipped (with and without activation checkpointing; all on rank 1), then a run asked for only through
 accelerate's environment (``ACCELERATE_USE_FSDP=true FSDP_VERSION=2``), with ``gradient_checkpointing=True``, whose
-rank 1 is killed with SIGKILL at step 7; the second resumes that run with ``resume_from_checkpoint=True``.
+rank 1 is killed with SIGKILL at step 14; the second resumes that run with ``resume_from_checkpoint=True``.
 The refusals are unit tests: no process group needed.
 """
 
@@ -27,7 +27,7 @@ STORY = os.path.join(os.path.dirname(__file__), "hf_fsdp_story.py")
 def story(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, dict]:
     root = str(tmp_path_factory.mktemp("hf-fsdp"))
     killed = torchrun(STORY, 2, root, "train", timeout=240)
-    assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-4000:]  # rank 1, at step 7
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-4000:]  # rank 1, at step 14
     with open(os.path.join(root, "train.json")) as f:
         trained = json.load(f)
     done = torchrun(STORY, 2, root, "resume", timeout=240)
@@ -41,7 +41,7 @@ def test_fsdp2_trainer_is_guarded_through_the_sharded_layout_and_saves_restorabl
     _, s, _ = story
     clean = s["clean"]
     assert clean["fsdp"] and clean["layout"] == "ShardedLayout"  # fully_shard-ed by accelerate, never DDP
-    assert clean["checkpoints"] == [[5, "restorable"], [10, "restorable"], [15, "restorable"]]  # 15 clean steps
+    assert clean["checkpoints"] == [[10, "restorable"], [20, "restorable"], [30, "restorable"]]  # 30 clean steps
     assert "100% of parameters" in clean["coverage"]
 
 
@@ -60,8 +60,8 @@ def test_fsdp2_trainer_names_a_wrong_gradient_at_its_step_and_a_flipped_weight_s
 def test_fsdp2_through_accelerates_environment_resumes_after_kill_9_bit_identical_to_a_clean_run(story):
     _, s, resumed = story
     assert resumed["fsdp"] and resumed["layout"] == "ShardedLayout" and resumed["checkpointing"]
-    assert resumed["resumed_from"].startswith("step-0000000005-")  # the newest save before the kill at step 7
-    assert resumed["checkpoints"] == [[5, "restorable"], [10, "restorable"], [15, "restorable"]]
+    assert resumed["resumed_from"].startswith("step-0000000010-")  # the newest save before the kill at step 14
+    assert resumed["checkpoints"] == [[10, "restorable"], [20, "restorable"], [30, "restorable"]]
     assert resumed["incidents"] == 0
     # Full weights, bit for bit, as the clean run without activation checkpointing ended.
     assert resumed["digest"] == s["clean"]["digest"]

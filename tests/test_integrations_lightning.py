@@ -1,7 +1,7 @@
 """The Lightning integration on 2 gloo ranks under torchrun (nothing here needs a majority: ABFT and the checksums name a rank among two), as the README sets it up: Trainer(strategy="ddp",
 devices=3, accelerator="cpu") with VerifiedCheckpointIO and SDCGuardCallback() at the guard's defaults (ABFT on).
 
-One launch runs the story (examples/lightning_train.py --story): a 30-step clean run with dropout, gradient
+One launch runs the story (examples/lightning_train.py --story): a 60-step clean run with dropout, gradient
 accumulation and a warm-up + cosine schedule; an uninterrupted run; a run whose rank 1 computes a wrong gradient
 (x10, a hook on the parameter) at a step that is not an audit step; its resume from the rollback target; and the
 same model as FSDP2 under Lightning's ModelParallelStrategy, clean and with a wrong reduced shard on rank 1.
@@ -35,13 +35,14 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
 
 
 @pytest.mark.timeout(300)
-def test_lightning_defaults_raise_nothing_in_30_clean_steps_with_accumulation_and_a_schedule(story):
+def test_lightning_defaults_raise_nothing_in_60_clean_steps_with_accumulation_and_a_schedule(story):
     root, s = story
     assert s["long"] is None
     long = CheckpointManager(os.path.join(root, "long"))
-    assert [(c.step, c.status.value) for c in long.list()] == [(15, "restorable"), (30, "restorable")]
+    assert [(c.step, c.status.value) for c in long.list()] == [(15, "restorable"), (30, "restorable"),
+                                                               (45, "restorable"), (60, "restorable")]
     counts = long.ledger_summary()["counts"]
-    assert counts["abft"] == {"checks": 30, "failed": 0} and counts["checksum"]["failed"] == 0
+    assert counts["abft"] == {"checks": 60, "failed": 0} and counts["checksum"]["failed"] == 0
     assert long.incidents() == []
 
 

@@ -82,8 +82,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, init: str, out: str, a
 # were 22 % of its CPU time (torch._dynamo alone 15 %), paid again at each launch that retires its pool.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor",
            "torch.distributed.checkpoint", "verified_ckpt", "verified_ckpt.guard", "verified_ckpt.checkpoint", "zarr",
-           "awscrt.checksums",
-           "dist_harness"]
+           "awscrt.checksums", "dist_harness"]
 
 
 def _context() -> Any:

@@ -265,7 +265,7 @@ def _rank(rank: int, world: int, init: str, trials: list[dict[str, Any]], out: s
 
 
 def run_chunk(trials: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
-    """Run ``trials`` in one job of ``world`` spawned ranks; their results, in order."""
+    """Run ``trials`` in one job of ``world`` ranks (``ranks.spawn``); their results, in order."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         ranks.spawn(_rank, args=(world, f"file://{tmp}/store", trials, out), nprocs=world)

@@ -19,6 +19,7 @@ from verified_ckpt.guard.abft import dispatch
 from verified_ckpt.guard.abft.checks import GradientChecks
 
 pytestmark = pytest.mark.timeout(120)
+STEPS = dispatch._SETTLED + 2  # the in-place replays run after the tenth step, then two more
 
 
 
@@ -188,8 +189,8 @@ class _Noisy(torch.nn.Module):
 
 def _train(model: Callable[[], torch.nn.Module], calibrate: bool, monkeypatch: pytest.MonkeyPatch,
            batch: Callable[[int], torch.Tensor]) -> tuple[SDCGuard, list[torch.Tensor], torch.Tensor]:
-    """Four guarded steps of ``model()`` on ``batch(step)``, with the in-place replays or without; the guard, the
-    weights and buffers it ended with, and the random state."""
+    """Guarded steps of ``model()`` on ``batch(step)``, two past the in-place replays' (``dispatch._SETTLED``), with
+    the replays or without; the guard, the weights and buffers it ended with, and the random state."""
     from verified_ckpt.guard import replicated
 
     if not calibrate:
@@ -198,7 +199,7 @@ def _train(model: Callable[[], torch.nn.Module], calibrate: bool, monkeypatch: p
     ddp = DDP(model())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     guard = SDCGuard(ddp, opt, lambda m, b: m(b).square().mean(), GuardConfig())
-    for step in range(4):
+    for step in range(STEPS):
         guard.backward(batch(step), step=step)
         guard.step()
         # The loop leaves the gradients to accumulate into the next step (no zero_grad): the replays start from none
@@ -243,10 +244,14 @@ def test_the_in_situ_replays_run_between_steps_in_no_steps_time(one_rank, monkey
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = SDCGuard(model, opt, lambda m, b: m(b).square().mean(), GuardConfig())
-    for step in range(4):
+    shifted = []
+    for step in range(STEPS):
         guard.backward(torch.ones(4, 8), step=step)
         guard.step()
-    assert shift[0] == 1000.0  # once, at the second step
+        shifted.append(shift[0])
+    # Once, after the tenth step: the first steps are not the run's steady state, and a run that ends within them
+    # pays no replays
+    assert shifted == [0.0] * (dispatch._SETTLED - 1) + [1000.0] * 3
     assert all(c.step_s < 1000.0 and c.floor_s < 1000.0 for c in seen)
 
 
@@ -275,13 +280,13 @@ def test_a_model_whose_replay_fails_without_its_own_hooks_trains_on_at_the_start
     assert guard.layout._calibration.done and not guard.layout._calibration.measured
     assert guard.sched.watch.dispatch == dispatch.costs()
     assert any("did not run" in r.getMessage() and "scale" in r.getMessage() for r in caplog.records)
-    assert guard.checks["abft"].passed == 4
+    assert guard.checks["abft"].passed == STEPS
     _, plain, _ = _train(_NeedsItsHooks, False, monkeypatch, batch)
     assert all(torch.equal(a, b) for a, b in zip(weights, plain, strict=True))
 
 
 def _fsdp_replays(rank: int, world: int) -> dict:
-    """Four guarded FSDP2 steps with dropout (the RNG), accumulating gradients, with the in-place replays and
+    """Guarded FSDP2 steps with dropout (the RNG), accumulating gradients, with the in-place replays and
     without; how many replays each rank ran, and the state and random state each run ended with."""
     import warnings
 
@@ -308,7 +313,7 @@ def _fsdp_replays(rank: int, world: int) -> dict:
             model, opt = build((2,), dropout=0.3)
             torch.manual_seed(100 + rank)
             guard = SDCGuard(model, opt, loss_fn, GuardConfig())
-            for step in range(4):
+            for step in range(STEPS):
                 guard.backward(batch(rank, step), step=step)
                 guard.step()
             out[str(calibrate)] = {"replays": replays[0], "done": guard.layout._calibration.done,
@@ -328,7 +333,7 @@ def test_fsdp2_replays_run_on_every_rank_in_step_and_leave_no_trace():
     # Every rank ran as many replays (FSDP's collectives inside them pair up), in plain and hooked pairs, at least
     # three pairs; the guard checked every step
     assert with_[0]["replays"] == with_[1]["replays"] and with_[0]["replays"] % 2 == 0 and with_[0]["replays"] >= 6
-    assert all(r["done"] and r["abft"] == 4 for r in with_)
+    assert all(r["done"] and r["abft"] == STEPS for r in with_)
     # Parameters, AdamW's moments and each rank's random state as a run without the replays left them, to the bit
     for a, b in zip(with_, without, strict=True):
         assert b["replays"] == 0 and a["state"] == b["state"] and a["rng"] == b["rng"]
@@ -361,7 +366,7 @@ def _fsdp_replay_raises_on_one_rank(rank: int, world: int, note_path: str) -> di
     guard = SDCGuard(model, opt, loss_fn, GuardConfig())
     step = 0
     try:
-        for step in range(5):
+        for step in range(STEPS):
             guard.backward(batch(rank, step), step=step)
             guard.step()
     except RuntimeError as e:

@@ -181,14 +181,15 @@ class ShardedLayout:
         """Nothing: FSDP's reduction order does not depend on a first iteration, unlike DDP's buckets."""
 
     def calibrate(self, batch: Any) -> None:
-        """Once per process, after the second step that passed while ABFT checks the next: what ABFT's hooks cost
-        around their own bodies inside this model's step (``abft.dispatch.in_situ``), measured on that step's first
-        microbatch on every rank at once: forward-backward replays through FSDP (its collectives and a plan's
-        redistributions run in them, so a rank's hooks that hold up its peers are in the figure), with ABFT's module
-        hooks off and its checks paused, and with them on; the tap passes FSDP's reductions through, no fault is
-        injected, and gradients, buffers and random state are put back. Every rank runs as many pairs (the slowest
-        rank's time decides). Other module hooks run in both (FSDP's own are among them), as in an audit, and an
-        error in them is raised, as an audit's is: the ranks cannot go on out of step (``Calibration.settle``)."""
+        """Once per process, after the tenth step that passed while ABFT checks the next (``dispatch.Calibration``):
+        what ABFT's hooks cost around their own bodies inside this model's step (``abft.dispatch.in_situ``), measured
+        on that step's first microbatch on every rank at once: forward-backward replays through FSDP (its
+        collectives and a plan's redistributions run in them, so a rank's hooks that hold up its peers are in the
+        figure), with ABFT's module hooks off and its checks paused, and with them on; the tap passes FSDP's
+        reductions through, no fault is injected, and gradients, buffers and random state are put back. Every rank
+        runs as many pairs (the slowest rank's time decides). Other module hooks run in both (FSDP's own are among
+        them), as in an audit, and an error in them is raised, as an audit's is: the ranks cannot go on out of step
+        (``Calibration.settle``)."""
         checks, p = self.checks, self.p
         if not self._calibration.due(checks):
             return

@@ -59,6 +59,12 @@ _PAIRS = 3  # in-situ replay pairs (plain, hooked): at least this many for a fig
 _MOST = 12  # and at most this many,
 _SHORT = 0.5  # more than _PAIRS only while the replays have taken less than this many seconds;
 _LONG = 10.0  # and one pair only (no figure: the start-up rates stand) where it took longer than this
+# The replays run after this many steps passed. A run's first steps are not its steady state (coverage's probe, lazy
+# set-ups, the first consensus and audit, the budget's averages still settling over their first five samples), and
+# a run that ends within them (a smoke test, a fault caught early) gained nothing from replays that cost as many
+# forward-backwards as its steps: a 4-rank torchtitan-plan test spent 17.5 % of its CPU in them, at the second step
+# of every run (docs/BENCHMARKS.md, issue 51's thirteenth turn).
+_SETTLED = 10
 
 
 def timed(watch: Stopwatch, fn: Callable[..., Any], counted: bool = True, backward: bool = False) -> Callable[..., Any]:
@@ -324,8 +330,8 @@ MEASURED = "measured in place, in replays of this model's step"
 
 class Calibration:
     """When a layout measures ABFT's hooks in place (:func:`in_situ`), and what it charges after: once per process,
-    after the second step that passed while ABFT checks the next (the first step is coverage's probe, and the
-    second warms what the first built)."""
+    after the :data:`_SETTLED`-th step that passed while ABFT checks the next (until then the start-up rates
+    stand)."""
 
     def __init__(self) -> None:
         self.passed = 0  # steps passed in this process
@@ -335,7 +341,7 @@ class Calibration:
     def due(self, checks: Any) -> bool:
         """A step passed (``checks``: the layout's ``GradientChecks``, or None): whether to measure now."""
         self.passed += 1
-        if checks is None or self.done or self.passed < 2 or not checks.on or checks.probing:
+        if checks is None or self.done or self.passed < _SETTLED or not checks.on or checks.probing:
             return False
         self.done = True
         return True

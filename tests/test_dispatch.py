@@ -19,7 +19,7 @@ from verified_ckpt.guard.abft import dispatch
 from verified_ckpt.guard.abft.checks import GradientChecks
 
 pytestmark = pytest.mark.timeout(120)
-STEPS = dispatch._SETTLED + 2  # the in-place replays run after the tenth step, then two more
+STEPS = dispatch.SETTLED + 2  # the in-place replays run after the tenth step, then two more
 
 
 
@@ -189,7 +189,7 @@ class _Noisy(torch.nn.Module):
 
 def _train(model: Callable[[], torch.nn.Module], calibrate: bool, monkeypatch: pytest.MonkeyPatch,
            batch: Callable[[int], torch.Tensor]) -> tuple[SDCGuard, list[torch.Tensor], torch.Tensor]:
-    """Guarded steps of ``model()`` on ``batch(step)``, two past the in-place replays' (``dispatch._SETTLED``), with
+    """Guarded steps of ``model()`` on ``batch(step)``, two past the in-place replays' (``dispatch.SETTLED``), with
     the replays or without; the guard, the weights and buffers it ended with, and the random state."""
     from verified_ckpt.guard import replicated
 
@@ -251,7 +251,7 @@ def test_the_in_situ_replays_run_between_steps_in_no_steps_time(one_rank, monkey
         shifted.append(shift[0])
     # Once, after the tenth step: the first steps are not the run's steady state, and a run that ends within them
     # pays no replays
-    assert shifted == [0.0] * (dispatch._SETTLED - 1) + [1000.0] * 3
+    assert shifted == [0.0] * (dispatch.SETTLED - 1) + [1000.0] * 3
     assert all(c.step_s < 1000.0 and c.floor_s < 1000.0 for c in seen)
 
 

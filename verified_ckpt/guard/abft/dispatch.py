@@ -47,7 +47,7 @@ from ..budget import Stopwatch
 from ..nocast import own_precision
 from .flops import QUIET
 
-__all__ = ["Calibration", "Installed", "Sides", "charged", "costs", "device_sync", "empty_hooks", "in_situ",
+__all__ = ["SETTLED", "Calibration", "Installed", "Sides", "charged", "costs", "device_sync", "empty_hooks", "in_situ",
            "least_extra", "timed", "timer"]
 
 log = logging.getLogger("verified_ckpt")
@@ -64,7 +64,7 @@ _LONG = 10.0  # and one pair only (no figure: the start-up rates stand) where it
 # a run that ends within them (a smoke test, a fault caught early) gained nothing from replays that cost as many
 # forward-backwards as its steps: a 4-rank torchtitan-plan test spent 17.5 % of its CPU in them, at the second step
 # of every run (docs/BENCHMARKS.md, issue 51's thirteenth turn).
-_SETTLED = 10
+SETTLED = 10
 
 
 def timed(watch: Stopwatch, fn: Callable[..., Any], counted: bool = True, backward: bool = False) -> Callable[..., Any]:
@@ -330,7 +330,7 @@ MEASURED = "measured in place, in replays of this model's step"
 
 class Calibration:
     """When a layout measures ABFT's hooks in place (:func:`in_situ`), and what it charges after: once per process,
-    after the :data:`_SETTLED`-th step that passed while ABFT checks the next (until then the start-up rates
+    after the :data:`SETTLED`-th step that passed while ABFT checks the next (until then the start-up rates
     stand)."""
 
     def __init__(self) -> None:
@@ -341,7 +341,7 @@ class Calibration:
     def due(self, checks: Any) -> bool:
         """A step passed (``checks``: the layout's ``GradientChecks``, or None): whether to measure now."""
         self.passed += 1
-        if checks is None or self.done or self.passed < _SETTLED or not checks.on or checks.probing:
+        if checks is None or self.done or self.passed < SETTLED or not checks.on or checks.probing:
             return False
         self.done = True
         return True

@@ -255,6 +255,33 @@ def test_the_in_situ_replays_run_between_steps_in_no_steps_time(one_rank, monkey
     assert all(c.step_s < 1000.0 and c.floor_s < 1000.0 for c in seen)
 
 
+def test_the_schedule_line_is_written_again_once_the_averages_carry_the_in_place_charge(one_rank, monkeypatch, caplog):
+    """The line a user reads was taken at the start-up rate, before the replays: written again RECHARGED_AFTER steps
+    after the charge changed (the averages then carry it), once; not at every step, nor never."""
+    import logging
+
+    from verified_ckpt.guard import replicated, schedule
+
+    caplog.set_level(logging.INFO, logger="verified_ckpt")
+    floor = dispatch.costs()
+    monkeypatch.setattr(replicated, "in_situ", lambda *a, **k: (3 * floor[0] + 1e-5, 3 * floor[1] + 1e-6))
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = SDCGuard(model, opt, lambda m, b: m(b).square().mean(), GuardConfig())
+    lines = []
+    for step in range(dispatch.SETTLED + schedule.RECHARGED_AFTER + 5):
+        caplog.clear()
+        guard.backward(torch.ones(4, 8), step=step)
+        guard.step()
+        lines += [step for r in caplog.records if r.getMessage().startswith("SDCGuard budget")]
+    assert guard.sched.watch.dispatch[0] > floor[0]  # charged at the replays' rate from the tenth step
+    # The first line once the checks' costs are known (before the replays); the next, the charge's, RECHARGED_AFTER
+    # steps after the replays (the first gather that saw it is the step after them)
+    assert lines[0] < dispatch.SETTLED - 1, lines
+    assert lines[-1] == dispatch.SETTLED + schedule.RECHARGED_AFTER, lines
+
+
 class _NeedsItsHooks(torch.nn.Module):
     """A forward that needs its own pre-hook (as old-style weight and spectral norm do): without it, it fails."""
 

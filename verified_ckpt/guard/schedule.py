@@ -14,10 +14,15 @@ from ..history import NO_RANK, Event
 from .budget import Budget, Costs, Plan, Rates, Stopwatch, peers_wait
 from .config import GuardConfig
 
-__all__ = ["AUDIT_SLICES", "Schedule"]
+__all__ = ["AUDIT_SLICES", "RECHARGED_AFTER", "Schedule"]
 
 log = logging.getLogger("verified_ckpt")
 
+# The schedule's line is written again this many steps after what ABFT's hook calls are charged changed (the in-place
+# replays, ``abft/dispatch.Calibration``, once): by then the budget's moving averages (``budget._SMOOTH``, a fifth
+# a step) carry 89 % of the new charge. Without it the line a user reads kept the start-up rate's estimate, taken
+# before the replays, unless the charge moved the schedule by 2x.
+RECHARGED_AFTER = 10
 # A budget audit recomputes one of this many row slices of each rank's first microbatch, in turn: a persistent
 # compute fault shows in any slice (every row goes through the faulty unit), at a fraction of a whole step's
 # recomputation (a batch of fewer rows is cut into single rows).
@@ -44,6 +49,8 @@ class Schedule:
         self.slices = 0  # budget audits run: which slice is next
         self.slicing: bool | None = None  # whether loss_fn takes a slice of a microbatch (decided at the first)
         self._logged: Rates | None = None
+        self._charge = self.watch.dispatch  # what a hook call was charged when the last line was written
+        self._recharged: int | None = None  # the step a new charge was first seen at, since that line
 
     def fit(self, *, audits: bool, abft: bool, replicas: int) -> None:
         """The budget for what the layout runs: the guard builds its schedule before its layout (whose hooks add to
@@ -72,14 +79,20 @@ class Schedule:
         return k
 
     def report(self, step: int, rank: int) -> list[Event]:
-        """The schedule the budget chose and what it measured, when it moved by 2x or more (and once every
-        scheduled check's cost is first known): a log line on rank 0, and the ledger row to emit (none when nothing moved)."""
+        """The schedule the budget chose and what it measured, when it moved by 2x or more, once every scheduled
+        check's cost is first known, and :data:`RECHARGED_AFTER` steps after ABFT's hook calls are charged anew: a
+        log line on rank 0, and the ledger row to emit (none when nothing moved)."""
         rates = self.budget.rates
         if rates is None or not rates.plain_s or (self._logged is None and not self.budget.measured):
             return []
-        if self._logged is not None and not _moved(self._logged, rates):
+        if self.watch.dispatch == self._charge:
+            self._recharged = None
+        elif self._recharged is None:
+            self._recharged = step
+        recharged = self._recharged is not None and step - self._recharged >= RECHARGED_AFTER
+        if self._logged is not None and not _moved(self._logged, rates) and not recharged:
             return []
-        self._logged = rates
+        self._logged, self._charge, self._recharged = rates, self.watch.dispatch, None
         if rank == 0:
             log.info("SDCGuard budget %.1f%% at step %d: %s", 100 * self.cfg.overhead, step, rates.summary())
         return [Event(step, "budget", NO_RANK, "pass", (rates.consensus_every, rates.audit_every), rates.abft_share,

@@ -50,7 +50,7 @@ def test_the_groups_are_learnt_at_the_first_step_and_each_input_is_read_once_aft
     torch.manual_seed(0)
     guard, incident = run(Block(), loss_fn, 3)
     assert incident is None and guard.checks["abft"].passed == 3
-    # Two later steps (the replays that measure the hooks' cost in place come after the tenth: ``dispatch.SETTLED``)
+    # Two later steps (the replays that measure the hooks' cost in place come after the fifth: ``dispatch.SETTLED``)
     passes, rest = divmod(len(reads) - 8, 5)
     assert rest == 0 and passes == 2, len(reads)
     assert all(v[0] <= 2 for v in reads[:8])  # the first step: every covered Linear reads its own input

@@ -19,7 +19,7 @@ from verified_ckpt.guard.abft import dispatch
 from verified_ckpt.guard.abft.checks import GradientChecks
 
 pytestmark = pytest.mark.timeout(120)
-STEPS = dispatch.SETTLED + 2  # the in-place replays run after the tenth step, then two more
+STEPS = dispatch.SETTLED + 2  # the in-place replays run after the fifth step, then two more
 
 
 
@@ -249,7 +249,7 @@ def test_the_in_situ_replays_run_between_steps_in_no_steps_time(one_rank, monkey
         guard.backward(torch.ones(4, 8), step=step)
         guard.step()
         shifted.append(shift[0])
-    # Once, after the tenth step: the first steps are not the run's steady state, and a run that ends within them
+    # Once, after the fifth step: the first steps are not the run's steady state, and a run that ends within them
     # pays no replays
     assert shifted == [0.0] * (dispatch.SETTLED - 1) + [1000.0] * 3
     assert all(c.step_s < 1000.0 and c.floor_s < 1000.0 for c in seen)
@@ -275,10 +275,10 @@ def test_the_schedule_line_is_written_again_once_the_averages_carry_the_in_place
         guard.backward(torch.ones(4, 8), step=step)
         guard.step()
         lines += [step for r in caplog.records if r.getMessage().startswith("SDCGuard budget")]
-    assert guard.sched.watch.dispatch[0] > floor[0]  # charged at the replays' rate from the tenth step
+    assert guard.sched.watch.dispatch[0] > floor[0]  # charged at the replays' rate from the fifth step
     # The first line once the checks' costs are known (before the replays); the next, the charge's, RECHARGED_AFTER
     # steps after the replays (the first gather that saw it is the step after them)
-    assert lines[0] < dispatch.SETTLED - 1, lines
+    assert lines[0] <= dispatch.SETTLED - 1, lines
     assert lines[-1] == dispatch.SETTLED + schedule.RECHARGED_AFTER, lines
 
 

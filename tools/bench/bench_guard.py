@@ -166,7 +166,7 @@ def main() -> None:
                     "attention's products and ABFT")
     ap.add_argument("--oracle", action="store_true", help="measure the per-step checks with and without the update oracle")
     ap.add_argument("--steps", type=int, default=40)
-    # Past the guard's one-time replays (after its tenth step: ``dispatch.SETTLED``), which the mean would carry
+    # Past the guard's one-time replays (after its fifth step: ``dispatch.SETTLED``), which the mean would carry
     ap.add_argument("--warmup", type=int, default=SETTLED + 1)
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()

@@ -181,7 +181,7 @@ class ShardedLayout:
         """Nothing: FSDP's reduction order does not depend on a first iteration, unlike DDP's buckets."""
 
     def calibrate(self, batch: Any) -> None:
-        """Once per process, after the fifth step that passed while ABFT checks the next (``dispatch.Calibration``):
+        """Once per process, after the ``dispatch.SETTLED``-th step that passed while ABFT checks the next:
         what ABFT's hooks cost around their own bodies inside this model's step (``abft.dispatch.in_situ``), measured
         on that step's first microbatch on every rank at once: forward-backward replays through FSDP (its
         collectives and a plan's redistributions run in them, so a rank's hooks that hold up its peers are in the

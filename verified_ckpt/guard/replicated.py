@@ -143,7 +143,7 @@ class ReplicatedLayout:
                 self.tap.warm_up(self.p.model, self.p.module, self.p.loss_fn, batch)
 
     def calibrate(self, batch: Any) -> None:
-        """Once per process, after the fifth step that passed while ABFT checks the next (``dispatch.Calibration``):
+        """Once per process, after the ``dispatch.SETTLED``-th step that passed while ABFT checks the next:
         what ABFT's hooks cost around their own bodies inside this model's step (``abft.dispatch.in_situ``), measured
         on that step's first microbatch: forward-backward replays of the unwrapped module (no collective: each rank
         alone) with no module hook and with ABFT's alone, as an audit recomputes (gradients returned, not

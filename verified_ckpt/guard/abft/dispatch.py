@@ -62,7 +62,7 @@ _LONG = 10.0  # and one pair only (no figure: the start-up rates stand) where it
 # The replays run after this many steps passed. A run's first steps are not its steady state (coverage's probe, lazy
 # set-ups, the first consensus and audit; the budget's averages take a fifth of each new step), and a run that ends
 # within them (a smoke test, a fault caught early) gained nothing from replays that cost as many forward-backwards as
-# its steps: a 4-rank torchtitan-plan test spent 17.5 % of its CPU in them, at the second step of every run
+# its steps: a 4-rank torchtitan-plan test spent 17.5 % of its CPU samples in them, at the second step of every run
 # (docs/BENCHMARKS.md, issue 51's thirteenth turn). Not later: the estimate a short run reads (a GPU check's 16 steps on
 # a lent device) would keep the start-up rate, which sees no device time.
 SETTLED = 5

@@ -79,10 +79,15 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, init: str, out: str, a
 # What every rank would otherwise import on its own, once per process: torch._dynamo is imported on the first call
 # of any function torch wraps in ``_disable_dynamo`` (FSDP2's and DTensor's), and the guard, the checkpoint side and
 # their libraries behind ``verified_ckpt``'s lazy names. Imported by each rank of a 4-rank torchtitan-plan test they
-# were 22 % of its CPU time (torch._dynamo alone 15 %), paid again at each launch that retires its pool.
+# were 22 % of its CPU time (torch._dynamo alone 15 %), paid again at each launch that retires its pool. Lightning and
+# what ``torch.compile(backend="aot_eager")`` imports on its first call (1.9 and 1.3 CPU-s a rank here) are imported
+# by ranks that never share a pool (tensor parallel retires it; a killed rank's launch is fresh): the Lightning 2x2
+# test's 12 ranks spent 25 of its 71-82 CPU-s on them, once per worker here (docs/BENCHMARKS.md, issue 51's
+# fourteenth turn).
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor",
            "torch.distributed.checkpoint", "verified_ckpt", "verified_ckpt.guard", "verified_ckpt.checkpoint", "zarr",
-           "awscrt.checksums", "dist_harness"]
+           "awscrt.checksums", "dist_harness", "lightning.pytorch", "torch._dynamo.backends.common",
+           "torch._inductor.pattern_matcher"]
 
 
 def _context() -> Any:

@@ -106,9 +106,9 @@ def main() -> None:
         count[kind] += 1
     print(f"exit {proc.returncode}, {wall:.0f} s, {busy:.0f} busy CPU-s ({busy / wall:.2f} cores); by kind:")
     print("| kind | processes | CPU-s | share |\n|---|---|---|---|")
-    total = sum(spent.values())
+    total = sum(spent.values()) or 1.0  # nothing sampled: a command that ended before the first sample
     for kind, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
-        print(f"| {kind} | {count[kind]} | {seconds:.0f} | {seconds / total:.0%} |")
+        print(f"| {kind} | {count[kind]} | {seconds:.1f} | {seconds / total:.0%} |")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ kind of import (function-level and ``TYPE_CHECKING`` ones too), on small package
 from __future__ import annotations
 
 import pathlib
+import sys
 
 import any_dicts
 import import_cycles
@@ -61,16 +62,15 @@ def test_import_cycles_sees_no_circle_in_a_package_without_one(tmp_path):
 def test_suite_cpu_counts_a_child_by_its_kind_and_passes_its_exit_status_on(capsys, monkeypatch):
     """``tools/bench/suite_cpu.py``: a child spinning for half a CPU-second is counted under its kind, and a forked
     rank is told from its forkserver by its grandparent (a pytest worker's)."""
-    import sys
-
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "tools" / "bench"))
     import suite_cpu
 
     worker = "/venv/bin/python -u -c import sys;exec(eval(sys.stdin.readline()))"
     server = "/venv/bin/python -c from multiprocessing.forkserver import main; main(3, 5)"
-    assert suite_cpu.kind_of(server, server, worker).startswith("ranks of tests/dist_harness.py")
-    assert suite_cpu.kind_of(server, worker, "bash").startswith("other forkservers")
-    assert suite_cpu.kind_of("python -m torch.distributed.run --nproc-per-node 2 x.py", "", "") == "torchrun agents"
+    assert suite_cpu.kind_of(server, worker).startswith("ranks of tests/dist_harness.py")
+    assert suite_cpu.kind_of(server, "bash").startswith("other forkservers")
+    assert suite_cpu.kind_of(worker, "bash").startswith("the pytest-xdist workers")  # a worker is no rank
+    assert suite_cpu.kind_of("python -m torch.distributed.run --nproc-per-node 2 x.py", "") == "torchrun agents"
     spin = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\nsys.exit(3)"
     monkeypatch.setattr(sys, "argv", ["suite_cpu.py", "--", sys.executable, "-c", spin])
     suite_cpu.main()

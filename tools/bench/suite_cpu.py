@@ -30,21 +30,21 @@ class Proc:
     cpu: float = 0.0  # user and system seconds at its last sample
 
 
-# (kind, what its command line or its parents' say), first match wins; ``parent``/``grandparent``: the pattern is
-# looked for in that process's command line instead
-KINDS: list[tuple[str, str, str]] = [
-    ("this sampler", "self", r"suite_cpu\.py"),
-    ("ranks of tests/dist_harness.py (forked from a pytest process's forkserver)", "grandparent",
+# (kind, a pattern of its own command line, one of its grandparent's or None), the first rule both match wins: a
+# harness rank is a forkserver's child like any forked rank, and only its grandparent (a pytest process) tells it
+KINDS: list[tuple[str, str, str | None]] = [
+    ("this sampler", r"suite_cpu\.py", None),
+    ("ranks of tests/dist_harness.py (forked from a pytest process's forkserver)", r"forkserver",
      r"exec\(eval\(sys\.stdin|-m pytest"),
-    ("other forkservers and their ranks (tools/ranks.py, examples' local launches)", "self", r"forkserver"),
-    ("the pytest-xdist workers (in-process tests)", "self", r"exec\(eval\(sys\.stdin"),
-    ("torchrun agents", "self", r"torch\.distributed\.run"),
-    ("the CLI and vckpt serve", "self", r"verified_ckpt_cli|vckpt "),
-    ("Triton interpreter children", "self", r"interpreted\("),
-    ("Dask workers", "self", r"dask|spawn_main"),
-    ("SeaweedFS, Chromium, prometheus", "self", r"weed|chrom|prometheus"),
-    ("pytest's main process", "self", r"-m pytest"),
-    ("other Python children (torchrun-launched ranks, stories, crash points, scripts)", "self", r"python|\.py"),
+    ("other forkservers and their ranks (tools/ranks.py, examples' local launches)", r"forkserver", None),
+    ("the pytest-xdist workers (in-process tests)", r"exec\(eval\(sys\.stdin", None),
+    ("torchrun agents", r"torch\.distributed\.run", None),
+    ("the CLI and vckpt serve", r"verified_ckpt_cli|vckpt ", None),
+    ("Triton interpreter children", r"interpreted\(", None),
+    ("Dask workers", r"dask|spawn_main", None),
+    ("SeaweedFS, Chromium, prometheus", r"weed|chrom|prometheus", None),
+    ("pytest's main process", r"-m pytest", None),
+    ("other Python children (torchrun-launched ranks, stories, crash points, scripts)", r"python|\.py", None),
 ]
 
 
@@ -72,10 +72,9 @@ def _sample(seen: dict[tuple[int, int], Proc]) -> None:
             continue  # gone between the listing and the read
 
 
-def kind_of(cmd: str, parent: str, grandparent: str) -> str:
-    for kind, where, pattern in KINDS:
-        text = {"self": cmd, "parent": parent, "grandparent": grandparent}[where]
-        if re.search(pattern, text) and (where == "self" or "forkserver" in cmd):
+def kind_of(cmd: str, grandparent: str) -> str:
+    for kind, own, above in KINDS:
+        if re.search(own, cmd) and (above is None or re.search(above, grandparent)):
             return kind
     return "other"
 
@@ -101,7 +100,7 @@ def main() -> None:
     for key, p in seen.items():
         parent = by_pid.get(p.ppid)
         grandparent = by_pid.get(parent.ppid) if parent else None
-        kind = kind_of(p.cmd, parent.cmd if parent else "", grandparent.cmd if grandparent else "")
+        kind = kind_of(p.cmd, grandparent.cmd if grandparent else "")
         spent[kind] += p.cpu - before.get(key, 0.0)
         count[kind] += 1
     print(f"exit {proc.returncode}, {wall:.0f} s, {busy:.0f} busy CPU-s ({busy / wall:.2f} cores); by kind:")

@@ -4,10 +4,11 @@
 
 The tenth turn's plan for the host-bound tiny models was hooks that only keep references to what the checks read
 and the statistics of like-shaped tensors taken together at the step's end. This measures its ceiling before it is
-built: every ``row_stats`` and ``project`` call of one guarded step is recorded (inputs copied), then replayed one by
-one as the hooks make them, and grouped as that design would (one ``stack``, one ``bmm`` and, for ``row_stats``, one
-row norm per group of like-shaped calls). Beside it, ABFT's own cost a step: plain, ``GuardConfig(abft=False)`` and
-``GuardConfig()`` alternated in one process, medians of ``--steps`` steps, ``--pairs`` times.
+built: every ``row_stats``, ``project`` and ``row_norms`` call of one guarded step (the Linears', the norms' and
+attention's reads of their tensors) is recorded (inputs copied), then replayed one by one as the hooks make them,
+and grouped as that design would (one ``stack``, one ``bmm`` and one row norm per group of like-shaped calls).
+Beside it, ABFT's own cost a step: plain, ``GuardConfig(abft=False)`` and ``GuardConfig()`` alternated in one
+process, medians of ``--steps`` steps, ``--pairs`` times. The norms' fused statistics (``norm_stats``) are not in it.
 
     .venv/bin/python tools/bench/group_check.py
 """
@@ -34,9 +35,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dispatch_check import llama, loss_fn
 
 from verified_ckpt import GuardConfig, SDCGuard
-from verified_ckpt.guard.abft import checks, rowstats, shared
+from verified_ckpt.guard.abft import checks, norms, products, rowstats, shared
 
-Call = tuple[str, torch.Tensor, torch.Tensor]  # "row_stats" or "project", the rows, the vectors
+Call = tuple[str, torch.Tensor, torch.Tensor]  # "row_stats", "project" or "row_norms", the rows, the vectors
+KINDS = ("row_stats", "project", "row_norms")
+USERS = (rowstats, checks, shared, norms, products)  # the modules that call them (each holds its own name)
 
 
 def build(cfg: GuardConfig | None) -> tuple[torch.nn.Module, torch.optim.Optimizer, SDCGuard | None]:
@@ -64,46 +67,39 @@ def steps(run: tuple[torch.nn.Module, torch.optim.Optimizer, SDCGuard | None], i
 
 
 def recorded(guard: SDCGuard, ids: torch.Tensor, step: int) -> list[Call]:
-    """Every ``row_stats`` and ``project`` call the guard's hooks make in one step, inputs copied."""
+    """Every ``row_stats``, ``project`` and ``row_norms`` call the guard's checks make in one step, inputs copied."""
     calls: list[Call] = []
-    saved = {mod: (getattr(mod, "row_stats", None), getattr(mod, "project", None)) for mod in (rowstats, checks, shared)}
-    row_stats, project = rowstats.row_stats, rowstats.project
+    real = {kind: getattr(rowstats, kind) for kind in KINDS}
+    saved = [(mod, kind, getattr(mod, kind)) for mod in USERS for kind in KINDS if hasattr(mod, kind)]
 
-    def keep(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def keep(kind: str) -> Callable[..., Any]:
         def run(a: torch.Tensor, v: torch.Tensor) -> Any:
-            calls.append((name, a.detach().clone(), v.detach().clone()))
-            return fn(a, v)
+            calls.append((kind, a.detach().clone(), v.detach().clone()))
+            return real[kind](a, v)
         return run
 
     try:
-        for mod in saved:
-            if hasattr(mod, "row_stats"):
-                mod.row_stats = keep("row_stats", row_stats)  # type: ignore[attr-defined]
-            if hasattr(mod, "project"):
-                mod.project = keep("project", project)  # type: ignore[attr-defined]
+        for mod, kind, _ in saved:
+            setattr(mod, kind, keep(kind))
         guard.backward(ids, step=step)
         guard.step()
     finally:
-        for mod, (rs, pr) in saved.items():
-            if rs is not None:
-                mod.row_stats = rs  # type: ignore[attr-defined]
-            if pr is not None:
-                mod.project = pr  # type: ignore[attr-defined]
+        for mod, kind, fn in saved:
+            setattr(mod, kind, fn)
     return calls
 
 
 def one_by_one(calls: list[Call]) -> Callable[[], None]:
     def run() -> None:
-        for name, a, v in calls:
-            if name == "row_stats":
-                rowstats.torch_row_stats(a, v)
-            else:
-                torch.mv(a, v) if v.dim() == 1 else torch.mm(v, a.T)
+        for kind, a, v in calls:
+            rowstats.torch_row_stats(a, v) if kind == "row_stats" else (
+                torch.linalg.vector_norm(a, dim=1) if kind == "row_norms" else torch.mv(a, v))
     return run
 
 
 def grouped(calls: list[Call]) -> tuple[Callable[[], None], int]:
-    """The calls grouped by (kind, rows' shape, vectors' shape): a ``stack`` of each side, one ``bmm``, one row norm."""
+    """The calls grouped by (kind, rows' shape, vectors' shape): a ``stack`` of each side, one ``bmm`` (not for
+    ``row_norms``), one row norm (not for ``project``)."""
     groups: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor]]] = collections.defaultdict(list)
     for name, a, v in calls:
         vv = v if v.dim() == 2 else v[None]
@@ -112,8 +108,9 @@ def grouped(calls: list[Call]) -> tuple[Callable[[], None], int]:
     def run() -> None:
         for (name, _, _), items in groups.items():
             rows = torch.stack([a for a, _ in items])
-            torch.bmm(torch.stack([v for _, v in items]), rows.transpose(1, 2))
-            if name == "row_stats":
+            if name != "row_norms":
+                torch.bmm(torch.stack([v for _, v in items]), rows.transpose(1, 2))
+            if name != "project":
                 torch.linalg.vector_norm(rows, dim=2)
     return run, len(groups)
 
@@ -149,7 +146,7 @@ def main() -> None:
         assert guard is not None
         calls = recorded(guard, ids, 30 + args.pairs * args.steps)
         shapes = collections.Counter((n, tuple(a.shape), tuple(v.shape)) for n, a, v in calls)
-        print(f"{len(calls)} row statistics a step: " + ", ".join(f"{n} {a}x{v} x{c}" for (n, a, v), c in shapes.items()))
+        print(f"{len(calls)} row reads a step: " + ", ".join(f"{n} {a}x{v} x{c}" for (n, a, v), c in shapes.items()))
         group, n_groups = grouped(calls)
         for k in range(args.pairs):
             print(f"round {k + 1}: one by one {median_ms(one_by_one(calls)):.3f} ms, "

@@ -11,6 +11,9 @@ Beside it, ABFT's own cost a step: plain, ``GuardConfig(abft=False)`` and ``Guar
 process, medians of ``--steps`` steps, ``--pairs`` times. The norms' fused statistics (``norm_stats``) are not in it.
 
     .venv/bin/python tools/bench/group_check.py
+    .venv/bin/py-spy record -r 200 -f raw -o spy.txt -- .venv/bin/python tools/bench/group_check.py --loop 1200
+
+``--loop N`` only runs N steps of the default guard, for a sampling profiler to read (the second line above).
 """
 
 from __future__ import annotations
@@ -130,11 +133,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=3, help="alternated rounds of the three variants")
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--loop", type=int, default=None, help="only run this many guarded steps (for py-spy)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
     try:
         ids = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))
+        if args.loop is not None:
+            steps(build(GuardConfig()), ids, 0, args.loop)
+            return
         runs = {"plain": build(None), "no ABFT": build(GuardConfig(abft=False)), "default": build(GuardConfig())}
         for run in runs.values():
             steps(run, ids, 0, 30)  # past the first step's coverage work and the fifth's in-place calibration

@@ -65,6 +65,18 @@ def extra_hooks(model: torch.nn.Module, watch: budget.Stopwatch) -> int:
     return len(linears)
 
 
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, guard: SDCGuard | None, ids: torch.Tensor,
+               step: int) -> None:
+    """One training step of the model, plain (``guard`` None) or through the guard."""
+    if guard is None:
+        loss_fn(model, ids).backward()
+        opt.step()
+    else:
+        guard.backward(ids, step=step)
+        guard.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def run(variant: str, steps: int, warmup: int, rank: int) -> tuple[float, list[budget.Costs], collections.Counter[str]]:
     """One launch of ``variant`` (plain, plain+hooks, noabft, guard): its median step, the guard's per-step figures
     and, where the guard runs, the floor's parts' time (summed over the timed steps)."""
@@ -95,13 +107,7 @@ def run(variant: str, steps: int, warmup: int, rank: int) -> tuple[float, list[b
                 parts.clear()
                 timed_before = watch.abft
             t0 = time.perf_counter()
-            if guard is None:
-                loss_fn(model, ids).backward()
-                opt.step()
-            else:
-                guard.backward(ids, step=step)
-                guard.step()
-            opt.zero_grad(set_to_none=True)
+            train_step(model, opt, guard, ids, step)
             times.append(time.perf_counter() - t0)
     finally:
         budget.Stopwatch.take = take  # type: ignore[method-assign]

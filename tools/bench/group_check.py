@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from dispatch_check import llama, loss_fn
+from dispatch_check import llama, loss_fn, train_step
 
 from verified_ckpt import GuardConfig, SDCGuard
 from verified_ckpt.guard.abft import checks, norms, products, rowstats, shared
@@ -58,13 +58,7 @@ def steps(run: tuple[torch.nn.Module, torch.optim.Optimizer, SDCGuard | None], i
     times = []
     for step in range(first, first + n):
         t0 = time.perf_counter()
-        if guard is None:
-            loss_fn(model, ids).backward()
-            opt.step()
-        else:
-            guard.backward(ids, step=step)
-            guard.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, guard, ids, step)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
